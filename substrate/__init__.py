@@ -1,0 +1,3 @@
+"""substrate: a sandboxed worker daemon for AI coding agents."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from substrate.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Handlers of `journal.*` and `daemon.status`."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from substrate import __version__, writes
+from substrate.api.base import Caller, handles
+from substrate.schema.journal import (
+    EngineStatus,
+    JournalReadParams,
+    JournalReadResult,
+    JournalVerifyParams,
+    JournalVerifyResult,
+    ReplayFile,
+    ReplayParams,
+    ReplayResult,
+    StatusParams,
+    StatusResult,
+)
+
+if TYPE_CHECKING:
+    from substrate.daemon import Daemon
+
+
+@handles("journal.read")
+async def read(daemon: Daemon, caller: Caller, p: JournalReadParams) -> JournalReadResult:
+    entries = await trio.to_thread.run_sync(
+        lambda: daemon.journal.read(since=p.since, limit=p.limit, workspace=p.workspace)
+    )
+    return JournalReadResult(entries=entries)
+
+
+@handles("journal.verify")
+async def verify(daemon: Daemon, caller: Caller, p: JournalVerifyParams) -> JournalVerifyResult:
+    def run() -> JournalVerifyResult:
+        bad = daemon.journal.verify()
+        count = daemon.store.query("SELECT COUNT(*) AS n FROM journal")[0]["n"]
+        return JournalVerifyResult(ok=bad is None, entries=int(count), first_bad_seq=bad)
+
+    return await trio.to_thread.run_sync(run)
+
+
+@handles("journal.replay")
+async def replay(daemon: Daemon, caller: Caller, p: ReplayParams) -> ReplayResult:
+    ws = daemon.workspaces.get(p.workspace)
+    rows = await trio.to_thread.run_sync(writes.drift_report, ws, daemon.journal)
+    files = [
+        ReplayFile(path=path, last_seq=seq, last_sha256=last, current_sha256=now, status=status)  # type: ignore[arg-type]
+        for path, seq, last, now, status in rows
+    ]
+    return ReplayResult(files=files, drifted=sum(f.status != "match" for f in files))
+
+
+@handles("daemon.status")
+async def status(daemon: Daemon, caller: Caller, p: StatusParams) -> StatusResult:
+    engine = EngineStatus(reachable=False)
+    if daemon.execution is not None:
+        engine = await daemon.execution.engine_status()
+    return StatusResult(
+        version=__version__,
+        epoch=daemon.epoch,
+        uptime_s=round(time.monotonic() - daemon.started, 3),
+        engine=engine,
+    )

@@ -1,0 +1,92 @@
+"""Command-line commands of the execution and terminal layers: image, exec, doctor,
+grant, attach. Kept apart from `substrate.cli` so each layer's commands stay together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import sys
+import time
+from typing import Any
+
+from substrate.client import Client
+
+
+def _write_stream(client: Client, ref: dict[str, Any], out: Any) -> None:
+    """Copy one output ref to `out`: inline text, or the artifact read in 1 MiB slices."""
+    if "inline" in ref:
+        data = ref["inline"]
+        out.write(data.encode() if ref.get("encoding", "utf-8") == "utf-8" else base64.b64decode(data))
+        return
+    offset = 0
+    while True:
+        part = client.call("artifact.read", artifact=ref["artifact"], offset=offset, length=1 << 20)
+        raw = part["data"]
+        chunk = raw.encode() if part["encoding"] == "utf-8" else base64.b64decode(raw)
+        out.write(chunk)
+        offset += len(chunk)
+        if part["eof"] or not chunk:
+            return
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    from substrate.cli import _client, _workspace
+
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit("substrate: exec needs a command after --")
+    with _client(args) as c:
+        params: dict[str, Any] = {
+            "workspace": _workspace(c, args.workspace),
+            "profile": args.profile,
+            "argv": argv,
+            "cwd": args.cwd,
+        }
+        if args.timeout is not None:
+            params["timeout_s"] = args.timeout
+        if not sys.stdin.isatty() and args.stdin:
+            params["stdin_b64"] = base64.b64encode(sys.stdin.buffer.read()).decode()
+        result = c.call("proc.run", **params)
+        _write_stream(c, result["stdout"], sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+        _write_stream(c, result["stderr"], sys.stderr.buffer)
+    for blocked in result.get("policy_blocked", []):
+        print(f"substrate: policy reverted {blocked}", file=sys.stderr)
+    if result.get("timed_out"):
+        print("substrate: timed out", file=sys.stderr)
+    code = result.get("exit_code")
+    if code is None:
+        return 128 + int(result.get("signal") or 9)
+    return int(code)
+
+
+def cmd_image(args: argparse.Namespace) -> int:
+    from substrate import imagebuild
+
+    started = time.monotonic()
+    which = "all" if args.all else ("tiny" if args.tiny else "default")
+    imagebuild.build_images(which, args.force, lambda line: print(line, flush=True))
+    print(f"images ready in {time.monotonic() - started:.1f}s")
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("exec", help="run a command in the workspace's confined container")
+    p.add_argument("--profile", default="default")
+    p.add_argument("--workspace", help="workspace handle, root id or path (default: cwd)")
+    p.add_argument("--cwd", default=".")
+    p.add_argument("--timeout", type=float)
+    p.add_argument("--stdin", action="store_true", help="forward standard input")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("image", help="build sandbox images without a registry")
+    isub = p.add_subparsers(dest="image_cmd", required=True)
+    b = isub.add_parser("build")
+    b.add_argument("--tiny", action="store_true", help="only the tiny busybox image")
+    b.add_argument("--all", action="store_true", help="the default and the tiny image")
+    b.add_argument("--force", action="store_true")
+    p.set_defaults(func=cmd_image)

@@ -1,0 +1,68 @@
+"""Daemon configuration: `substrate.toml` keys, overridden by command-line flags (SPEC §9).
+
+Every key has a default that works on a fresh machine: the state dir under the invoking
+directory's `.state`, the profiles and seccomp policies shipped with this checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+#: Where the shipped profiles and seccomp policies live (a checkout or an sdist).
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(Exception):
+    """The configuration file or a flag is wrong; the message names the key."""
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    state_dir: str = ".state"  # holds the database, sockets, artifacts; made 0700
+    adopt_roots: list[str] = msgspec.field(default_factory=list)  # dirs workspaces may be under
+    profiles_dir: str = str(PROJECT_ROOT / "profiles")  # operator profiles, *.toml
+    seccomp_dir: str = str(PROJECT_ROOT / "seccomp")  # seccomp policies, *.json
+    listen: str = "127.0.0.1:7681"  # HTTP/WebSocket terminals, loopback only
+    allowed_origins: list[str] = msgspec.field(default_factory=list)  # empty: the daemon's own
+    allowed_uids: list[int] = msgspec.field(default_factory=list)  # empty: ours and root
+    max_request_bytes: int = 1 << 20  # one JSON-RPC line, bytes
+    inline_output_bytes: int = 64 << 10  # larger output streams become artifacts
+    artifact_quota_bytes: int = 10 << 30  # total artifact bytes kept
+    artifact_max_age_s: float = 7 * 24 * 3600.0  # artifacts older than this are collected
+    max_connections: int = 2048  # per daemon; more are refused with limit_exceeded
+    max_in_flight: int = 64  # concurrent requests per connection
+    line_timeout_s: float = 10.0  # a started request line must end within this
+    idle_timeout_s: float = 3600.0  # a connection with nothing in flight closes after this
+    max_processes: int = 64  # running processes per daemon
+    container_idle_s: float = 600.0  # an unused sandbox container is removed after this
+
+    def state_path(self) -> Path:
+        return Path(self.state_dir).absolute()
+
+    def effective_uids(self) -> frozenset[int]:
+        return frozenset(self.allowed_uids) if self.allowed_uids else frozenset({os.getuid(), 0})
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
+    """Read `path` (if given), then apply non-None `overrides`; refuse unknown keys by name."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+    for key, value in overrides.items():
+        if value is None or value == []:
+            continue
+        raw[key] = value
+    try:
+        config = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path or 'flags'}: {exc}") from exc
+    if config.max_request_bytes < 1024:
+        raise ConfigError("max_request_bytes: must be at least 1024")
+    return config

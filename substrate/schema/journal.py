@@ -1,0 +1,75 @@
+"""Wire schema of the journal (SPEC §8) and daemon status (SPEC §9)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from substrate.journal import Entry
+from substrate.schema.common import NonNegative, Params, Result, WorkspaceId, method
+
+
+class JournalReadParams(Params):
+    since: NonNegative = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 1000
+    workspace: WorkspaceId | None = None
+
+
+class JournalReadResult(Result):
+    entries: list[Entry]
+
+
+class JournalVerifyParams(Params):
+    pass
+
+
+class JournalVerifyResult(Result):
+    ok: bool
+    entries: int
+    first_bad_seq: int | None = None
+
+
+class ReplayParams(Params):
+    workspace: WorkspaceId
+
+
+class ReplayFile(msgspec.Struct, frozen=True, kw_only=True):
+    path: str  # root_id:relative/path
+    last_seq: int
+    last_sha256: str | None  # None: substrate's last act was a delete
+    current_sha256: str | None  # None: absent now
+    status: Literal["match", "drift", "missing", "unreadable"]
+
+
+class ReplayResult(Result):
+    files: list[ReplayFile]
+    drifted: int
+
+
+class StatusParams(Params):
+    pass
+
+
+class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
+    reachable: bool
+    version: str | None = None
+    runtimes: list[str] = msgspec.field(default_factory=list)
+
+
+class StatusResult(Result):
+    version: str
+    epoch: int
+    uptime_s: float
+    engine: EngineStatus
+
+
+method("journal.read", JournalReadParams, JournalReadResult)
+method("journal.verify", JournalVerifyParams, JournalVerifyResult)
+method(
+    "journal.replay",
+    ReplayParams,
+    ReplayResult,
+    doc="For every file substrate wrote: do its bytes still match the last digest written?",
+)
+method("daemon.status", StatusParams, StatusResult)

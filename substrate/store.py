@@ -1,0 +1,60 @@
+"""The daemon's SQLite database (WAL): one file, one connection, one lock.
+
+Every module that keeps durable state (journal, workspaces, approvals, processes,
+artifacts, grants) declares its tables with `Store.ensure_schema` and reads and writes
+through `Store.transaction`. Calls are blocking: async code reaches them through
+`trio.to_thread.run_sync`. The lock makes the single connection safe across worker
+threads and makes each transaction atomic with respect to the others.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class Store:
+    """The state database. Opened once per daemon; `close` at shutdown."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.RLock()
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction is
+        # exactly the `with transaction()` block.
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a committed journal entry survives a crash of the machine, not only of us.
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        path.chmod(0o600)
+
+    def ensure_schema(self, ddl: str) -> None:
+        """Run idempotent DDL (`CREATE TABLE IF NOT EXISTS ...`)."""
+        with self._lock:
+            self._db.executescript(ddl)
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """Hold the lock for one atomic transaction; rolls back if the block raises."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def query(self, sql: str, args: tuple[object, ...] = ()) -> list[sqlite3.Row]:
+        """A read outside any transaction."""
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

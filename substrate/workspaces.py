@@ -1,0 +1,390 @@
+"""Adopted workspaces: where they are (held as open dir fds), who owns them, their policy.
+
+A workspace is adopted only beneath a configured adopt root, reached from the root's fd
+one `O_NOFOLLOW` component at a time, so a symlink on the way is refused. From then on
+the daemon uses the held root fd, never the path string; the path is kept only to
+re-adopt after a restart and to bind-mount into sandboxes, and never leaves the daemon.
+
+VCS state is read from `.git/HEAD` and refs as plain files: git itself is never run on a
+workspace, so no hook, fsmonitor, filter or diff driver the checkout configures can run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from substrate import paths
+from substrate.config import Config
+from substrate.errors import (
+    AlreadyExists,
+    NotADirectory,
+    PathDenied,
+    PathInvalid,
+    Refusal,
+    UnknownWorkspace,
+)
+from substrate.journal import Journal
+from substrate.policy import CompiledPolicy, compile_policy
+from substrate.schema.workspace import Policy, Vcs, WorkspaceInfo
+from substrate.store import Store
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS workspaces (
+    id TEXT PRIMARY KEY,
+    root_id TEXT NOT NULL UNIQUE,
+    path TEXT NOT NULL,
+    policy TEXT NOT NULL,
+    adopted REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS approvals (
+    id TEXT PRIMARY KEY,
+    workspace TEXT NOT NULL,
+    plan_digest TEXT NOT NULL,
+    expires REAL NOT NULL,
+    used REAL
+);
+"""
+
+TEMP_PREFIX = ".substrate-tmp-"
+_SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
+_REF_RE = re.compile(r"^refs/[A-Za-z0-9._/-]{1,200}$")
+
+
+@dataclass
+class Workspace:
+    """One adopted checkout. `host_path` is internal: never put it in a result."""
+
+    id: str
+    root_id: str
+    host_path: str
+    root_fd: int
+    policy: CompiledPolicy
+    owner_uid: int
+    owner_gid: int
+    adopted: float
+    dev_ino: tuple[int, int]
+    #: Serialises the check-then-rename of guarded writes in this workspace.
+    commit_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def provenance(self, rel: str) -> str:
+        return f"{self.root_id}:{rel}"
+
+    def info(self) -> WorkspaceInfo:
+        return WorkspaceInfo(
+            workspace=self.id,
+            root_id=self.root_id,
+            vcs=read_vcs(self.root_fd),
+            policy=self.policy.policy,
+            adopted=self.adopted,
+        )
+
+
+def derive_root_id(name: str) -> str:
+    """A public id from a directory name: lowercase, `[a-z0-9-]`, at most 64 chars."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    slug = re.sub(r"-{2,}", "-", slug)[:64].strip("-")
+    return slug or "workspace"
+
+
+def _read_small(dir_fd: int, name: str, limit: int = 1 << 20) -> bytes | None:
+    try:
+        fd = paths.open_regular(dir_fd, name, name)
+    except Refusal:
+        return None
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def read_vcs(root_fd: int) -> Vcs | None:
+    """Read `.git/HEAD` (and the ref it names) as plain files; None when not a git checkout."""
+    try:
+        git_fd = paths.open_dir(root_fd, (".git",))
+    except Refusal:
+        return None
+    try:
+        head = _read_small(git_fd, "HEAD")
+        if head is None:
+            return None
+        text = head.decode("utf-8", "replace").strip()
+        if _SHA_RE.match(text):
+            return Vcs(kind="git", head=text)
+        if not text.startswith("ref:"):
+            return Vcs(kind="git", head=None)
+        ref = text[4:].strip()
+        if not _REF_RE.match(ref) or ".." in ref.split("/"):
+            return Vcs(kind="git", head=None)
+        return Vcs(kind="git", head=_resolve_ref(git_fd, ref))
+    finally:
+        os.close(git_fd)
+
+
+def _resolve_ref(git_fd: int, ref: str) -> str | None:
+    *dirs, name = ref.split("/")
+    try:
+        with paths.opened_dir(git_fd, dirs) as ref_dir:
+            loose = _read_small(ref_dir, name)
+    except Refusal:
+        loose = None
+    if loose is not None:
+        sha = loose.decode("ascii", "replace").strip()
+        return sha if _SHA_RE.match(sha) else None
+    packed = _read_small(git_fd, "packed-refs", 64 << 20)
+    for line in (packed or b"").decode("utf-8", "replace").splitlines():
+        parts = line.split(" ", 1)
+        if len(parts) == 2 and parts[1] == ref and _SHA_RE.match(parts[0]):
+            return parts[0]
+    return None
+
+
+class WorkspaceRegistry:
+    """Adopted workspaces, persisted in the store, each holding its root dir fd."""
+
+    def __init__(self, config: Config, store: Store, journal: Journal, state_dir: Path) -> None:
+        self._config = config
+        self._store = store
+        self._journal = journal
+        self._state_dir = state_dir
+        self._lock = threading.Lock()
+        self._by_id: dict[str, Workspace] = {}
+        store.ensure_schema(SCHEMA)
+        self._reload()
+
+    # -- adoption ------------------------------------------------------------------------
+
+    def _open_under_adopt_root(self, path: str) -> int:
+        if "\x00" in path or not path.startswith("/"):
+            raise PathInvalid("workspace path must be an absolute host path")
+        norm = os.path.normpath(path)
+        for root in self._config.adopt_roots:
+            root_norm = os.path.normpath(os.path.abspath(root))
+            if norm == root_norm:
+                rel: tuple[str, ...] = ()
+            elif norm.startswith(root_norm.rstrip("/") + "/"):
+                rel = tuple(norm[len(root_norm.rstrip("/")) + 1 :].split("/"))
+            else:
+                continue
+            try:
+                # The adopt root itself is operator configuration: trusted to resolve.
+                root_fd = os.open(root_norm, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise paths.refusal_for(exc, "adopt root") from None
+            try:
+                return paths.open_dir(root_fd, rel, "workspace path")
+            finally:
+                os.close(root_fd)
+        raise PathDenied("path is not under any configured adopt root")
+
+    def _check_state_dir_outside(self, root_fd: int) -> None:
+        root = os.fstat(root_fd)
+        probe = self._state_dir
+        while True:
+            st = os.stat(probe)
+            if (st.st_dev, st.st_ino) == (root.st_dev, root.st_ino):
+                raise PathDenied("the workspace would contain the daemon's state dir")
+            if probe.parent == probe:
+                return
+            probe = probe.parent
+
+    def adopt(self, path: str, root_id: str | None, policy: Policy | None, actor: str) -> Workspace:
+        """Adopt `path` (or return the workspace that already holds it).
+
+        Refuses: `path_invalid`, `path_denied` (outside adopt roots, or containing the
+        state dir), `symlink_refused`, `not_found`, `not_a_directory`, `already_exists`
+        (root_id taken by another workspace), `invalid_params` (bad policy glob).
+        """
+        compiled = compile_policy(policy)
+        root_fd = self._open_under_adopt_root(path)
+        try:
+            st = os.fstat(root_fd)
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectory("workspace path is not a directory")
+            self._check_state_dir_outside(root_fd)
+            with self._lock:
+                for ws in self._by_id.values():
+                    if ws.dev_ino == (st.st_dev, st.st_ino):
+                        os.close(root_fd)
+                        return ws
+                taken = {ws.root_id for ws in self._by_id.values()}
+                if root_id is not None and root_id in taken:
+                    raise AlreadyExists(f"root_id {root_id!r} is taken by another workspace")
+                chosen = root_id or self._free_root_id(
+                    derive_root_id(os.path.basename(os.path.normpath(path))), taken
+                )
+                ws = Workspace(
+                    id="ws_" + secrets.token_hex(8),
+                    root_id=chosen,
+                    host_path=os.path.normpath(path),
+                    root_fd=root_fd,
+                    policy=compiled,
+                    owner_uid=st.st_uid,
+                    owner_gid=st.st_gid,
+                    adopted=round(time.time(), 6),
+                    dev_ino=(st.st_dev, st.st_ino),
+                )
+                with self._store.transaction() as db:
+                    db.execute(
+                        "INSERT INTO workspaces(id, root_id, path, policy, adopted)"
+                        " VALUES (?, ?, ?, ?, ?)",
+                        (
+                            ws.id,
+                            ws.root_id,
+                            ws.host_path,
+                            msgspec.json.encode(compiled.policy).decode(),
+                            ws.adopted,
+                        ),
+                    )
+                    vcs = read_vcs(root_fd)
+                    self._journal.append_in(
+                        db,
+                        "workspace.adopted",
+                        {"root_id": ws.root_id, "vcs_head": vcs.head if vcs else None},
+                        workspace=ws.id,
+                        actor=actor,
+                    )
+                self._by_id[ws.id] = ws
+                return ws
+        except BaseException:
+            if root_fd not in {w.root_fd for w in self._by_id.values()}:
+                os.close(root_fd)
+            raise
+
+    @staticmethod
+    def _free_root_id(base: str, taken: set[str]) -> str:
+        if base not in taken:
+            return base
+        n = 2
+        while f"{base[:60]}-{n}" in taken:
+            n += 1
+        return f"{base[:60]}-{n}"
+
+    def _reload(self) -> None:
+        """Re-adopt persisted workspaces at start; one that cannot be reopened is dropped."""
+        for row in self._store.query("SELECT * FROM workspaces ORDER BY adopted"):
+            try:
+                root_fd = self._open_under_adopt_root(row["path"])
+            except Refusal as refusal:
+                self._journal.append(
+                    "workspace.unavailable",
+                    {"root_id": row["root_id"], "refusal": refusal.name},
+                    workspace=row["id"],
+                )
+                with self._store.transaction() as db:
+                    db.execute("DELETE FROM workspaces WHERE id = ?", (row["id"],))
+                continue
+            st = os.fstat(root_fd)
+            policy = msgspec.json.decode(row["policy"], type=Policy)
+            self._by_id[row["id"]] = Workspace(
+                id=row["id"],
+                root_id=row["root_id"],
+                host_path=row["path"],
+                root_fd=root_fd,
+                policy=compile_policy(policy),
+                owner_uid=st.st_uid,
+                owner_gid=st.st_gid,
+                adopted=row["adopted"],
+                dev_ino=(st.st_dev, st.st_ino),
+            )
+
+    # -- lookup and release ----------------------------------------------------------------
+
+    def get(self, workspace: str) -> Workspace:
+        """The workspace with this handle. Refuses `unknown_workspace`."""
+        found = self._by_id.get(workspace)
+        if found is None:
+            raise UnknownWorkspace(f"no workspace {workspace!r}")
+        return found
+
+    def all(self) -> list[Workspace]:
+        return sorted(self._by_id.values(), key=lambda w: w.adopted)
+
+    def release(self, workspace: str, actor: str) -> None:
+        with self._lock:
+            ws = self.get(workspace)
+            with self._store.transaction() as db:
+                db.execute("DELETE FROM workspaces WHERE id = ?", (ws.id,))
+                self._journal.append_in(
+                    db, "workspace.released", {"root_id": ws.root_id}, workspace=ws.id, actor=actor
+                )
+            del self._by_id[ws.id]
+            os.close(ws.root_fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for ws in self._by_id.values():
+                os.close(ws.root_fd)
+            self._by_id.clear()
+
+    # -- approvals ---------------------------------------------------------------------------
+
+    def grant_approval(
+        self, ws: Workspace, plan_digest: str, ttl_s: float, actor: str
+    ) -> tuple[str, float]:
+        approval_id = "apr_" + secrets.token_hex(8)
+        expires = round(time.time() + ttl_s, 6)
+        with self._store.transaction() as db:
+            db.execute(
+                "INSERT INTO approvals(id, workspace, plan_digest, expires) VALUES (?, ?, ?, ?)",
+                (approval_id, ws.id, plan_digest, expires),
+            )
+            self._journal.append_in(
+                db,
+                "approval.granted",
+                {"approval_id": approval_id, "plan_digest": plan_digest, "expires": expires},
+                workspace=ws.id,
+                actor=actor,
+            )
+        return approval_id, expires
+
+    # -- start-up hygiene --------------------------------------------------------------------
+
+    def clean_stale_temp_files(self) -> int:
+        """Remove guarded-write temp files a crashed daemon left behind. Returns the count."""
+        removed = 0
+        for ws in list(self._by_id.values()):
+            try:
+                removed += _clean_dir(ws.root_fd, depth=0)
+            except OSError:
+                continue
+        if removed:
+            self._journal.append("workspace.temp_cleaned", {"files": removed})
+        return removed
+
+
+def _clean_dir(dir_fd: int, depth: int) -> int:
+    removed = 0
+    with os.scandir(dir_fd) as it:
+        entries = list(it)
+    for entry in entries:
+        if entry.name.startswith(TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
+            try:
+                os.unlink(entry.name, dir_fd=dir_fd)
+                removed += 1
+            except FileNotFoundError:
+                pass
+        elif entry.is_dir(follow_symlinks=False) and not (depth == 0 and entry.name == ".git"):
+            if depth > 512:
+                continue
+            try:
+                child = os.open(
+                    entry.name,
+                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=dir_fd,
+                )
+            except OSError:
+                continue
+            try:
+                removed += _clean_dir(child, depth + 1)
+            finally:
+                os.close(child)
+    return removed
