@@ -50,9 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from substrate.config import ConfigError, load_config
     from substrate.daemon import Daemon, StartupError
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides: dict[str, Any] = {
         "state_dir": args.state_dir or os.environ.get("SUBSTRATE_STATE_DIR"),
         "adopt_roots": [os.path.abspath(p) for p in args.adopt_root],
@@ -189,7 +187,10 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="substrate", description=__doc__)
-    parser.add_argument("--state-dir", help="daemon state dir (default $SUBSTRATE_STATE_DIR or ./.state)")
+    parser.add_argument(
+        "--state-dir",
+        help="daemon state dir (default $SUBSTRATE_STATE_DIR or ~/.local/state/substrate)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="run the daemon")

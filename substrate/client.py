@@ -22,8 +22,10 @@ OPERATOR_SOCKET = "operator.sock"
 
 
 def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """`--state-dir`, else `$SUBSTRATE_STATE_DIR`, else `./.state`."""
-    return Path(explicit or os.environ.get("SUBSTRATE_STATE_DIR") or ".state").absolute()
+    """`--state-dir`, else the daemon's default (`substrate.config.default_state_dir`)."""
+    from substrate.config import default_state_dir
+
+    return Path(explicit).absolute() if explicit else default_state_dir()
 
 
 def socket_path(state: str | os.PathLike[str] | None = None, *, operator: bool = False) -> Path:

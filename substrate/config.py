@@ -17,12 +17,26 @@ import msgspec
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
+def default_state_dir() -> Path:
+    """`$SUBSTRATE_STATE_DIR`, else `$XDG_STATE_HOME/substrate`, else `~/.local/state/substrate`.
+
+    Never inside the checkout: a workspace must not contain the daemon's state.
+    """
+    explicit = os.environ.get("SUBSTRATE_STATE_DIR")
+    if explicit:
+        return Path(explicit).absolute()
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return Path(base).absolute() / "substrate"
+
+
 class ConfigError(Exception):
     """The configuration file or a flag is wrong; the message names the key."""
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    state_dir: str = ".state"  # holds the database, sockets, artifacts; made 0700
+    state_dir: str = msgspec.field(default_factory=lambda: str(default_state_dir()))  # made 0700
     adopt_roots: list[str] = msgspec.field(default_factory=list)  # dirs workspaces may be under
     profiles_dir: str = str(PROJECT_ROOT / "profiles")  # operator profiles, *.toml
     seccomp_dir: str = str(PROJECT_ROOT / "seccomp")  # seccomp policies, *.json

@@ -48,3 +48,11 @@ def json_schema() -> dict[str, Any]:
         "methods": methods,
         "$defs": components,
     }
+
+
+def render() -> str:
+    """The exact text of `docs/api.schema.json`."""
+    import json
+
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
