@@ -17,7 +17,9 @@ def _write_stream(client: Client, ref: dict[str, Any], out: Any) -> None:
     """Copy one output ref to `out`: inline text, or the artifact read in 1 MiB slices."""
     if "inline" in ref:
         data = ref["inline"]
-        out.write(data.encode() if ref.get("encoding", "utf-8") == "utf-8" else base64.b64decode(data))
+        out.write(
+            data.encode() if ref.get("encoding", "utf-8") == "utf-8" else base64.b64decode(data)
+        )
         return
     offset = 0
     while True:
@@ -73,7 +75,22 @@ def cmd_image(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from substrate import doctor
+    from substrate.config import load_config
+
+    config = load_config(None, {"state_dir": args.state_dir})
+    checks = doctor.run_checks(config)
+    print(doctor.render(checks))
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
 def add_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor", help="what works on this machine: engine, cgroups, seccomp, gVisor"
+    )
+    p.set_defaults(func=cmd_doctor)
+
     p = sub.add_parser("exec", help="run a command in the workspace's confined container")
     p.add_argument("--profile", default="default")
     p.add_argument("--workspace", help="workspace handle, root id or path (default: cwd)")
