@@ -17,9 +17,9 @@ no uses left        `grant_consumed`   only when the use would consume one
 
 One *use* is one session started or joined: reconnecting to a session the grant already
 joined costs nothing, so a dropped connection can resume with a one-use grant (the
-caller passes `consume=False` for that). Check and consume happen in one database
-transaction, together with the journal entry, so two racing opens cannot both take the
-last use. The journal records `grant.issued`, `grant.revoked` and `grant.used` with the
+caller only `check`s for that). A caller `check`s before starting anything and `use`s
+after; `use` checks again and consumes in one database transaction, together with the
+journal entry, so two racing opens cannot both take the last use. The journal records `grant.issued`, `grant.revoked` and `grant.used` with the
 grant id, workspace, profile and counts, never the token or its hash.
 
 All methods block on SQLite: call them through `trio.to_thread.run_sync`.
@@ -33,8 +33,8 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 from substrate.errors import GrantConsumed, GrantExpired, GrantInvalid
 from substrate.journal import Journal
@@ -130,49 +130,53 @@ class Grants:
             )
         return Grant(grant_id, KIND, workspace, profile, expires, uses, 0), token
 
-    def use(
-        self, token: str, *, consume: bool, session: str | None, actor: str, mode: str
-    ) -> Grant:
-        """Check a presented token; when `consume`, take one use. Refuses as in the table above.
+    def check(self, token: str, *, need_use: bool) -> Grant:
+        """Check a presented token without changing anything. Refuses as in the table above.
 
-        `session` is the session being joined (None: a new one, filled in by the caller's
-        later journal entry). Costs one transaction (plus a journal entry when consuming).
+        `need_use`: also refuse `grant_consumed` when no use is left. Costs one query.
         """
+        with self._store.transaction() as db:
+            return self._checked(db, token, need_use)
+
+    def use(self, token: str, *, session: str, actor: str, mode: str) -> Grant:
+        """Check a token and take one use, journaling `grant.used`, in one transaction."""
+        with self._store.transaction() as db:
+            grant = self._checked(db, token, need_use=True)
+            used = grant.used + 1
+            db.execute("UPDATE grants SET used = ? WHERE id = ?", (used, grant.id))
+            self._journal.append_in(
+                db,
+                "grant.used",
+                {
+                    "grant": grant.id,
+                    "used": used,
+                    "uses": grant.uses,
+                    "session": session,
+                    "mode": mode,
+                },
+                workspace=grant.workspace,
+                actor=actor,
+            )
+        return replace(grant, used=used)
+
+    def _checked(self, db: Any, token: str, need_use: bool) -> Grant:
         match = _TOKEN_RE.match(token)
         if match is None:
             raise GrantInvalid("not a valid terminal token")
         grant_id = match.group(1)
-        with self._store.transaction() as db:
-            row = db.execute("SELECT * FROM grants WHERE id = ?", (grant_id,)).fetchone()
-            # Compare hashes even when the row is missing, so timing says nothing.
-            stored = row["token_sha256"] if row is not None else "0" * 64
-            if not hmac.compare_digest(stored, token_digest(token)) or row is None:
-                raise GrantInvalid("not a valid terminal token")
-            if row["kind"] != KIND:
-                raise GrantInvalid("this grant is not for terminals", grant=grant_id)
-            if row["revoked"] is not None:
-                raise GrantExpired("this grant was revoked", grant=grant_id)
-            if self._clock() >= row["expires"]:
-                raise GrantExpired("this grant has expired", grant=grant_id)
-            used = row["used"]
-            if consume:
-                if used >= row["uses"]:
-                    raise GrantConsumed("this grant has no uses left", grant=grant_id)
-                used += 1
-                db.execute("UPDATE grants SET used = ? WHERE id = ?", (used, grant_id))
-                self._journal.append_in(
-                    db,
-                    "grant.used",
-                    {
-                        "grant": grant_id,
-                        "used": used,
-                        "uses": row["uses"],
-                        "session": session,
-                        "mode": mode,
-                    },
-                    workspace=row["workspace"],
-                    actor=actor,
-                )
+        row = db.execute("SELECT * FROM grants WHERE id = ?", (grant_id,)).fetchone()
+        # Compare hashes even when the row is missing, so timing says nothing.
+        stored = row["token_sha256"] if row is not None else "0" * 64
+        if not hmac.compare_digest(stored, token_digest(token)) or row is None:
+            raise GrantInvalid("not a valid terminal token")
+        if row["kind"] != KIND:
+            raise GrantInvalid("this grant is not for terminals", grant=grant_id)
+        if row["revoked"] is not None:
+            raise GrantExpired("this grant was revoked", grant=grant_id)
+        if self._clock() >= row["expires"]:
+            raise GrantExpired("this grant has expired", grant=grant_id)
+        if need_use and row["used"] >= row["uses"]:
+            raise GrantConsumed("this grant has no uses left", grant=grant_id)
         return Grant(
             grant_id,
             row["kind"],
@@ -180,7 +184,7 @@ class Grants:
             row["profile"],
             row["expires"],
             row["uses"],
-            used,
+            row["used"],
         )
 
     def revoke(self, grant_id: str, actor: str) -> bool:
@@ -232,4 +236,3 @@ class Grants:
                 )
             )
         return out
-

@@ -38,7 +38,9 @@ def issue(g: Grants, uses: int = 1, ttl: float = 60.0) -> tuple[str, str]:
 
 
 def use(g: Grants, token: str, consume: bool = True) -> str:
-    return g.use(token, consume=consume, session=None, actor="web", mode="control").id
+    if not consume:
+        return g.check(token, need_use=False).id
+    return g.use(token, session="t-0123456789abcdef", actor="web", mode="control").id
 
 
 def test_only_the_hash_is_stored(env: tuple[Grants, Journal, Store, Clock], tmp_path: Path) -> None:
@@ -64,6 +66,8 @@ def test_use_consumes_and_journals(env: tuple[Grants, Journal, Store, Clock]) ->
     assert use(g, token) == gid
     with pytest.raises(GrantConsumed):
         use(g, token)
+    with pytest.raises(GrantConsumed):
+        g.check(token, need_use=True)
     # Rejoining what the grant already joined costs nothing, even when used up.
     assert use(g, token, consume=False) == gid
     kinds = [e.kind for e in journal.read()]
