@@ -172,10 +172,25 @@ class Terminals:
                 return
             await self._write_entry(*entry)
 
-    def _log(self, kind: str, live: Live, actor: str, **data: Any) -> None:
-        data = {"session": live.session.id, **data}
+    def record(
+        self,
+        kind: str,
+        data: dict[str, Any],
+        *,
+        workspace: str | None = None,
+        actor: str = "daemon",
+    ) -> None:
+        """Queue a journal entry (written in order by one task; never blocks)."""
         self._queued += 1
-        self._jsend.send_nowait((kind, data, live.session.workspace, actor))
+        self._jsend.send_nowait((kind, data, workspace, actor))
+
+    def _log(self, kind: str, live: Live, actor: str, **data: Any) -> None:
+        self.record(
+            kind,
+            {"session": live.session.id, **data},
+            workspace=live.session.workspace,
+            actor=actor,
+        )
 
     async def settle(self) -> None:
         """Wait until every journal entry queued so far is written (for tests)."""

@@ -1,0 +1,209 @@
+"""The real terminal backend: a TTY exec in the workspace's confined sandbox container.
+
+A session's shell runs exactly like a command of `proc.run` (SPEC §5): in the sandbox
+that `Containers.ensure` created and verified from the kernel for (workspace, profile),
+as the sandbox's uid:gid, in `/workspace`, with the profile's environment (plus
+`TERM=xterm-256color` when the profile sets no `TERM`) and the reaper's marker, so that
+ending the session ends every process it started. The shell is the profile's
+`env.SHELL`, else `/bin/sh`; it must pass the profile's `argv_allow`.
+
+The engine's hijacked exec socket is raw with a TTY (not multiplexed); it is driven
+directly by Trio (non-blocking), so a session costs no worker thread while idle. Resizes
+go to `exec_resize`; the exit code comes from `exec_inspect` once the stream ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from substrate import reaper
+from substrate.engine import ContainerGone, Engine
+from substrate.errors import GrantInvalid, RuntimeUnavailable
+from substrate.profiles import Profile
+
+if TYPE_CHECKING:
+    from substrate.containers import Containers, Sandbox
+    from substrate.workspaces import Workspace
+
+log = logging.getLogger("substrate.pty")
+
+#: Seconds between TERM and KILL when a session ends with processes left.
+GRACE_S = 2.0
+DEFAULT_SHELL = "/bin/sh"
+DEFAULT_TERM = "xterm-256color"
+
+
+def shell_argv(profile: Profile) -> list[str]:
+    """The session's argv: the profile's `SHELL`, else /bin/sh (checked by `argv_allow`)."""
+    from substrate.procs import validate_argv
+
+    argv = [profile.env.get("SHELL", DEFAULT_SHELL)]
+    validate_argv(argv, profile.argv_allow)
+    return argv
+
+
+class DockerPty:
+    """One TTY exec. Owns a use of the sandbox (released by `terminate`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        containers: Containers,
+        sandbox: Sandbox,
+        exec_id: str,
+        sock: socket.socket,
+        marker: str,
+        info: dict[str, Any],
+    ) -> None:
+        self.info = info
+        self._engine = engine
+        self._containers = containers
+        self._sandbox = sandbox
+        self._exec = exec_id
+        self._marker = marker
+        self._sock = sock
+        self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        self._send_lock = trio.Lock()
+        self._released = False
+        self._code: int | None = None
+
+    async def read(self, max_bytes: int) -> bytes:
+        try:
+            return bytes(await self._stream.receive_some(max_bytes))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        async with self._send_lock:
+            # A broken stream means the process is gone; the pump sees the end.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._stream.send_all(data)
+
+    async def resize(self, cols: int, rows: int) -> None:
+        with contextlib.suppress(ContainerGone):
+            await self._engine.exec_resize(self._exec, rows=rows, cols=cols)
+
+    async def wait(self) -> int:
+        if self._code is not None:
+            return self._code
+        # The engine records the exit code as the stream closes; allow it a moment.
+        for delay in (0, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0):
+            await trio.sleep(delay)
+            try:
+                found = await self._engine.exec_inspect(self._exec)
+            except ContainerGone:
+                break
+            if not found.get("Running") and found.get("ExitCode") is not None:
+                self._code = int(found["ExitCode"])
+                return self._code
+        self._code = -1
+        return self._code
+
+    async def terminate(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        sandbox = self._sandbox
+        try:
+            if sandbox.host_visible:
+                await reaper.terminate(
+                    sandbox.cgroups,
+                    self._marker,
+                    sandbox.protected,
+                    alone=sandbox.running <= 1,
+                    grace_s=GRACE_S,
+                )
+            elif sandbox.running <= 1:
+                # Under gVisor its processes are not host processes: stop the sandbox
+                # (the next command gets a fresh, verified one).
+                await self._containers.forget(sandbox, "terminal_closed")
+        finally:
+            sandbox.release()
+            await self._stream.aclose()
+
+
+class DockerPtys:
+    """The `PtySpawner` of the daemon: sessions in verified sandboxes."""
+
+    def __init__(
+        self,
+        execution: Callable[[], Any],
+        workspace: Callable[[str], Workspace],
+    ) -> None:
+        # Looked up per call: the daemon builds its execution layer independently.
+        self._execution = execution
+        self._workspace = workspace
+
+    async def __call__(self, *, workspace: str, profile: str, cols: int, rows: int) -> DockerPty:
+        """Start the shell. Refuses `unknown_workspace`, `profile_unknown`, `grant_invalid`
+        (profile no longer interactive), `argv_denied`, `confinement_unmet`,
+        `image_missing`, `runtime_unavailable`, like any command. Costs a container start
+        and a fact check when the sandbox is cold, else three engine calls."""
+        # Imported here: the daemon builds terminals whether or not the exec layer loads.
+        from substrate.procs import exec_env, workdir_for
+
+        execution = self._execution()
+        if execution is None:
+            raise RuntimeUnavailable("the execution layer is not running")
+        ws = self._workspace(workspace)
+        prof: Profile = execution.profile(profile)
+        if not prof.interactive:
+            raise GrantInvalid(f"profile {profile!r} is not interactive", profile=profile)
+        argv = shell_argv(prof)
+        containers: Containers = execution.containers
+        engine: Engine = execution.engine
+        marker = "t_" + secrets.token_hex(8)
+        for attempt in (1, 2):
+            sandbox = await containers.ensure(ws, prof)
+            sandbox.acquire()
+            try:
+                env = {"TERM": DEFAULT_TERM, **exec_env(prof, marker)}
+                exec_id = await engine.exec_create(
+                    sandbox.id,
+                    argv,
+                    user=str(sandbox.who),
+                    workdir=workdir_for(prof, "."),
+                    environment=env,
+                    stdin=True,
+                    tty=True,
+                )
+                sock = await engine.exec_start(exec_id, tty=True)
+            except ContainerGone:
+                sandbox.release()
+                await containers.forget(sandbox, "gone")
+                if attempt == 2:
+                    raise RuntimeUnavailable("the sandbox container keeps disappearing") from None
+                continue
+            except BaseException:
+                sandbox.release()
+                raise
+            pty = DockerPty(
+                engine,
+                containers,
+                sandbox,
+                exec_id,
+                sock,
+                marker,
+                {
+                    "container": sandbox.id[:12],
+                    "exec": exec_id[:12],
+                    "user": str(sandbox.who),
+                    "argv": argv,
+                    "runtime": prof.runtime,
+                },
+            )
+            try:
+                await pty.resize(cols, rows)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await pty.terminate()
+                raise
+            return pty
+        raise AssertionError("unreachable")

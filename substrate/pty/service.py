@@ -1,0 +1,65 @@
+"""The terminal service of a daemon: grants, sessions and the HTTP endpoint, wired.
+
+`TerminalService.for_daemon(daemon)` is built in `Daemon.__init__` (it creates the grants
+table); `serve` runs the sessions and the HTTP listener in the daemon's nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from substrate.grants import Grants
+from substrate.pty.docker import DockerPtys
+from substrate.pty.http import TerminalHttp
+from substrate.pty.terminals import Terminals
+
+if TYPE_CHECKING:
+    from substrate.daemon import Daemon
+
+log = logging.getLogger("substrate.pty")
+
+
+class TerminalService:
+    """Everything terminals need, reachable as `daemon.terminals`."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.listen = daemon.config.listen
+        self.grants = Grants(daemon.store, daemon.journal)
+        self.sessions = Terminals(
+            grants=self.grants,
+            journal=daemon.journal,
+            spawner=DockerPtys(lambda: daemon.execution, daemon.workspaces.get),
+            check_workspace=daemon.workspaces.get,
+        )
+
+        def refused(refusal: str, data: dict[str, Any]) -> None:
+            # Origin refusals happen before any session exists; journal them like RPC ones.
+            self.sessions.record("pty.refused", {"refusal": refusal, **data}, actor="web")
+
+        self.http = TerminalHttp(
+            self.sessions,
+            allowed_origins=list(daemon.config.allowed_origins),
+            on_refusal=refused,
+        )
+
+    @classmethod
+    def for_daemon(cls, daemon: Daemon) -> TerminalService:
+        return cls(daemon)
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run sessions and the HTTP endpoint until cancelled; `started` gets the port."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.sessions.run)
+            try:
+                port = await nursery.start(self.http.serve, self.listen)
+            except (OSError, ValueError) as exc:
+                # The sockets still serve agents; the operator sees why terminals do not.
+                log.error("terminals: cannot listen on %s: %s", self.listen, exc)
+                self.sessions.record(
+                    "pty.unavailable", {"listen": self.listen, "error": str(exc)[:200]}
+                )
+                port = 0
+            task_status.started(port)
