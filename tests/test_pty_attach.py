@@ -1,0 +1,143 @@
+"""`substrate attach`: raw mode restored, and the real client driven in tmux (fake PTY)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from substrate.attach import raw_terminal
+
+ROOT = Path(__file__).resolve().parent.parent
+TMUX = shutil.which("tmux")
+
+
+def test_raw_mode_is_restored_even_on_error() -> None:
+    leader, follower = os.openpty()
+    try:
+        before = termios.tcgetattr(follower)
+        with pytest.raises(RuntimeError), raw_terminal(follower) as is_tty:
+            assert is_tty
+            assert termios.tcgetattr(follower) != before
+            raise RuntimeError("boom")
+        assert termios.tcgetattr(follower) == before
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
+def test_raw_mode_skips_non_terminals() -> None:
+    r, w = os.pipe()
+    try:
+        with raw_terminal(r) as is_tty:
+            assert not is_tty
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.fixture
+def server() -> Iterator[dict[str, object]]:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "pty_fake_server.py")],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        info: dict[str, object] = json.loads(proc.stdout.readline())
+        yield info
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@pytest.fixture
+def tmux() -> Iterator[Callable[..., str]]:
+    if TMUX is None:
+        pytest.skip("tmux is not installed (apt-get install tmux)")
+    sock = "sbst-" + secrets.token_hex(4)
+
+    def run(*args: str) -> str:
+        assert TMUX is not None
+        return subprocess.run(
+            [TMUX, "-L", sock, "-f", "/dev/null", *args], check=True, capture_output=True, text=True
+        ).stdout
+
+    yield run
+    subprocess.run([TMUX, "-L", sock, "kill-server"], capture_output=True, check=False)
+
+
+def wait_for(tmux: Callable[..., str], needle: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        screen = tmux("capture-pane", "-p", "-t", "att")
+        if needle in screen:
+            return screen
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{needle!r} not on screen:\n{screen}")
+        time.sleep(0.05)
+
+
+def pane_status(tmux: Callable[..., str], timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        dead, _, status = (
+            tmux("display", "-p", "-t", "att", "#{pane_dead} #{pane_dead_status}")
+            .strip()
+            .partition(" ")
+        )
+        if dead == "1":
+            return int(status)
+        if time.monotonic() > deadline:
+            raise AssertionError("attach did not exit")
+        time.sleep(0.05)
+
+
+def start_attach(tmux: Callable[..., str], server: dict[str, object], *extra: str) -> None:
+    tmux(
+        "new-session", "-d", "-s", "att", "-x", "100", "-y", "30",
+        "-e", f"SUBSTRATE_TOKEN={server['token']}",
+        "-e", f"PYTHONPATH={ROOT}",
+        "--",
+        sys.executable, "-m", "substrate.attach", "--url", f"http://127.0.0.1:{server['port']}/", *extra,
+    )  # fmt: skip
+    tmux("set-option", "-t", "att", "remain-on-exit", "on")
+
+
+def test_attach_in_tmux_echo_resize_exit_code(
+    tmux: Callable[..., str], server: dict[str, object]
+) -> None:
+    start_attach(tmux, server)
+    wait_for(tmux, "$")
+    tmux("send-keys", "-t", "att", "echo hi", "Enter")
+    wait_for(tmux, "\nhi")
+    tmux("resize-window", "-t", "att", "-x", "120", "-y", "40")
+    tmux("send-keys", "-t", "att", "size", "Enter")
+    wait_for(tmux, "40 120")
+    tmux("send-keys", "-t", "att", "exit 7", "Enter")
+    assert pane_status(tmux) == 7
+
+
+def test_attach_detach_key_and_refusal(tmux: Callable[..., str], server: dict[str, object]) -> None:
+    start_attach(tmux, server)
+    wait_for(tmux, "$")
+    tmux("send-keys", "-t", "att", "C-]")
+    assert pane_status(tmux) == 0
+    wait_for(tmux, "detached")
+    tmux("kill-session", "-t", "att")
+    bad = {**server, "token": "g-0000000000000000." + "a" * 43}
+    start_attach(tmux, bad)
+    assert pane_status(tmux) == 1
+    wait_for(tmux, "grant_invalid")
