@@ -41,7 +41,9 @@ async def open_terminal(
     """Connect to a terminal endpoint; refuses (raises) like trio-websocket does."""
     url = normalize_url(url)
     async with open_websocket_url(
-        url, extra_headers=[(b"Origin", (origin or origin_of(url)).encode())], max_message_size=16 << 20
+        url,
+        extra_headers=[(b"Origin", (origin or origin_of(url)).encode())],
+        max_message_size=16 << 20,
     ) as ws:
         try:
             yield ws
