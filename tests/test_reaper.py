@@ -1,0 +1,58 @@
+"""Pure parts of `substrate.reaper`: cgroup paths and process attribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from substrate.reaper import CgroupDirs, ProcInfo, attribute
+
+V1 = """9:name=systemd:/docker/abc
+8:pids:/docker/abc
+6:freezer:/docker/abc
+4:memory:/docker/abc
+1:cpu,cpuacct:/docker/abc
+0::/docker/abc
+"""
+
+
+def test_cgroup_v1_wins_in_a_hybrid_hierarchy() -> None:
+    dirs = CgroupDirs.parse(V1, Path("/cg"))
+    assert dirs == CgroupDirs(
+        procs=Path("/cg/pids/docker/abc"),
+        memory=Path("/cg/memory/docker/abc"),
+        freezer=Path("/cg/freezer/docker/abc"),
+        v2=False,
+    )
+
+
+def test_cgroup_v2() -> None:
+    dirs = CgroupDirs.parse("0::/system.slice/docker-abc.scope\n", Path("/cg"))
+    assert dirs.v2 and dirs.procs == dirs.memory == Path("/cg/system.slice/docker-abc.scope")
+    with pytest.raises(OSError):
+        CgroupDirs.parse("", Path("/cg"))
+
+
+def info(pid: int, ppid: int, marker: str | None) -> ProcInfo:
+    return ProcInfo(pid=pid, ppid=ppid, start=0, marker=marker)
+
+
+def test_attribution_follows_markers_then_ancestors() -> None:
+    procs = [
+        info(1, 0, None),  # the container's init (protected)
+        info(2, 1, None),  # its keep-alive (protected)
+        info(10, 0, "a"),  # command a (exec'd: parent outside the container)
+        info(11, 10, None),  # a child of a that scrubbed its environment
+        info(12, 11, None),  # ... and its child
+        info(20, 0, "b"),  # command b
+        info(21, 1, "b"),  # b's double-forked grandchild, re-parented to init
+        info(30, 1, None),  # scrubbed and re-parented: nobody's
+    ]
+    owners = attribute(procs, frozenset({1, 2}))
+    assert owners == {10: "a", 11: "a", 12: "a", 20: "b", 21: "b", 30: None}
+
+
+def test_attribution_survives_a_ppid_cycle() -> None:
+    owners = attribute([info(5, 6, None), info(6, 5, None)], frozenset())
+    assert owners == {5: None, 6: None}
