@@ -17,14 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from substrate import reaper
-from substrate.engine import ContainerGone, Engine
+from substrate.engine import ContainerGone, Engine, ExecStream
 from substrate.errors import GrantInvalid, RuntimeUnavailable
 from substrate.profiles import Profile
 
@@ -58,7 +57,7 @@ class DockerPty:
         containers: Containers,
         sandbox: Sandbox,
         exec_id: str,
-        sock: socket.socket,
+        stream: ExecStream,
         marker: str,
         info: dict[str, Any],
     ) -> None:
@@ -68,13 +67,18 @@ class DockerPty:
         self._sandbox = sandbox
         self._exec = exec_id
         self._marker = marker
-        self._sock = sock
-        self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        # Output that arrived together with the engine's response head.
+        self._initial = stream.initial
+        self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(stream.sock))
         self._send_lock = trio.Lock()
         self._released = False
         self._code: int | None = None
 
     async def read(self, max_bytes: int) -> bytes:
+        if self._initial:
+            data, self._initial = self._initial[:max_bytes], self._initial[max_bytes:]
+            await trio.lowlevel.checkpoint()
+            return data
         try:
             return bytes(await self._stream.receive_some(max_bytes))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -174,7 +178,7 @@ class DockerPtys:
                     stdin=True,
                     tty=True,
                 )
-                sock = await engine.exec_start(exec_id, tty=True)
+                stream = await engine.exec_start(exec_id, tty=True)
             except ContainerGone:
                 sandbox.release()
                 await containers.forget(sandbox, "gone")
@@ -189,7 +193,7 @@ class DockerPtys:
                 containers,
                 sandbox,
                 exec_id,
-                sock,
+                stream,
                 marker,
                 {
                     "container": sandbox.id[:12],
