@@ -239,8 +239,8 @@ async def test_observer_same_output_cannot_type_second_controller_refused(env: E
                 await expect_refusal(second, "controller_busy", 4409)
             await send(obs, type="input", data="echo nope\r")
             await expect_refusal(obs, "unauthorized", 4403)
-        await send(ctl, type="input", data="echo alive\r")
-        await read_until(ctl, "alive\r\n")
+        await send(ctl, type="input", data="echo ali$((0))ve\r")
+        await read_until(ctl, "ali0ve\r\n")
 
 
 async def test_disconnect_resume_and_resync(env: Env) -> None:
@@ -257,14 +257,14 @@ async def test_disconnect_resume_and_resync(env: Env) -> None:
         assert "first" not in text
         # Overflow the 1 MiB ring while nobody is attached.
         await send(
-            ws, type="input", data="yes | head -c 3000000; echo; echo done\r"
+            ws, type="input", data="yes | head -c 3000000; echo; echo do$((2+2))ne\r"
         )
     await trio.sleep(3)
     async with open_terminal(env.url) as ws:
         await opened(ws, token, session=o["session"], since=seq2)
         f = await recv(ws)
         assert f["type"] == "resync" and f["seq"] > seq2
-        await read_until(ws, "done\r\n")
+        await read_until(ws, "do4ne\r\n")
     sel = await env.agent.call("pty.selection", session=o["session"], max_bytes=64)
     assert sel["next"] == sel["end"] and len(sel["data"].encode()) <= 64
     old = await env.agent.call("pty.selection", session=o["session"], since=0, max_bytes=100)
@@ -405,9 +405,9 @@ async def test_slow_and_silent_clients_never_stall_the_pty(env: Env) -> None:
             )
         )
         await send(
-            ctl, type="input", data="yes | head -c 8000000; echo; echo finished\r"
+            ctl, type="input", data="yes | head -c 8000000; echo; echo fin$((1+1))shed\r"
         )
-        await read_until(ctl, "finished\r\n")  # the controller got everything, or a resync
+        await read_until(ctl, "fin2shed\r\n")  # the controller got everything, or a resync
         with trio.fail_after(20):
             while not any(  # noqa: ASYNC110
                 e["kind"] == "pty.detached" and e["data"]["reason"] in ("too_slow", "ping_timeout")
@@ -415,5 +415,5 @@ async def test_slow_and_silent_clients_never_stall_the_pty(env: Env) -> None:
             ):
                 await trio.sleep(0.2)
         await stream.aclose()
-        await send(ctl, type="input", data="echo still-here\r")
-        await read_until(ctl, "still-here\r\n")
+        await send(ctl, type="input", data="echo still-$((1+2))\r")
+        await read_until(ctl, "still-3\r\n")
