@@ -1,0 +1,75 @@
+"""Handlers of `artifact.*` (SPEC §6): bounded reads of stored output, in worker threads.
+
+The store is the execution layer's (`daemon.execution.artifacts`). Every call reads
+files only; none changes state except `artifact.lines`, which may write a line index
+(atomically, by rename), so a cancelled call is never abandoned mid-way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import trio
+
+from substrate.api.base import Caller, handles
+from substrate.errors import RuntimeUnavailable
+from substrate.schema.artifact import (
+    GrepParams,
+    GrepResult,
+    LinesParams,
+    LinesResult,
+    ReadParams,
+    ReadResult,
+    StatParams,
+    StatResult,
+)
+
+if TYPE_CHECKING:
+    from substrate.artifacts import ArtifactStore
+    from substrate.daemon import Daemon
+
+
+def _store(daemon: Daemon) -> ArtifactStore:
+    execution = daemon.execution
+    if execution is None:
+        raise RuntimeUnavailable("the execution layer is not running")
+    store: ArtifactStore = execution.artifacts
+    return store
+
+
+@handles("artifact.stat")
+async def stat(daemon: Daemon, caller: Caller, p: StatParams) -> StatResult:
+    store = _store(daemon)
+    return await trio.to_thread.run_sync(store.stat, p.artifact, limiter=daemon.fs_limiter)
+
+
+@handles("artifact.read")
+async def read(daemon: Daemon, caller: Caller, p: ReadParams) -> ReadResult:
+    store = _store(daemon)
+    return await trio.to_thread.run_sync(
+        store.read, p.artifact, p.offset, p.length, limiter=daemon.fs_limiter
+    )
+
+
+@handles("artifact.lines")
+async def lines(daemon: Daemon, caller: Caller, p: LinesParams) -> LinesResult:
+    store = _store(daemon)
+    return await trio.to_thread.run_sync(
+        store.lines, p.artifact, p.start, p.count, limiter=daemon.fs_limiter
+    )
+
+
+@handles("artifact.grep")
+async def grep(daemon: Daemon, caller: Caller, p: GrepParams) -> GrepResult:
+    store = _store(daemon)
+
+    def run() -> GrepResult:
+        return store.grep(
+            p.artifact,
+            p.pattern,
+            max_matches=p.max_matches,
+            fixed=p.fixed,
+            ignore_case=p.ignore_case,
+        )
+
+    return await trio.to_thread.run_sync(run, limiter=daemon.fs_limiter)
