@@ -1,0 +1,587 @@
+"""Sandbox containers: one per (workspace, profile), made from the profile only, verified
+from the kernel before anything runs in it.
+
+Theory of operation. `Containers.ensure(ws, profile)` returns a `Sandbox`, a container
+this daemon created and verified, cached until it is idle for `container_idle_s`, its
+workspace is released, or the daemon stops. On a cache miss it:
+
+1. decides who runs (SPEC §5 "Who runs"): the uid:gid owning the workspace root (read
+   now from the held root fd) or the profile's `UID:GID`; root only with `allow_root`;
+2. checks the runtime is registered and the image is present (never pulled);
+3. removes any container carrying this daemon's labels for the same pair that it did not
+   create itself: one with weaker settings is reported as `confinement_unmet` (and
+   removed, so the next call starts clean); one that looks right is still never reused;
+4. creates the container from the profile alone (`container_spec`, pure), keeps it alive
+   with the engine's init and `sleep infinity`, and starts it;
+5. observes the confinement facts from outside (`substrate.observe`: procfs, cgroups,
+   netns, inspect) plus the identity (st_dev, st_ino) of `/workspace` and of every
+   read-only directory as the container's own root sees them, against the held fds, and
+   compares them with the required facts (`substrate.facts`). Any mismatch removes the
+   container and raises `confinement_unmet` with what was required and what was seen.
+   The facts are journalled (`proc.facts`) and returned with every command's result.
+
+On a cache hit the only check is that the container's init is still the same process
+(pid and start time from procfs, microseconds): a restarted or replaced container is
+verified again from scratch. Settings changed on a running container through the
+engine (`docker update`) are not re-observed per command; that needs engine access,
+which is root-equivalent anyway (docs/execution.md).
+
+Labels: `substrate.daemon` (this state dir's daemon id), `substrate.epoch`,
+`substrate.workspace`, `substrate.profile`, `substrate.config` (SHA-256 of the create
+request, labels aside). At start, every container labelled with our daemon id is
+removed: it belongs to a previous run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from substrate import facts as factlib
+from substrate import observe, paths, profiles, reaper, seccomp
+from substrate.engine import ContainerGone, Engine
+from substrate.errors import ConfinementUnmet, Refusal
+from substrate.facts import Fact
+from substrate.journal import Journal
+from substrate.profiles import Profile
+from substrate.workspaces import Workspace
+
+log = logging.getLogger("substrate.containers")
+
+LABEL_DAEMON = "substrate.daemon"
+LABEL_EPOCH = "substrate.epoch"
+LABEL_WORKSPACE = "substrate.workspace"
+LABEL_PROFILE = "substrate.profile"
+LABEL_CONFIG = "substrate.config"
+#: Where the workspace is mounted inside every sandbox.
+WORKSPACE_TARGET = "/workspace"
+#: The keep-alive command under the engine's init; both images' `sleep` take `infinity`.
+KEEPALIVE = ("sleep", "infinity")
+#: Runtimes whose sandboxed processes are host processes (so `reaper` may signal them).
+HOST_VISIBLE_RUNTIMES = frozenset({"runc"})
+
+
+@dataclass(frozen=True)
+class RunAs:
+    uid: int
+    gid: int
+
+    def __str__(self) -> str:
+        return f"{self.uid}:{self.gid}"
+
+
+def run_as(profile: Profile, owner_uid: int, owner_gid: int) -> RunAs:
+    """Who commands run as under `profile` in a workspace owned by owner_uid:owner_gid.
+
+    Refuses `confinement_unmet` when that is root and the profile lacks `allow_root`.
+    """
+    if profile.user == "owner":
+        who = RunAs(owner_uid, owner_gid)
+    else:
+        uid_text, _, gid_text = profile.user.partition(":")
+        who = RunAs(int(uid_text), int(gid_text or uid_text))
+    if who.uid == 0 and not profile.allow_root:
+        if profile.user == "owner":
+            raise ConfinementUnmet(
+                "the workspace root is owned by root and profile "
+                f"{profile.name!r} does not allow running as root: chown the checkout to "
+                "its (non-root) user, e.g. `chown -R 1000:1000 <checkout>`",
+                required={"process.uid": "non-root"},
+                observed={"process.uid": 0},
+            )
+        raise ConfinementUnmet(
+            f"profile {profile.name!r} runs as root without allow_root",
+            required={"process.uid": "non-root"},
+            observed={"process.uid": 0},
+        )
+    return who
+
+
+def tmpfs_options(size: str) -> str:
+    # Executable on purpose: the workspace is writable and executable anyway, so
+    # `noexec` here would only break compilers and test runners that run from /tmp.
+    return f"rw,nosuid,nodev,exec,mode=1777,size={size}"
+
+
+def container_spec(
+    profile: Profile,
+    *,
+    who: RunAs,
+    workspace_source: str | None,
+    readonly_dirs: Sequence[str],
+    security_opt: Sequence[str],
+) -> dict[str, Any]:
+    """The engine's create request for `profile` (pure): everything comes from the profile.
+
+    `workspace_source` is the host path to bind at /workspace (None for `workspace =
+    "none"`); `readonly_dirs` are workspace-relative directories bound read-only over it;
+    `security_opt` is `profiles.security_opts(profile, ...)` (no-new-privileges, seccomp).
+    """
+    mounts: list[dict[str, Any]] = []
+    if workspace_source is not None and profile.workspace != "none":
+        mounts.append(_bind(workspace_source, WORKSPACE_TARGET, profile.workspace == "ro"))
+        for rel in readonly_dirs:
+            mounts.append(_bind(f"{workspace_source}/{rel}", f"{WORKSPACE_TARGET}/{rel}", True))
+    host_config: dict[str, Any] = {
+        "mounts": mounts,
+        "tmpfs": {path: tmpfs_options(size) for path, size in profile.tmpfs.items()},
+        "read_only": profile.read_only_rootfs,
+        "network_mode": "none",
+        "mem_limit": profile.memory,
+        "memswap_limit": profile.memory,  # no swap beyond the memory limit
+        "nano_cpus": profiles.nano_cpus(profile),
+        "pids_limit": profile.pids,
+        "cap_drop": ["ALL"],
+        "cap_add": list(profile.capabilities),
+        "security_opt": list(security_opt),
+        "init": True,  # the engine's init reaps orphans, so zombies never pile up
+        "privileged": False,
+        "ipc_mode": "private",
+        "log_config": {"type": "none"},  # the keep-alive prints nothing; no log files
+        "restart_policy": {"Name": "no"},
+    }
+    return {
+        "image": profile.image,
+        "command": list(KEEPALIVE),
+        "user": str(who),
+        "environment": dict(profile.env),
+        "working_dir": WORKSPACE_TARGET if profile.workspace != "none" else "/",
+        "runtime": profile.runtime,
+        "host_config": host_config,
+    }
+
+
+def _bind(source: str, target: str, read_only: bool) -> dict[str, Any]:
+    return {
+        "Type": "bind",
+        "Source": source,
+        "Target": target,
+        "ReadOnly": read_only,
+        "BindOptions": {"Propagation": "rprivate"},
+    }
+
+
+def spec_digest(spec: Mapping[str, Any]) -> str:
+    """SHA-256 of a create request, canonical JSON (the `substrate.config` label)."""
+    return hashlib.sha256(
+        json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def identity_fact(name: str, value: str) -> Fact:
+    return factlib.make_fact(name, value, source="procfs")
+
+
+@dataclass
+class Sandbox:
+    """A verified container. `running` counts commands (and terminals) using it now."""
+
+    id: str
+    workspace: str
+    profile: Profile
+    who: RunAs
+    init_pid: int
+    init_start: int
+    protected: frozenset[int]
+    cgroups: reaper.CgroupDirs
+    facts: list[Fact]
+    host_visible: bool
+    running: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+    def alive(self) -> bool:
+        """Is the container's init still the process we verified? (procfs, microseconds)"""
+        info = reaper.read_proc(self.init_pid)
+        return info is not None and info.start == self.init_start
+
+    def acquire(self) -> None:
+        """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
+        self.running += 1
+        self.last_used = time.monotonic()
+
+    def release(self) -> None:
+        self.running -= 1
+        self.last_used = time.monotonic()
+
+
+class Containers:
+    """The live sandboxes of this daemon, keyed by (workspace, profile)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        journal: Journal,
+        *,
+        daemon_id: str,
+        epoch: int,
+        seccomp_dir: Path,
+        idle_s: float,
+        fs_limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self._engine = engine
+        self._journal = journal
+        self.daemon_id = daemon_id
+        self._epoch = epoch
+        self._seccomp_dir = seccomp_dir
+        self.idle_s = idle_s
+        self._fs_limiter = fs_limiter
+        self._live: dict[tuple[str, str], Sandbox] = {}
+        self._locks: dict[tuple[str, str], trio.Lock] = {}
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def labels_for(self, workspace: str, profile: str) -> dict[str, str]:
+        """The labels that mark a container as this daemon's, for one (workspace, profile)."""
+        return {
+            LABEL_DAEMON: self.daemon_id,
+            LABEL_WORKSPACE: workspace,
+            LABEL_PROFILE: profile,
+        }
+
+    def cached(self, workspace: str, profile: str) -> Sandbox | None:
+        return self._live.get((workspace, profile))
+
+    def live(self) -> list[Sandbox]:
+        return list(self._live.values())
+
+    async def ensure(self, ws: Workspace, profile: Profile) -> Sandbox:
+        """The verified sandbox for (ws, profile), created and verified on first use.
+
+        Refuses `confinement_unmet` (root owner without allow_root; a fact that does not
+        hold; a labelled container with weaker settings), `runtime_unavailable`,
+        `image_missing`. A warm call costs one procfs read; a cold one a container start
+        and a fact check (a few hundred milliseconds).
+        """
+        key = (ws.id, profile.name)
+        found = self._live.get(key)
+        if found is not None and found.alive():
+            found.last_used = time.monotonic()
+            return found
+        lock = self._locks.setdefault(key, trio.Lock())
+        async with lock:
+            found = self._live.get(key)
+            if found is not None:
+                if found.alive():
+                    return found
+                await self._drop(found, "init_changed")
+            sandbox = await self._create_verified(ws, profile)
+            self._live[key] = sandbox
+            return sandbox
+
+    async def forget(self, sandbox: Sandbox, reason: str) -> None:
+        """Remove a sandbox that stopped working (its container went away under us)."""
+        async with self._locks.setdefault((sandbox.workspace, sandbox.profile.name), trio.Lock()):
+            if self._live.get((sandbox.workspace, sandbox.profile.name)) is sandbox:
+                await self._drop(sandbox, reason)
+
+    async def _drop(self, sandbox: Sandbox, reason: str) -> None:
+        self._live.pop((sandbox.workspace, sandbox.profile.name), None)
+        await self._engine.remove(sandbox.id)
+        await self._journal_async(
+            "container.removed",
+            {"container": sandbox.id[:12], "profile": sandbox.profile.name, "reason": reason},
+            sandbox.workspace,
+        )
+
+    # -- creation and verification -----------------------------------------------------------
+
+    async def _create_verified(self, ws: Workspace, profile: Profile) -> Sandbox:
+        owner = await trio.to_thread.run_sync(os.fstat, ws.root_fd, limiter=self._fs_limiter)
+        who = run_as(profile, owner.st_uid, owner.st_gid)
+        if profile.runtime != "runc":
+            await self._engine.require_runtime(profile.runtime)
+        await self._engine.image_id(profile.image)
+        security_opt = await trio.to_thread.run_sync(
+            _security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
+        )
+        ro_dirs = await trio.to_thread.run_sync(
+            _readonly_identities, ws, profile, limiter=self._fs_limiter
+        )
+        required = factlib.required_facts(
+            profile,
+            run_uid=who.uid,
+            run_gid=who.gid,
+            workspace_mode=profile.workspace,
+            readonly_dirs=[rel for rel, _ in ro_dirs],
+            seccomp_expected=profile.seccomp != "engine-default",
+        )
+        required += self._identity_required(ws, profile, ro_dirs, owner)
+        ro_rels = [rel for rel, _ in ro_dirs]
+        await self._remove_foreign(ws, profile, required, ro_rels)
+
+        spec = container_spec(
+            profile,
+            who=who,
+            workspace_source=ws.host_path,
+            readonly_dirs=ro_rels,
+            security_opt=security_opt,
+        )
+        labels = {
+            **self.labels_for(ws.id, profile.name),
+            LABEL_EPOCH: str(self._epoch),
+            LABEL_CONFIG: spec_digest(spec),
+        }
+        name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
+        container = await self._engine.create_container(name=name, labels=labels, **spec)
+        try:
+            await self._engine.start(container)
+            sandbox = await self._verify(container, ws, profile, who, required, ro_rels)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._engine.remove(container)
+            raise
+        return sandbox
+
+    def _identity_required(
+        self,
+        ws: Workspace,
+        profile: Profile,
+        ro_dirs: Sequence[tuple[str, tuple[int, int]]],
+        owner: os.stat_result,
+    ) -> list[Fact]:
+        if profile.workspace == "none":
+            return []
+        found = [identity_fact("workspace.identity", f"{owner.st_dev}:{owner.st_ino}")]
+        for rel, (dev, ino) in ro_dirs:
+            found.append(identity_fact(f"workspace.identity:{rel}", f"{dev}:{ino}"))
+        return found
+
+    async def _verify(
+        self,
+        container: str,
+        ws: Workspace,
+        profile: Profile,
+        who: RunAs,
+        required: list[Fact],
+        ro_rels: Sequence[str],
+    ) -> Sandbox:
+        inspect = await self._engine.inspect(container)
+        init_pid = int(inspect["State"]["Pid"] or 0)
+        if not inspect["State"].get("Running") or init_pid <= 0:
+            raise ContainerGone(container)
+        observed = await self._observe(init_pid, inspect, profile, ro_rels)
+        await self._check(container, ws, profile, required, observed)
+        init = reaper.read_proc(init_pid)
+        if init is None:
+            raise ContainerGone(container)
+        host_visible = profile.runtime in HOST_VISIBLE_RUNTIMES
+        cgroups = await trio.to_thread.run_sync(reaper.CgroupDirs.of_pid, init_pid)
+        protected = {init_pid}
+        if host_visible:
+            protected |= await _keepalive_pids(cgroups, init_pid)
+        sandbox = Sandbox(
+            id=container,
+            workspace=ws.id,
+            profile=profile,
+            who=who,
+            init_pid=init_pid,
+            init_start=init.start,
+            protected=frozenset(protected),
+            cgroups=cgroups,
+            facts=observed,
+            host_visible=host_visible,
+        )
+        await self._journal_async(
+            "proc.facts",
+            {
+                "container": container[:12],
+                "profile": profile.name,
+                "image": str(inspect.get("Image", "")),
+                "ok": True,
+                "facts": [msgspec.to_builtins(f) for f in observed],
+            },
+            ws.id,
+        )
+        return sandbox
+
+    async def _observe(
+        self, init_pid: int, inspect: dict[str, Any], profile: Profile, ro_rels: Sequence[str]
+    ) -> list[Fact]:
+        def run() -> list[Fact]:
+            found = list(observe.observe(init_pid, inspect, workspace_target=WORKSPACE_TARGET))
+            if profile.workspace != "none":
+                found += _observed_identities(init_pid, ro_rels)
+            return found
+
+        return await trio.to_thread.run_sync(run, limiter=self._fs_limiter)
+
+    async def _check(
+        self,
+        container: str,
+        ws: Workspace,
+        profile: Profile,
+        required: list[Fact],
+        observed: list[Fact],
+    ) -> None:
+        """Raise `confinement_unmet` (journalled) when an observed fact is not the required one."""
+        mismatches = factlib.compare(required, observed)
+        if not mismatches:
+            return
+        data = {
+            "container": container[:12],
+            "profile": profile.name,
+            "ok": False,
+            "mismatches": [msgspec.to_builtins(m) for m in mismatches],
+        }
+        await self._journal_async("proc.facts", data, ws.id)
+        raise ConfinementUnmet(
+            f"the sandbox for profile {profile.name!r} does not meet "
+            f"{len(mismatches)} required fact(s): "
+            + ", ".join(factlib.mismatch_name(m) for m in mismatches[:8]),
+            **factlib.mismatch_report(mismatches),
+        )
+
+    async def _remove_foreign(
+        self, ws: Workspace, profile: Profile, required: list[Fact], ro_rels: Sequence[str]
+    ) -> None:
+        """Containers labelled as ours for this pair that we did not create: never reused."""
+        mine = {s.id for s in self._live.values()}
+        for entry in await self._engine.list_labelled(self.labels_for(ws.id, profile.name)):
+            container = str(entry["Id"])
+            if container in mine:
+                continue
+            refusal: Refusal | None = None
+            if entry.get("State") == "running":
+                try:
+                    inspect = await self._engine.inspect(container)
+                    pid = int(inspect["State"]["Pid"] or 0)
+                    observed = await self._observe(pid, inspect, profile, ro_rels)
+                    await self._check(container, ws, profile, required, observed)
+                except ConfinementUnmet as exc:
+                    refusal = exc
+                except (ContainerGone, OSError):
+                    pass
+            await self._engine.remove(container)
+            await self._journal_async(
+                "container.removed",
+                {
+                    "container": container[:12],
+                    "profile": profile.name,
+                    "reason": "weaker" if refusal is not None else "foreign",
+                },
+                ws.id,
+            )
+            if refusal is not None:
+                raise refusal
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def reap_previous(self) -> int:
+        """At start: remove every container of an earlier run of this daemon (its epoch)."""
+        gone = 0
+        for entry in await self._engine.list_labelled({LABEL_DAEMON: self.daemon_id}):
+            # Only earlier epochs: one of ours may be being created right now.
+            if (entry.get("Labels") or {}).get(LABEL_EPOCH) == str(self._epoch):
+                continue
+            await self._engine.remove(str(entry["Id"]))
+            gone += 1
+        if gone:
+            await self._journal_async("container.reaped", {"containers": gone}, None)
+        return gone
+
+    async def reap_idle(self, now: float | None = None) -> int:
+        """Remove sandboxes unused for `idle_s` with nothing running in them."""
+        now = time.monotonic() if now is None else now
+        removed = 0
+        for sandbox in list(self._live.values()):
+            if sandbox.running == 0 and now - sandbox.last_used >= self.idle_s:
+                await self.forget(sandbox, "idle")
+                removed += 1
+        return removed
+
+    async def release_workspace(self, workspace: str) -> None:
+        """Remove every sandbox of `workspace` (its commands die with it)."""
+        for sandbox in list(self._live.values()):
+            if sandbox.workspace == workspace:
+                await self.forget(sandbox, "released")
+
+    async def remove_all(self, reason: str) -> None:
+        for sandbox in list(self._live.values()):
+            await self.forget(sandbox, reason)
+
+    async def _journal_async(self, kind: str, data: dict[str, Any], workspace: str | None) -> None:
+        await trio.to_thread.run_sync(lambda: self._journal.append(kind, data, workspace=workspace))
+
+
+def _security_opts(profile: Profile, seccomp_dir: Path) -> list[str]:
+    try:
+        return profiles.security_opts(profile, seccomp_dir)
+    except seccomp.SeccompError as exc:
+        # The policy file went bad since the profile was loaded: nothing may run under it.
+        raise ConfinementUnmet(
+            f"the seccomp policy of profile {profile.name!r} no longer loads: {exc}",
+            required={"seccomp": profile.seccomp},
+            observed={"seccomp": "invalid"},
+        ) from None
+
+
+def _readonly_identities(ws: Workspace, profile: Profile) -> list[tuple[str, tuple[int, int]]]:
+    """Policy read-only dirs that exist as real directories (no symlink on the way)."""
+    if profile.workspace == "none":
+        return []
+    found: list[tuple[str, tuple[int, int]]] = []
+    for rel in ws.policy.readonly_dirs():
+        try:
+            parts = paths.split_relpath(rel)
+            fd = paths.open_dir(ws.root_fd, parts, rel)
+        except Refusal:
+            continue  # absent (or not a plain directory): nothing to mount over
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            found.append(("/".join(parts), (st.st_dev, st.st_ino)))
+    return found
+
+
+def _observed_identities(init_pid: int, readonly_dirs: Sequence[str]) -> list[Fact]:
+    """(st_dev, st_ino) of /workspace and its read-only dirs, seen through the container's
+    own root (`/proc/<pid>/root`), never following a symlink at the last component."""
+    root = f"/proc/{init_pid}/root{WORKSPACE_TARGET}"
+    found: list[Fact] = []
+    for name, path in [("workspace.identity", root)] + [
+        (f"workspace.identity:{rel}", f"{root}/{rel}") for rel in readonly_dirs
+    ]:
+        try:
+            st = os.lstat(path)
+            value = f"{st.st_dev}:{st.st_ino}" if stat.S_ISDIR(st.st_mode) else "not-a-directory"
+        except OSError:
+            value = "absent"
+        found.append(identity_fact(name, value))
+    return found
+
+
+async def _keepalive_pids(cgroups: reaper.CgroupDirs, init_pid: int) -> set[int]:
+    """The init's keep-alive child (it may take a moment to appear after start)."""
+
+    def scan() -> set[int]:
+        infos = (reaper.read_proc(p) for p in reaper.cgroup_pids(cgroups))
+        return {i.pid for i in infos if i is not None and i.ppid == init_pid}
+
+    with trio.move_on_after(2.0):
+        while True:
+            found = await trio.to_thread.run_sync(scan)
+            if found:
+                return found
+            await trio.sleep(0.005)
+    return set()
+
+
+def daemon_id_for(state_dir: os.PathLike[str] | str) -> str:
+    """A stable id for the daemon owning `state_dir` (device, inode and path)."""
+    st = os.stat(state_dir)
+    raw = f"{st.st_dev}:{st.st_ino}:{os.fspath(state_dir)}".encode()
+    return hashlib.sha256(raw).hexdigest()[:16]

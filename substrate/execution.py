@@ -1,0 +1,135 @@
+"""The execution layer of one daemon: engine, profiles, sandboxes, processes, artifacts.
+
+`Execution(...)` is built by the daemon at start (profiles and seccomp policies are
+loaded and validated then: a bad file stops the daemon with its name and key). `run`
+is a service task started in the daemon's nursery: it removes what a previous run of
+this daemon left in the engine, marks its unfinished process records `lost`, then
+removes idle sandboxes now and then. `shutdown` removes this run's sandboxes.
+
+An engine that does not answer at start is not fatal: `daemon.status` says so, and
+every command is refused `runtime_unavailable` until it answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import trio
+
+from substrate.artifacts import ArtifactStore
+from substrate.config import Config
+from substrate.containers import Containers, daemon_id_for
+from substrate.engine import Engine
+from substrate.errors import ProfileUnknown, Refusal
+from substrate.journal import Journal
+from substrate.procs import Processes
+from substrate.profiles import Profile, load_profiles
+from substrate.schema.journal import EngineStatus
+from substrate.store import Store
+from substrate.workspaces import Workspace
+
+log = logging.getLogger("substrate.execution")
+
+#: How often idle sandboxes are looked for, at most (seconds).
+IDLE_SWEEP_S = 30.0
+
+
+class Execution:
+    """Everything that runs commands. Handlers reach it as `daemon.execution`."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        journal: Journal,
+        state_dir: Path,
+        *,
+        fs_limiter: trio.CapacityLimiter | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        self.config = config
+        self.journal = journal
+        self.profiles: dict[str, Profile] = load_profiles(
+            Path(config.profiles_dir), Path(config.seccomp_dir)
+        )
+        self.engine = engine if engine is not None else Engine()
+        self.daemon_id = daemon_id_for(state_dir)
+        self.artifacts = ArtifactStore(
+            store,
+            state_dir / "artifacts",
+            quota_bytes=config.artifact_quota_bytes,
+            max_age_s=config.artifact_max_age_s,
+        )
+        self.containers = Containers(
+            self.engine,
+            journal,
+            daemon_id=self.daemon_id,
+            epoch=journal.epoch,
+            seccomp_dir=Path(config.seccomp_dir),
+            idle_s=config.container_idle_s,
+            fs_limiter=fs_limiter,
+        )
+        self.processes = Processes(
+            engine=self.engine,
+            containers=self.containers,
+            artifacts=self.artifacts,
+            store=store,
+            journal=journal,
+            config=config,
+            profiles=self.profiles,
+            fs_limiter=fs_limiter,
+        )
+        # Before any socket accepts: a previous run's spools and running records are
+        # settled first, so nothing new can be confused with them.
+        repaired = self.artifacts.repair()
+        if any(msgspec.structs.astuple(repaired)):
+            journal.append("artifact.repaired", msgspec.to_builtins(repaired))
+        lost = self.processes.mark_lost(journal.epoch)
+        if lost:
+            log.info("%d process record(s) of a previous run marked lost", lost)
+
+    def profile(self, name: str) -> Profile:
+        """The named profile. Refuses `profile_unknown`."""
+        found = self.profiles.get(name)
+        if found is None:
+            raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(self.profiles))
+        return found
+
+    async def engine_status(self) -> EngineStatus:
+        return await self.engine.status()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Service task: reap a previous run's containers, then sweep idle sandboxes and
+        collect artifacts until cancelled; on the way out, remove this run's sandboxes."""
+        task_status.started()
+        try:
+            try:
+                await self.containers.reap_previous()
+            except Refusal as exc:
+                log.warning("could not reap a previous run's containers: %s", exc.message)
+            period = max(1.0, min(IDLE_SWEEP_S, self.config.container_idle_s / 4))
+            while True:
+                await trio.sleep(period)
+                try:
+                    await self.containers.reap_idle()
+                except Refusal as exc:
+                    log.warning("idle sweep: %s", exc.message)
+                await trio.to_thread.run_sync(self.artifacts.collect)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.shutdown()
+
+    async def release_workspace(self, ws: Workspace) -> None:
+        """`workspace.release`: remove the workspace's sandboxes (their commands end)."""
+        await self.containers.release_workspace(ws.id)
+
+    async def shutdown(self) -> None:
+        """Remove this run's sandboxes (bounded: an unanswering engine is left alone)."""
+        with trio.move_on_after(30):
+            try:
+                await self.containers.remove_all("shutdown")
+            except Refusal as exc:
+                log.warning("shutdown: %s", exc.message)
+        self.engine.close()

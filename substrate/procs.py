@@ -1,0 +1,625 @@
+"""Running argv-only commands in verified sandboxes (SPEC §5 `proc.run`).
+
+Theory of operation. `Processes.run` validates the request against the profile (pure:
+`validate_argv`, `effective_timeout`), gets the verified sandbox of (workspace, profile)
+from `Containers.ensure`, records the process (SQLite row and `proc.started` journal
+entry, one commit), then makes one engine exec of exactly `argv` — no shell — as the
+sandbox's uid:gid, in `/workspace/<cwd>`, with the profile's environment plus the
+marker `SUBSTRATE_PROC=<proc id>` that lets `substrate.reaper` find every process the
+command starts. The exec's multiplexed stream is read by one worker thread, demuxed
+(`Demuxer`, sans-IO) and written to two `OutputSink`s as it arrives, so daemon memory
+does not grow with output; stdin, when given, is written by another thread, then the
+write half is shut so the command sees EOF.
+
+A supervisor task watches the clock and the command:
+- the stream ends (the usual case) → done;
+- still open after `MAIN_PROBE_S` → ask the engine for the exec's host pid and wait on
+  it (pidfd): once the main process exits, anything still holding the output pipe is a
+  straggler and is reaped;
+- the deadline passes → TERM to every process of the command, KILL after `GRACE_S`.
+After the stream ends: exit code from the engine, stragglers reaped (a background child
+that closed its output), the cgroup's OOM-kill counter compared with its value before,
+sinks closed into output refs, row and `proc.exited` entry committed.
+
+Hot path (a warm `["true"]`): three engine calls (exec create, start, inspect), two
+commits, one procfs scan of the container's cgroup. Facts are observed once per
+container, never per command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from substrate import paths, reaper
+from substrate.artifacts import ArtifactStore
+from substrate.config import Config
+from substrate.containers import WORKSPACE_TARGET, Containers, Sandbox
+from substrate.engine import ContainerGone, Engine
+from substrate.errors import (
+    ArgvDenied,
+    LimitExceeded,
+    PathInvalid,
+    ProfileUnknown,
+    RuntimeUnavailable,
+)
+from substrate.journal import Journal
+from substrate.outputs import OutputSink
+from substrate.proc_records import Outcome, ProcessRecords
+from substrate.profiles import Profile
+from substrate.schema.proc import PolicyBlocked, ProcResult
+from substrate.store import Store
+from substrate.workspaces import Workspace
+
+log = logging.getLogger("substrate.procs")
+
+#: Seconds between TERM and KILL, on timeout and for stragglers.
+GRACE_S = 2.0
+#: The stream still open this long: learn the main pid so its exit is noticed even when
+#: a background child holds the output pipe.
+MAIN_PROBE_S = 0.25
+#: Largest argv (items) and total argv bytes accepted.
+MAX_ARGV_ITEMS = 4096
+MAX_ARGV_BYTES = 1 << 20
+#: Bytes per stream read from the engine at a time.
+RECV_BYTES = 1 << 18
+
+
+# --- pure parts ----------------------------------------------------------------------------
+
+
+def validate_argv(argv: Sequence[str], allow: Sequence[str]) -> None:
+    """Refuse `argv_denied`: empty, a NUL anywhere, too large, argv[0] not in `allow`."""
+    if not argv:
+        raise ArgvDenied("argv is empty")
+    if len(argv) > MAX_ARGV_ITEMS:
+        raise ArgvDenied(f"argv has more than {MAX_ARGV_ITEMS} items")
+    total = 0
+    for i, arg in enumerate(argv):
+        if "\x00" in arg:
+            raise ArgvDenied(f"argv[{i}] contains NUL", index=i)
+        total += len(arg.encode("utf-8", "surrogatepass")) + 1
+    if total > MAX_ARGV_BYTES:
+        raise ArgvDenied(f"argv is larger than {MAX_ARGV_BYTES} bytes")
+    if allow and argv[0] not in allow:
+        raise ArgvDenied(
+            f"argv[0] {argv[0]!r} is not in the profile's argv_allow", allowed=list(allow)
+        )
+
+
+def effective_timeout(requested: float | None, profile: Profile) -> float:
+    """The command's wall-clock limit: the profile's, or a lower requested one.
+
+    Refuses `limit_exceeded` for a request above the profile's (a request never weakens
+    a profile).
+    """
+    if requested is None:
+        return profile.timeout_s
+    if requested > profile.timeout_s:
+        raise LimitExceeded(
+            f"timeout_s {requested:g} is above profile {profile.name!r}'s {profile.timeout_s:g}",
+            limit=profile.timeout_s,
+        )
+    return requested
+
+
+def workdir_for(profile: Profile, cwd: str) -> str:
+    """The exec's working directory for a validated workspace-relative `cwd`."""
+    parts = paths.split_relpath(cwd, allow_root=True)
+    if profile.workspace == "none":
+        if parts:
+            raise PathInvalid(f"profile {profile.name!r} mounts no workspace: cwd must be '.'")
+        return "/"
+    return "/".join((WORKSPACE_TARGET, *parts))
+
+
+def exec_env(profile: Profile, proc: str) -> dict[str, str]:
+    """The command's whole environment: the profile's plus the reaper's marker."""
+    return {**profile.env, reaper.MARKER: proc}
+
+
+def signal_of(exit_code: int | None) -> str | None:
+    """The signal name the engine's `128 + n` exit code stands for, if any.
+
+    The engine reports a signal death as 128 + n, the way a shell does; a process that
+    calls `exit(137)` looks the same (docs/execution.md).
+    """
+    if exit_code is None or not 128 < exit_code < 128 + 65:
+        return None
+    try:
+        return signal.Signals(exit_code - 128).name.removeprefix("SIG")
+    except ValueError:
+        return None
+
+
+class Demuxer:
+    """Splits the engine's multiplexed exec stream into (stream, bytes) pieces. Sans-IO.
+
+    Frame: 1 byte stream (0 stdin, 1 stdout, 2 stderr), 3 zero bytes, 4 bytes big-endian
+    payload length, payload. Pieces of one frame may come in several `feed` calls.
+    """
+
+    HEADER = struct.Struct(">BxxxI")
+
+    def __init__(self) -> None:
+        self._header = bytearray()
+        self._stream = 0
+        self._left = 0
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
+        pos, end = 0, len(data)
+        while pos < end:
+            if self._left == 0:
+                take = min(self.HEADER.size - len(self._header), end - pos)
+                self._header += data[pos : pos + take]
+                pos += take
+                if len(self._header) < self.HEADER.size:
+                    break
+                self._stream, self._left = self.HEADER.unpack(self._header)
+                self._header.clear()
+                continue
+            take = min(self._left, end - pos)
+            out.append((self._stream, data[pos : pos + take]))
+            self._left -= take
+            pos += take
+        return out
+
+    @property
+    def mid_frame(self) -> bool:
+        """True when the stream stopped inside a frame (a cut connection)."""
+        return bool(self._header) or self._left > 0
+
+
+# --- the write gate hook (issue 4) ------------------------------------------------------------
+
+
+class WriteGate(Protocol):
+    """Checks what a command wrote against the workspace's file-level deny globs.
+
+    `before` snapshots the workspace as the command starts; `after` compares, reverts
+    each offending change and returns them. Not wired yet: `policy_blocked` is empty.
+    """
+
+    async def before(self, ws: Workspace) -> object: ...
+
+    async def after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]: ...
+
+
+# --- running -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    """The state of one running command, shared by its tasks."""
+
+    proc: str
+    sandbox: Sandbox
+    exec_id: str
+    sock: socket.socket
+    initial: bytes
+    sinks: dict[int, OutputSink]
+    deadline: float
+    pump_done: trio.Event = field(default_factory=trio.Event)
+    main_exited: bool = False
+    timed_out: bool = False
+    reaped: int = 0
+    killed: int = 0
+
+
+class Processes:
+    """Every command this daemon runs, and their records."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        containers: Containers,
+        artifacts: ArtifactStore,
+        store: Store,
+        journal: Journal,
+        config: Config,
+        profiles: Mapping[str, Profile],
+        fs_limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self._engine = engine
+        self._containers = containers
+        self._artifacts = artifacts
+        self._config = config
+        self._profiles = profiles
+        self._fs_limiter = fs_limiter
+        # Output pumps hold a thread for the life of a command: their own limiter, so
+        # long commands can never starve the engine's or the filesystem's threads.
+        self._pump_limiter = trio.CapacityLimiter(max(2, 2 * config.max_processes))
+        self._running: set[str] = set()
+        self.write_gate: WriteGate | None = None
+        self.records = ProcessRecords(store, journal)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def profile(self, name: str) -> Profile:
+        found = self._profiles.get(name)
+        if found is None:
+            raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(self._profiles))
+        return found
+
+    def mark_lost(self, epoch: int) -> int:
+        """At start: records still `running` from an earlier daemon run become `lost`."""
+        return self.records.mark_lost(epoch)
+
+    async def run(
+        self,
+        ws: Workspace,
+        profile_name: str,
+        argv: Sequence[str],
+        *,
+        cwd: str = ".",
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        actor: str = "daemon",
+    ) -> ProcResult:
+        """Run `argv` to completion in the (ws, profile) sandbox; return its result.
+
+        Refuses (before anything runs): `profile_unknown`, `argv_denied`,
+        `limit_exceeded` (timeout above the profile's, or `max_processes` running),
+        `path_invalid`/`symlink_refused`/`not_found`/`not_a_directory` (cwd),
+        `confinement_unmet`, `image_missing`, `runtime_unavailable`.
+        """
+        profile = self.profile(profile_name)
+        validate_argv(argv, profile.argv_allow)
+        timeout = effective_timeout(timeout_s, profile)
+        workdir = workdir_for(profile, cwd)
+        if profile.workspace != "none":
+            parts = paths.split_relpath(cwd, allow_root=True)
+            # Held only to prove the directory is really there, beneath the root, with no
+            # symlink on the way; inside the sandbox the engine resolves it again, but
+            # only within the sandbox's own mount namespace.
+            await trio.to_thread.run_sync(_check_dir, ws.root_fd, parts, cwd)
+        if len(self._running) >= self._config.max_processes:
+            raise LimitExceeded(
+                f"{self._config.max_processes} processes are running already",
+                limit=self._config.max_processes,
+            )
+        proc = "p_" + secrets.token_hex(8)
+        self._running.add(proc)
+        try:
+            for attempt in (1, 2):
+                sandbox = await self._containers.ensure(ws, profile)
+                sandbox.acquire()
+                try:
+                    return await self._run_in(
+                        sandbox, ws, proc, argv, workdir, cwd, stdin, timeout, actor
+                    )
+                except ContainerGone:
+                    # Removed or stopped under us before the exec started: once more
+                    # with a fresh, freshly verified container.
+                    await self._containers.forget(sandbox, "gone")
+                    if attempt == 2:
+                        raise RuntimeUnavailable(
+                            "the sandbox container keeps disappearing"
+                        ) from None
+                finally:
+                    sandbox.release()
+            raise AssertionError("unreachable")
+        finally:
+            self._running.discard(proc)
+
+    async def _run_in(
+        self,
+        sandbox: Sandbox,
+        ws: Workspace,
+        proc: str,
+        argv: Sequence[str],
+        workdir: str,
+        cwd: str,
+        stdin: bytes | None,
+        limit_s: float,
+        actor: str,
+    ) -> ProcResult:
+        profile = sandbox.profile
+        exec_id = await self._engine.exec_create(
+            sandbox.id,
+            argv,
+            user=str(sandbox.who),
+            workdir=workdir,
+            environment=exec_env(profile, proc),
+            stdin=stdin is not None,
+        )
+        snapshot = await self.write_gate.before(ws) if self.write_gate is not None else None
+        t0 = trio.current_time()
+        sinks, oom_before = await trio.to_thread.run_sync(
+            self._start_record, ws, sandbox, proc, argv, cwd, actor, limiter=self._fs_limiter
+        )
+        try:
+            try:
+                stream = await self._engine.exec_start(exec_id)
+            except ContainerGone:
+                # The record exists now: no silent retry under the same process id.
+                raise RuntimeUnavailable("the sandbox went away as the command started") from None
+            run = _Run(
+                proc=proc,
+                sandbox=sandbox,
+                exec_id=exec_id,
+                sock=stream.sock,
+                initial=stream.initial,
+                sinks=sinks,
+                deadline=t0 + limit_s,
+            )
+            await self._drive(run, stdin)
+            exit_code = await self._exit_code(exec_id)
+            if exit_code is None and run.timed_out:
+                # Killed with its whole sandbox (gVisor): the engine lost the code.
+                exit_code = 128 + signal.SIGKILL
+            if sandbox.host_visible:
+                termed, killed = await reaper.terminate(
+                    sandbox.cgroups,
+                    proc,
+                    sandbox.protected,
+                    alone=sandbox.running <= 1,
+                    grace_s=GRACE_S,
+                )
+                run.reaped += termed
+                run.killed += killed
+            oom_after = await trio.to_thread.run_sync(reaper.oom_kills, sandbox.cgroups)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._abort_record, ws, proc, sinks)
+            raise
+        duration_ms = round((trio.current_time() - t0) * 1000, 3)
+        blocked = await self.write_gate.after(ws, snapshot) if self.write_gate is not None else []
+        outcome = Outcome(
+            exit_code=exit_code,
+            signal=signal_of(exit_code),
+            timed_out=run.timed_out,
+            oom_killed=oom_after > oom_before,
+            duration_ms=duration_ms,
+            reaped=run.reaped,
+            killed=run.killed,
+        )
+        return await trio.to_thread.run_sync(
+            self._finish_record,
+            ws,
+            proc,
+            sandbox,
+            outcome,
+            sinks,
+            blocked,
+            actor,
+            limiter=self._fs_limiter,
+        )
+
+    # -- driving one exec -----------------------------------------------------------------
+
+    async def _drive(self, run: _Run, stdin: bytes | None) -> None:
+        """Pump output (and stdin) until the stream ends; supervise timeout and exit."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, run)
+                if stdin is not None:
+                    nursery.start_soon(trio.to_thread.run_sync, _feed_stdin, run.sock, stdin, True)
+                nursery.start_soon(self._supervise, run)
+        finally:
+            _shutdown(run.sock)
+            run.sock.close()
+
+    async def _pump(self, run: _Run) -> None:
+        try:
+            await trio.to_thread.run_sync(
+                _pump_stream,
+                run.sock,
+                run.initial,
+                run.sinks,
+                limiter=self._pump_limiter,
+                abandon_on_cancel=True,
+            )
+        finally:
+            # Cancelled (the daemon stops): unblock the abandoned thread's recv.
+            _shutdown(run.sock)
+            run.pump_done.set()
+
+    async def _supervise(self, run: _Run) -> None:
+        sandbox = run.sandbox
+        with trio.move_on_at(run.deadline):
+            with trio.move_on_after(MAIN_PROBE_S):
+                await run.pump_done.wait()
+            if run.pump_done.is_set():
+                return
+            pid = await self._main_pid(run.exec_id)
+            if pid is not None and sandbox.host_visible:
+                async with trio.open_nursery() as nursery:
+
+                    async def main_exit() -> None:
+                        await reaper.wait_exit(pid)
+                        nursery.cancel_scope.cancel()
+
+                    async def stream_end() -> None:
+                        await run.pump_done.wait()
+                        nursery.cancel_scope.cancel()
+
+                    nursery.start_soon(main_exit)
+                    nursery.start_soon(stream_end)
+            if run.pump_done.is_set():
+                return
+            if pid is None or sandbox.host_visible:
+                # The main process is gone but the stream is open: stragglers hold it.
+                run.main_exited = True
+                if sandbox.host_visible:
+                    termed, killed = await reaper.terminate(
+                        sandbox.cgroups,
+                        run.proc,
+                        sandbox.protected,
+                        alone=sandbox.running <= 1,
+                        grace_s=GRACE_S,
+                    )
+                    run.reaped += termed
+                    run.killed += killed
+            await run.pump_done.wait()
+        if run.pump_done.is_set():
+            return
+        run.timed_out = not run.main_exited
+        await self._kill(run)
+        with trio.move_on_after(GRACE_S):
+            await run.pump_done.wait()
+        if not run.pump_done.is_set():
+            log.warning("%s: output stream still open after kill; closing it", run.proc)
+            _shutdown(run.sock)
+
+    async def _kill(self, run: _Run) -> None:
+        sandbox = run.sandbox
+        if sandbox.host_visible:
+            termed, killed = await reaper.terminate(
+                sandbox.cgroups,
+                run.proc,
+                sandbox.protected,
+                alone=sandbox.running <= 1,
+                grace_s=GRACE_S,
+            )
+            run.reaped += termed
+            run.killed += killed
+        else:
+            await self._kill_inside(run)
+
+    async def _kill_inside(self, run: _Run) -> None:
+        """Under gVisor the command's processes are not host processes: the sandbox is
+        stopped instead (its next command gets a fresh, verified one)."""
+        await self._containers.forget(run.sandbox, "timeout")
+
+    async def _main_pid(self, exec_id: str) -> int | None:
+        info = await self._engine.exec_inspect(exec_id)
+        pid = int(info.get("Pid") or 0)
+        return pid if info.get("Running") and pid > 0 else None
+
+    async def _exit_code(self, exec_id: str) -> int | None:
+        # The engine sets the exit code as the stream closes; allow it a moment.
+        for delay in (0, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5):
+            await trio.sleep(delay)
+            try:
+                info = await self._engine.exec_inspect(exec_id)
+            except ContainerGone:
+                return None
+            if not info.get("Running"):
+                code = info.get("ExitCode")
+                return int(code) if code is not None else None
+        return None
+
+    # -- records (blocking; worker threads) -------------------------------------------------
+
+    def _start_record(
+        self,
+        ws: Workspace,
+        sandbox: Sandbox,
+        proc: str,
+        argv: Sequence[str],
+        cwd: str,
+        actor: str,
+    ) -> tuple[dict[int, OutputSink], int]:
+        profile = sandbox.profile
+        inline = self._config.inline_output_bytes
+        sinks = {
+            1: self._artifacts.open_sink(proc, "stdout", inline, profile.max_output_bytes),
+            2: self._artifacts.open_sink(proc, "stderr", inline, profile.max_output_bytes),
+        }
+        self.records.started(
+            workspace=ws.id,
+            proc=proc,
+            profile=profile.name,
+            argv=argv,
+            cwd=cwd,
+            container=sandbox.id,
+            actor=actor,
+        )
+        return sinks, reaper.oom_kills(sandbox.cgroups)
+
+    def _abort_record(self, ws: Workspace, proc: str, sinks: Mapping[int, OutputSink]) -> None:
+        for sink in sinks.values():
+            try:
+                sink.close()
+            except Exception:  # the record below is what matters now
+                log.exception("%s: closing an output sink failed", proc)
+        self.records.lost(workspace=ws.id, proc=proc)
+
+    def _finish_record(
+        self,
+        ws: Workspace,
+        proc: str,
+        sandbox: Sandbox,
+        outcome: Outcome,
+        sinks: Mapping[int, OutputSink],
+        blocked: list[PolicyBlocked],
+        actor: str,
+    ) -> ProcResult:
+        stdout, stderr = sinks[1].close(), sinks[2].close()
+        self.records.exited(
+            workspace=ws.id,
+            proc=proc,
+            outcome=outcome,
+            stdout=stdout,
+            stderr=stderr,
+            blocked=blocked,
+            actor=actor,
+        )
+        return ProcResult(
+            proc=proc,
+            exit_code=outcome.exit_code,
+            signal=outcome.signal,
+            timed_out=outcome.timed_out,
+            oom_killed=outcome.oom_killed,
+            duration_ms=outcome.duration_ms,
+            stdout=stdout,
+            stderr=stderr,
+            facts=list(sandbox.facts),
+            policy_blocked=blocked,
+        )
+
+
+def _check_dir(root_fd: int, parts: tuple[str, ...], where: str) -> None:
+    os.close(paths.open_dir(root_fd, parts, where))
+
+
+def _pump_stream(sock: socket.socket, initial: bytes, sinks: Mapping[int, OutputSink]) -> None:
+    """Read the exec stream to EOF, demux it, write each piece to its sink (blocking)."""
+    demux = Demuxer()
+    data = initial
+    while True:
+        if not data:
+            try:
+                data = sock.recv(RECV_BYTES)
+            except OSError:
+                return
+            if not data:
+                return
+        for stream, piece in demux.feed(data):
+            sink = sinks.get(stream)
+            if sink is not None:
+                sink.write(piece)
+        data = b""
+
+
+def _feed_stdin(sock: socket.socket, data: bytes, close: bool) -> None:
+    """Write the command's stdin, then shut the write half: the command sees EOF."""
+    try:
+        if data:
+            sock.sendall(data)
+    except OSError:
+        pass  # the command exited or closed its stdin early: not an error
+    finally:
+        if close:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
