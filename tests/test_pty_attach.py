@@ -79,10 +79,12 @@ def tmux() -> Iterator[Callable[..., str]]:
     subprocess.run([TMUX, "-L", sock, "kill-server"], capture_output=True, check=False)
 
 
-def wait_for(tmux: Callable[..., str], needle: str, timeout: float = 10.0) -> str:
+def wait_for(
+    tmux: Callable[..., str], needle: str, timeout: float = 10.0, session: str = "att"
+) -> str:
     deadline = time.monotonic() + timeout
     while True:
-        screen = tmux("capture-pane", "-p", "-t", "att")
+        screen = tmux("capture-pane", "-p", "-t", session)
         if needle in screen:
             return screen
         if time.monotonic() > deadline:
@@ -90,36 +92,34 @@ def wait_for(tmux: Callable[..., str], needle: str, timeout: float = 10.0) -> st
         time.sleep(0.05)
 
 
-def pane_status(tmux: Callable[..., str], timeout: float = 10.0) -> int:
+def exit_status(status_file: Path, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
-    while True:
-        dead, _, status = (
-            tmux("display", "-p", "-t", "att", "#{pane_dead} #{pane_dead_status}")
-            .strip()
-            .partition(" ")
-        )
-        if dead == "1":
-            return int(status)
+    while not status_file.exists() or not status_file.read_text().endswith("\n"):
         if time.monotonic() > deadline:
             raise AssertionError("attach did not exit")
         time.sleep(0.05)
+    return int(status_file.read_text())
 
 
-def start_attach(tmux: Callable[..., str], server: dict[str, object], *extra: str) -> None:
+def start_attach(
+    tmux: Callable[..., str], server: dict[str, object], session: str, status_file: Path
+) -> None:
     tmux(
-        "new-session", "-d", "-s", "att", "-x", "100", "-y", "30",
+        "new-session", "-d", "-s", session, "-x", "100", "-y", "30",
         "-e", f"SUBSTRATE_TOKEN={server['token']}",
         "-e", f"PYTHONPATH={ROOT}",
         "--",
-        sys.executable, "-m", "substrate.attach", "--url", f"http://127.0.0.1:{server['port']}/", *extra,
+        sys.executable, str(ROOT / "tests" / "attach_and_report.py"), str(status_file),
+        "--url", f"http://127.0.0.1:{server['port']}/",
     )  # fmt: skip
-    tmux("set-option", "-t", "att", "remain-on-exit", "on")
+    tmux("set-option", "-t", session, "remain-on-exit", "on")
 
 
 def test_attach_in_tmux_echo_resize_exit_code(
-    tmux: Callable[..., str], server: dict[str, object]
+    tmux: Callable[..., str], server: dict[str, object], tmp_path: Path
 ) -> None:
-    start_attach(tmux, server)
+    status = tmp_path / "status"
+    start_attach(tmux, server, "att", status)
     wait_for(tmux, "$")
     tmux("send-keys", "-t", "att", "echo hi", "Enter")
     wait_for(tmux, "\nhi")
@@ -127,17 +127,18 @@ def test_attach_in_tmux_echo_resize_exit_code(
     tmux("send-keys", "-t", "att", "size", "Enter")
     wait_for(tmux, "40 120")
     tmux("send-keys", "-t", "att", "exit 7", "Enter")
-    assert pane_status(tmux) == 7
+    assert exit_status(status) == 7
 
 
-def test_attach_detach_key_and_refusal(tmux: Callable[..., str], server: dict[str, object]) -> None:
-    start_attach(tmux, server)
+def test_attach_detach_key_and_refusal(
+    tmux: Callable[..., str], server: dict[str, object], tmp_path: Path
+) -> None:
+    start_attach(tmux, server, "att", tmp_path / "detach")
     wait_for(tmux, "$")
     tmux("send-keys", "-t", "att", "C-]")
-    assert pane_status(tmux) == 0
+    assert exit_status(tmp_path / "detach") == 0
     wait_for(tmux, "detached")
-    tmux("kill-session", "-t", "att")
     bad = {**server, "token": "g-0000000000000000." + "a" * 43}
-    start_attach(tmux, bad)
-    assert pane_status(tmux) == 1
-    wait_for(tmux, "grant_invalid")
+    start_attach(tmux, bad, "bad", tmp_path / "bad")
+    assert exit_status(tmp_path / "bad") == 1
+    wait_for(tmux, "grant_invalid", session="bad")

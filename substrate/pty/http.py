@@ -196,6 +196,9 @@ class TerminalHttp:
                 await self._websocket(_Replay(stream, head))
         except (h11.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        except Exception:
+            # One connection's bug must not take the listener (and the daemon) down.
+            log.exception("terminal connection failed")
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
