@@ -1,0 +1,244 @@
+"""Terminal benchmark (one run; numbers go to docs/performance.md).
+
+1. Keystroke-to-echo latency through the WebSocket (p50, p99 over 200 keystrokes)
+   against the same echo over a raw `docker exec -it` attach socket in the same sandbox.
+2. 100 MB of output through the PTY to one controller and 3 observers, against the
+   raw attach socket.
+
+Runs an in-process daemon on a temporary state dir and workspace (uid 1000), with an
+interactive profile on `substrate-tiny:latest`; removes everything it started.
+Usage: python bench/terminal.py [--keys 200] [--mbytes 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from substrate.client import open_client  # noqa: E402
+from substrate.config import PROJECT_ROOT, Config  # noqa: E402
+from substrate.daemon import Daemon  # noqa: E402
+from substrate.pty.client import open_terminal  # noqa: E402
+
+PROFILE = (
+    'image = "substrate-tiny:latest"\nmemory = "256m"\ninteractive = true\n'
+    'env = { PATH = "/bin", HOME = "/tmp", SHELL = "/bin/sh", PS1 = "$ " }\n'
+)
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+async def ws_latency(url: str, token: str, session: str | None, keys: int) -> list[float]:
+    out: list[float] = []
+    async with open_terminal(url) as ws:
+        frame: dict[str, Any] = {"type": "open", "token": token, "cols": 80, "rows": 24}
+        if session:
+            frame["session"] = session
+        await ws.send_message(json.dumps(frame))
+        assert json.loads(await ws.get_message())["type"] == "opened"
+        await ws.send_message(json.dumps({"type": "input", "data": "cat\r"}))
+        await trio.sleep(0.5)
+        with trio.move_on_after(0.3):
+            while True:
+                await ws.get_message()
+        for i in range(keys):
+            ch = "abcdefghij"[i % 10]
+            t0 = time.perf_counter()
+            await ws.send_message(json.dumps({"type": "input", "data": ch}))
+            while True:
+                f = json.loads(await ws.get_message())
+                if f["type"] == "output" and ch in f["data"]:
+                    break
+            out.append(time.perf_counter() - t0)
+        await ws.send_message(json.dumps({"type": "input", "data": "\x03"}))
+    return out
+
+
+async def raw_latency(engine: Any, container: str, user: str, keys: int) -> list[float]:
+    exec_id = await engine.exec_create(
+        container, ["/bin/sh"], user=user, workdir="/", environment={"PATH": "/bin"},
+        stdin=True, tty=True,
+    )  # fmt: skip
+    es = await engine.exec_start(exec_id, tty=True)
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(es.sock))
+    out: list[float] = []
+    async with stream:
+        await stream.send_all(b"cat\r")
+        await trio.sleep(0.5)
+        with trio.move_on_after(0.3):
+            while True:
+                await stream.receive_some(65536)
+        for i in range(keys):
+            ch = b"abcdefghij"[i % 10 : i % 10 + 1]
+            t0 = time.perf_counter()
+            await stream.send_all(ch)
+            while ch not in await stream.receive_some(65536):
+                pass
+            out.append(time.perf_counter() - t0)
+        await stream.send_all(b"\x03exit\r")
+    return out
+
+
+async def ws_throughput(url: str, token: str, mbytes: int) -> tuple[float, list[int]]:
+    marker = "END-OF-BENCH"
+    command = f"yes | head -c {mbytes * 1_000_000}; echo; echo EN''D-OF-BENCH\r"
+    resyncs = [0, 0, 0, 0]
+
+    async def reader(ws: Any, idx: int, done: trio.Event) -> None:
+        tail = ""
+        while marker not in tail:
+            f = json.loads(await ws.get_message())
+            if f["type"] == "resync":
+                resyncs[idx] += 1
+            elif f["type"] == "output":
+                tail = tail[-20:] + f["data"]
+        done.set()
+
+    async with open_terminal(url) as ctl:
+        await ctl.send_message(json.dumps({"type": "open", "token": token}))
+        session = json.loads(await ctl.get_message())["session"]
+        observers = []
+        async with trio.open_nursery() as nursery:
+            conns = [ctl]
+            for _ in range(3):
+                cm = open_terminal(url)
+                obs = await cm.__aenter__()
+                observers.append(cm)
+                await obs.send_message(
+                    json.dumps(
+                        {"type": "open", "token": token, "mode": "observe", "session": session}
+                    )
+                )
+                assert json.loads(await obs.get_message())["type"] == "opened"
+                conns.append(obs)
+            await trio.sleep(0.3)
+            events = [trio.Event() for _ in conns]
+            t0 = time.perf_counter()
+            await ctl.send_message(json.dumps({"type": "input", "data": command}))
+            for i, ws in enumerate(conns):
+                nursery.start_soon(reader, ws, i, events[i])
+            for e in events:
+                await e.wait()
+            elapsed = time.perf_counter() - t0
+            nursery.cancel_scope.cancel()
+        for cm in observers:
+            await cm.__aexit__(None, None, None)
+    return elapsed, resyncs
+
+
+async def raw_throughput(engine: Any, container: str, user: str, mbytes: int) -> float:
+    exec_id = await engine.exec_create(
+        container, ["/bin/sh"], user=user, workdir="/", environment={"PATH": "/bin"},
+        stdin=True, tty=True,
+    )  # fmt: skip
+    es = await engine.exec_start(exec_id, tty=True)
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(es.sock))
+    async with stream:
+        await trio.sleep(0.3)
+        with trio.move_on_after(0.3):
+            while True:
+                await stream.receive_some(65536)
+        t0 = time.perf_counter()
+        await stream.send_all(
+            f"yes | head -c {mbytes * 1_000_000}; echo; echo EN''D-OF-BENCH\r".encode()
+        )
+        tail = b""
+        while b"END-OF-BENCH" not in tail:
+            tail = tail[-20:] + await stream.receive_some(1 << 20)
+        elapsed = time.perf_counter() - t0
+        await stream.send_all(b"exit\r")
+    return elapsed
+
+
+async def main(keys: int, mbytes: int) -> None:
+    os.environ["DOCKER_HOST"] = "unix:///var/run/docker.sock"
+    base = Path(tempfile.mkdtemp(prefix="sbst-bench-"))
+    try:
+        state, profiles, root = base / "state", base / "profiles", base / "roots"
+        state.mkdir(mode=0o700)
+        profiles.mkdir()
+        for shipped in (PROJECT_ROOT / "profiles").glob("*.toml"):
+            shutil.copy(shipped, profiles / shipped.name)
+        (profiles / "bench-term.toml").write_text(PROFILE)
+        project = root / "project"
+        project.mkdir(parents=True)
+        os.chown(project, 1000, 1000)
+        config = Config(
+            state_dir=str(state), adopt_roots=[str(root)], profiles_dir=str(profiles),
+            listen="127.0.0.1:0",
+        )  # fmt: skip
+        daemon = Daemon(config)
+        try:
+            async with trio.open_nursery() as nursery:
+                if daemon.execution is None:
+                    from substrate.execution import Execution
+
+                    daemon.execution = Execution(
+                        config, daemon.store, daemon.journal, daemon.state_dir
+                    )
+                    await nursery.start(daemon.execution.run)
+                await nursery.start(daemon.serve)
+                url = f"ws://127.0.0.1:{daemon.terminals.http.port}/pty"
+                async with open_client(state / "operator.sock") as op:
+                    ws = (await op.call("workspace.adopt", path=str(project)))["workspace"]
+
+                    async def grant(uses: int) -> str:
+                        g = await op.call(
+                            "grant.issue", kind="interactive_terminal", workspace=ws,
+                            profile="bench-term", uses=uses,
+                        )  # fmt: skip
+                        token: str = g["token"]
+                        return token
+
+                    lat_ws = await ws_latency(url, await grant(1), None, keys)
+                    sandbox = daemon.execution.containers.cached(ws, "bench-term")
+                    engine = daemon.execution.engine
+                    lat_raw = await raw_latency(engine, sandbox.id, str(sandbox.who), keys)
+                    ws_s, resyncs = await ws_throughput(url, await grant(4), mbytes)
+                    raw_s = await raw_throughput(engine, sandbox.id, str(sandbox.who), mbytes)
+                ms = 1000.0
+                print(f"keystroke echo, {keys} keys (ms):")
+                print(
+                    f"  websocket  p50 {statistics.median(lat_ws) * ms:.3f}  p99 {pct(lat_ws, 99) * ms:.3f}"
+                )
+                print(
+                    f"  raw attach p50 {statistics.median(lat_raw) * ms:.3f}  p99 {pct(lat_raw, 99) * ms:.3f}"
+                )
+                goal = 1.5 * statistics.median(lat_raw) * ms + 1
+                print(f"  goal p50 <= 1.5 x raw + 1 ms = {goal:.3f}: "
+                      f"{'met' if statistics.median(lat_ws) * ms <= goal else 'NOT met'}")  # fmt: skip
+                print(f"{mbytes} MB of output:")
+                print(f"  websocket, controller + 3 observers: {ws_s:.2f} s = {mbytes / ws_s:.1f} MB/s "
+                      f"(resyncs per client: {resyncs})")  # fmt: skip
+                print(
+                    f"  raw attach socket, one reader:      {raw_s:.2f} s = {mbytes / raw_s:.1f} MB/s"
+                )
+                nursery.cancel_scope.cancel()
+        finally:
+            daemon.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--keys", type=int, default=200)
+    parser.add_argument("--mbytes", type=int, default=100)
+    args = parser.parse_args()
+    trio.run(main, args.keys, args.mbytes)
