@@ -81,20 +81,27 @@ class _Client:
                 except ConnectionClosed:
                     self.finish(CLOSE_NORMAL, None, "disconnected")
                 if attached is not None:
-                    await self.send(
-                        frames.Opened(
-                            session=attached.live.session.id, mode=attached.mode, seq=attached.start
-                        )
-                    )
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(self._receiver, attached)
-                        nursery.start_soon(self._pinger)
-                        await self._sender(attached)
+                    await self._attached(attached)
         finally:
             # Detach first: the session must not wait for a polite close with a dead peer.
             if attached is not None:
                 self.terminals.detach(attached, self.reason)
         await self._close()
+
+    async def _attached(self, attached: Attached) -> None:
+        try:
+            await self.send(
+                frames.Opened(
+                    session=attached.live.session.id, mode=attached.mode, seq=attached.start
+                )
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._receiver, attached)
+                nursery.start_soon(self._pinger)
+                await self._sender(attached)
+        except ConnectionClosed:
+            # It went away while the session was starting: the session lives on.
+            self.finish(CLOSE_NORMAL, None, "disconnected")
 
     async def _first_frame(self) -> Open:
         with trio.move_on_after(self.settings.first_frame_timeout_s):
