@@ -256,9 +256,7 @@ async def test_disconnect_resume_and_resync(env: Env) -> None:
         text, seq2 = await read_until(ws, "second\r\n$ ")
         assert "first" not in text
         # Overflow the 1 MiB ring while nobody is attached.
-        await send(
-            ws, type="input", data="yes | head -c 3000000; echo; echo do$((2+2))ne\r"
-        )
+        await send(ws, type="input", data="yes | head -c 3000000; echo; echo do$((2+2))ne\r")
     await trio.sleep(3)
     async with open_terminal(env.url) as ws:
         await opened(ws, token, session=o["session"], since=seq2)
@@ -404,9 +402,7 @@ async def test_slow_and_silent_clients_never_stall_the_pty(env: Env) -> None:
                 )
             )
         )
-        await send(
-            ctl, type="input", data="yes | head -c 8000000; echo; echo fin$((1+1))shed\r"
-        )
+        await send(ctl, type="input", data="yes | head -c 8000000; echo; echo fin$((1+1))shed\r")
         await read_until(ctl, "fin2shed\r\n")  # the controller got everything, or a resync
         with trio.fail_after(20):
             while not any(  # noqa: ASYNC110
