@@ -61,7 +61,22 @@ KIND = "interactive_terminal"
 GrantState = Literal["active", "expired", "revoked", "consumed"]
 _TOKEN_RE = re.compile(r"^(g-[0-9a-f]{16})\.([A-Za-z0-9_-]{43})$")
 
-__all__ = ["KIND", "Grant", "Grants", "token_digest"]
+__all__ = ["KIND", "Grant", "Grants", "parse_duration", "token_digest"]
+
+
+_DURATION_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd]?)$")
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """`600`, `90s`, `10m`, `2h`, `1d` → seconds (for `substrate grant terminal --ttl`).
+
+    Raises ValueError for anything else, or for zero.
+    """
+    match = _DURATION_RE.match(text.strip())
+    if match is None or float(match.group(1)) == 0:
+        raise ValueError(f"not a duration: {text!r} (e.g. 600, 90s, 10m, 2h, 1d)")
+    return float(match.group(1)) * _UNITS[match.group(2)]
 
 
 def token_digest(token: str) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from substrate.errors import GrantConsumed, GrantExpired, GrantInvalid
-from substrate.grants import Grants, token_digest
+from substrate.grants import Grants, parse_duration, token_digest
 from substrate.journal import Journal
 from substrate.store import Store
 
@@ -133,3 +133,17 @@ def test_list_states_without_tokens(env: tuple[Grants, Journal, Store, Clock]) -
     states = {i.grant: i.state for i in g.list()}
     assert states == {a: "consumed", b: "expired", c: "revoked"}
     assert all(not hasattr(i, "token") for i in g.list())
+
+
+def test_parse_duration() -> None:
+    assert [parse_duration(t) for t in ["600", "90s", "10m", "2h", "1d", "1.5m"]] == [
+        600.0,
+        90.0,
+        600.0,
+        7200.0,
+        86400.0,
+        90.0,
+    ]
+    for bad in ["", "0", "-5m", "10 minutes", "m", "1w"]:
+        with pytest.raises(ValueError):
+            parse_duration(bad)
