@@ -76,6 +76,13 @@ async def recv(ws: WebSocketConnection) -> dict[str, Any]:
     return frame
 
 
+async def until_closed(ws: WebSocketConnection) -> None:
+    """Read until the server closes (so it has acted on what we sent)."""
+    with trio.fail_after(10), contextlib.suppress(ConnectionClosed):
+        while True:
+            await ws.get_message()
+
+
 async def send(ws: WebSocketConnection, **frame: Any) -> None:
     await ws.send_message(json.dumps(frame))
 
@@ -252,6 +259,7 @@ async def test_expired_revoked_consumed_non_interactive(env: Env) -> None:
     async with connect(env) as ws:
         await open_control(env, ws, used)
         await send(ws, type="close")
+        await until_closed(ws)
     spawned = len(env.ptys.spawned)
     for token, refusal in [
         (expired, "grant_expired"),
@@ -319,6 +327,8 @@ async def test_first_frame_not_open_and_timeout(env: Env) -> None:
 
 @pytest.mark.parametrize("size", [64 * 1024 + 1, 16 * 1024 * 1024])
 async def test_oversize_frames_4413(env: Env, size: int) -> None:
+    # A client masks a 16 MiB frame before its first byte leaves: give it time.
+    env.terminals.settings.first_frame_timeout_s = 30
     async with connect(env) as ws:
         with contextlib.suppress(ConnectionClosed):
             await ws.send_message("x" * size)
@@ -448,6 +458,7 @@ async def test_close_frame_ends_session_and_idle_timeout(env: Env) -> None:
     async with connect(env) as ws:
         await open_control(env, ws, env.token())
         await send(ws, type="close")
+        await until_closed(ws)
     env.terminals.settings.idle_timeout_s = 0.3
     async with connect(env) as ws:
         await open_control(env, ws, env.token())

@@ -14,6 +14,7 @@ past the ring, and it never slows the PTY or anyone else.
 from __future__ import annotations
 
 import logging
+import re
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
@@ -36,6 +37,7 @@ from substrate.pty.ring import Cursor
 from substrate.pty.terminals import Attached, Terminals
 
 log = logging.getLogger("substrate.pty")
+_GRANT_ID = re.compile(r"^g-[0-9a-f]{16}$")
 
 
 class _Client:
@@ -54,13 +56,23 @@ class _Client:
             self.reason = reason
         self.scope.cancel()
 
-    def refuse(self, exc: Refusal | FrameRefused) -> None:
+    def refuse(self, exc: Refusal | FrameRefused, opening: Open | None = None) -> None:
+        """End the connection with a refusal's error frame and close code; journal it."""
         if isinstance(exc, FrameRefused):
-            self.finish(exc.code, exc.frame(), exc.refusal)
+            name, code, error = exc.refusal, exc.code, exc.frame()
         else:
-            self.finish(
-                close_code_for(exc.name), Error(refusal=exc.name, message=exc.message), exc.name
-            )
+            name, code = exc.name, close_code_for(exc.name)
+            error = Error(refusal=name, message=exc.message)
+        data: dict[str, object] = {"refusal": name}
+        if opening is not None:
+            data["mode"] = opening.mode
+            if opening.session is not None:
+                data["session"] = opening.session
+            grant = opening.token.split(".", 1)[0]
+            if _GRANT_ID.match(grant):
+                data["grant"] = grant  # the id only: never the token
+        self.terminals.record("pty.refused", data, actor="web")
+        self.finish(code, error, name)
 
     async def send(self, frame: frames.ServerFrame) -> None:
         with trio.move_on_after(self.settings.send_timeout_s) as timer:
@@ -73,13 +85,22 @@ class _Client:
         attached: Attached | None = None
         try:
             with self.scope:
+                first: Open | None = None
                 try:
                     first = await self._first_frame()
                     attached = await self.terminals.open(first, self.finish)
                 except (Refusal, FrameRefused) as exc:
-                    self.refuse(exc)
+                    self.refuse(exc, first)
                 except ConnectionClosed:
                     self.finish(CLOSE_NORMAL, None, "disconnected")
+                except Exception:
+                    # Ours, not the peer's: keep the daemon up, tell the client, log why.
+                    log.exception("terminal open failed")
+                    self.finish(
+                        frames.CLOSE_FAILED,
+                        Error(refusal="internal", message="the session could not start"),
+                        "internal",
+                    )
                 if attached is not None:
                     await self._attached(attached)
         finally:

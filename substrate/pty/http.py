@@ -15,6 +15,7 @@ Messages are capped at 64 KiB: a larger one is refused with an `error` frame and
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -24,8 +25,9 @@ from typing import Any
 
 import h11
 import trio
-from trio_websocket import CloseReason, WebSocketConnection
+from trio_websocket import CloseReason, ConnectionClosed, WebSocketConnection
 from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
 from wsproto.events import CloseConnection, TextMessage
 
 from substrate.pty import frames
@@ -92,9 +94,11 @@ class _CappedWebSocket(WebSocketConnection):
         self._message_size = 0
         self._close_reason = CloseReason(frames.CLOSE_TOO_LARGE, message)
         error = frames.encode(frames.Error(refusal="too_large", message=message))
-        with trio.move_on_after(2):
-            await self._send(TextMessage(data=error))
-            await self._send(CloseConnection(code=frames.CLOSE_TOO_LARGE, reason="too_large"))
+        # Only while open: we may already be closing (e.g. the first-frame timeout fired).
+        if self._wsproto.state == ConnectionState.OPEN:
+            with trio.move_on_after(2), contextlib.suppress(ConnectionClosed):
+                await self._send(TextMessage(data=error))
+                await self._send(CloseConnection(code=frames.CLOSE_TOO_LARGE, reason="too_large"))
         await self._recv_channel.aclose()
         self._reader_running = False
 
