@@ -130,7 +130,8 @@ def test_readonly_differs_from_default_only_in_workspace() -> None:
 
 
 def test_gvisor_differs_from_default_in_runtime_and_seccomp() -> None:
-    assert _differences("gvisor") == {"runtime": "runsc", "seccomp": "engine-default"}
+    # pids is higher: gVisor's Sentry threads count against the container's pids limit.
+    assert _differences("gvisor") == {"runtime": "runsc", "seccomp": "engine-default", "pids": 1024}
 
 
 def test_interactive_differs_from_default_in_pty_and_term() -> None:
