@@ -44,7 +44,7 @@ GIB = 1 << 30
 
 def percentiles(xs: list[float]) -> tuple[float, float]:
     xs = sorted(xs)
-    return statistics.median(xs), xs[min(len(xs) - 1, int(round(0.95 * (len(xs) - 1))))]
+    return statistics.median(xs), xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
 
 
 def timed(fn: Callable[[], object], runs: int) -> list[float]:

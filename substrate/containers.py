@@ -52,8 +52,8 @@ import trio
 from substrate import facts as factlib
 from substrate import observe, paths, profiles, reaper, seccomp
 from substrate.engine import ContainerGone, Engine
-from substrate.errors import ConfinementUnmet, Refusal
-from substrate.facts import Fact
+from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
+from substrate.facts import Fact, FactValue
 from substrate.journal import Journal
 from substrate.profiles import Profile
 from substrate.workspaces import Workspace
@@ -98,13 +98,13 @@ def run_as(profile: Profile, owner_uid: int, owner_gid: int) -> RunAs:
                 "the workspace root is owned by root and profile "
                 f"{profile.name!r} does not allow running as root: chown the checkout to "
                 "its (non-root) user, e.g. `chown -R 1000:1000 <checkout>`",
-                required={"process.uid": "non-root"},
-                observed={"process.uid": 0},
+                required={"uid": "non-root"},
+                observed={"uid": 0},
             )
         raise ConfinementUnmet(
             f"profile {profile.name!r} runs as root without allow_root",
-            required={"process.uid": "non-root"},
-            observed={"process.uid": 0},
+            required={"uid": "non-root"},
+            observed={"uid": 0},
         )
     return who
 
@@ -151,6 +151,9 @@ def container_spec(
         "ipc_mode": "private",
         "log_config": {"type": "none"},  # the keep-alive prints nothing; no log files
         "restart_policy": {"Name": "no"},
+        # The engine reads the runtime from HostConfig only (docker-py's top-level
+        # `runtime` argument is silently ignored by it).
+        "runtime": profile.runtime,
     }
     return {
         "image": profile.image,
@@ -158,7 +161,6 @@ def container_spec(
         "user": str(who),
         "environment": dict(profile.env),
         "working_dir": WORKSPACE_TARGET if profile.workspace != "none" else "/",
-        "runtime": profile.runtime,
         "host_config": host_config,
     }
 
@@ -178,10 +180,6 @@ def spec_digest(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(
         json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
-
-
-def identity_fact(name: str, value: str) -> Fact:
-    return factlib.make_fact(name, value, source="procfs")
 
 
 @dataclass
@@ -302,7 +300,7 @@ class Containers:
         who = run_as(profile, owner.st_uid, owner.st_gid)
         if profile.runtime != "runc":
             await self._engine.require_runtime(profile.runtime)
-        await self._engine.image_id(profile.image)
+        image_id = await self._engine.image_id(profile.image)
         security_opt = await trio.to_thread.run_sync(
             _security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
         )
@@ -316,8 +314,10 @@ class Containers:
             workspace_mode=profile.workspace,
             readonly_dirs=[rel for rel, _ in ro_dirs],
             seccomp_expected=profile.seccomp != "engine-default",
+            image_id=image_id,
+            security_opt=security_opt,
         )
-        required += self._identity_required(ws, profile, ro_dirs, owner)
+        required.update(_identity_required(profile, ro_dirs, owner))
         ro_rels = [rel for rel, _ in ro_dirs]
         await self._remove_foreign(ws, profile, required, ro_rels)
 
@@ -336,27 +336,18 @@ class Containers:
         name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
         container = await self._engine.create_container(name=name, labels=labels, **spec)
         try:
-            await self._engine.start(container)
-            sandbox = await self._verify(container, ws, profile, who, required, ro_rels)
+            try:
+                await self._engine.start(container)
+                return await self._verify(container, ws, profile, who, required, ro_rels)
+            except (ContainerGone, ProcessLookupError):
+                raise RuntimeUnavailable(
+                    f"the sandbox of profile {profile.name!r} did not stay up (its image "
+                    "needs `sleep` accepting `infinity`)"
+                ) from None
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self._engine.remove(container)
             raise
-        return sandbox
-
-    def _identity_required(
-        self,
-        ws: Workspace,
-        profile: Profile,
-        ro_dirs: Sequence[tuple[str, tuple[int, int]]],
-        owner: os.stat_result,
-    ) -> list[Fact]:
-        if profile.workspace == "none":
-            return []
-        found = [identity_fact("workspace.identity", f"{owner.st_dev}:{owner.st_ino}")]
-        for rel, (dev, ino) in ro_dirs:
-            found.append(identity_fact(f"workspace.identity:{rel}", f"{dev}:{ino}"))
-        return found
 
     async def _verify(
         self,
@@ -364,7 +355,7 @@ class Containers:
         ws: Workspace,
         profile: Profile,
         who: RunAs,
-        required: list[Fact],
+        required: Mapping[str, FactValue],
         ro_rels: Sequence[str],
     ) -> Sandbox:
         inspect = await self._engine.inspect(container)
@@ -412,7 +403,7 @@ class Containers:
         def run() -> list[Fact]:
             found = list(observe.observe(init_pid, inspect, workspace_target=WORKSPACE_TARGET))
             if profile.workspace != "none":
-                found += _observed_identities(init_pid, ro_rels)
+                found += _observed_identities(_filesystem_pid(init_pid, profile), ro_rels)
             return found
 
         return await trio.to_thread.run_sync(run, limiter=self._fs_limiter)
@@ -422,7 +413,7 @@ class Containers:
         container: str,
         ws: Workspace,
         profile: Profile,
-        required: list[Fact],
+        required: Mapping[str, FactValue],
         observed: list[Fact],
     ) -> None:
         """Raise `confinement_unmet` (journalled) when an observed fact is not the required one."""
@@ -444,7 +435,11 @@ class Containers:
         )
 
     async def _remove_foreign(
-        self, ws: Workspace, profile: Profile, required: list[Fact], ro_rels: Sequence[str]
+        self,
+        ws: Workspace,
+        profile: Profile,
+        required: Mapping[str, FactValue],
+        ro_rels: Sequence[str],
     ) -> None:
         """Containers labelled as ours for this pair that we did not create: never reused."""
         mine = {s.id for s in self._live.values()}
@@ -527,6 +522,20 @@ def _security_opts(profile: Profile, seccomp_dir: Path) -> list[str]:
         ) from None
 
 
+def _identity_required(
+    profile: Profile,
+    ro_dirs: Sequence[tuple[str, tuple[int, int]]],
+    owner: os.stat_result,
+) -> dict[str, FactValue]:
+    """The mounts must be *our* directories: (st_dev, st_ino) of the held fds."""
+    if profile.workspace == "none":
+        return {}
+    found: dict[str, FactValue] = {"workspace_identity": f"{owner.st_dev}:{owner.st_ino}"}
+    for rel, (dev, ino) in ro_dirs:
+        found[f"workspace_identity:{rel}"] = f"{dev}:{ino}"
+    return found
+
+
 def _readonly_identities(ws: Workspace, profile: Profile) -> list[tuple[str, tuple[int, int]]]:
     """Policy read-only dirs that exist as real directories (no symlink on the way)."""
     if profile.workspace == "none":
@@ -547,20 +556,48 @@ def _readonly_identities(ws: Workspace, profile: Profile) -> list[tuple[str, tup
     return found
 
 
+def _filesystem_pid(init_pid: int, profile: Profile) -> int:
+    """The host process whose root shows the container's mounts.
+
+    Under runc, the container's init. Under runsc the init pid is the gVisor Sentry,
+    whose host root is not the container's; the gofer (`runsc-gofer`, in the same
+    cgroup) holds the container's mounts and serves every file the sandbox sees. If it
+    cannot be found, -1: every identity is then "absent", a mismatch (fail closed).
+    """
+    if profile.runtime in HOST_VISIBLE_RUNTIMES:
+        return init_pid
+    try:
+        dirs = reaper.CgroupDirs.of_pid(init_pid)
+    except OSError:
+        return -1
+    for pid in reaper.cgroup_pids(dirs):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv0 = f.read(256).split(b"\0", 1)[0]
+        except OSError:
+            continue
+        if argv0 == b"runsc-gofer":
+            return pid
+    return -1
+
+
 def _observed_identities(init_pid: int, readonly_dirs: Sequence[str]) -> list[Fact]:
     """(st_dev, st_ino) of /workspace and its read-only dirs, seen through the container's
     own root (`/proc/<pid>/root`), never following a symlink at the last component."""
-    root = f"/proc/{init_pid}/root{WORKSPACE_TARGET}"
     found: list[Fact] = []
-    for name, path in [("workspace.identity", root)] + [
-        (f"workspace.identity:{rel}", f"{root}/{rel}") for rel in readonly_dirs
-    ]:
+    targets = [("workspace_identity", WORKSPACE_TARGET)] + [
+        (f"workspace_identity:{rel}", f"{WORKSPACE_TARGET}/{rel}") for rel in readonly_dirs
+    ]
+    for name, target in targets:
+        path = f"/proc/{init_pid}/root{target}"
         try:
             st = os.lstat(path)
             value = f"{st.st_dev}:{st.st_ino}" if stat.S_ISDIR(st.st_mode) else "not-a-directory"
         except OSError:
             value = "absent"
-        found.append(identity_fact(name, value))
+        found.append(
+            factlib.make_fact(name, value, source=f"kernel:lstat {path}", observed_at=time.time())
+        )
     return found
 
 

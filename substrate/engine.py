@@ -199,7 +199,6 @@ class Engine:
         environment: Mapping[str, str],
         labels: Mapping[str, str],
         working_dir: str,
-        runtime: str,
         name: str,
         host_config: Mapping[str, Any],
     ) -> str:
@@ -222,7 +221,6 @@ class Engine:
                     environment=dict(environment),
                     labels=dict(labels),
                     working_dir=working_dir,
-                    runtime=runtime,
                     name=name,
                     network_disabled=False,
                     use_config_proxy=False,

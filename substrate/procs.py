@@ -29,6 +29,7 @@ container, never per command.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -358,7 +359,7 @@ class Processes:
                 deadline=t0 + limit_s,
             )
             await self._drive(run, stdin)
-            exit_code = await self._exit_code(exec_id)
+            exit_code = await self._exit_code(run)
             if exit_code is None and run.timed_out:
                 # Killed with its whole sandbox (gVisor): the engine lost the code.
                 exit_code = 128 + signal.SIGKILL
@@ -436,26 +437,26 @@ class Processes:
                 await run.pump_done.wait()
             if run.pump_done.is_set():
                 return
-            pid = await self._main_pid(run.exec_id)
-            if pid is not None and sandbox.host_visible:
-                async with trio.open_nursery() as nursery:
+            if sandbox.host_visible:
+                # Still streaming: watch the main process itself, so a background child
+                # holding the output pipe cannot keep the command "running".
+                pid = await self._started_pid(run.exec_id)
+                if pid is not None:
+                    async with trio.open_nursery() as nursery:
 
-                    async def main_exit() -> None:
-                        await reaper.wait_exit(pid)
-                        nursery.cancel_scope.cancel()
+                        async def main_exit() -> None:
+                            await reaper.wait_exit(pid)
+                            nursery.cancel_scope.cancel()
 
-                    async def stream_end() -> None:
-                        await run.pump_done.wait()
-                        nursery.cancel_scope.cancel()
+                        async def stream_end() -> None:
+                            await run.pump_done.wait()
+                            nursery.cancel_scope.cancel()
 
-                    nursery.start_soon(main_exit)
-                    nursery.start_soon(stream_end)
-            if run.pump_done.is_set():
-                return
-            if pid is None or sandbox.host_visible:
-                # The main process is gone but the stream is open: stragglers hold it.
-                run.main_exited = True
-                if sandbox.host_visible:
+                        nursery.start_soon(main_exit)
+                        nursery.start_soon(stream_end)
+                if not run.pump_done.is_set():
+                    # The main process is gone but the stream is open: stragglers hold it.
+                    run.main_exited = True
                     termed, killed = await reaper.terminate(
                         sandbox.cgroups,
                         run.proc,
@@ -465,6 +466,7 @@ class Processes:
                     )
                     run.reaped += termed
                     run.killed += killed
+            # Under gVisor the engine itself closes the stream soon after the main exits.
             await run.pump_done.wait()
         if run.pump_done.is_set():
             return
@@ -496,23 +498,57 @@ class Processes:
         stopped instead (its next command gets a fresh, verified one)."""
         await self._containers.forget(run.sandbox, "timeout")
 
-    async def _main_pid(self, exec_id: str) -> int | None:
-        info = await self._engine.exec_inspect(exec_id)
-        pid = int(info.get("Pid") or 0)
-        return pid if info.get("Running") and pid > 0 else None
+    async def _started_pid(self, exec_id: str) -> int | None:
+        """The exec's host pid once it runs; None once it has exited (or vanished).
 
-    async def _exit_code(self, exec_id: str) -> int | None:
-        # The engine sets the exit code as the stream closes; allow it a moment.
-        for delay in (0, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5):
-            await trio.sleep(delay)
+        An exec the engine has not started yet also reads `Running: false`, but with no
+        exit code: that one is asked again (a slow engine can take longer than
+        `MAIN_PROBE_S` to start a process).
+        """
+        for attempt in itertools.count():
             try:
                 info = await self._engine.exec_inspect(exec_id)
             except ContainerGone:
                 return None
+            pid = int(info.get("Pid") or 0)
+            if info.get("Running") and pid > 0:
+                return pid
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return None
+            await trio.sleep(min(0.05 * 2**attempt, 1.0))
+        raise AssertionError("unreachable")
+
+    async def _exit_code(self, run: _Run) -> int | None:
+        """The exit code once the main process has ended; None if the engine lost it.
+
+        The stream usually closes as the process exits, and the first inspect has the
+        code. A command can also close its output and go on running: then it is waited
+        for until the deadline, and killed there (`timed_out`).
+        """
+        with trio.move_on_at(run.deadline):
+            return await self._wait_exit(run)
+        run.timed_out = True
+        await self._kill(run)
+        with trio.move_on_after(GRACE_S):
+            return await self._wait_exit(run)
+        return None
+
+    async def _wait_exit(self, run: _Run) -> int | None:
+        for attempt in itertools.count():
+            try:
+                info = await self._engine.exec_inspect(run.exec_id)
+            except ContainerGone:
+                return None
             if not info.get("Running"):
                 code = info.get("ExitCode")
-                return int(code) if code is not None else None
-        return None
+                # Not running and no code yet: the engine is still recording the exit.
+                if code is not None or attempt >= 8:
+                    return int(code) if code is not None else None
+            elif run.sandbox.host_visible and int(info.get("Pid") or 0) > 0:
+                await reaper.wait_exit(int(info["Pid"]))  # it closed its output: wait on it
+                continue
+            await trio.sleep(min(0.005 * 2**attempt, 0.5))
+        raise AssertionError("unreachable")
 
     # -- records (blocking; worker threads) -------------------------------------------------
 

@@ -1,0 +1,52 @@
+"""Handlers of `proc.*` (SPEC §5): argv-only commands in verified sandboxes."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import TYPE_CHECKING
+
+from substrate.api.base import Caller, handles
+from substrate.errors import InvalidParams, RuntimeUnavailable
+from substrate.schema.proc import ProcResult, RunParams
+
+if TYPE_CHECKING:
+    from substrate.daemon import Daemon
+    from substrate.execution import Execution
+
+
+def execution_of(daemon: Daemon) -> Execution:
+    """The daemon's execution layer; `runtime_unavailable` when it was not set up."""
+    if daemon.execution is None:
+        raise RuntimeUnavailable("this daemon runs no execution layer")
+    found: Execution = daemon.execution
+    return found
+
+
+def stdin_bytes(p: RunParams) -> bytes | None:
+    """The command's stdin from `stdin` (text) or `stdin_b64`; both is invalid_params."""
+    if p.stdin is not None and p.stdin_b64 is not None:
+        raise InvalidParams("give stdin or stdin_b64, not both", path="$.stdin_b64")
+    if p.stdin is not None:
+        return p.stdin.encode("utf-8", "surrogatepass")
+    if p.stdin_b64 is not None:
+        try:
+            return base64.b64decode(p.stdin_b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidParams("stdin_b64 is not base64", path="$.stdin_b64") from None
+    return None
+
+
+@handles("proc.run")
+async def run(daemon: Daemon, caller: Caller, p: RunParams) -> ProcResult:
+    execution = execution_of(daemon)
+    ws = daemon.workspaces.get(p.workspace)
+    return await execution.processes.run(
+        ws,
+        p.profile,
+        p.argv,
+        cwd=p.cwd,
+        stdin=stdin_bytes(p),
+        timeout_s=p.timeout_s,
+        actor=caller.name,
+    )

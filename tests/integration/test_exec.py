@@ -1,0 +1,554 @@
+"""`proc.run`, `facts.probe` and `profile.*` against the real engine, through the socket.
+
+Each test starts a daemon in-process (its own state dir, adopt root and a copy of the
+shipped profiles plus a few test profiles), talks to it over its agent socket, and
+leaves nothing behind: the daemon removes its sandboxes when it stops, and the fixture
+removes anything still carrying its daemon id.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from substrate import reaper
+from substrate.client import AsyncClient, RpcError, open_client
+from substrate.config import PROJECT_ROOT, Config
+from substrate.containers import LABEL_DAEMON, LABEL_EPOCH, daemon_id_for
+from substrate.daemon import Daemon
+
+OWNER = 1000
+
+#: Test-only profiles, written next to copies of the shipped ones.
+TEST_PROFILES = {
+    "allowlisted": 'image = "substrate-tiny:latest"\nmemory = "64m"\nargv_allow = ["echo"]\n',
+    "smallmem": 'image = "substrate-tiny:latest"\nmemory = "32m"\n',
+    "smalltmp": 'image = "substrate-tiny:latest"\nmemory = "64m"\ntmpfs = { "/tmp" = "1m" }\n',
+    "fewpids": 'image = "substrate-tiny:latest"\nmemory = "64m"\npids = 48\ntimeout_s = 30\n',
+    "smallout": 'image = "substrate-tiny:latest"\nmemory = "64m"\nmax_output_bytes = 100000\n',
+}
+
+
+@dataclass
+class Env:
+    daemon: Daemon
+    client: AsyncClient
+    root: Path
+    ws: str
+    ws_path: Path
+
+    async def run(self, argv: list[str], profile: str = "tiny", **params: Any) -> Any:
+        return await self.client.call(
+            "proc.run", workspace=self.ws, profile=profile, argv=argv, **params
+        )
+
+    async def refusal(self, argv: list[str], profile: str = "tiny", **params: Any) -> RpcError:
+        with pytest.raises(RpcError) as caught:
+            await self.run(argv, profile, **params)
+        return caught.value
+
+    def sandbox_pids(self, profile: str = "tiny") -> list[int]:
+        """Host pids in the sandbox other than its init and keep-alive."""
+        sandbox = self.daemon.execution.containers.cached(self.ws, profile)
+        assert sandbox is not None
+        return [p for p in reaper.cgroup_pids(sandbox.cgroups) if p not in sandbox.protected]
+
+
+def text(ref: dict[str, Any]) -> str:
+    assert ref["encoding"] == "utf-8", ref
+    value: str = ref["inline"]
+    return value
+
+
+def chown_tree(path: Path, uid: int) -> None:
+    os.chown(path, uid, uid)
+    for base, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.chown(os.path.join(base, name), uid, uid, follow_symlinks=False)
+
+
+@pytest.fixture
+def profiles_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "profiles"
+    out.mkdir()
+    for shipped in (PROJECT_ROOT / "profiles").glob("*.toml"):
+        shutil.copy(shipped, out / shipped.name)
+    for name, body in TEST_PROFILES.items():
+        (out / f"{name}.toml").write_text(body)
+    return out
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    return state
+
+
+@pytest.fixture
+def adopt_root(tmp_path: Path) -> Path:
+    root = tmp_path / "roots"
+    project = root / "project"
+    (project / ".git" / "hooks").mkdir(parents=True)
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (project / "sub").mkdir()
+    (project / "README").write_text("hello\n")
+    os.symlink("/", project / "escape")
+    chown_tree(project, OWNER)
+    return root
+
+
+@pytest.fixture
+def leftovers(docker_client: Any, state_dir: Path) -> Iterator[str]:
+    """This test's daemon id; whatever still carries it at the end is removed."""
+    daemon_id = daemon_id_for(state_dir)
+    yield daemon_id
+    for ctr in docker_client.api.containers(
+        all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"}
+    ):
+        docker_client.api.remove_container(ctr["Id"], force=True, v=True)
+
+
+def make_config(state_dir: Path, adopt_root: Path, profiles_dir: Path, **extra: Any) -> Config:
+    return Config(
+        state_dir=str(state_dir),
+        adopt_roots=[str(adopt_root)],
+        profiles_dir=str(profiles_dir),
+        **extra,
+    )
+
+
+@pytest.fixture
+async def env(
+    tiny_image: str,
+    leftovers: str,
+    state_dir: Path,
+    adopt_root: Path,
+    profiles_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[Env]:
+    # The daemon's own engine address must never reach a sandbox.
+    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
+    daemon = Daemon(make_config(state_dir, adopt_root, profiles_dir))
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            async with open_client(state_dir / "substrate.sock") as client:
+                ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+                yield Env(daemon, client, adopt_root, ws["workspace"], adopt_root / "project")
+            nursery.cancel_scope.cancel()
+    finally:
+        daemon.close()
+
+
+# --- argv, exit codes, stdin, cwd ------------------------------------------------------------
+
+
+async def test_argv_is_never_a_shell_line(env: Env) -> None:
+    result = await env.run(["echo", "$(id)", ";", "rm", "-rf", "/"])
+    assert result["exit_code"] == 0
+    assert text(result["stdout"]) == "$(id) ; rm -rf /\n"
+    assert (env.ws_path / "README").exists()
+
+
+async def test_exit_codes_and_stderr(env: Env) -> None:
+    result = await env.run(["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (result["exit_code"], result["signal"], result["timed_out"]) == (3, None, False)
+    assert text(result["stdout"]) == "out\n"
+    assert text(result["stderr"]) == "err\n"
+    assert (await env.run(["false"]))["exit_code"] == 1
+
+
+async def test_stdin_text_and_bytes(env: Env) -> None:
+    result = await env.run(["cat"], stdin="hello\nworld\n")
+    assert text(result["stdout"]) == "hello\nworld\n"
+    raw = bytes(range(256))
+    result = await env.run(["cat"], stdin_b64=base64.b64encode(raw).decode())
+    assert result["stdout"]["encoding"] == "base64"
+    assert base64.b64decode(result["stdout"]["inline"]) == raw
+    no_stdin = await env.run(["cat"])
+    assert no_stdin["stdout"]["bytes"] == 0
+
+
+async def test_cwd_and_owner(env: Env) -> None:
+    assert text((await env.run(["pwd"]))["stdout"]) == "/workspace\n"
+    assert text((await env.run(["pwd"], cwd="sub"))["stdout"]) == "/workspace/sub\n"
+    assert text((await env.run(["id", "-u"]))["stdout"]) == f"{OWNER}\n"
+    await env.run(["sh", "-c", "echo made > /workspace/sub/new"])
+    assert (env.ws_path / "sub" / "new").stat().st_uid == OWNER
+
+
+@pytest.mark.parametrize(
+    ("cwd", "refusal"),
+    [
+        ("..", "path_invalid"),
+        ("sub/../..", "path_invalid"),
+        ("/etc", "path_invalid"),
+        ("escape", "symlink_refused"),
+        ("missing", "not_found"),
+        ("README", "not_a_directory"),
+    ],
+)
+async def test_cwd_outside_the_workspace_is_refused(env: Env, cwd: str, refusal: str) -> None:
+    assert (await env.refusal(["pwd"], cwd=cwd)).refusal == refusal
+
+
+# --- refusals before anything runs --------------------------------------------------------------
+
+
+async def test_argv_refusals(env: Env) -> None:
+    assert (await env.refusal([])).refusal == "argv_denied"
+    assert (await env.refusal(["echo", "a\x00b"])).refusal == "argv_denied"
+    assert (await env.refusal(["cat", "/etc/passwd"], "allowlisted")).refusal == "argv_denied"
+    allowed = await env.run(["echo", "fine"], "allowlisted")
+    assert text(allowed["stdout"]) == "fine\n"
+
+
+async def test_unknown_profile_and_timeout_above_profile(env: Env) -> None:
+    assert (await env.refusal(["true"], "no-such-profile")).refusal == "profile_unknown"
+    assert (await env.refusal(["true"], timeout_s=100000)).refusal == "limit_exceeded"
+    both = await env.refusal(["cat"], stdin="a", stdin_b64="YQ==")
+    assert both.refusal == "invalid_params"
+    assert env.daemon.execution.containers.cached(env.ws, "tiny") is None  # nothing ran
+
+
+async def test_root_owned_workspace_is_refused(env: Env) -> None:
+    rooted = env.root / "rooted"
+    rooted.mkdir()
+    ws = await env.client.call("workspace.adopt", path=str(rooted))
+    with pytest.raises(RpcError) as caught:
+        await env.client.call("proc.run", workspace=ws["workspace"], profile="tiny", argv=["id"])
+    assert caught.value.refusal == "confinement_unmet"
+    assert "chown" in caught.value.message
+
+
+# --- timeouts, stragglers, hostile commands -------------------------------------------------------
+
+
+async def test_term_ignoring_process_is_killed_after_grace(env: Env) -> None:
+    script = "trap '' TERM; echo ready; while :; do sleep 1; done"
+    result = await env.run(["sh", "-c", script], timeout_s=1)
+    assert result["timed_out"] is True
+    assert (result["exit_code"], result["signal"]) == (137, "KILL")
+    assert text(result["stdout"]) == "ready\n"
+    assert env.sandbox_pids() == []
+
+
+async def test_double_forking_term_ignoring_tree_is_gone(env: Env) -> None:
+    # The grandchild is re-parented to the container's init: only the marker finds it.
+    script = "trap '' TERM; (trap '' TERM; (trap '' TERM; sleep 1000) & ) ; sleep 1000"
+    result = await env.run(["sh", "-c", script], timeout_s=1)
+    assert result["timed_out"] is True
+    assert env.sandbox_pids() == []
+
+
+async def test_scrubbed_environment_double_fork_is_reaped(env: Env) -> None:
+    # `env -i` drops the marker; nothing else runs in the sandbox, so it is still reaped.
+    script = "(env -i sh -c 'sleep 1000' &) ; true"
+    result = await env.run(["sh", "-c", script])
+    assert result["exit_code"] == 0
+    assert env.sandbox_pids() == []
+
+
+async def test_background_children_are_reaped(env: Env) -> None:
+    detached = await env.run(["sh", "-c", "sleep 1000 >/dev/null 2>&1 &"])
+    assert detached["exit_code"] == 0
+    assert env.sandbox_pids() == []
+    # This one keeps the output pipe open: the command still ends when its main process does.
+    holding = await env.run(["sh", "-c", "sleep 1000 & echo started"])
+    assert (holding["exit_code"], holding["timed_out"]) == (0, False)
+    assert text(holding["stdout"]) == "started\n"
+    assert env.sandbox_pids() == []
+
+
+async def test_command_that_closes_its_output_is_still_waited_for(env: Env) -> None:
+    quiet = await env.run(["sh", "-c", "exec >&- 2>&-; sleep 1; exit 5"])
+    assert (quiet["exit_code"], quiet["timed_out"]) == (5, False)
+    stuck = await env.run(["sh", "-c", "exec >&- 2>&-; sleep 1000"], timeout_s=1)
+    assert (stuck["timed_out"], stuck["exit_code"]) == (True, 143)
+    assert env.sandbox_pids() == []
+
+
+async def test_fork_bomb_is_contained(env: Env) -> None:
+    async def bomb() -> Any:
+        return await env.run(["sh", "-c", "f() { f | f & }; f; sleep 3"], "fewpids", timeout_s=10)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bomb)
+        await trio.sleep(1)
+        status = await env.client.call("daemon.status")  # still answering
+        assert status["engine"]["reachable"] is True
+    assert env.sandbox_pids("fewpids") == []
+    after = await env.run(["echo", "ok"], "fewpids")
+    assert text(after["stdout"]) == "ok\n"
+
+
+async def test_memory_bomb_is_oom_killed(env: Env) -> None:
+    result = await env.run(["tail", "/dev/zero"], "smallmem", timeout_s=60)
+    assert result["oom_killed"] is True
+    assert (result["exit_code"], result["signal"]) == (137, "KILL")
+
+
+async def test_oom_of_a_child_is_reported(env: Env) -> None:
+    result = await env.run(["sh", "-c", "tail /dev/zero; echo survived"], "smallmem", timeout_s=60)
+    assert result["oom_killed"] is True
+    assert result["exit_code"] == 0
+    assert text(result["stdout"]) == "survived\n"
+
+
+async def test_filling_tmp_gives_enospc_inside(env: Env) -> None:
+    result = await env.run(["dd", "if=/dev/zero", "of=/tmp/fill", "bs=64k", "count=64"], "smalltmp")
+    assert result["exit_code"] != 0
+    assert "No space left on device" in text(result["stderr"])
+
+
+async def test_git_dir_is_read_only_inside(env: Env) -> None:
+    result = await env.run(["sh", "-c", "echo evil > /workspace/.git/hooks/x"])
+    assert result["exit_code"] != 0
+    assert "Read-only file system" in text(result["stderr"])
+    assert not (env.ws_path / ".git" / "hooks" / "x").exists()
+    ok = await env.run(["sh", "-c", "echo fine > /workspace/ok"])
+    assert ok["exit_code"] == 0
+    assert (env.ws_path / "ok").read_text() == "fine\n"
+
+
+async def test_no_engine_socket_or_address_inside(env: Env) -> None:
+    probe = "ls /var/run/docker.sock /run/docker.sock 2>&1; env"
+    result = await env.run(["sh", "-c", probe])
+    out = text(result["stdout"])
+    assert out.count("No such file or directory") == 2
+    assert "DOCKER" not in out
+    names = {line.split("=", 1)[0] for line in out.splitlines() if "=" in line}
+    assert names <= {"LANG", "PATH", "HOME", "SUBSTRATE_PROC", "PWD", "SHLVL", "HOSTNAME"}
+
+
+async def test_output_past_max_is_truncated(env: Env) -> None:
+    result = await env.run(["yes"], "smallout", timeout_s=2)
+    assert result["timed_out"] is True, {k: v for k, v in result.items() if k != "facts"}
+    out = result["stdout"]
+    assert out["truncated"] is True
+    assert out["bytes"] == 100000
+    assert out["artifact"].startswith("art_")
+    assert out["preview_head"].startswith("y\ny\n")
+
+
+async def test_large_output_becomes_an_artifact(env: Env) -> None:
+    result = await env.run(["sh", "-c", "head -c 300000 /dev/zero | tr '\\0' a"])
+    out = result["stdout"]
+    assert (out["bytes"], out["truncated"]) == (300000, False)
+    assert "inline" not in out
+    assert len(out["preview_head"].encode()) <= 4096
+    stat = await env.client.call("artifact.stat", artifact=out["artifact"])
+    assert (stat["bytes"], stat["sha256"]) == (300000, out["sha256"])
+
+
+async def test_default_profile_runs_python_and_git(env: Env, sandbox_image: str) -> None:
+    script = "import os, sys; print(sys.version_info[0], os.getuid())"
+    result = await env.run(["python3", "-c", script], "default")
+    assert text(result["stdout"]) == f"3 {OWNER}\n"
+    git = await env.run(["git", "--version"], "default")
+    assert text(git["stdout"]).startswith("git version")
+    hooks = await env.run(["touch", "/workspace/.git/hooks/x"], "default")
+    assert hooks["exit_code"] != 0
+    assert not (env.ws_path / ".git" / "hooks" / "x").exists()
+
+
+# --- journal ------------------------------------------------------------------------------------
+
+
+async def test_journal_has_facts_and_outcomes_never_output(env: Env) -> None:
+    marker = "output-marker-5f1c"
+    await env.run(["echo", marker])
+    entries = (await env.client.call("journal.read", workspace=env.ws))["entries"]
+    kinds = [e["kind"] for e in entries]
+    assert "proc.facts" in kinds
+    started = next(e for e in entries if e["kind"] == "proc.started")
+    exited = next(e for e in entries if e["kind"] == "proc.exited")
+    assert started["data"]["argv"] == ["echo", marker]
+    assert exited["data"]["exit_code"] == 0
+    assert exited["data"]["stdout"]["bytes"] == len(marker) + 1
+    assert all(marker not in str(e["data"]) for e in entries if e["kind"] != "proc.started")
+
+
+# --- sandboxes: facts, labels, reuse, lifecycle ---------------------------------------------------
+
+
+def labelled(docker_client: Any, daemon_id: str) -> list[str]:
+    """Ids of the containers carrying `daemon_id` (one list call: no per-container race)."""
+    found = docker_client.api.containers(all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"})
+    return [str(c["Id"]) for c in found]
+
+
+async def gone(docker_client: Any, daemon_id: str) -> None:
+    """Wait (polling the engine, at most 30 s) until no container carries `daemon_id`."""
+    with trio.fail_after(30):
+        for _ in itertools.count():
+            if not labelled(docker_client, daemon_id):
+                return
+            await trio.sleep(0.1)
+
+
+async def test_profiles_are_listed_and_shown(env: Env) -> None:
+    listed = (await env.client.call("profile.list"))["profiles"]
+    names = {p["name"] for p in listed}
+    assert {"default", "readonly", "gvisor", "interactive", "tiny"} <= names
+    tiny = await env.client.call("profile.get", name="tiny")
+    assert (tiny["name"], tiny["image"], tiny["workspace"]) == (
+        "tiny",
+        "substrate-tiny:latest",
+        "rw",
+    )
+    with pytest.raises(RpcError) as caught:
+        await env.client.call("profile.get", name="nope")
+    assert caught.value.refusal == "profile_unknown"
+
+
+async def test_probe_returns_facts_and_runs_nothing(env: Env, docker_client: Any) -> None:
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="tiny")
+    assert probe["facts"]
+    assert all({"name", "source"} <= set(fact) for fact in probe["facts"])
+    result = await env.run(["true"])
+    assert result["facts"] == probe["facts"]  # verified once per container
+    assert len(labelled(docker_client, env.daemon.execution.daemon_id)) == 1
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "fact"),
+    [("read_only", False, "rootfs_readonly"), ("cap_add", ["SYS_ADMIN"], "cap_bnd")],
+)
+async def test_weaker_container_with_our_labels_is_refused_never_reused(
+    env: Env,
+    docker_client: Any,
+    test_labels: dict[str, str],
+    setting: str,
+    value: Any,
+    fact: str,
+) -> None:
+    from substrate import profiles as profile_lib
+    from substrate.containers import RunAs, container_spec
+
+    execution = env.daemon.execution
+    profile = execution.profile("tiny")
+    spec = container_spec(
+        profile,
+        who=RunAs(OWNER, OWNER),
+        workspace_source=str(env.ws_path),
+        readonly_dirs=[".git"],
+        security_opt=profile_lib.security_opts(profile, PROJECT_ROOT / "seccomp"),
+    )
+    spec["host_config"][setting] = value  # the one weaker setting
+    labels = {
+        **test_labels,
+        **execution.containers.labels_for(env.ws, "tiny"),
+        LABEL_EPOCH: str(env.daemon.epoch),
+    }
+    api = docker_client.api
+    host_config = api.create_host_config(**spec.pop("host_config"))
+    planted = api.create_container(**spec, labels=labels, host_config=host_config)["Id"]
+    api.start(planted)
+
+    refused = await env.refusal(["true"])
+    assert refused.refusal == "confinement_unmet"
+    assert fact in refused.data["observed"]
+    assert planted not in labelled(
+        docker_client, execution.daemon_id
+    )  # removed, so it can never be reused
+    result = await env.run(["sh", "-c", "touch /etc/x 2>&1; echo $?"])
+    assert text(result["stdout"]).strip().endswith("1")  # the fresh one has a read-only root
+    entries = (await env.client.call("journal.read", workspace=env.ws))["entries"]
+    assert any(e["kind"] == "proc.facts" and e["data"]["ok"] is False for e in entries)
+
+
+async def test_network_namespace_has_only_loopback(env: Env) -> None:
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="tiny")
+    facts = {f["name"]: f for f in probe["facts"]}
+    assert facts["net_links"]["value"] == ["lo"]
+    assert facts["net_routes"]["value"] == []
+    assert facts["net_links"]["source"].startswith("netns:pyroute2")
+    assert facts["workspace_identity"]["value"] == "{0.st_dev}:{0.st_ino}".format(
+        env.ws_path.stat()
+    )
+
+
+async def test_gvisor_profile_runs_under_runsc(env: Env, sandbox_image: str) -> None:
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="gvisor")
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    assert facts["runtime"] == "runsc"
+    assert facts["net_links"] == ["lo"]
+    result = await env.run(["python3", "-c", "print(6 * 7)"], "gvisor")
+    assert text(result["stdout"]) == "42\n"
+    stuck = await env.run(["sh", "-c", "trap '' TERM; sleep 1000"], "gvisor", timeout_s=1)
+    assert (stuck["timed_out"], stuck["exit_code"], stuck["signal"]) == (True, 137, "KILL")
+    after = await env.run(["echo", "fresh"], "gvisor")
+    assert text(after["stdout"]) == "fresh\n"
+
+
+async def test_release_removes_the_workspace_sandboxes(env: Env, docker_client: Any) -> None:
+    await env.run(["true"])
+    assert len(labelled(docker_client, env.daemon.execution.daemon_id)) == 1
+    await env.client.call("workspace.release", workspace=env.ws)
+    assert labelled(docker_client, env.daemon.execution.daemon_id) == []
+
+
+async def test_restart_reaps_what_a_previous_run_left(
+    tiny_image: str,
+    leftovers: str,
+    state_dir: Path,
+    adopt_root: Path,
+    profiles_dir: Path,
+    docker_client: Any,
+    test_labels: dict[str, str],
+) -> None:
+    stale = docker_client.containers.create(
+        tiny_image,
+        ["sleep", "infinity"],
+        labels={**test_labels, LABEL_DAEMON: leftovers, LABEL_EPOCH: "0"},
+        network_mode="none",
+    )
+    daemon = Daemon(make_config(state_dir, adopt_root, profiles_dir))
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            await gone(docker_client, leftovers)
+            nursery.cancel_scope.cancel()
+    finally:
+        daemon.close()
+    assert stale.id not in labelled(docker_client, leftovers)
+
+
+async def test_idle_sandbox_is_removed(
+    tiny_image: str,
+    leftovers: str,
+    state_dir: Path,
+    adopt_root: Path,
+    profiles_dir: Path,
+    docker_client: Any,
+) -> None:
+    config = make_config(state_dir, adopt_root, profiles_dir, container_idle_s=0.5)
+    daemon = Daemon(config)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            async with open_client(state_dir / "substrate.sock") as client:
+                ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+                await client.call(
+                    "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
+                )
+                assert len(labelled(docker_client, leftovers)) == 1
+                await gone(docker_client, leftovers)
+                again = await client.call(
+                    "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
+                )
+                assert again["exit_code"] == 0
+            nursery.cancel_scope.cancel()
+    finally:
+        daemon.close()

@@ -1,0 +1,82 @@
+"""Pure parts of `substrate.containers`: who runs, and the create request."""
+
+from __future__ import annotations
+
+import pytest
+
+from substrate.containers import (
+    KEEPALIVE,
+    RunAs,
+    container_spec,
+    run_as,
+    spec_digest,
+    tmpfs_options,
+)
+from substrate.errors import ConfinementUnmet
+from substrate.profiles import Profile
+
+
+def test_owner_runs_and_root_needs_allow_root() -> None:
+    assert run_as(Profile(name="p"), 1000, 1001) == RunAs(1000, 1001)
+    assert run_as(Profile(name="p", user="2000:3000"), 1000, 1000) == RunAs(2000, 3000)
+    with pytest.raises(ConfinementUnmet) as caught:
+        run_as(Profile(name="p"), 0, 0)
+    assert "chown" in caught.value.message
+    assert run_as(Profile(name="p", allow_root=True), 0, 0) == RunAs(0, 0)
+    with pytest.raises(ConfinementUnmet):
+        run_as(Profile(name="p", user="0:0"), 1000, 1000)
+
+
+def spec(profile: Profile, **kw: object) -> dict[str, object]:
+    args: dict[str, object] = {
+        "who": RunAs(1000, 1000),
+        "workspace_source": "/src/proj",
+        "readonly_dirs": [".git"],
+        "security_opt": ["no-new-privileges", "seccomp={}"],
+    }
+    args.update(kw)
+    return container_spec(profile, **args)  # type: ignore[arg-type]
+
+
+def test_spec_comes_from_the_profile_only() -> None:
+    profile = Profile(name="p", memory="256m", pids=64, cpus=1.5, capabilities=["CHOWN"])
+    out = spec(profile)
+    host = out["host_config"]
+    assert isinstance(host, dict)
+    assert out["command"] == list(KEEPALIVE)
+    assert out["user"] == "1000:1000"
+    assert out["environment"] == profile.env
+    assert host["network_mode"] == "none"
+    assert host["read_only"] is True
+    assert host["cap_drop"] == ["ALL"] and host["cap_add"] == ["CHOWN"]
+    assert host["pids_limit"] == 64 and host["nano_cpus"] == 1_500_000_000
+    assert host["mem_limit"] == host["memswap_limit"] == "256m"
+    assert host["security_opt"] == ["no-new-privileges", "seccomp={}"]
+    assert host["init"] is True and host["privileged"] is False
+    # The engine reads the runtime from HostConfig only: a top-level one is ignored.
+    assert host["runtime"] == "runc" and "runtime" not in out
+    gvisor = spec(Profile(name="g", runtime="runsc", seccomp="engine-default"))
+    assert gvisor["host_config"]["runtime"] == "runsc"  # type: ignore[index]
+    assert host["tmpfs"] == {"/tmp": tmpfs_options("256m")}
+    mounts = host["mounts"]
+    assert [(m["Source"], m["Target"], m["ReadOnly"]) for m in mounts] == [
+        ("/src/proj", "/workspace", False),
+        ("/src/proj/.git", "/workspace/.git", True),
+    ]
+    assert "docker.sock" not in repr(out)
+
+
+def test_workspace_modes() -> None:
+    ro = spec(Profile(name="p", workspace="ro"))["host_config"]
+    assert isinstance(ro, dict)
+    assert ro["mounts"][0]["ReadOnly"] is True
+    none = spec(Profile(name="p", workspace="none"))
+    assert none["host_config"]["mounts"] == []  # type: ignore[index]
+    assert none["working_dir"] == "/"
+
+
+def test_digest_changes_with_any_setting() -> None:
+    base = spec_digest(spec(Profile(name="p")))
+    assert base == spec_digest(spec(Profile(name="p")))
+    assert base != spec_digest(spec(Profile(name="p", read_only_rootfs=False)))
+    assert base != spec_digest(spec(Profile(name="p"), readonly_dirs=[]))
