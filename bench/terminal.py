@@ -13,6 +13,7 @@ Usage: python bench/terminal.py [--keys 200] [--mbytes 100]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -37,6 +38,19 @@ PROFILE = (
     'image = "substrate-tiny:latest"\nmemory = "256m"\ninteractive = true\n'
     'env = { PATH = "/bin", HOME = "/tmp", SHELL = "/bin/sh", PS1 = "$ " }\n'
 )
+
+
+#: The shell's environment on the raw path: what the PTY path gives it, minus the marker.
+RAW_ENV = {"PATH": "/bin", "HOME": "/tmp", "TERM": "xterm-256color", "PS1": "$ "}
+
+
+def producer(mbytes: int) -> str:
+    """A shell line printing `mbytes` MB in large writes, then a marker its echo lacks."""
+    blocks = mbytes * 1_000_000 // 65536
+    return (
+        f"dd if=/dev/zero bs=65536 count={blocks} 2>/dev/null | tr '\\0' x;"
+        " echo; echo EN''D-OF-BENCH"
+    )
 
 
 def pct(values: list[float], p: float) -> float:
@@ -72,10 +86,11 @@ async def ws_latency(url: str, token: str, session: str | None, keys: int) -> li
 
 async def raw_latency(engine: Any, container: str, user: str, keys: int) -> list[float]:
     exec_id = await engine.exec_create(
-        container, ["/bin/sh"], user=user, workdir="/", environment={"PATH": "/bin"},
+        container, ["/bin/sh"], user=user, workdir="/workspace", environment=RAW_ENV,
         stdin=True, tty=True,
     )  # fmt: skip
     es = await engine.exec_start(exec_id, tty=True)
+    await engine.exec_resize(exec_id, rows=24, cols=80)  # as the PTY path does
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(es.sock))
     out: list[float] = []
     async with stream:
@@ -95,10 +110,11 @@ async def raw_latency(engine: Any, container: str, user: str, keys: int) -> list
     return out
 
 
-async def ws_throughput(url: str, token: str, mbytes: int) -> tuple[float, list[int]]:
+async def ws_throughput(url: str, token: str, mbytes: int) -> tuple[float, list[int], list[int]]:
     marker = "END-OF-BENCH"
-    command = f"yes | head -c {mbytes * 1_000_000}; echo; echo EN''D-OF-BENCH\r"
+    command = producer(mbytes) + "\r"
     resyncs = [0, 0, 0, 0]
+    received = [0, 0, 0, 0]
 
     async def reader(ws: Any, idx: int, done: trio.Event) -> None:
         tail = ""
@@ -108,27 +124,24 @@ async def ws_throughput(url: str, token: str, mbytes: int) -> tuple[float, list[
                 resyncs[idx] += 1
             elif f["type"] == "output":
                 tail = tail[-20:] + f["data"]
+                received[idx] += len(f["data"])
         done.set()
 
-    async with open_terminal(url) as ctl:
+    async with contextlib.AsyncExitStack() as stack:
+        ctl = await stack.enter_async_context(open_terminal(url))
         await ctl.send_message(json.dumps({"type": "open", "token": token}))
         session = json.loads(await ctl.get_message())["session"]
-        observers = []
+        conns = [ctl]
+        for _ in range(3):
+            obs = await stack.enter_async_context(open_terminal(url))
+            await obs.send_message(
+                json.dumps({"type": "open", "token": token, "mode": "observe", "session": session})
+            )
+            assert json.loads(await obs.get_message())["type"] == "opened"
+            conns.append(obs)
+        await trio.sleep(0.5)
+        events = [trio.Event() for _ in conns]
         async with trio.open_nursery() as nursery:
-            conns = [ctl]
-            for _ in range(3):
-                cm = open_terminal(url)
-                obs = await cm.__aenter__()
-                observers.append(cm)
-                await obs.send_message(
-                    json.dumps(
-                        {"type": "open", "token": token, "mode": "observe", "session": session}
-                    )
-                )
-                assert json.loads(await obs.get_message())["type"] == "opened"
-                conns.append(obs)
-            await trio.sleep(0.3)
-            events = [trio.Event() for _ in conns]
             t0 = time.perf_counter()
             await ctl.send_message(json.dumps({"type": "input", "data": command}))
             for i, ws in enumerate(conns):
@@ -137,17 +150,16 @@ async def ws_throughput(url: str, token: str, mbytes: int) -> tuple[float, list[
                 await e.wait()
             elapsed = time.perf_counter() - t0
             nursery.cancel_scope.cancel()
-        for cm in observers:
-            await cm.__aexit__(None, None, None)
-    return elapsed, resyncs
+    return elapsed, resyncs, received
 
 
 async def raw_throughput(engine: Any, container: str, user: str, mbytes: int) -> float:
     exec_id = await engine.exec_create(
-        container, ["/bin/sh"], user=user, workdir="/", environment={"PATH": "/bin"},
+        container, ["/bin/sh"], user=user, workdir="/workspace", environment=RAW_ENV,
         stdin=True, tty=True,
     )  # fmt: skip
     es = await engine.exec_start(exec_id, tty=True)
+    await engine.exec_resize(exec_id, rows=24, cols=80)  # as the PTY path does
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(es.sock))
     async with stream:
         await trio.sleep(0.3)
@@ -155,9 +167,7 @@ async def raw_throughput(engine: Any, container: str, user: str, mbytes: int) ->
             while True:
                 await stream.receive_some(65536)
         t0 = time.perf_counter()
-        await stream.send_all(
-            f"yes | head -c {mbytes * 1_000_000}; echo; echo EN''D-OF-BENCH\r".encode()
-        )
+        await stream.send_all((producer(mbytes) + "\r").encode())
         tail = b""
         while b"END-OF-BENCH" not in tail:
             tail = tail[-20:] + await stream.receive_some(1 << 20)
@@ -210,8 +220,8 @@ async def main(keys: int, mbytes: int) -> None:
                     sandbox = daemon.execution.containers.cached(ws, "bench-term")
                     engine = daemon.execution.engine
                     lat_raw = await raw_latency(engine, sandbox.id, str(sandbox.who), keys)
-                    ws_s, resyncs = await ws_throughput(url, await grant(4), mbytes)
                     raw_s = await raw_throughput(engine, sandbox.id, str(sandbox.who), mbytes)
+                    ws_s, resyncs, received = await ws_throughput(url, await grant(4), mbytes)
                 ms = 1000.0
                 print(f"keystroke echo, {keys} keys (ms):")
                 print(
@@ -225,7 +235,8 @@ async def main(keys: int, mbytes: int) -> None:
                       f"{'met' if statistics.median(lat_ws) * ms <= goal else 'NOT met'}")  # fmt: skip
                 print(f"{mbytes} MB of output:")
                 print(f"  websocket, controller + 3 observers: {ws_s:.2f} s = {mbytes / ws_s:.1f} MB/s "
-                      f"(resyncs per client: {resyncs})")  # fmt: skip
+                      f"(resyncs per client: {resyncs};"
+                      f" MB shown per client: {[round(r / 1e6, 1) for r in received]})")  # fmt: skip
                 print(
                     f"  raw attach socket, one reader:      {raw_s:.2f} s = {mbytes / raw_s:.1f} MB/s"
                 )

@@ -116,23 +116,23 @@ def test_resume_from_seq_repeats_nothing() -> None:
 def test_reader_that_falls_behind_gets_resync() -> None:
     r = Ring(8)
     c = Cursor(r, 0)
-    r.append(b"0123456789")  # offsets 0-1 dropped
+    r.append(b"0123456789")  # offsets 0-1 dropped; the resync point is 10 - 8 // 2
     chunk = c.pull()
-    assert chunk is not None and chunk.resync and chunk.seq == 2
+    assert chunk is not None and chunk.resync and chunk.seq == 6
     out, seqs = _drain(c)
-    assert out == "23456789"
+    assert out == "6789"
     assert seqs[-1] == 10
 
 
 def test_resync_skips_a_cut_character() -> None:
     r = Ring(8)
     c = Cursor(r, 0)
-    r.append(b"abc" + "\u20ac".encode() + b"uvwxyz")  # 12 bytes: start 4 is inside the euro
+    r.append(b"abcdefgh" + "\u20ac".encode() + b"xyz")  # the euro sign is at 8-10
     first = c.pull()
-    assert first is not None and first.resync and first.seq == 4
+    assert first is not None and first.resync and first.seq == 10  # inside the euro
     out, seqs = _drain(c)
-    assert out == "uvwxyz"
-    assert seqs[-1] == 12
+    assert out == "xyz"
+    assert seqs[-1] == 14
 
 
 def test_new_cursor_at_cut_ring_start_skips_tail_bytes() -> None:

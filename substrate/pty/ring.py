@@ -10,8 +10,8 @@ emitted whole in the next frame, never split, and invalid bytes become U+FFFD. A
 that reconnects with `since = seq` loses and repeats nothing.
 
 Nobody waits for a reader: the PTY pump appends and moves on. A reader that falls so far
-behind that its next offset left the ring gets a `Resync` and continues at `start`; its
-backlog is therefore bounded by the ring, whatever the client does.
+behind that its next offset left the ring gets a `Resync` and continues half a ring
+before the end; its backlog is therefore bounded by the ring, whatever the client does.
 """
 
 from __future__ import annotations
@@ -55,6 +55,14 @@ class Ring:
             # CPython deletes from the front of a bytearray without moving the rest.
             del self._buf[:excess]
             self._start += excess
+
+    def resync_point(self) -> int:
+        """Where a reader that lost its place continues: half a ring before the end.
+
+        Not `start`: the oldest byte is the next to go, so a reader restarted there would
+        be overrun again at once; half a ring is enough history to redraw a screen.
+        """
+        return max(self._start, self.end - self.capacity // 2)
 
     def holds(self, seq: int) -> bool:
         """True when reading can continue from `seq` (it is in `[start, end]`)."""
@@ -120,10 +128,10 @@ class Cursor:
         """The next frame's worth, or None when caught up.
 
         If this reader's next offset fell out of the ring, the chunk is a resync to
-        `ring.start` (text empty); the next pull continues from there.
+        `ring.resync_point()` (text empty); the next pull continues from there.
         """
         if not self._ring.holds(self._next):
-            self._next = self._emitted = self._ring.start
+            self._next = self._emitted = self._ring.resync_point()
             self._decoder.reset()
             self._cut_budget = 3
             return Chunk(seq=self._next, text="", resync=True)
