@@ -56,6 +56,18 @@ def timed(fn: Callable[[], object], runs: int) -> list[float]:
     return out
 
 
+def interleaved(fns: list[Callable[[], object]], runs: int) -> list[list[float]]:
+    """Time each fn `runs` times, taking turns, so background load hits all alike."""
+    out: list[list[float]] = [[] for _ in fns]
+    for i in range(runs):
+        for k in range(len(fns)):
+            j = (i + k) % len(fns)
+            t = time.perf_counter()
+            fns[j]()
+            out[j].append((time.perf_counter() - t) * 1000)
+    return out
+
+
 def new_workspace(root: Path, name: str) -> Path:
     path = root / name
     (path / ".git").mkdir(parents=True)
@@ -141,11 +153,14 @@ def main() -> None:
         daemon.run(ws, ["true"])
         short = daemon.client.call("facts.probe", workspace=ws, profile="default")["container"]
         ctr = sdk.containers.get(short)
-        ours = timed(lambda: daemon.run(ws, ["true"]), args.runs)
-        cli = timed(
-            lambda: subprocess.run(["docker", "exec", ctr.id, "true"], check=True), args.runs
+        ours, cli, sdk_run = interleaved(
+            [
+                lambda: daemon.run(ws, ["true"]),
+                lambda: subprocess.run(["docker", "exec", ctr.id, "true"], check=True),
+                lambda: ctr.exec_run(["true"]),
+            ],
+            args.runs,
         )
-        sdk_run = timed(lambda: ctr.exec_run(["true"]), args.runs)
         (o50, o95), (c50, c95), (s50, s95) = map(percentiles, (ours, cli, sdk_run))
         report += [
             "warm true (ms)          p50      p95",
@@ -169,7 +184,7 @@ def main() -> None:
                 ["docker", "run", "--rm", "--network", "none", image, "true"], check=True
             ),
             5,
-        )
+        )  # not interleaved: each first command needs a fresh workspace
         f50, r50 = statistics.median(firsts), statistics.median(runs)
         report += [
             "first command (ms, median of 5)",

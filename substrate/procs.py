@@ -293,10 +293,11 @@ class Processes:
                 f"{self._config.max_processes} processes are running already",
                 limit=self._config.max_processes,
             )
-        proc = "p_" + secrets.token_hex(8)
-        self._running.add(proc)
+        slot = secrets.token_hex(8)
+        self._running.add(slot)
         try:
             for attempt in (1, 2):
+                proc = "p_" + secrets.token_hex(8)
                 sandbox = await self._containers.ensure(ws, profile)
                 sandbox.acquire()
                 try:
@@ -315,7 +316,7 @@ class Processes:
                     sandbox.release()
             raise AssertionError("unreachable")
         finally:
-            self._running.discard(proc)
+            self._running.discard(slot)
 
     async def _run_in(
         self,
@@ -330,19 +331,54 @@ class Processes:
         actor: str,
     ) -> ProcResult:
         profile = sandbox.profile
-        exec_id = await self._engine.exec_create(
-            sandbox.id,
-            argv,
-            user=str(sandbox.who),
-            workdir=workdir,
-            environment=exec_env(profile, proc),
-            stdin=stdin is not None,
-        )
         snapshot = await self.write_gate.before(ws) if self.write_gate is not None else None
         t0 = trio.current_time()
-        sinks, oom_before = await trio.to_thread.run_sync(
-            self._start_record, ws, sandbox, proc, argv, cwd, actor, limiter=self._fs_limiter
-        )
+        # The exec is created while the record commits: two round trips overlap.
+        created: list[str] = []
+        started: list[tuple[dict[int, OutputSink], int]] = []
+
+        async def create() -> None:
+            created.append(
+                await self._engine.exec_create(
+                    sandbox.id,
+                    argv,
+                    user=str(sandbox.who),
+                    workdir=workdir,
+                    environment=exec_env(profile, proc),
+                    stdin=stdin is not None,
+                )
+            )
+
+        async def record() -> None:
+            started.append(
+                await trio.to_thread.run_sync(
+                    self._start_record,
+                    ws,
+                    sandbox,
+                    proc,
+                    argv,
+                    cwd,
+                    actor,
+                    limiter=self._fs_limiter,
+                )
+            )
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(create)
+                nursery.start_soon(record)
+        except BaseException as exc:
+            if started:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self._abort_record, ws, proc, started[0][0])
+            single = _sole(exc)
+            if isinstance(single, ContainerGone):
+                raise ContainerGone(sandbox.id) from None  # run() retries, with a new id
+            if single is not exc:
+                raise single from None
+            raise
+        exec_id = created[0]
+        sinks, oom_before = started[0]
         try:
             try:
                 stream = await self._engine.exec_start(exec_id)
@@ -363,17 +399,16 @@ class Processes:
             if exit_code is None and run.timed_out:
                 # Killed with its whole sandbox (gVisor): the engine lost the code.
                 exit_code = 128 + signal.SIGKILL
-            if sandbox.host_visible:
+            alone = sandbox.running <= 1
+            stragglers, oom_after = await trio.to_thread.run_sync(
+                _after_exit, sandbox, proc, alone, limiter=self._fs_limiter
+            )
+            if stragglers:
                 termed, killed = await reaper.terminate(
-                    sandbox.cgroups,
-                    proc,
-                    sandbox.protected,
-                    alone=sandbox.running <= 1,
-                    grace_s=GRACE_S,
+                    sandbox.cgroups, proc, sandbox.protected, alone=alone, grace_s=GRACE_S
                 )
                 run.reaped += termed
                 run.killed += killed
-            oom_after = await trio.to_thread.run_sync(reaper.oom_kills, sandbox.cgroups)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._abort_record, ws, proc, sinks)
@@ -618,6 +653,21 @@ class Processes:
             facts=list(sandbox.facts),
             policy_blocked=blocked,
         )
+
+
+def _sole(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) single-member exception groups, else `exc`."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _after_exit(sandbox: Sandbox, proc: str, alone: bool) -> tuple[bool, int]:
+    """After the main process: does anything of the command remain? And the OOM count."""
+    left = sandbox.host_visible and bool(
+        reaper.targets(sandbox.cgroups, proc, sandbox.protected, alone)
+    )
+    return left, reaper.oom_kills(sandbox.cgroups)
 
 
 def _check_dir(root_fd: int, parts: tuple[str, ...], where: str) -> None:

@@ -176,7 +176,8 @@ def attribute(procs: Iterable[ProcInfo], protected: frozenset[int]) -> dict[int,
 
 def targets(dirs: CgroupDirs, marker: str, protected: frozenset[int], alone: bool) -> list[int]:
     """Host pids belonging to the command with `marker` (plus ownerless ones when `alone`)."""
-    infos = [i for i in (read_proc(pid) for pid in cgroup_pids(dirs)) if i is not None]
+    found = (read_proc(pid) for pid in cgroup_pids(dirs) if pid not in protected)
+    infos = [i for i in found if i is not None]
     owners = attribute(infos, protected)
     return [pid for pid, owner in owners.items() if owner == marker or (owner is None and alone)]
 

@@ -12,11 +12,13 @@ import base64
 import itertools
 import os
 import shutil
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import trio
 
@@ -362,6 +364,26 @@ async def test_default_profile_runs_python_and_git(env: Env, sandbox_image: str)
     assert not (env.ws_path / ".git" / "hooks" / "x").exists()
 
 
+async def test_endless_output_keeps_daemon_memory_flat(env: Env) -> None:
+    me = psutil.Process()
+    await env.run(["true"])
+    idle = me.memory_info().rss
+    size = 200 << 20  # four times the budget below
+    result = await env.run(["head", "-c", str(size), "/dev/zero"])
+    assert (result["stdout"]["bytes"], result["stdout"]["truncated"]) == (size, False)
+    assert me.memory_info().rss - idle < 50 << 20
+
+
+async def test_substrate_exec_prints_output_and_exits_with_the_code(env: Env) -> None:
+    argv = [sys.executable, "-m", "substrate", "--state-dir", str(env.daemon.state_dir)]
+    argv += ["exec", "--profile", "tiny", "--workspace", env.ws, "--"]
+    argv += ["sh", "-c", "echo to-out; echo to-err >&2; exit 7"]
+    done = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 7
+    assert done.stdout == b"to-out\n"
+    assert b"to-err\n" in done.stderr
+
+
 # --- journal ------------------------------------------------------------------------------------
 
 
@@ -492,6 +514,16 @@ async def test_gvisor_profile_runs_under_runsc(env: Env, sandbox_image: str) -> 
     assert text(after["stdout"]) == "fresh\n"
 
 
+async def test_sandbox_removed_behind_our_back_is_replaced(env: Env, docker_client: Any) -> None:
+    await env.run(["true"])
+    first = env.daemon.execution.containers.cached(env.ws, "tiny")
+    docker_client.api.remove_container(first.id, force=True)
+    result = await env.run(["echo", "again"])
+    assert text(result["stdout"]) == "again\n"
+    second = env.daemon.execution.containers.cached(env.ws, "tiny")
+    assert second.id != first.id
+
+
 async def test_release_removes_the_workspace_sandboxes(env: Env, docker_client: Any) -> None:
     await env.run(["true"])
     assert len(labelled(docker_client, env.daemon.execution.daemon_id)) == 1
@@ -523,6 +555,29 @@ async def test_restart_reaps_what_a_previous_run_left(
     finally:
         daemon.close()
     assert stale.id not in labelled(docker_client, leftovers)
+
+
+async def test_running_processes_are_capped(
+    tiny_image: str, leftovers: str, state_dir: Path, adopt_root: Path, profiles_dir: Path
+) -> None:
+    daemon = Daemon(make_config(state_dir, adopt_root, profiles_dir, max_processes=1))
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            async with open_client(state_dir / "substrate.sock") as client:
+                ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+                call = {"workspace": ws["workspace"], "profile": "tiny"}
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(lambda: client.call("proc.run", argv=["sleep", "3"], **call))
+                    await trio.sleep(1)
+                    with pytest.raises(RpcError) as caught:
+                        await client.call("proc.run", argv=["true"], **call)
+                    assert caught.value.refusal == "limit_exceeded"
+                after = await client.call("proc.run", argv=["true"], **call)
+                assert after["exit_code"] == 0
+            nursery.cancel_scope.cancel()
+    finally:
+        daemon.close()
 
 
 async def test_idle_sandbox_is_removed(
