@@ -37,6 +37,14 @@ from substrate.pty.terminals import Terminals
 log = logging.getLogger("substrate.pty")
 
 MAX_HEAD_BYTES = 16 * 1024
+_REASONS = {
+    200: b"OK",
+    400: b"Bad Request",
+    403: b"Forbidden",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    426: b"Upgrade Required",
+}
 HEAD_TIMEOUT_S = 10.0
 
 _STATIC_TYPES = {
@@ -268,7 +276,8 @@ class TerminalHttp:
         ]
         if allow is not None:
             headers.append((b"allow", allow))
-        data = conn.send(h11.Response(status_code=status, headers=headers))
+        reason = _REASONS.get(status, b"")
+        data = conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
         if body:
             data = (data or b"") + (conn.send(h11.Data(data=body)) or b"")
         data = (data or b"") + (conn.send(h11.EndOfMessage()) or b"")
