@@ -14,7 +14,7 @@ from test_terminal import Env, dirs, env, leftovers  # noqa: F401
 SCREEN = "document.querySelector('.xterm-rows').innerText"
 
 
-async def test_browser_shell_in_the_sandbox(env: Env) -> None:
+async def test_browser_shell_in_the_sandbox(env: Env) -> None:  # noqa: F811 (fixture)
     token = await env.grant()
     port = env.daemon.terminals.http.port
     async with open_browser() as browser:
