@@ -35,7 +35,6 @@ removed: it belongs to a previous run.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import secrets
@@ -56,130 +55,24 @@ from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
 from substrate.facts import Fact, FactValue
 from substrate.journal import Journal
 from substrate.profiles import Profile
+from substrate.sandbox_spec import (
+    HOST_VISIBLE_RUNTIMES,
+    LABEL_CONFIG,
+    LABEL_DAEMON,
+    LABEL_EPOCH,
+    LABEL_PROFILE,
+    LABEL_WORKSPACE,
+    WORKSPACE_TARGET,
+    RunAs,
+    container_spec,
+    run_as,
+    spec_digest,
+)
 from substrate.workspaces import Workspace
 
+__all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_for"]
+
 log = logging.getLogger("substrate.containers")
-
-LABEL_DAEMON = "substrate.daemon"
-LABEL_EPOCH = "substrate.epoch"
-LABEL_WORKSPACE = "substrate.workspace"
-LABEL_PROFILE = "substrate.profile"
-LABEL_CONFIG = "substrate.config"
-#: Where the workspace is mounted inside every sandbox.
-WORKSPACE_TARGET = "/workspace"
-#: The keep-alive command under the engine's init; both images' `sleep` take `infinity`.
-KEEPALIVE = ("sleep", "infinity")
-#: Runtimes whose sandboxed processes are host processes (so `reaper` may signal them).
-HOST_VISIBLE_RUNTIMES = frozenset({"runc"})
-
-
-@dataclass(frozen=True)
-class RunAs:
-    uid: int
-    gid: int
-
-    def __str__(self) -> str:
-        return f"{self.uid}:{self.gid}"
-
-
-def run_as(profile: Profile, owner_uid: int, owner_gid: int) -> RunAs:
-    """Who commands run as under `profile` in a workspace owned by owner_uid:owner_gid.
-
-    Refuses `confinement_unmet` when that is root and the profile lacks `allow_root`.
-    """
-    if profile.user == "owner":
-        who = RunAs(owner_uid, owner_gid)
-    else:
-        uid_text, _, gid_text = profile.user.partition(":")
-        who = RunAs(int(uid_text), int(gid_text or uid_text))
-    if who.uid == 0 and not profile.allow_root:
-        if profile.user == "owner":
-            raise ConfinementUnmet(
-                "the workspace root is owned by root and profile "
-                f"{profile.name!r} does not allow running as root: chown the checkout to "
-                "its (non-root) user, e.g. `chown -R 1000:1000 <checkout>`",
-                required={"uid": "non-root"},
-                observed={"uid": 0},
-            )
-        raise ConfinementUnmet(
-            f"profile {profile.name!r} runs as root without allow_root",
-            required={"uid": "non-root"},
-            observed={"uid": 0},
-        )
-    return who
-
-
-def tmpfs_options(size: str) -> str:
-    # Executable on purpose: the workspace is writable and executable anyway, so
-    # `noexec` here would only break compilers and test runners that run from /tmp.
-    return f"rw,nosuid,nodev,exec,mode=1777,size={size}"
-
-
-def container_spec(
-    profile: Profile,
-    *,
-    who: RunAs,
-    workspace_source: str | None,
-    readonly_dirs: Sequence[str],
-    security_opt: Sequence[str],
-) -> dict[str, Any]:
-    """The engine's create request for `profile` (pure): everything comes from the profile.
-
-    `workspace_source` is the host path to bind at /workspace (None for `workspace =
-    "none"`); `readonly_dirs` are workspace-relative directories bound read-only over it;
-    `security_opt` is `profiles.security_opts(profile, ...)` (no-new-privileges, seccomp).
-    """
-    mounts: list[dict[str, Any]] = []
-    if workspace_source is not None and profile.workspace != "none":
-        mounts.append(_bind(workspace_source, WORKSPACE_TARGET, profile.workspace == "ro"))
-        for rel in readonly_dirs:
-            mounts.append(_bind(f"{workspace_source}/{rel}", f"{WORKSPACE_TARGET}/{rel}", True))
-    host_config: dict[str, Any] = {
-        "mounts": mounts,
-        "tmpfs": {path: tmpfs_options(size) for path, size in profile.tmpfs.items()},
-        "read_only": profile.read_only_rootfs,
-        "network_mode": "none",
-        "mem_limit": profile.memory,
-        "memswap_limit": profile.memory,  # no swap beyond the memory limit
-        "nano_cpus": profiles.nano_cpus(profile),
-        "pids_limit": profile.pids,
-        "cap_drop": ["ALL"],
-        "cap_add": list(profile.capabilities),
-        "security_opt": list(security_opt),
-        "init": True,  # the engine's init reaps orphans, so zombies never pile up
-        "privileged": False,
-        "ipc_mode": "private",
-        "log_config": {"type": "none"},  # the keep-alive prints nothing; no log files
-        "restart_policy": {"Name": "no"},
-        # The engine reads the runtime from HostConfig only (docker-py's top-level
-        # `runtime` argument is silently ignored by it).
-        "runtime": profile.runtime,
-    }
-    return {
-        "image": profile.image,
-        "command": list(KEEPALIVE),
-        "user": str(who),
-        "environment": dict(profile.env),
-        "working_dir": WORKSPACE_TARGET if profile.workspace != "none" else "/",
-        "host_config": host_config,
-    }
-
-
-def _bind(source: str, target: str, read_only: bool) -> dict[str, Any]:
-    return {
-        "Type": "bind",
-        "Source": source,
-        "Target": target,
-        "ReadOnly": read_only,
-        "BindOptions": {"Propagation": "rprivate"},
-    }
-
-
-def spec_digest(spec: Mapping[str, Any]) -> str:
-    """SHA-256 of a create request, canonical JSON (the `substrate.config` label)."""
-    return hashlib.sha256(
-        json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
 
 
 @dataclass
@@ -515,8 +408,10 @@ def _security_opts(profile: Profile, seccomp_dir: Path) -> list[str]:
         return profiles.security_opts(profile, seccomp_dir)
     except seccomp.SeccompError as exc:
         # The policy file went bad since the profile was loaded: nothing may run under it.
+        # The reason names a host path: it goes to the log, not to the client.
+        log.error("profile %s: seccomp policy no longer loads: %s", profile.name, exc)
         raise ConfinementUnmet(
-            f"the seccomp policy of profile {profile.name!r} no longer loads: {exc}",
+            f"the seccomp policy of profile {profile.name!r} no longer loads (see the log)",
             required={"seccomp": profile.seccomp},
             observed={"seccomp": "invalid"},
         ) from None
@@ -537,22 +432,27 @@ def _identity_required(
 
 
 def _readonly_identities(ws: Workspace, profile: Profile) -> list[tuple[str, tuple[int, int]]]:
-    """Policy read-only dirs that exist as real directories (no symlink on the way)."""
+    """Policy read-only paths that exist as a real directory or regular file (no symlink
+    anywhere on the way, the last component included), with their (st_dev, st_ino).
+
+    A regular file counts because `.git` is a file in a git worktree or submodule (it
+    names the real git dir): it is bound read-only like a directory would be.
+    """
     if profile.workspace == "none":
         return []
     found: list[tuple[str, tuple[int, int]]] = []
     for rel in ws.policy.readonly_dirs():
         try:
-            parts = paths.split_relpath(rel)
-            fd = paths.open_dir(ws.root_fd, parts, rel)
-        except Refusal:
-            continue  # absent (or not a plain directory): nothing to mount over
+            *parents, name = paths.split_relpath(rel)
+            parent = paths.open_dir(ws.root_fd, parents, rel)
+        except (Refusal, ValueError):
+            continue  # absent or behind a symlink: nothing to mount over
         try:
-            st = os.fstat(fd)
+            st = paths.lstat_at(parent, name)
         finally:
-            os.close(fd)
-        if stat.S_ISDIR(st.st_mode):
-            found.append(("/".join(parts), (st.st_dev, st.st_ino)))
+            os.close(parent)
+        if st is not None and (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            found.append(("/".join([*parents, name]), (st.st_dev, st.st_ino)))
     return found
 
 
@@ -592,7 +492,8 @@ def _observed_identities(init_pid: int, readonly_dirs: Sequence[str]) -> list[Fa
         path = f"/proc/{init_pid}/root{target}"
         try:
             st = os.lstat(path)
-            value = f"{st.st_dev}:{st.st_ino}" if stat.S_ISDIR(st.st_mode) else "not-a-directory"
+            plain = stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)
+            value = f"{st.st_dev}:{st.st_ino}" if plain else "not-a-directory-or-file"
         except OSError:
             value = "absent"
         found.append(

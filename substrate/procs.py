@@ -28,24 +28,22 @@ container, never per command.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
 import secrets
 import signal
 import socket
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
 
-from substrate import paths, reaper
+from substrate import exec_stream, paths, reaper
 from substrate.artifacts import ArtifactStore
 from substrate.config import Config
-from substrate.containers import WORKSPACE_TARGET, Containers, Sandbox
+from substrate.containers import Containers, Sandbox
 from substrate.engine import ContainerGone, Engine
 from substrate.errors import (
     ArgvDenied,
@@ -58,6 +56,7 @@ from substrate.journal import Journal
 from substrate.outputs import OutputSink
 from substrate.proc_records import Outcome, ProcessRecords
 from substrate.profiles import Profile
+from substrate.sandbox_spec import WORKSPACE_TARGET
 from substrate.schema.proc import PolicyBlocked, ProcResult
 from substrate.store import Store
 from substrate.workspaces import Workspace
@@ -72,8 +71,6 @@ MAIN_PROBE_S = 0.25
 #: Largest argv (items) and total argv bytes accepted.
 MAX_ARGV_ITEMS = 4096
 MAX_ARGV_BYTES = 1 << 20
-#: Bytes per stream read from the engine at a time.
-RECV_BYTES = 1 << 18
 
 
 # --- pure parts ----------------------------------------------------------------------------
@@ -141,45 +138,6 @@ def signal_of(exit_code: int | None) -> str | None:
         return signal.Signals(exit_code - 128).name.removeprefix("SIG")
     except ValueError:
         return None
-
-
-class Demuxer:
-    """Splits the engine's multiplexed exec stream into (stream, bytes) pieces. Sans-IO.
-
-    Frame: 1 byte stream (0 stdin, 1 stdout, 2 stderr), 3 zero bytes, 4 bytes big-endian
-    payload length, payload. Pieces of one frame may come in several `feed` calls.
-    """
-
-    HEADER = struct.Struct(">BxxxI")
-
-    def __init__(self) -> None:
-        self._header = bytearray()
-        self._stream = 0
-        self._left = 0
-
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        out: list[tuple[int, bytes]] = []
-        pos, end = 0, len(data)
-        while pos < end:
-            if self._left == 0:
-                take = min(self.HEADER.size - len(self._header), end - pos)
-                self._header += data[pos : pos + take]
-                pos += take
-                if len(self._header) < self.HEADER.size:
-                    break
-                self._stream, self._left = self.HEADER.unpack(self._header)
-                self._header.clear()
-                continue
-            take = min(self._left, end - pos)
-            out.append((self._stream, data[pos : pos + take]))
-            self._left -= take
-            pos += take
-        return out
-
-    @property
-    def mid_frame(self) -> bool:
-        """True when the stream stopped inside a frame (a cut connection)."""
-        return bool(self._header) or self._left > 0
 
 
 # --- the write gate hook (issue 4) ------------------------------------------------------------
@@ -444,16 +402,18 @@ class Processes:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pump, run)
                 if stdin is not None:
-                    nursery.start_soon(trio.to_thread.run_sync, _feed_stdin, run.sock, stdin, True)
+                    nursery.start_soon(
+                        trio.to_thread.run_sync, exec_stream.feed_stdin, run.sock, stdin, True
+                    )
                 nursery.start_soon(self._supervise, run)
         finally:
-            _shutdown(run.sock)
+            exec_stream.shutdown(run.sock)
             run.sock.close()
 
     async def _pump(self, run: _Run) -> None:
         try:
             await trio.to_thread.run_sync(
-                _pump_stream,
+                exec_stream.pump_stream,
                 run.sock,
                 run.initial,
                 run.sinks,
@@ -462,7 +422,7 @@ class Processes:
             )
         finally:
             # Cancelled (the daemon stops): unblock the abandoned thread's recv.
-            _shutdown(run.sock)
+            exec_stream.shutdown(run.sock)
             run.pump_done.set()
 
     async def _supervise(self, run: _Run) -> None:
@@ -511,7 +471,7 @@ class Processes:
             await run.pump_done.wait()
         if not run.pump_done.is_set():
             log.warning("%s: output stream still open after kill; closing it", run.proc)
-            _shutdown(run.sock)
+            exec_stream.shutdown(run.sock)
 
     async def _kill(self, run: _Run) -> None:
         sandbox = run.sandbox
@@ -672,40 +632,3 @@ def _after_exit(sandbox: Sandbox, proc: str, alone: bool) -> tuple[bool, int]:
 
 def _check_dir(root_fd: int, parts: tuple[str, ...], where: str) -> None:
     os.close(paths.open_dir(root_fd, parts, where))
-
-
-def _pump_stream(sock: socket.socket, initial: bytes, sinks: Mapping[int, OutputSink]) -> None:
-    """Read the exec stream to EOF, demux it, write each piece to its sink (blocking)."""
-    demux = Demuxer()
-    data = initial
-    while True:
-        if not data:
-            try:
-                data = sock.recv(RECV_BYTES)
-            except OSError:
-                return
-            if not data:
-                return
-        for stream, piece in demux.feed(data):
-            sink = sinks.get(stream)
-            if sink is not None:
-                sink.write(piece)
-        data = b""
-
-
-def _feed_stdin(sock: socket.socket, data: bytes, close: bool) -> None:
-    """Write the command's stdin, then shut the write half: the command sees EOF."""
-    try:
-        if data:
-            sock.sendall(data)
-    except OSError:
-        pass  # the command exited or closed its stdin early: not an error
-    finally:
-        if close:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_WR)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)

@@ -7,9 +7,9 @@ import struct
 import pytest
 
 from substrate.errors import ArgvDenied, LimitExceeded, PathInvalid
+from substrate.exec_stream import Demuxer
 from substrate.procs import (
     MAX_ARGV_ITEMS,
-    Demuxer,
     effective_timeout,
     exec_env,
     signal_of,

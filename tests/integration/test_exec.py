@@ -323,6 +323,21 @@ async def test_git_dir_is_read_only_inside(env: Env) -> None:
     assert (env.ws_path / "ok").read_text() == "fine\n"
 
 
+async def test_git_file_of_a_worktree_is_read_only_inside(env: Env) -> None:
+    worktree = env.root / "worktree"
+    worktree.mkdir()
+    (worktree / ".git").write_text("gitdir: /elsewhere/.git/worktrees/w\n")
+    chown_tree(worktree, OWNER)
+    ws = (await env.client.call("workspace.adopt", path=str(worktree)))["workspace"]
+    call = {"workspace": ws, "profile": "tiny"}
+    result = await env.client.call("proc.run", argv=["sh", "-c", "echo x >> .git"], **call)
+    assert result["exit_code"] != 0
+    assert (worktree / ".git").read_text() == "gitdir: /elsewhere/.git/worktrees/w\n"
+    probe = await env.client.call("facts.probe", **call)
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    assert facts["readonly_dirs"] == [".git"]
+
+
 async def test_no_engine_socket_or_address_inside(env: Env) -> None:
     probe = "ls /var/run/docker.sock /run/docker.sock 2>&1; env"
     result = await env.run(["sh", "-c", probe])
@@ -456,7 +471,7 @@ async def test_weaker_container_with_our_labels_is_refused_never_reused(
     fact: str,
 ) -> None:
     from substrate import profiles as profile_lib
-    from substrate.containers import RunAs, container_spec
+    from substrate.sandbox_spec import RunAs, container_spec
 
     execution = env.daemon.execution
     profile = execution.profile("tiny")

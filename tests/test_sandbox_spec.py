@@ -1,10 +1,12 @@
-"""Pure parts of `substrate.containers`: who runs, and the create request."""
+"""`substrate.sandbox_spec` (pure): who runs, and the create request."""
 
 from __future__ import annotations
 
 import pytest
 
-from substrate.containers import (
+from substrate.errors import ConfinementUnmet
+from substrate.profiles import Profile
+from substrate.sandbox_spec import (
     KEEPALIVE,
     RunAs,
     container_spec,
@@ -12,8 +14,6 @@ from substrate.containers import (
     spec_digest,
     tmpfs_options,
 )
-from substrate.errors import ConfinementUnmet
-from substrate.profiles import Profile
 
 
 def test_owner_runs_and_root_needs_allow_root() -> None:
