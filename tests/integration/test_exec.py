@@ -9,6 +9,7 @@ removes anything still carrying its daemon id.
 from __future__ import annotations
 
 import base64
+import hashlib
 import itertools
 import os
 import shutil
@@ -179,6 +180,14 @@ async def test_stdin_text_and_bytes(env: Env) -> None:
     assert base64.b64decode(result["stdout"]["inline"]) == raw
     no_stdin = await env.run(["cat"])
     assert no_stdin["stdout"]["bytes"] == 0
+
+
+async def test_large_stdin_and_output_flow_at_once(env: Env) -> None:
+    data = "".join(f"line {i:06d}\n" for i in range(50000))  # 600 KB, beyond pipe buffers
+    result = await env.run(["cat"], stdin=data)
+    out = result["stdout"]
+    assert out["bytes"] == len(data)
+    assert out["sha256"] == hashlib.sha256(data.encode()).hexdigest()
 
 
 async def test_cwd_and_owner(env: Env) -> None:
