@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import os
 import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from substrate import paths
 from substrate.errors import InvalidParams, PathDenied, TooLarge
@@ -35,6 +37,10 @@ from substrate.schema.fs import (
     WalkResult,
 )
 from substrate.workspaces import TEMP_PREFIX, Workspace
+
+#: The stdlib's own regex parser (private, stable since 3.11): see `_Prefilter`.
+_sre: Any = importlib.import_module("re._constants")
+_sre_parser: Any = importlib.import_module("re._parser")
 
 CHUNK = 1 << 20
 #: Files larger than this are skipped by search (reported in files_scanned only when read).
@@ -165,12 +171,13 @@ def list_dir(ws: Workspace, p: ListParams) -> ListResult:
     """`fs.list`: one directory's entries sorted by name bytes, at most `limit`."""
     parts = paths.split_relpath(p.path, allow_root=True)
     rel = "/".join(parts) or "."
+    out = []
     with paths.opened_dir(ws.root_fd, parts, ws.provenance(rel)) as fd:
         entries = _scan_sorted(fd)
-    out = []
-    for entry in entries[: p.limit]:
-        kind, size = _entry_kind_size(entry)
-        out.append(ListEntry(name=entry.name, kind=kind, size=size))
+        # Inside the block: a DirEntry of scandir(fd) stats lazily, relative to that fd.
+        for entry in entries[: p.limit]:
+            kind, size = _entry_kind_size(entry)
+            out.append(ListEntry(name=entry.name, kind=kind, size=size))
     return ListResult(entries=out, truncated=len(entries) > p.limit)
 
 
@@ -247,10 +254,15 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
 
     Skips symlinks, binary files (a NUL in the first 8 KiB), files over 64 MiB, `.git`,
     and `read_deny` paths. `column` is the 1-based byte column. Costs one read of every
-    scanned file; stops at `max_matches`.
+    scanned file, plus regex work only where a literal every match must contain occurs
+    (see `_Prefilter`); stops at `max_matches`.
     """
     regex = _compile_search(p)
-    globs = GlobSet.of([p.glob]) if p.glob else None
+    prefilter = _Prefilter.of(regex)
+    try:
+        globs = GlobSet.of([p.glob]) if p.glob else None
+    except InvalidParams as exc:
+        raise InvalidParams(exc.message, path="$.glob") from None
     parts = paths.split_relpath(p.path, allow_root=True)
     matches: list[SearchMatch] = []
     files = 0
@@ -271,16 +283,21 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
         except OSError:
             continue
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > SEARCH_MAX_FILE:
                 continue
-            data = _read_all(fd)
+            # One read of the expected size (+1 to see the end): a 1 MiB read buffer per
+            # file costs more than the search itself (an mmap and page faults each time).
+            data = os.read(fd, st.st_size + 1)
+            if len(data) > st.st_size:  # it grew meanwhile: read the rest
+                data += _read_all(fd)
         finally:
             os.close(fd)
-        if b"\x00" in data[:_BINARY_SNIFF]:
+        if data.find(b"\x00", 0, _BINARY_SNIFF) >= 0:
             continue
         files += 1
         scanned += len(data)
-        if _collect(regex, data, found.rel, p.max_line_bytes, matches, p.max_matches):
+        if _collect(regex, prefilter, data, found.rel, p.max_line_bytes, matches, p.max_matches):
             return SearchResult(
                 matches=matches, truncated=True, files_scanned=files, bytes_scanned=scanned
             )
@@ -298,17 +315,182 @@ def _read_all(fd: int) -> bytes:
         chunks.append(block)
 
 
+@dataclass(frozen=True)
+class _Prefilter:
+    """What a search may skip without changing its result (grep's "must" literal).
+
+    `literal`: bytes every match contains (lowercased when `fold`, for IGNORECASE, whose
+    bytes folding is ASCII-only like `bytes.lower`); a file without it has no match, and
+    `bytes.find` rejects it far faster than the regex engine. `line_bound`: no match can
+    contain a newline or look past its line's end, so the regex needs to run only on the
+    lines where the literal occurs. Both are derived from the stdlib's own parse of the
+    pattern; anything unrecognised makes them empty/False (search every byte).
+    """
+
+    literal: bytes = b""
+    fold: bool = False
+    line_bound: bool = False
+
+    @classmethod
+    def of(cls, regex: re.Pattern[bytes]) -> _Prefilter:
+        try:
+            parsed = _sre_parser.parse(regex.pattern, regex.flags)
+        except Exception:  # a parser this code does not know: no shortcut
+            return cls()
+        flags = parsed.state.flags
+        if flags & _sre.SRE_FLAG_LOCALE or _scoped_flags(parsed.data):
+            return cls()
+        fold = bool(flags & _sre.SRE_FLAG_IGNORECASE)
+        literal = max(_literals(parsed.data), key=len, default=b"")
+        # With DOTALL, `.` matches a newline: the literal still filters files, not lines.
+        dotall = bool(flags & _sre.SRE_FLAG_DOTALL)
+        return cls(
+            literal=literal.lower() if fold else literal,
+            fold=fold,
+            line_bound=bool(literal) and not dotall and _line_bound(parsed.data),
+        )
+
+
+def _scoped_flags(items: Any) -> bool:
+    """True when any `(?flags:...)` group changes the flags of part of the pattern."""
+    for op, av in items:
+        if op is _sre.SUBPATTERN and (av[1] or av[2]):
+            return True
+        for sub in _children(op, av):
+            if _scoped_flags(sub):
+                return True
+    return False
+
+
+def _children(op: Any, av: Any) -> list[Any]:
+    if op is _sre.SUBPATTERN:
+        return [av[3]]
+    if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
+        return [av[2]]
+    if op is _sre.ATOMIC_GROUP:
+        return [av]
+    if op is _sre.BRANCH:
+        return list(av[1])
+    if op in (_sre.ASSERT, _sre.ASSERT_NOT):
+        return [av[1]]
+    if op is _sre.GROUPREF_EXISTS:
+        return [x for x in av[1:] if x is not None]
+    return []
+
+
+def _literals(items: Any) -> list[bytes]:
+    """Byte strings that every match of the sequence `items` contains."""
+    found: list[bytes] = []
+    run: list[int] = []
+    for op, av in items:
+        if op is _sre.LITERAL:
+            run.append(av)
+            continue
+        found.append(bytes(run))
+        run = []
+        if op is _sre.SUBPATTERN:
+            found += _literals(av[3])
+        elif op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT) and av[0] >= 1:
+            found += _literals(av[2])
+        elif op is _sre.ATOMIC_GROUP:
+            found += _literals(av)
+    found.append(bytes(run))
+    return [f for f in found if f]
+
+
+#: Classes that never match a newline: \d, \S, \w.
+_LINE_CATEGORIES = {_sre.CATEGORY_DIGIT, _sre.CATEGORY_NOT_SPACE, _sre.CATEGORY_WORD}
+_NL = 10
+
+
+def _set_matches_newline(items: Any) -> bool:
+    hit = False
+    negate = False
+    for op, av in items:
+        if op is _sre.NEGATE:
+            negate = True
+        elif op is _sre.LITERAL:
+            hit = hit or av == _NL
+        elif op is _sre.RANGE:
+            hit = hit or av[0] <= _NL <= av[1]
+        elif op is _sre.CATEGORY:
+            hit = hit or av not in _LINE_CATEGORIES
+        else:
+            return True
+    return hit != negate
+
+
+def _line_bound(items: Any) -> bool:
+    """True when no match of `items` can hold a newline or depend on the text past its line.
+
+    Lookarounds and `\\Z` are refused: searching a line with `endpos` at its end would
+    change what they see.
+    """
+    for op, av in items:
+        if op is _sre.LITERAL:
+            ok = av != _NL
+        elif op is _sre.NOT_LITERAL:
+            ok = av == _NL
+        elif op is _sre.ANY:
+            ok = True  # without DOTALL (checked by the caller), `.` never matches a newline
+        elif op is _sre.IN:
+            ok = not _set_matches_newline(av)
+        elif op is _sre.AT:
+            ok = av is not _sre.AT_END_STRING
+        elif op is _sre.GROUPREF:
+            ok = True  # repeats text of this match, which is on this line
+        elif op in (_sre.SUBPATTERN, _sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
+            ok = _line_bound(_children(op, av)[0])
+        elif op in (_sre.ATOMIC_GROUP, _sre.BRANCH, _sre.GROUPREF_EXISTS):
+            ok = all(_line_bound(sub) for sub in _children(op, av))
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
+
+
 def _collect(
     regex: re.Pattern[bytes],
+    prefilter: _Prefilter,
     data: bytes,
     rel: str,
     max_line_bytes: int,
     out: list[SearchMatch],
     limit: int,
 ) -> bool:
-    """Append one match per matching line; True when `limit` was reached."""
+    """Append one match per matching line; True when `limit` was reached.
+
+    The result is the same as `regex.search` over the whole file from each line's start;
+    the prefilter only skips work that cannot find anything.
+    """
+    literal = prefilter.literal
+    hay = data.lower() if literal and prefilter.fold else data
+    if literal and hay.find(literal) < 0:
+        return False
     line_no = 1
     counted_to = 0
+
+    def add(start: int, end: int, column: int) -> bool:
+        nonlocal line_no, counted_to
+        line_no += data.count(b"\n", counted_to, start)
+        counted_to = start
+        text = data[start : min(end, start + max_line_bytes)].decode("utf-8", "replace")
+        out.append(SearchMatch(path=rel, line=line_no, column=column, text=text))
+        return len(out) >= limit
+
+    if prefilter.line_bound:
+        # Only lines holding the literal can match; a match never leaves its line.
+        at = hay.find(literal)
+        while at >= 0:
+            start = data.rfind(b"\n", 0, at) + 1
+            end = data.find(b"\n", at)
+            end = len(data) if end < 0 else end
+            m = regex.search(data, start, end)
+            if m is not None and add(start, end, m.start() - start + 1):
+                return True
+            at = hay.find(literal, end + 1)
+        return False
     pos = 0
     while pos <= len(data):
         m = regex.search(data, pos)
@@ -317,11 +499,7 @@ def _collect(
         start = data.rfind(b"\n", 0, m.start()) + 1
         end = data.find(b"\n", m.start())
         end = len(data) if end < 0 else end
-        line_no += data.count(b"\n", counted_to, start)
-        counted_to = start
-        text = data[start:end][:max_line_bytes].decode("utf-8", "replace")
-        out.append(SearchMatch(path=rel, line=line_no, column=m.start() - start + 1, text=text))
-        if len(out) >= limit:
+        if add(start, end, m.start() - start + 1):
             return True
         pos = end + 1
     return False

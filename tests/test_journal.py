@@ -1,0 +1,264 @@
+"""substrate.journal: the hash chain, epochs, tamper detection and the canonical encoding."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from substrate.journal import GENESIS, Entry, Journal, canonical, entry_hash
+from substrate.store import Store
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "substrate.db"
+
+
+@pytest.fixture
+def store(db_path: Path) -> Iterator[Store]:
+    s = Store(db_path)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def journal(store: Store) -> Journal:
+    return Journal(store)
+
+
+def fill(journal: Journal, n: int) -> list[Entry]:
+    return [
+        journal.append(
+            "test.event", {"i": i, "path": f"r:f{i}"}, workspace="ws_1" if i % 2 else None
+        )
+        for i in range(n)
+    ]
+
+
+def recompute(e: Entry) -> str:
+    return entry_hash(
+        seq=e.seq,
+        epoch=e.epoch,
+        ts=e.ts,
+        kind=e.kind,
+        workspace=e.workspace,
+        actor=e.actor,
+        data=e.data,
+        prev=e.prev,
+    )
+
+
+# --- the chain ------------------------------------------------------------------------------
+
+
+def test_entries_form_a_chain(journal: Journal) -> None:
+    entries = fill(journal, 5)
+    assert [e.seq for e in entries] == [1, 2, 3, 4, 5]
+    assert entries[0].prev == GENESIS
+    for before, after in itertools.pairwise(entries):
+        assert after.prev == before.hash
+    for e in entries:
+        assert e.hash == recompute(e)
+        assert e.epoch == journal.epoch == 1
+    assert journal.read() == entries
+    assert journal.verify() is None
+
+
+def test_empty_journal_verifies(journal: Journal) -> None:
+    assert journal.read() == []
+    assert journal.verify() is None
+
+
+def test_hash_is_sha256_of_prev_and_canonical_body(journal: Journal) -> None:
+    e = journal.append("k", {"b": 2, "a": [1, "x"]}, workspace="ws_9", actor="agent:1000")
+    body = {
+        "actor": "agent:1000",
+        "data": {"a": [1, "x"], "b": 2},
+        "epoch": e.epoch,
+        "kind": "k",
+        "prev": GENESIS,
+        "seq": 1,
+        "ts": e.ts,
+        "workspace": "ws_9",
+    }
+    expected = hashlib.sha256(GENESIS.encode() + msgspec.json.encode(body, order="sorted"))
+    assert e.hash == expected.hexdigest()
+
+
+def test_data_structs_are_stored_as_plain_json(journal: Journal) -> None:
+    class Thing(msgspec.Struct):
+        x: int
+        y: list[str]
+
+    e = journal.append("k", {"thing": Thing(1, ["a"])})
+    assert e.data == {"thing": {"x": 1, "y": ["a"]}}
+    assert journal.read()[0].data == {"thing": {"x": 1, "y": ["a"]}}
+    assert journal.verify() is None
+
+
+def test_epoch_increments_across_reopen(db_path: Path) -> None:
+    for expected in (1, 2, 3):
+        store = Store(db_path)
+        try:
+            journal = Journal(store)
+            assert journal.epoch == expected
+            journal.append("daemon.started", {})
+        finally:
+            store.close()
+    store = Store(db_path)
+    try:
+        journal = Journal(store)
+        entries = journal.read()
+        assert [(e.seq, e.epoch) for e in entries] == [(1, 1), (2, 2), (3, 3)]
+        assert journal.verify() is None  # the chain runs across epochs
+    finally:
+        store.close()
+
+
+def test_append_in_commits_with_the_callers_transaction(store: Store, journal: Journal) -> None:
+    first = journal.append("k", {"n": 1})
+    with pytest.raises(RuntimeError), store.transaction() as db:
+        journal.append_in(db, "k", {"n": 2})
+        raise RuntimeError("the change failed")
+    assert journal.read() == [first]
+    with store.transaction() as db:
+        second = journal.append_in(db, "k", {"n": 3})
+    assert second.seq == 2 and second.prev == first.hash
+    assert journal.verify() is None
+
+
+def test_read_filters(journal: Journal) -> None:
+    entries = fill(journal, 10)
+    assert journal.read(since=7) == entries[7:]
+    assert journal.read(limit=3) == entries[:3]
+    assert journal.read(since=2, limit=2) == entries[2:4]
+    assert journal.read(workspace="ws_1") == [e for e in entries if e.workspace == "ws_1"]
+    journal.append("other.kind", {})
+    assert [e.kind for e in journal.read(kinds=["other.kind"])] == ["other.kind"]
+    assert journal.read(kinds=[]) == []
+
+
+# --- tampering ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("data", '{"i":2,"path":"r:evil"}'),
+        ("kind", "test.other"),
+        ("workspace", "ws_2"),
+        ("actor", "operator:0"),
+        ("epoch", 7),
+        ("ts", 1.0),
+        ("hash", "f" * 64),
+        ("prev", "e" * 64),
+    ],
+)
+def test_verify_finds_an_edited_row(
+    store: Store, journal: Journal, column: str, value: object
+) -> None:
+    fill(journal, 6)
+    with store.transaction() as db:
+        db.execute(f"UPDATE journal SET {column} = ? WHERE seq = 3", (value,))
+    assert journal.verify() == 3
+
+
+def test_verify_finds_a_deleted_row(store: Store, journal: Journal) -> None:
+    fill(journal, 6)
+    with store.transaction() as db:
+        db.execute("DELETE FROM journal WHERE seq = 3")
+    assert journal.verify() == 4
+
+
+def test_verify_finds_a_deleted_first_row(store: Store, journal: Journal) -> None:
+    fill(journal, 3)
+    with store.transaction() as db:
+        db.execute("DELETE FROM journal WHERE seq = 1")
+    assert journal.verify() == 2
+
+
+def test_rehashing_the_edited_row_is_found_at_the_next(store: Store, journal: Journal) -> None:
+    """An editor who also fixes the row's own hash breaks the next row's `prev`."""
+    entries = fill(journal, 6)
+    e = entries[2]
+    forged = Entry(
+        seq=e.seq,
+        epoch=e.epoch,
+        ts=e.ts,
+        kind=e.kind,
+        workspace=e.workspace,
+        actor=e.actor,
+        data={"i": 2, "path": "r:evil"},
+        prev=e.prev,
+        hash="",
+    )
+    with store.transaction() as db:
+        db.execute(
+            "UPDATE journal SET data = ?, hash = ? WHERE seq = 3",
+            (canonical(forged.data).decode(), recompute(forged)),
+        )
+    assert journal.verify() == 4
+
+
+def test_inserted_row_is_found(store: Store, journal: Journal) -> None:
+    fill(journal, 4)
+    with store.transaction() as db:
+        db.execute("UPDATE journal SET seq = seq + 10 WHERE seq >= 3")
+        db.execute("UPDATE journal SET seq = seq - 9 WHERE seq >= 13")
+    # Rows are now 1, 2, 4, 5: the gap at 3 is found at 4.
+    assert journal.verify() == 4
+
+
+def test_verify_pages_through_long_journals(store: Store, journal: Journal) -> None:
+    with store.transaction() as db:
+        for i in range(5003):
+            journal.append_in(db, "bulk", {"i": i})
+    assert journal.verify() is None
+    with store.transaction() as db:
+        db.execute("UPDATE journal SET actor = 'x' WHERE seq = 5002")
+    assert journal.verify() == 5002
+
+
+# --- canonical encoding ---------------------------------------------------------------------
+
+
+def test_canonical_is_sorted_compact_utf8() -> None:
+    assert canonical({"b": 1, "a": {"d": [3, 1], "c": None}}) == b'{"a":{"c":null,"d":[3,1]},"b":1}'
+    assert canonical({"é": "ü\n"}) == '{"é":"ü\\n"}'.encode()
+    assert canonical([True, 1.5, "x"]) == b'[true,1.5,"x"]'
+
+
+def test_canonical_ignores_insertion_order() -> None:
+    one = {"z": 1, "a": {"y": 2, "b": 3}}
+    two = {"a": {"b": 3, "y": 2}, "z": 1}
+    assert canonical(one) == canonical(two)
+
+
+def test_entry_hash_is_stable() -> None:
+    """A golden value: changing the canonical encoding would orphan every existing journal."""
+    digest = entry_hash(
+        seq=1,
+        epoch=1,
+        ts=1700000000.123456,
+        kind="fs.write",
+        workspace="ws_0123456789abcdef",
+        actor="agent:1000",
+        data={"path": "demo:a.txt", "size": 3, "new_sha256": "ab" * 32},
+        prev=GENESIS,
+    )
+    literal = (
+        b'{"actor":"agent:1000","data":{"new_sha256":"'
+        + b"ab" * 32
+        + b'","path":"demo:a.txt","size":3},"epoch":1,"kind":"fs.write","prev":"'
+        + GENESIS.encode()
+        + b'","seq":1,"ts":1700000000.123456,"workspace":"ws_0123456789abcdef"}'
+    )
+    assert digest == hashlib.sha256(GENESIS.encode() + literal).hexdigest()
+    assert digest == "8d184a88f518d39231da19dea4988c6e847bfb980c95896a215150f9b72014ec"

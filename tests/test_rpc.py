@@ -1,0 +1,296 @@
+"""substrate.rpc: line framing and JSON-RPC 2.0 decoding, sans-IO (no socket here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from substrate import rpc
+from substrate.errors import PathInvalid, RequestTooLarge, StaleBase
+from substrate.schema.fs import PatchParams, StatParams
+
+SHA = "0" * 64
+
+
+def reply(outcome: rpc.Call | rpc.Outcome) -> dict[str, Any]:
+    assert isinstance(outcome, rpc.Outcome), outcome
+    assert outcome.reply is not None and outcome.reply.endswith(b"\n")
+    decoded: dict[str, Any] = msgspec.json.decode(outcome.reply)
+    assert decoded["jsonrpc"] == "2.0"
+    return decoded
+
+
+def request(method: str, params: Any = None, **envelope: Any) -> bytes:
+    body: dict[str, Any] = {"jsonrpc": "2.0", "method": method, **envelope}
+    if params is not None:
+        body["params"] = params
+    return msgspec.json.encode(body)
+
+
+# --- LineSplitter --------------------------------------------------------------------------
+
+
+def test_many_lines_in_one_chunk() -> None:
+    splitter = rpc.LineSplitter(100)
+    assert splitter.feed(b"a\nbb\nccc\n") == [b"a", b"bb", b"ccc"]
+    assert not splitter.pending
+
+
+def test_a_line_across_chunks() -> None:
+    splitter = rpc.LineSplitter(100)
+    assert splitter.feed(b'{"a"') == []
+    assert splitter.pending
+    assert splitter.feed(b": 1") == []
+    assert splitter.feed(b"}\n{") == [b'{"a": 1}']
+    assert splitter.pending
+    assert splitter.feed(b"}\n") == [b"{}"]
+    assert not splitter.pending
+
+
+def test_byte_at_a_time() -> None:
+    splitter = rpc.LineSplitter(100)
+    out: list[bytes] = []
+    for byte in b"one\ntwo\n":
+        out += splitter.feed(bytes([byte]))
+    assert out == [b"one", b"two"]
+
+
+def test_crlf_and_blank_lines() -> None:
+    splitter = rpc.LineSplitter(100)
+    assert splitter.feed(b"a\r\n\r\n\n  \nb\r") == [b"a"]
+    assert splitter.feed(b"\n") == [b"b"]
+
+
+def test_exact_limit_is_accepted() -> None:
+    splitter = rpc.LineSplitter(10)
+    assert splitter.feed(b"x" * 10 + b"\n") == [b"x" * 10]
+    assert splitter.feed(b"y" * 6) == []
+    assert splitter.feed(b"y" * 4) == []
+    assert splitter.feed(b"\n") == [b"y" * 10]
+
+
+def test_one_byte_over_the_limit_in_one_chunk() -> None:
+    with pytest.raises(RequestTooLarge) as info:
+        rpc.LineSplitter(10).feed(b"x" * 11 + b"\n")
+    assert info.value.data == {"limit": 10}
+
+
+def test_over_the_limit_across_chunks() -> None:
+    splitter = rpc.LineSplitter(10)
+    assert splitter.feed(b"x" * 6) == []
+    with pytest.raises(RequestTooLarge):
+        splitter.feed(b"x" * 5 + b"\n")
+
+
+def test_refused_before_the_newline_arrives() -> None:
+    """A line is refused as soon as it is too long, not buffered until it ends."""
+    splitter = rpc.LineSplitter(10)
+    splitter.feed(b"x" * 10)
+    with pytest.raises(RequestTooLarge):
+        splitter.feed(b"x")
+
+
+def test_complete_lines_before_an_oversized_one_are_not_lost_in_the_limit() -> None:
+    splitter = rpc.LineSplitter(10)
+    assert splitter.feed(b"ok\n" + b"x" * 10) == [b"ok"]
+    with pytest.raises(RequestTooLarge):
+        splitter.feed(b"x\n")
+
+
+def test_the_limit_counts_the_carriage_return() -> None:
+    """The limit is on bytes received for the line; a CR is one of them."""
+    splitter = rpc.LineSplitter(10)
+    with pytest.raises(RequestTooLarge):
+        splitter.feed(b"x" * 10 + b"\r\n")
+
+
+# --- decode_call ------------------------------------------------------------------------------
+
+
+def test_valid_call() -> None:
+    call = rpc.decode_call(request("fs.stat", {"workspace": "ws_1", "path": "a"}, id=5))
+    assert isinstance(call, rpc.Call)
+    assert call.id == 5 and not call.is_notification
+    assert call.spec.name == "fs.stat"
+    assert call.params == StatParams(workspace="ws_1", path="a")
+
+
+def test_string_and_null_ids() -> None:
+    call = rpc.decode_call(request("daemon.status", id="abc"))
+    assert isinstance(call, rpc.Call) and call.id == "abc" and not call.is_notification
+    call = rpc.decode_call(request("daemon.status", id=None))
+    assert isinstance(call, rpc.Call) and call.id is None and not call.is_notification
+
+
+def test_missing_params_means_empty_params() -> None:
+    call = rpc.decode_call(request("daemon.status", id=1))
+    assert isinstance(call, rpc.Call)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"{",
+        b"not json",
+        b'{"jsonrpc": "2.0",}',
+        b"\xff\xfe",
+        b'{"jsonrpc": "2.0", "id": 1, "method": "daemon.status"} x',
+    ],
+)
+def test_parse_error(line: bytes) -> None:
+    error = reply(rpc.decode_call(line))
+    assert error["id"] is None
+    assert error["error"]["code"] == rpc.PARSE_ERROR
+
+
+@pytest.mark.parametrize(
+    ("line", "expected_id"),
+    [
+        (b"[]", None),
+        (b"1", None),
+        (b'"x"', None),
+        (b'{"jsonrpc": "2.0", "id": 7}', 7),
+        (b'{"jsonrpc": "1.0", "id": 8, "method": "daemon.status"}', 8),
+        (b'{"id": 9, "method": "daemon.status"}', 9),
+        (b'{"jsonrpc": "2.0", "id": "s", "method": 5}', "s"),
+        (b'{"jsonrpc": "2.0", "id": 1, "method": "daemon.status", "extra": 1}', 1),
+        (b'{"jsonrpc": "2.0", "id": 2, "method": "daemon.status", "params": [1]}', 2),
+        (b'{"jsonrpc": "2.0", "id": true, "method": "daemon.status"}', None),
+        (b'{"jsonrpc": "2.0", "id": 1.5, "method": "daemon.status"}', None),
+        (b'{"jsonrpc": "2.0", "id": {"a": 1}, "method": "daemon.status"}', None),
+    ],
+)
+def test_invalid_request(line: bytes, expected_id: Any) -> None:
+    error = reply(rpc.decode_call(line))
+    assert error["error"]["code"] == rpc.INVALID_REQUEST
+    assert error["id"] == expected_id
+
+
+def test_unknown_method() -> None:
+    error = reply(rpc.decode_call(request("fs.nope", {}, id=3)))
+    assert error["id"] == 3
+    assert error["error"]["code"] == rpc.METHOD_NOT_FOUND
+    assert "fs.nope" in error["error"]["message"]
+
+
+def test_notification_of_a_known_method_is_a_call_without_reply_id() -> None:
+    call = rpc.decode_call(request("fs.stat", {"workspace": "w", "path": "a"}))
+    assert isinstance(call, rpc.Call)
+    assert call.is_notification and call.id is None
+
+
+def test_notification_errors_get_no_reply() -> None:
+    assert rpc.decode_call(request("fs.nope", {})) == rpc.Outcome(None)
+    assert rpc.decode_call(request("fs.stat", {"workspace": 1})) == rpc.Outcome(None)
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "path"),
+    [
+        ("fs.stat", {"workspace": 1, "path": "a"}, "$.workspace"),
+        ("fs.stat", {"workspace": "w"}, "$.path"),
+        ("fs.stat", {"workspace": "w", "path": "a", "bogus": 1}, "$.bogus"),
+        ("fs.read", {"workspace": "w", "path": "a", "offset": "5"}, "$.offset"),
+        ("fs.read", {"workspace": "w", "path": "a", "offset": -1}, "$.offset"),
+        ("fs.read", {"workspace": "w", "path": "a", "length": 1.5}, "$.length"),
+        ("fs.list", {"workspace": "w", "limit": 0}, "$.limit"),
+        ("fs.walk", {"workspace": "w", "include_git": 1}, "$.include_git"),
+        ("fs.search", {"workspace": "w", "pattern": ""}, "$.pattern"),
+        ("fs.write", {"workspace": "w", "path": "a", "base_sha256": "abc"}, "$.base_sha256"),
+        ("fs.write", {"workspace": "w", "path": "a", "content": "x"}, "$.base_sha256"),
+        (
+            "fs.write",
+            {"workspace": "w", "path": "a", "base_sha256": None, "mode": 0o10000},
+            "$.mode",
+        ),
+        (
+            "fs.patch",
+            {"workspace": "w", "path": "a", "base_sha256": SHA, "edits": [{"old": 1, "new": ""}]},
+            "$.edits[0].old",
+        ),
+        (
+            "fs.patch",
+            {
+                "workspace": "w",
+                "path": "a",
+                "base_sha256": SHA,
+                "edits": [{"old": "a", "new": "b"}, {"old": "c", "new": "d", "x": 1}],
+            },
+            "$.edits[1].x",
+        ),
+        (
+            "fs.patch",
+            {"workspace": "w", "path": "a", "base_sha256": SHA, "edits": [{"new": "b"}]},
+            "$.edits[0].old",
+        ),
+        ("workspace.adopt", {"path": "/x", "root_id": "Bad_Id"}, "$.root_id"),
+        ("workspace.adopt", {"path": "/x", "policy": {"write_deny": 3}}, "$.policy.write_deny"),
+        ("workspace.adopt", {"path": "/x", "policy": {"nope": []}}, "$.policy.nope"),
+    ],
+)
+def test_invalid_params_names_the_field(method: str, params: dict[str, Any], path: str) -> None:
+    error = reply(rpc.decode_call(request(method, params, id=11)))
+    assert error["id"] == 11
+    assert error["error"]["code"] == rpc.INVALID_PARAMS
+    assert error["error"]["data"] == {"refusal": "invalid_params", "path": path}
+
+
+def test_params_are_converted_to_the_struct() -> None:
+    params = {
+        "workspace": "w",
+        "path": "a",
+        "base_sha256": SHA,
+        "edits": [{"old": "a", "new": "b", "count": 2}],
+        "dry_run": True,
+    }
+    call = rpc.decode_call(request("fs.patch", params, id=1))
+    assert isinstance(call, rpc.Call)
+    assert isinstance(call.params, PatchParams)
+    assert call.params.edits is not None and call.params.edits[0].count == 2
+    assert call.params.dry_run is True
+
+
+# --- replies ------------------------------------------------------------------------------------
+
+
+def test_reply_result() -> None:
+    line = rpc.reply_result(4, {"ok": True})
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert msgspec.json.decode(line) == {"jsonrpc": "2.0", "id": 4, "result": {"ok": True}}
+
+
+def test_reply_result_encodes_structs() -> None:
+    line = rpc.reply_result("x", StatParams(workspace="w", path="p"))
+    assert msgspec.json.decode(line)["result"] == {"workspace": "w", "path": "p"}
+
+
+def test_reply_error_without_and_with_data() -> None:
+    assert msgspec.json.decode(rpc.reply_error(None, -32700, "bad")) == {
+        "jsonrpc": "2.0",
+        "id": None,
+        "error": {"code": -32700, "message": "bad"},
+    }
+    decoded = msgspec.json.decode(rpc.reply_error(1, -1, "m", {"k": "v"}))
+    assert decoded["error"]["data"] == {"k": "v"}
+
+
+def test_refusal_error_carries_the_name_and_data() -> None:
+    decoded = msgspec.json.decode(rpc.refusal_error(2, StaleBase("stale", current_sha256=SHA)))
+    assert decoded == {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "error": {
+            "code": -32001,
+            "message": "stale",
+            "data": {"refusal": "stale_base", "current_sha256": SHA},
+        },
+    }
+    decoded = msgspec.json.decode(rpc.refusal_error(3, PathInvalid("no")))
+    assert decoded["error"]["data"] == {"refusal": "path_invalid"}
+
+
+def test_server_notification_has_no_id() -> None:
+    decoded = msgspec.json.decode(rpc.notification("proc.exit", {"code": 0}))
+    assert decoded == {"jsonrpc": "2.0", "method": "proc.exit", "params": {"code": 0}}

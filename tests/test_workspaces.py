@@ -1,0 +1,516 @@
+"""substrate.workspaces in-process: adoption, root ids, VCS heads, persistence, hygiene."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from substrate.config import Config
+from substrate.errors import (
+    AlreadyExists,
+    InvalidParams,
+    NotADirectory,
+    NotFound,
+    PathDenied,
+    PathInvalid,
+    SymlinkRefused,
+    UnknownWorkspace,
+)
+from substrate.journal import Journal
+from substrate.schema.workspace import Policy, Vcs
+from substrate.store import Store
+from substrate.workspaces import (
+    TEMP_PREFIX,
+    WorkspaceRegistry,
+    derive_root_id,
+    read_vcs,
+)
+
+HEAD = "0123456789abcdef0123456789abcdef01234567"
+OTHER = "89abcdef0123456789abcdef0123456789abcdef"
+ROOT_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+
+@dataclass
+class Env:
+    """An in-process registry over a private state dir; `reopen()` simulates a restart."""
+
+    config: Config
+    state_dir: Path
+    store: Store
+    journal: Journal
+    registry: WorkspaceRegistry
+
+    def reopen(self) -> None:
+        self.registry.close()
+        self.store.close()
+        self.store = Store(self.state_dir / "substrate.db")
+        self.journal = Journal(self.store)
+        self.registry = WorkspaceRegistry(self.config, self.store, self.journal, self.state_dir)
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self.journal.read(limit=10000)]
+
+
+def open_env(adopt_roots: list[Path], state_dir: Path) -> Env:
+    state_dir.mkdir(mode=0o700, exist_ok=True)
+    config = Config(state_dir=str(state_dir), adopt_roots=[str(r) for r in adopt_roots])
+    store = Store(state_dir / "substrate.db")
+    journal = Journal(store)
+    return Env(
+        config, state_dir, store, journal, WorkspaceRegistry(config, store, journal, state_dir)
+    )
+
+
+@pytest.fixture
+def env(adopt_root: Path, tmp_path: Path) -> Iterator[Env]:
+    e = open_env([adopt_root], tmp_path / "state")
+    try:
+        yield e
+    finally:
+        e.registry.close()
+        e.store.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --- adopt: where ------------------------------------------------------------------------------
+
+
+def test_adopt_returns_a_handle_and_journals(env: Env, workspace_dir: Path) -> None:
+    ws = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    assert ws.id.startswith("ws_")
+    assert ws.root_id == derive_root_id(workspace_dir.name)
+    assert (ws.owner_uid, ws.owner_gid) == (1000, 1000)
+    assert env.registry.get(ws.id) is ws
+    assert env.registry.all() == [ws]
+    entry = env.journal.read()[-1]
+    assert entry.kind == "workspace.adopted"
+    assert entry.workspace == ws.id and entry.actor == "agent:0"
+    assert entry.data == {"root_id": ws.root_id, "vcs_head": None}
+
+
+def test_info_holds_no_host_path(env: Env, make_workspace: Callable[..., Path]) -> None:
+    path = make_workspace("secret-location", git=True)
+    ws = env.registry.adopt(str(path), None, None, "agent:0")
+    encoded = msgspec.json.encode(ws.info()).decode()
+    assert str(path) not in encoded
+    assert str(path.parent) not in encoded
+    assert ws.info().vcs == Vcs(kind="git", head=HEAD)
+    assert ws.provenance("a/b") == "secret-location:a/b"
+
+
+@pytest.mark.parametrize("path", ["/", "/etc", "/tmp", "relative/path", "", "/x\x00y"], ids=repr)
+def test_adopt_outside_adopt_roots_or_malformed(env: Env, path: str) -> None:
+    with pytest.raises((PathDenied, PathInvalid)) as info:
+        env.registry.adopt(path, None, None, "agent:0")
+    expected = PathDenied if path.startswith("/") and "\x00" not in path else PathInvalid
+    assert type(info.value) is expected
+    assert env.registry.all() == []
+
+
+def test_adopt_sibling_with_the_same_prefix_is_outside(env: Env, adopt_root: Path) -> None:
+    sibling = adopt_root.parent / (adopt_root.name + "2")
+    (sibling / "ws").mkdir(parents=True)
+    with pytest.raises(PathDenied):
+        env.registry.adopt(str(sibling / "ws"), None, None, "agent:0")
+
+
+def test_dotdot_out_of_the_adopt_root_is_outside(
+    env: Env, adopt_root: Path, workspace_dir: Path
+) -> None:
+    (adopt_root.parent / "elsewhere").mkdir()
+    with pytest.raises(PathDenied):
+        env.registry.adopt(f"{workspace_dir}/../../elsewhere", None, None, "agent:0")
+
+
+def test_symlink_inside_the_adopt_root_is_refused(
+    env: Env, adopt_root: Path, workspace_dir: Path, tmp_path: Path
+) -> None:
+    (adopt_root / "link-in").symlink_to(workspace_dir)
+    (adopt_root / "link-out").symlink_to(tmp_path)
+    (adopt_root / "nest").mkdir()
+    (adopt_root / "nest" / "hop").symlink_to(adopt_root)
+    for path in [
+        adopt_root / "link-in",
+        adopt_root / "link-out",
+        adopt_root / "link-in" / "src",
+        adopt_root / "nest" / "hop" / workspace_dir.name,
+    ]:
+        with pytest.raises(SymlinkRefused):
+            env.registry.adopt(str(path), None, None, "agent:0")
+    assert env.registry.all() == []
+
+
+def test_missing_and_file_paths(env: Env, adopt_root: Path, workspace_dir: Path) -> None:
+    with pytest.raises(NotFound):
+        env.registry.adopt(str(adopt_root / "absent"), None, None, "agent:0")
+    with pytest.raises(NotADirectory):
+        env.registry.adopt(str(workspace_dir / "README.md"), None, None, "agent:0")
+
+
+def test_refusals_leak_no_fd(env: Env, adopt_root: Path, workspace_dir: Path) -> None:
+    (adopt_root / "link").symlink_to(workspace_dir)
+    taken = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    other = adopt_root / "other"
+    other.mkdir()
+    before = open_fds()
+    for _ in range(20):
+        with pytest.raises(SymlinkRefused):
+            env.registry.adopt(str(adopt_root / "link"), None, None, "agent:0")
+        with pytest.raises(AlreadyExists):
+            env.registry.adopt(str(other), taken.root_id, None, "agent:0")
+        with pytest.raises(InvalidParams):
+            env.registry.adopt(str(other), None, Policy(read_deny=["!x"]), "agent:0")
+        assert env.registry.adopt(str(workspace_dir), None, None, "agent:0") is taken
+    assert open_fds() == before
+
+
+def test_state_dir_inside_the_workspace_is_refused(
+    adopt_root: Path, make_workspace: Callable[..., Path]
+) -> None:
+    path = make_workspace("holder")
+    for state in [path / "state", path / "deep" / "er" / "state"]:
+        state.parent.mkdir(parents=True, exist_ok=True)
+        e = open_env([adopt_root], state)
+        try:
+            with pytest.raises(PathDenied):
+                e.registry.adopt(str(path), None, None, "agent:0")
+            assert e.registry.all() == []
+        finally:
+            e.registry.close()
+            e.store.close()
+
+
+def test_state_dir_beside_the_workspace_is_fine(env: Env, workspace_dir: Path) -> None:
+    assert env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+
+
+# --- adopt: identity -----------------------------------------------------------------------------
+
+
+def test_same_path_twice_is_the_same_workspace(env: Env, workspace_dir: Path) -> None:
+    first = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    again = env.registry.adopt(str(workspace_dir) + "/", None, None, "agent:0")
+    spelled = env.registry.adopt(
+        str(workspace_dir.parent) + "//./" + workspace_dir.name, "other-id", None, "agent:0"
+    )
+    assert first is again is spelled
+    assert len(env.registry.all()) == 1
+    assert env.kinds().count("workspace.adopted") == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "root_id"),
+    [
+        ("demo", "demo"),
+        ("My Project_v2", "my-project-v2"),
+        ("ws.1", "ws-1"),
+        ("-x-", "x"),
+        ("a--b", "a-b"),
+        ("café", "caf"),
+        ("___", "workspace"),
+        ("9lives", "9lives"),
+        ("a" * 100, "a" * 64),
+        ("a" * 63 + "-b", "a" * 63),
+    ],
+)
+def test_derive_root_id(name: str, root_id: str) -> None:
+    assert derive_root_id(name) == root_id
+    assert ROOT_ID_RE.match(root_id)
+
+
+def test_root_id_collision_gets_a_suffix(env: Env, make_workspace: Callable[..., Path]) -> None:
+    made = [make_workspace(f"{d}/proj") for d in ("a", "b", "c")]
+    ids = [env.registry.adopt(str(p), None, None, "agent:0").root_id for p in made]
+    assert ids == ["proj", "proj-2", "proj-3"]
+
+
+def test_long_root_id_collision_stays_valid(env: Env, make_workspace: Callable[..., Path]) -> None:
+    name = "n" * 80
+    ids = [
+        env.registry.adopt(str(make_workspace(f"{d}/{name}")), None, None, "agent:0").root_id
+        for d in ("a", "b")
+    ]
+    assert ids == ["n" * 64, "n" * 60 + "-2"]
+    assert all(ROOT_ID_RE.match(i) for i in ids)
+
+
+def test_explicit_root_id(env: Env, make_workspace: Callable[..., Path]) -> None:
+    one = env.registry.adopt(str(make_workspace("one")), "chosen", None, "agent:0")
+    assert one.root_id == "chosen"
+    with pytest.raises(AlreadyExists):
+        env.registry.adopt(str(make_workspace("two")), "chosen", None, "agent:0")
+    # A derived id that an explicit one already holds gets a suffix instead.
+    three = env.registry.adopt(str(make_workspace("chosen")), None, None, "agent:0")
+    assert three.root_id == "chosen-2"
+
+
+def test_policy_is_compiled_with_git_denied(env: Env, workspace_dir: Path) -> None:
+    ws = env.registry.adopt(
+        str(workspace_dir), None, Policy(write_deny=["*.lock"], read_deny=["*.pem"]), "agent:0"
+    )
+    assert ws.policy.policy.write_deny == [".git/**", "*.lock"]
+    assert not ws.policy.may_write(".git/config")
+    assert not ws.policy.may_read("k.pem")
+
+
+# --- VCS -------------------------------------------------------------------------------------
+
+
+def git_dir(root: Path, head: str) -> Path:
+    git = root / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text(head)
+    return git
+
+
+def vcs_of(root: Path) -> Vcs | None:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return read_vcs(fd)
+    finally:
+        os.close(fd)
+
+
+def test_vcs_loose_branch_ref(tmp_path: Path) -> None:
+    git = git_dir(tmp_path, "ref: refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text(HEAD + "\n")
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=HEAD)
+
+
+def test_vcs_nested_branch_name(tmp_path: Path) -> None:
+    git = git_dir(tmp_path, "ref: refs/heads/feature/x\n")
+    (git / "refs" / "heads" / "feature").mkdir()
+    (git / "refs" / "heads" / "feature" / "x").write_text(HEAD)
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=HEAD)
+
+
+def test_vcs_packed_refs(tmp_path: Path) -> None:
+    git = git_dir(tmp_path, "ref: refs/heads/main\n")
+    (git / "packed-refs").write_text(
+        "# pack-refs with: peeled fully-peeled sorted\n"
+        f"{OTHER} refs/heads/develop\n"
+        f"{HEAD} refs/heads/main\n"
+        f"^{OTHER}\n"
+        f"{OTHER} refs/tags/v1\n"
+    )
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=HEAD)
+
+
+def test_vcs_loose_ref_wins_over_packed(tmp_path: Path) -> None:
+    git = git_dir(tmp_path, "ref: refs/heads/main\n")
+    (git / "packed-refs").write_text(f"{OTHER} refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text(HEAD + "\n")
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=HEAD)
+
+
+def test_vcs_detached_head(tmp_path: Path) -> None:
+    git_dir(tmp_path, HEAD + "\n")
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=HEAD)
+
+
+def test_vcs_sha256_repository(tmp_path: Path) -> None:
+    sha = "ab" * 32
+    git_dir(tmp_path, sha + "\n")
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=sha)
+
+
+def test_vcs_unborn_branch(tmp_path: Path) -> None:
+    git_dir(tmp_path, "ref: refs/heads/main\n")
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=None)
+
+
+@pytest.mark.parametrize(
+    "head",
+    ["ref: refs/heads/../../../etc/x\n", "ref: heads/main\n", "garbage\n", "ref: refs/heads/a b\n"],
+)
+def test_vcs_odd_heads_are_git_without_a_head(tmp_path: Path, head: str) -> None:
+    git_dir(tmp_path, head)
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=None)
+
+
+def test_vcs_bad_ref_content(tmp_path: Path) -> None:
+    git = git_dir(tmp_path, "ref: refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text("not a sha\n")
+    assert vcs_of(tmp_path) == Vcs(kind="git", head=None)
+
+
+def test_no_vcs(tmp_path: Path) -> None:
+    assert vcs_of(tmp_path) is None
+    (tmp_path / ".git").write_text("gitdir: /elsewhere/.git/worktrees/x\n")
+    assert vcs_of(tmp_path) is None
+
+
+def test_vcs_never_follows_symlinks(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    git = git_dir(real, "ref: refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text(HEAD)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / ".git").symlink_to(git)
+    assert vcs_of(linked) is None
+    # A symlinked ref is not read (the packed value is used instead).
+    (git / "refs" / "heads" / "main").unlink()
+    (tmp_path / "elsewhere").write_text(OTHER)
+    (git / "refs" / "heads" / "main").symlink_to(tmp_path / "elsewhere")
+    (git / "packed-refs").write_text(f"{HEAD} refs/heads/main\n")
+    assert vcs_of(real) == Vcs(kind="git", head=HEAD)
+    (git / "HEAD").unlink()
+    (git / "HEAD").symlink_to(tmp_path / "elsewhere")
+    assert vcs_of(real) is None
+
+
+def test_adopting_runs_nothing_the_checkout_configures(
+    env: Env, make_workspace: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = make_workspace("hooked", git=True)
+    marker = tmp_path / "ran"
+    script = tmp_path / "marker.sh"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    script.chmod(0o755)
+    (path / ".git" / "config").write_text(
+        f"[core]\n\tfsmonitor = {script}\n\thooksPath = {tmp_path}\n"
+        f'[filter "x"]\n\tclean = {script}\n\tsmudge = {script}\n'
+    )
+    (path / ".gitattributes").write_text("* filter=x diff=x\n")
+    for hook in ("post-checkout", "pre-commit", "post-index-change", "reference-transaction"):
+        (path / ".git" / "hooks" / hook).write_text(f"#!/bin/sh\ntouch {marker}\n")
+        (path / ".git" / "hooks" / hook).chmod(0o755)
+    ws = env.registry.adopt(str(path), None, None, "agent:0")
+    assert ws.info().vcs == Vcs(kind="git", head=HEAD)
+    assert not marker.exists()
+
+
+# --- persistence and release --------------------------------------------------------------------
+
+
+def test_reload_after_reopening(env: Env, make_workspace: Callable[..., Path]) -> None:
+    policy = Policy(write_deny=["dist/"], read_deny=["*.pem"], require_approval=["ci/**"])
+    one = env.registry.adopt(str(make_workspace("one")), None, policy, "agent:0")
+    two = env.registry.adopt(str(make_workspace("two")), "second", None, "agent:0")
+    env.reopen()
+    reloaded = env.registry.all()
+    assert [(w.id, w.root_id) for w in reloaded] == [(one.id, "one"), (two.id, "second")]
+    again = env.registry.get(one.id)
+    assert again.policy.policy == one.policy.policy
+    assert not again.policy.may_read("x.pem")
+    assert again.dev_ino == one.dev_ino
+    assert (again.owner_uid, again.owner_gid) == (1000, 1000)
+    # Adopting the same path after the restart returns the reloaded workspace.
+    assert env.registry.adopt(one.host_path, None, None, "agent:0") is again
+
+
+def test_root_ids_stay_taken_after_reopening(env: Env, make_workspace: Callable[..., Path]) -> None:
+    env.registry.adopt(str(make_workspace("one")), "taken", None, "agent:0")
+    env.reopen()
+    with pytest.raises(AlreadyExists):
+        env.registry.adopt(str(make_workspace("two")), "taken", None, "agent:0")
+
+
+def test_reload_drops_a_vanished_or_swapped_workspace(
+    env: Env, make_workspace: Callable[..., Path], tmp_path: Path
+) -> None:
+    gone = env.registry.adopt(str(make_workspace("gone")), None, None, "agent:0")
+    swapped_path = make_workspace("swapped")
+    swapped = env.registry.adopt(str(swapped_path), None, None, "agent:0")
+    kept = env.registry.adopt(str(make_workspace("kept")), None, None, "agent:0")
+    os.rename(gone.host_path, tmp_path / "moved-away")
+    os.rename(swapped_path, tmp_path / "swapped-real")
+    swapped_path.symlink_to(tmp_path / "swapped-real")
+    env.reopen()
+    assert [w.id for w in env.registry.all()] == [kept.id]
+    with pytest.raises(UnknownWorkspace):
+        env.registry.get(gone.id)
+    dropped = {
+        e.workspace: e.data["refusal"]
+        for e in env.journal.read(limit=1000)
+        if e.kind == "workspace.unavailable"
+    }
+    assert dropped == {gone.id: "not_found", swapped.id: "symlink_refused"}
+    env.reopen()  # and it stays dropped, without a second journal entry
+    assert env.kinds().count("workspace.unavailable") == 2
+
+
+def test_release(env: Env, workspace_dir: Path) -> None:
+    ws = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    fd = ws.root_fd
+    env.registry.release(ws.id, "agent:0")
+    with pytest.raises(UnknownWorkspace):
+        env.registry.get(ws.id)
+    with pytest.raises(UnknownWorkspace):
+        env.registry.release(ws.id, "agent:0")
+    assert env.journal.read()[-1].kind == "workspace.released"
+    again = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    assert again.id != ws.id and again.root_id == ws.root_id
+    if again.root_fd != fd:  # the old fd number may be reused by the new adoption
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    env.reopen()
+    assert [w.id for w in env.registry.all()] == [again.id]
+
+
+def test_unknown_workspace(env: Env) -> None:
+    with pytest.raises(UnknownWorkspace):
+        env.registry.get("ws_nope")
+
+
+# --- approvals and start-up hygiene --------------------------------------------------------------
+
+
+def test_grant_approval_is_stored_and_journaled(env: Env, workspace_dir: Path) -> None:
+    ws = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    approval_id, expires = env.registry.grant_approval(ws, "d" * 64, 60.0, "operator:0")
+    assert approval_id.startswith("apr_")
+    rows = env.store.query("SELECT * FROM approvals WHERE id = ?", (approval_id,))
+    assert rows[0]["plan_digest"] == "d" * 64 and rows[0]["used"] is None
+    assert rows[0]["expires"] == expires
+    last = env.journal.read()[-1]
+    assert last.kind == "approval.granted" and last.actor == "operator:0"
+    assert last.data["approval_id"] == approval_id
+
+
+def test_clean_stale_temp_files(env: Env, workspace_dir: Path, tmp_path: Path) -> None:
+    ws = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    (workspace_dir / "deep" / "er").mkdir(parents=True)
+    stale = [
+        workspace_dir / f"{TEMP_PREFIX}aaaa",
+        workspace_dir / "src" / f"{TEMP_PREFIX}bbbb",
+        workspace_dir / "deep" / "er" / f"{TEMP_PREFIX}cccc",
+    ]
+    for path in stale:
+        path.write_text("half-written")
+        os.utime(path, (1_000_000_000, 1_000_000_000))  # a previous run's
+    in_flight = workspace_dir / f"{TEMP_PREFIX}ffff"
+    in_flight.write_text("a write of this run, still in flight")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / f"{TEMP_PREFIX}dddd").write_text("not ours")
+    (workspace_dir / "link").symlink_to(outside)
+    (workspace_dir / f"{TEMP_PREFIX}link").symlink_to(outside / f"{TEMP_PREFIX}dddd")
+    (workspace_dir / ".git").mkdir()
+    (workspace_dir / ".git" / f"{TEMP_PREFIX}eeee").write_text("git's business")
+    (workspace_dir / "keep.substrate-tmp-x").write_text("not the prefix")
+    for kept in [outside / f"{TEMP_PREFIX}dddd", workspace_dir / ".git" / f"{TEMP_PREFIX}eeee"]:
+        os.utime(kept, (1_000_000_000, 1_000_000_000))
+    assert env.registry.clean_stale_temp_files() == 3
+    assert not any(p.exists() for p in stale)
+    assert in_flight.exists()
+    assert (outside / f"{TEMP_PREFIX}dddd").exists()
+    assert (workspace_dir / f"{TEMP_PREFIX}link").is_symlink()
+    assert (workspace_dir / ".git" / f"{TEMP_PREFIX}eeee").exists()
+    assert (workspace_dir / "keep.substrate-tmp-x").exists()
+    entry = env.journal.read()[-1]
+    assert entry.kind == "workspace.temp_cleaned" and entry.data == {"files": 3}
+    assert env.registry.clean_stale_temp_files() == 0
+    assert env.journal.read()[-1] == entry  # nothing cleaned: nothing journaled
+    assert env.registry.get(ws.id)
