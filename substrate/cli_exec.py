@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import signal
 import sys
 import time
 from typing import Any
@@ -60,8 +61,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if result.get("timed_out"):
         print("substrate: timed out", file=sys.stderr)
     code = result.get("exit_code")
-    if code is None:
-        return 128 + int(result.get("signal") or 9)
+    if code is None:  # the engine lost the exec: report it as killed
+        name = result.get("signal") or "KILL"
+        return 128 + int(getattr(signal, f"SIG{name}", signal.SIGKILL))
     return int(code)
 
 
@@ -85,7 +87,59 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if all(ok for _, ok, _ in checks) else 1
 
 
+def cmd_grant(args: argparse.Namespace) -> int:
+    from substrate.cli import _client, _workspace
+    from substrate.grants import parse_duration
+
+    with _client(args, operator=True) as c:
+        result = c.call(
+            "grant.issue",
+            kind="interactive_terminal",
+            workspace=_workspace(c, args.workspace),
+            profile=args.profile,
+            ttl_s=parse_duration(args.ttl),
+            uses=args.uses,
+        )
+    # The token is shown once, here; the daemon keeps only its SHA-256.
+    print(f"grant   {result['grant']}")
+    print(f"token   {result['token']}")
+    print(f"expires {result.get('expires')}")
+    print(f"page    http://{args.listen}/#token={result['token']}")
+    print(f"attach  SUBSTRATE_TOKEN={result['token']} substrate attach")
+    return 0
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    from substrate import attach
+
+    argv = ["--url", args.url]
+    if args.token:
+        argv += ["--token", args.token]
+    if args.session:
+        argv += ["--session", args.session]
+    if args.observe:
+        argv.append("--observe")
+    return attach.main(argv)
+
+
 def add_commands(sub: Any) -> None:
+    p = sub.add_parser("grant", help="operator: issue a terminal grant")
+    gsub = p.add_subparsers(dest="grant_cmd", required=True)
+    g = gsub.add_parser("terminal", help="a short-lived grant for an interactive terminal")
+    g.add_argument("--workspace", help="workspace handle, root id or path (default: cwd)")
+    g.add_argument("--profile", default="interactive")
+    g.add_argument("--ttl", default="10m", help="e.g. 90s, 10m, 1h")
+    g.add_argument("--uses", type=int, default=1)
+    g.add_argument("--listen", default="127.0.0.1:7681", help="the daemon's terminal address")
+    p.set_defaults(func=cmd_grant)
+
+    p = sub.add_parser("attach", help="open a terminal with a grant token")
+    p.add_argument("--token", help="the grant token (or $SUBSTRATE_TOKEN; --token shows in ps)")
+    p.add_argument("--url", default="ws://127.0.0.1:7681/pty")
+    p.add_argument("--session", help="join an existing session")
+    p.add_argument("--observe", action="store_true", help="watch without typing")
+    p.set_defaults(func=cmd_attach)
+
     p = sub.add_parser(
         "doctor", help="what works on this machine: engine, cgroups, seccomp, gVisor"
     )

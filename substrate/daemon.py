@@ -45,6 +45,16 @@ def prepare_state_dir(path: Path) -> Path:
     return path
 
 
+def check_socket_path(path: Path) -> None:
+    """Refuse anything but nothing or a stale socket at `path` (never follow a planted link)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{path} exists and is not a socket (refusing to follow or replace it)")
+
+
 def _raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
@@ -58,6 +68,9 @@ class Daemon:
         self.config = config
         self.started = time.monotonic()
         self.state_dir = prepare_state_dir(config.state_path())
+        # Checked here too (bind_unix checks again) so a refusal is a message, not a traceback.
+        for name in ("substrate.sock", "operator.sock"):
+            check_socket_path(self.state_dir / name)
         _raise_fd_limit()
         self.store = Store(self.state_dir / "substrate.db")
         self.journal = Journal(self.store)
@@ -67,9 +80,19 @@ class Daemon:
         # of threads forever; writes are never abandoned once started.
         self.fs_limiter = trio.CapacityLimiter(16)
         # --- execution layer (containers, processes, artifacts) -----------------------
-        self.execution: Any = None
+        from substrate.execution import Execution
+        from substrate.profiles import ProfileError
+
+        try:
+            self.execution: Any = Execution(
+                config, self.store, self.journal, self.state_dir, fs_limiter=self.fs_limiter
+            )
+        except ProfileError as exc:
+            raise StartupError(str(exc)) from None
         # --- terminals (grants, PTY sessions) -----------------------------------------
-        self.terminals: Any = None
+        from substrate.pty.service import TerminalService
+
+        self.terminals: Any = TerminalService(self)
 
     @property
     def epoch(self) -> int:
@@ -91,6 +114,8 @@ class Daemon:
                     serve_socket, self, self.state_dir / "operator.sock", 0o600, "operator"
                 )
                 nursery.start_soon(trio.to_thread.run_sync, self.workspaces.clean_stale_temp_files)
+                await nursery.start(self.execution.run)  # execution layer: reaps, sweeps, stops
+                await nursery.start(self.terminals.serve)
                 task_status.started()
                 async for signum in signals:
                     log.info("signal %s: stopping", signal.Signals(signum).name)

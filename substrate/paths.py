@@ -153,7 +153,11 @@ def _has_openat2() -> bool:
     global _openat2_works
     if _openat2_works is None:
         try:
-            os.close(_openat2(os.open("/", _DIR_FLAGS), ".", _DIR_FLAGS))
+            probe = os.open("/", _DIR_FLAGS)
+            try:
+                os.close(_openat2(probe, ".", _DIR_FLAGS))
+            finally:
+                os.close(probe)
             _openat2_works = True
         except OSError:
             _openat2_works = False
@@ -163,6 +167,7 @@ def _has_openat2() -> bool:
 def use_openat2(enabled: bool) -> None:
     """Force the fallback walk (tests run both paths)."""
     global _openat2_works
+    _openat2_works = None  # probe again: a disabled resolver must be re-enabled
     _openat2_works = enabled and _has_openat2()
 
 
@@ -177,22 +182,42 @@ def open_dir(root_fd: int, parts: Sequence[str], where: str = "path") -> int:
         return os.open(".", _DIR_FLAGS, dir_fd=root_fd)
     if _has_openat2():
         try:
-            return _openat2(root_fd, "/".join(parts), _DIR_FLAGS)
+            # No O_NOFOLLOW here: with it, a symlink as the *last* component fails the
+            # O_DIRECTORY check first (ENOTDIR); without it RESOLVE_NO_SYMLINKS says ELOOP.
+            return _openat2(root_fd, "/".join(parts), _DIR_FLAGS & ~os.O_NOFOLLOW)
         except OSError as exc:
             raise refusal_for(exc, where) from None
     fd = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
     try:
         for part in parts:
-            try:
-                nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except OSError as exc:
-                raise refusal_for(exc, where) from None
+            nxt = _open_component(fd, part, where)
             os.close(fd)
             fd = nxt
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _open_component(dir_fd: int, name: str, where: str) -> int:
+    """One step of the fallback walk: the directory `name` in `dir_fd`, never a symlink.
+
+    `O_PATH | O_NOFOLLOW` pins whatever is there (a symlink included), so the refusal
+    names what was met even if the name is swapped a moment later; `O_DIRECTORY |
+    O_NOFOLLOW` alone would say ENOTDIR for a symlink.
+    """
+    try:
+        pinned = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        raise refusal_for(exc, where) from None
+    try:
+        mode = os.fstat(pinned).st_mode
+        if not stat.S_ISDIR(mode):
+            err = errno.ELOOP if stat.S_ISLNK(mode) else errno.ENOTDIR
+            raise refusal_for(OSError(err, os.strerror(err)), where)
+        return os.open(".", _DIR_FLAGS, dir_fd=pinned)
+    finally:
+        os.close(pinned)
 
 
 @contextmanager

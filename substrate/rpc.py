@@ -9,6 +9,7 @@ Replies are bytes made by `reply_result` / `reply_error`. Nothing here touches a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,13 +118,19 @@ def decode_call(line: bytes) -> Call | Outcome:
     return Call(request_id, notification, spec, params)
 
 
+_FIELD_RE = re.compile(r"^Object (?:contains unknown|missing required) field `([^`]*)`")
+
+
 def _error_path(message: str) -> str:
-    """msgspec messages end with `- at `$.field[2]``; return that path, or `$`."""
+    """The field path of a msgspec message (`... - at `$.field[2]``), or `$`.
+
+    An unknown or missing field is named in the message only: append it to the path.
+    """
     marker = "- at `"
     at = message.rfind(marker)
-    if at < 0:
-        return "$"
-    return message[at + len(marker) :].rstrip("`")
+    path = "$" if at < 0 else message[at + len(marker) :].rstrip("`")
+    field = _FIELD_RE.match(message)
+    return f"{path}.{field.group(1)}" if field else path
 
 
 def _salvage_id(line: bytes) -> RequestId:

@@ -36,6 +36,8 @@ _connection_ids = itertools.count(1)
 
 #: Methods whose refusals are journaled (they would have changed state).
 MUTATING = frozenset({"fs.write", "fs.patch", "fs.delete", "proc.run", "proc.start"})
+#: Methods that run to completion (reply included) even when the daemon is stopping.
+WRITES = frozenset({"fs.write", "fs.patch", "fs.delete"})
 
 
 def bind_unix(path: Path, mode: int) -> socket.socket:
@@ -217,9 +219,12 @@ class Connection:
 
     async def _run_call(self, caller: Caller, call: rpc.Call) -> None:
         try:
-            reply = await self._invoke(caller, call)
-            if not call.is_notification:
-                await self.send(reply)
+            # A shutdown lets a started write finish; shielded, its reply is sent too
+            # (bounded by the send timeout), so a write that landed never looks lost.
+            with trio.CancelScope(shield=call.spec.name in WRITES):
+                reply = await self._invoke(caller, call)
+                if not call.is_notification:
+                    await self.send(reply)
         finally:
             self._busy -= 1
             self._in_flight.release()

@@ -157,6 +157,9 @@ class WorkspaceRegistry:
         self._state_dir = state_dir
         self._lock = threading.Lock()
         self._by_id: dict[str, Workspace] = {}
+        # Temp files older than this are a previous run's; newer ones may be writes in flight.
+        # Less 50 ms: file times come from a coarse clock that lags time.time() by a tick.
+        self._started = time.time() - 0.05
         store.ensure_schema(SCHEMA)
         self._reload()
 
@@ -349,11 +352,15 @@ class WorkspaceRegistry:
     # -- start-up hygiene --------------------------------------------------------------------
 
     def clean_stale_temp_files(self) -> int:
-        """Remove guarded-write temp files a crashed daemon left behind. Returns the count."""
+        """Remove guarded-write temp files a crashed daemon left behind. Returns the count.
+
+        Runs while the sockets already accept writes: only files last modified before
+        this registry was made are removed, never the temp file of a write in flight.
+        """
         removed = 0
         for ws in list(self._by_id.values()):
             try:
-                removed += _clean_dir(ws.root_fd, depth=0)
+                removed += _clean_dir(ws.root_fd, depth=0, before=self._started)
             except OSError:
                 continue
         if removed:
@@ -361,13 +368,15 @@ class WorkspaceRegistry:
         return removed
 
 
-def _clean_dir(dir_fd: int, depth: int) -> int:
+def _clean_dir(dir_fd: int, depth: int, before: float) -> int:
     removed = 0
     with os.scandir(dir_fd) as it:
         entries = list(it)
     for entry in entries:
         if entry.name.startswith(TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
             try:
+                if entry.stat(follow_symlinks=False).st_mtime >= before:
+                    continue
                 os.unlink(entry.name, dir_fd=dir_fd)
                 removed += 1
             except FileNotFoundError:
@@ -384,7 +393,7 @@ def _clean_dir(dir_fd: int, depth: int) -> int:
             except OSError:
                 continue
             try:
-                removed += _clean_dir(child, depth + 1)
+                removed += _clean_dir(child, depth + 1, before)
             finally:
                 os.close(child)
     return removed

@@ -95,7 +95,10 @@ def _read_current(parent_fd: int, name: str, where: str, limit: int) -> _Current
         raise NotAFile(f"{where}: is a {kind}, not a regular file")
     if st.st_size > limit:
         raise TooLarge(f"{where}: {st.st_size} bytes is over the {limit} byte bound", limit=limit)
-    fd = paths.open_regular(parent_fd, name, where)
+    try:
+        fd = paths.open_regular(parent_fd, name, where)
+    except NotFound:
+        return _Current(exists=False)  # removed since the lstat: it is absent now
     try:
         fst = os.fstat(fd)
         chunks = []
@@ -184,6 +187,10 @@ def _plan(
             new_mode = mode
         else:
             new_mode = current.mode if current.exists else DEFAULT_FILE_MODE
+        if new_mode is not None:
+            # Never make or keep a set-id file: we write as root, the bytes are the agent's
+            # (a write by its owner would clear these bits too).
+            new_mode &= ~(stat.S_ISUID | stat.S_ISGID)
         diff, truncated = patching.unified_preview(current.data, new or b"", rel)
         digest = plan_digest(ws.root_id, rel, op, current.sha256, new_sha, new_mode)
         if given_digest is not None and given_digest != digest:

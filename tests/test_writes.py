@@ -281,13 +281,23 @@ def test_create_parents_never_through_a_symlink(env: Env, tmp_path: Path) -> Non
     assert list(outside.iterdir()) == []
 
 
-@pytest.mark.parametrize("mode", [0o600, 0o755, 0o640, 0o4755])
+@pytest.mark.parametrize("mode", [0o600, 0o755, 0o640])
 def test_replace_keeps_mode(env: Env, mode: int) -> None:
     path = env.root / "src" / "util.py"
     os.chmod(path, mode)
     plan = env.write("src/util.py", "VALUE = 2\n", env.sha("src/util.py"))
     assert plan.mode == mode
     assert stat.S_IMODE(os.lstat(path).st_mode) == mode
+
+
+@pytest.mark.parametrize("mode", [0o4755, 0o2755, 0o6755])
+def test_replace_drops_set_id_bits(env: Env, mode: int) -> None:
+    # New bytes from an agent must never inherit a set-uid/set-gid bit (nor be given one).
+    path = env.root / "src" / "util.py"
+    os.chmod(path, mode)
+    plan = env.write("src/util.py", "VALUE = 2\n", env.sha("src/util.py"))
+    assert plan.mode == 0o755
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o755
 
 
 @pytest.mark.parametrize("owner", [(1000, 1000), (1234, 4321)])
