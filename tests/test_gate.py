@@ -1,0 +1,308 @@
+"""substrate.gate without Docker: the pure diff, the walk, and revert on a real temp tree.
+
+The "command" here is the test itself changing files between `before` and `after`, as a
+sandboxed process would through the bind mount.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from substrate import gate
+from substrate.config import Config
+from substrate.gate import Node, SnapshotGate, classify, diff
+from substrate.journal import Journal
+from substrate.policy import compile_policy
+from substrate.schema.proc import PolicyBlocked
+from substrate.schema.workspace import Policy
+from substrate.store import Store
+from substrate.workspaces import Workspace, WorkspaceRegistry
+
+OWNER = 1000
+LOCK = b"# poetry lock\npackage = []\n"
+DENY = ["*.lock", ".env", "secrets/*.pem", "build/"]
+
+
+def node(kind: str = "file", mode: int = 0o644, sha: str | None = "a", ino: int = 1) -> Node:
+    return Node(
+        kind=kind,  # type: ignore[arg-type]
+        mode=mode,
+        uid=OWNER,
+        gid=OWNER,
+        size=1,
+        mtime_ns=1,
+        ctime_ns=1,
+        dev=1,
+        ino=ino,
+        sha256=sha,
+    )
+
+
+# --- pure: classify, diff, the matcher -------------------------------------------------------
+
+
+def test_classify() -> None:
+    assert classify(None, None) is None
+    assert classify(None, node()) == "create"
+    assert classify(node(), None) == "delete"
+    assert classify(node(), node(ino=2)) is None  # same bytes and mode: no change
+    assert classify(node(), node(sha="b")) == "modify"
+    assert classify(node(), node(mode=0o755)) == "chmod"
+    assert classify(node(), node("symlink")) == "modify"
+    assert classify(node("dir", sha=None), node("dir", 0o700, sha=None)) == "chmod"
+    assert classify(node("symlink", 0o777), node("symlink", 0o777, sha="b")) == "modify"
+
+
+def test_diff_folds_beneath_created_and_deleted_dirs() -> None:
+    before = {"old": node("dir", sha=None), "old/a.pem": node(), "x.lock": node()}
+    after = {"new": node("dir", sha=None), "new/b": node(), "new/c/d": node(), "x.lock": node()}
+    assert diff(before, after) == [("new", "create"), ("old", "delete")]
+    assert diff(before, before) == []
+
+
+@pytest.mark.parametrize(
+    ("rel", "denied"),
+    [
+        ("poetry.lock", True),
+        ("a/b/Cargo.lock", True),
+        (".env", True),
+        ("sub/.env", True),
+        (".envrc", False),
+        ("secrets/k.pem", True),
+        ("other/secrets/k.pem", False),
+        ("secrets/k.txt", False),
+        ("build", True),
+        ("src/main.py", False),
+    ],
+)
+def test_matcher(rel: str, denied: bool) -> None:
+    assert gate.Matcher.of(DENY).denied(rel) is denied
+    assert compile_policy(Policy(write_deny=DENY)).write_deny.matches(rel) is denied
+
+
+# --- the gate on a real tree -----------------------------------------------------------------
+
+
+@dataclass
+class Env:
+    root: Path
+    state: Path
+    ws: Workspace
+    gate: SnapshotGate
+    journal: Journal
+
+    async def around(self, command: Callable[[Path], None]) -> list[PolicyBlocked]:
+        ticket = await self.gate.before(self.ws)
+        command(self.root)
+        return await self.gate.after(self.ws, ticket)
+
+    def blocked_entries(self) -> list[dict[str, object]]:
+        return [e.data for e in self.journal.read(limit=1000) if e.kind == "policy.blocked"]
+
+
+@pytest.fixture
+def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -> Iterator[Env]:
+    root = make_workspace(
+        "gated",
+        {"poetry.lock": LOCK, "src/main.py": "print(1)\n", "secrets/k.pem": "KEY\n"},
+        git=True,
+    )
+    os.chmod(root / "poetry.lock", 0o640)
+    os.utime(root / "poetry.lock", ns=(1_000_000_000, 1_000_000_000))
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    store = Store(state / "substrate.db")
+    journal = Journal(store)
+    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
+    registry = WorkspaceRegistry(config, store, journal, state)
+    ws = registry.adopt(str(root), None, Policy(write_deny=DENY), "test")
+    try:
+        yield Env(root, state, ws, SnapshotGate(state / "gate", journal), journal)
+    finally:
+        registry.close()
+        store.close()
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def as_owner(path: Path) -> None:
+    os.chown(path, OWNER, OWNER, follow_symlinks=False)
+
+
+def changes(blocked: list[PolicyBlocked]) -> list[tuple[str, str, bool]]:
+    return sorted((b.path, b.change, b.reverted) for b in blocked)
+
+
+async def test_nothing_changed_nothing_blocked(env: Env) -> None:
+    assert await env.around(lambda root: (root / "src" / "main.py").write_text("x\n")) == []
+    assert env.blocked_entries() == []
+
+
+async def test_creations_are_removed_allowed_files_stay(env: Env) -> None:
+    def command(root: Path) -> None:
+        (root / ".env").write_text("TOKEN=hunter2\n")
+        (root / "sub").mkdir()
+        (root / "sub" / "new.lock").write_text("x")
+        (root / "build").mkdir()
+        (root / "build" / "out.o").write_bytes(b"\0")
+        (root / "allowed.txt").write_text("fine\n")
+
+    blocked = await env.around(command)
+    assert changes(blocked) == [
+        ("gated:.env", "create", True),
+        ("gated:build", "create", True),
+        ("gated:sub/new.lock", "create", True),
+    ]
+    assert not (env.root / ".env").exists()
+    assert not (env.root / "build").exists()
+    assert not (env.root / "sub" / "new.lock").exists()
+    assert (env.root / "allowed.txt").read_text() == "fine\n"
+    entries = env.blocked_entries()
+    assert {e["path"] for e in entries} == {b.path for b in blocked}
+    assert "hunter2" not in json.dumps(entries)  # digests, never bytes
+    dotenv = next(e for e in entries if e["path"] == "gated:.env")
+    assert dotenv["before"] is None
+    assert dotenv["after"]["sha256"] == hashlib.sha256(b"TOKEN=hunter2\n").hexdigest()  # type: ignore[index]
+
+
+async def test_modify_is_restored_byte_for_byte_with_owner_mode_mtime(env: Env) -> None:
+    lock = env.root / "poetry.lock"
+    before = os.stat(lock)
+
+    def command(root: Path) -> None:
+        (root / "poetry.lock").write_text("tampered\n")
+        os.chmod(root / "poetry.lock", 0o666)
+
+    blocked = await env.around(command)
+    assert changes(blocked) == [("gated:poetry.lock", "modify", True)]
+    after = os.stat(lock)
+    assert lock.read_bytes() == LOCK
+    assert stat.S_IMODE(after.st_mode) == 0o640
+    assert (after.st_uid, after.st_gid) == (OWNER, OWNER)
+    assert after.st_mtime_ns == before.st_mtime_ns
+
+
+async def test_replace_by_rename_and_by_a_directory(env: Env) -> None:
+    def command(root: Path) -> None:
+        (root / "tmp").write_text("other\n")
+        os.rename(root / "tmp", root / "poetry.lock")
+        (root / "secrets" / "k.pem").unlink()
+        (root / "secrets" / "k.pem").mkdir()
+        (root / "secrets" / "k.pem" / "inner").write_text("x")
+
+    blocked = await env.around(command)
+    assert changes(blocked) == [
+        ("gated:poetry.lock", "modify", True),
+        ("gated:secrets/k.pem", "modify", True),
+    ]
+    assert (env.root / "poetry.lock").read_bytes() == LOCK
+    assert (env.root / "secrets" / "k.pem").read_text() == "KEY\n"
+
+
+async def test_delete_is_restored_even_with_its_directory(env: Env) -> None:
+    def command(root: Path) -> None:
+        (root / "poetry.lock").unlink()
+        (root / "secrets" / "k.pem").unlink()
+        (root / "secrets").rmdir()
+
+    blocked = await env.around(command)
+    assert changes(blocked) == [
+        ("gated:poetry.lock", "delete", True),
+        ("gated:secrets/k.pem", "delete", True),
+    ]
+    assert (env.root / "poetry.lock").read_bytes() == LOCK
+    assert stat.S_IMODE(os.stat(env.root / "poetry.lock").st_mode) == 0o640
+    assert (env.root / "secrets" / "k.pem").read_text() == "KEY\n"
+    assert os.stat(env.root / "secrets").st_uid == OWNER  # the re-made parent is the owner's
+
+
+async def test_chmod_is_restored(env: Env) -> None:
+    blocked = await env.around(lambda root: os.chmod(root / "poetry.lock", 0o4755))
+    assert changes(blocked) == [("gated:poetry.lock", "chmod", True)]
+    assert stat.S_IMODE(os.stat(env.root / "poetry.lock").st_mode) == 0o640
+    assert (env.root / "poetry.lock").read_bytes() == LOCK
+
+
+async def test_symlinks_at_denied_names_are_removed_never_followed(
+    env: Env, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("outside\n")
+
+    def command(root: Path) -> None:
+        os.symlink(outside, root / ".env")
+        as_owner(root / ".env")
+        (root / "poetry.lock").unlink()
+        os.symlink(outside, root / "poetry.lock")
+
+    blocked = await env.around(command)
+    assert changes(blocked) == [
+        ("gated:.env", "create", True),
+        ("gated:poetry.lock", "modify", True),
+    ]
+    assert not (env.root / ".env").is_symlink()
+    assert not (env.root / "poetry.lock").is_symlink()
+    assert (env.root / "poetry.lock").read_bytes() == LOCK
+    assert outside.read_text() == "outside\n"
+
+
+async def test_git_dir_is_left_to_the_read_only_mount_but_a_new_one_is_removed(
+    env: Env, adopt_root: Path, make_workspace: Callable[..., Path]
+) -> None:
+    # .git exists: bound read-only in sandboxes, so the gate does not walk it.
+    blocked = await env.around(lambda root: (root / ".git" / "x").write_text("x"))
+    assert blocked == []
+    (env.root / ".git" / "x").unlink()
+    # Gone before the command (nothing was mounted): creating it is blocked.
+    os.rename(env.root / ".git", env.root / "git-away")
+    blocked = await env.around(lambda root: (root / ".git" / "hooks").mkdir(parents=True))
+    assert changes(blocked) == [("gated:.git", "create", True)]
+    assert not (env.root / ".git").exists()
+
+
+async def test_too_large_to_keep_is_reported_not_reverted(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gate, "MAX_KEPT_FILE", 4)
+    blocked = await env.around(lambda root: (root / "poetry.lock").write_text("tampered\n"))
+    assert changes(blocked) == [("gated:poetry.lock", "modify", False)]
+    (entry,) = env.blocked_entries()
+    assert "not restored" in str(entry["reason"])
+
+
+async def test_overlapping_commands_share_one_baseline(env: Env) -> None:
+    first = await env.gate.before(env.ws)
+    (env.root / "poetry.lock").write_text("written by the first\n")
+    second = await env.gate.before(env.ws)  # must not take the tampered file as its base
+    (env.root / ".env").write_text("by the second\n")
+    blocked = await env.gate.after(env.ws, first)
+    assert changes(blocked) == [
+        ("gated:.env", "create", True),
+        ("gated:poetry.lock", "modify", True),
+    ]
+    assert await env.gate.after(env.ws, second) == []
+    assert (env.root / "poetry.lock").read_bytes() == LOCK
+
+
+async def test_kept_bytes_are_private_and_collected(env: Env) -> None:
+    await env.around(lambda root: None)
+    store = env.state / "gate" / env.ws.id
+    assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    assert sorted(os.listdir(store)) == sorted(
+        {sha(env.root / "poetry.lock"), sha(env.root / "secrets" / "k.pem")}
+    )
+    # Changed on the host between commands: the new bytes are the baseline, the old go.
+    (env.root / "poetry.lock").write_bytes(b"new lock\n")
+    assert await env.around(lambda root: None) == []
+    assert sha(env.root / "poetry.lock") in os.listdir(store)
+    assert hashlib.sha256(LOCK).hexdigest() not in os.listdir(store)
