@@ -52,6 +52,7 @@ from substrate.errors import (
     ProfileUnknown,
     RuntimeUnavailable,
 )
+from substrate.gate import SnapshotGate
 from substrate.journal import Journal
 from substrate.outputs import OutputSink
 from substrate.proc_records import Outcome, ProcessRecords
@@ -147,7 +148,7 @@ class WriteGate(Protocol):
     """Checks what a command wrote against the workspace's file-level deny globs.
 
     `before` snapshots the workspace as the command starts; `after` compares, reverts
-    each offending change and returns them. Not wired yet: `policy_blocked` is empty.
+    each offending change and returns them. Implemented by `substrate.gate.SnapshotGate`.
     """
 
     async def before(self, ws: Workspace) -> object: ...
@@ -201,7 +202,9 @@ class Processes:
         # long commands can never starve the engine's or the filesystem's threads.
         self._pump_limiter = trio.CapacityLimiter(max(2, 2 * config.max_processes))
         self._running: set[str] = set()
-        self.write_gate: WriteGate | None = None
+        self.write_gate: WriteGate | None = SnapshotGate(
+            config.state_path() / "gate", journal, limiter=fs_limiter
+        )
         self.records = ProcessRecords(store, journal)
 
     @property
