@@ -29,7 +29,9 @@ plus reading the denied files whose stat changed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import logging
 import os
 import re
 import secrets
@@ -49,6 +51,8 @@ from substrate.journal import Journal
 from substrate.policy import CompiledPolicy, compile_glob
 from substrate.schema.proc import PolicyBlocked
 from substrate.workspaces import TEMP_PREFIX, Workspace
+
+log = logging.getLogger("substrate.gate")
 
 Change = Literal["create", "modify", "delete", "chmod"]
 
@@ -688,9 +692,22 @@ class SnapshotGate:
                     return []
                 keep = state.keep
                 with trio.CancelScope(shield=True):  # a revert is never abandoned halfway
-                    return await trio.to_thread.run_sync(
-                        self._check, ws, baseline, keep, limiter=self._limiter
-                    )
+                    try:
+                        return await trio.to_thread.run_sync(
+                            self._check, ws, baseline, keep, limiter=self._limiter
+                        )
+                    except (OSError, Refusal) as exc:
+                        # The command's record must still be finished: say so loudly instead.
+                        log.error("write gate check of %s failed: %s", ws.root_id, _why(exc))
+                        await trio.to_thread.run_sync(
+                            functools.partial(
+                                self._journal.append,
+                                "policy.gate_failed",
+                                {"reason": _why(exc)},
+                                workspace=ws.id,
+                            )
+                        )
+                        return []
         finally:
             if isinstance(snapshot, _Ticket):
                 state.holders.discard(snapshot)

@@ -99,7 +99,7 @@ class Env:
     gate: SnapshotGate
     journal: Journal
 
-    async def around(self, command: Callable[[Path], None]) -> list[PolicyBlocked]:
+    async def around(self, command: Callable[[Path], object]) -> list[PolicyBlocked]:
         ticket = await self.gate.before(self.ws)
         command(self.root)
         return await self.gate.after(self.ws, ticket)

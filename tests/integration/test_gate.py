@@ -1,0 +1,183 @@
+"""The write gate against the real engine: sandboxed commands writing denied paths.
+
+A daemon runs in-process with a workspace adopted under `write_deny = ["*.lock", ".env"]`
+(plus the implicit `.git/**`); each test runs a fixed literal `sh -c` script inside the
+tiny sandbox and checks the host tree, the `policy_blocked` result and the journal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from substrate.client import AsyncClient, open_client
+from substrate.config import PROJECT_ROOT, Config
+from substrate.containers import LABEL_DAEMON, daemon_id_for
+from substrate.daemon import Daemon
+
+OWNER = 1000
+LOCK = b"# lock file\n[[package]]\nname = 'x'\n"
+GIT_CONFIG = "[core]\n\tbare = false\n"
+
+
+@dataclass
+class Env:
+    daemon: Daemon
+    client: AsyncClient
+    ws: str
+    path: Path
+
+    async def sh(self, script: str) -> Any:
+        return await self.client.call(
+            "proc.run", workspace=self.ws, profile="tiny", argv=["sh", "-c", script]
+        )
+
+    def blocked_entries(self) -> list[dict[str, Any]]:
+        return [e.data for e in self.daemon.journal.read(limit=10000) if e.kind == "policy.blocked"]
+
+
+def blocked(result: Any) -> list[tuple[str, str, bool]]:
+    return sorted((b["path"], b["change"], b["reverted"]) for b in result["policy_blocked"])
+
+
+@pytest.fixture
+def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    yield state
+    daemon_id = daemon_id_for(state)
+    for ctr in docker_client.api.containers(
+        all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"}
+    ):
+        docker_client.api.remove_container(ctr["Id"], force=True, v=True)
+
+
+@pytest.fixture
+async def env(
+    tiny_image: str, leftovers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Env]:
+    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
+    root = tmp_path / "roots"
+    project = root / "project"
+    (project / ".git").mkdir(parents=True)
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (project / ".git" / "config").write_text(GIT_CONFIG)
+    (project / "poetry.lock").write_bytes(LOCK)
+    os.chmod(project / "poetry.lock", 0o640)
+    (project / "src").mkdir()
+    (project / "src" / "app.py").write_text("print('hi')\n")
+    for base, dirs, files in os.walk(project):
+        for name in [*dirs, *files]:
+            os.chown(os.path.join(base, name), OWNER, OWNER, follow_symlinks=False)
+    os.chown(project, OWNER, OWNER)
+    config = Config(state_dir=str(leftovers), adopt_roots=[str(root)], profiles_dir=str(profiles))
+    daemon = Daemon(config)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(daemon.serve)
+            async with open_client(leftovers / "substrate.sock") as client:
+                ws = await client.call(
+                    "workspace.adopt",
+                    path=str(project),
+                    policy={"write_deny": ["*.lock", ".env"]},
+                )
+                yield Env(daemon, client, ws["workspace"], project)
+            nursery.cancel_scope.cancel()
+    finally:
+        daemon.close()
+
+
+async def test_created_denied_files_are_removed_allowed_ones_stay(env: Env) -> None:
+    result = await env.sh(
+        "echo TOKEN=hunter2 > .env && echo lock > poetry2.lock && mkdir -p sub"
+        " && echo x > sub/Cargo.lock && echo fine > src/new.py"
+    )
+    assert result["exit_code"] == 0
+    assert blocked(result) == [
+        ("project:.env", "create", True),
+        ("project:poetry2.lock", "create", True),
+        ("project:sub/Cargo.lock", "create", True),
+    ]
+    assert not (env.path / ".env").exists()
+    assert not (env.path / "poetry2.lock").exists()
+    assert not (env.path / "sub" / "Cargo.lock").exists()
+    assert (env.path / "src" / "new.py").read_text() == "fine\n"
+    assert (env.path / "src" / "new.py").stat().st_uid == OWNER
+    entries = env.blocked_entries()
+    assert sorted((e["path"], e["change"]) for e in entries) == [
+        (p, c) for p, c, _ in blocked(result)
+    ]
+    assert "hunter2" not in json.dumps(entries)
+    (exited,) = [e for e in env.daemon.journal.read(limit=10000) if e.kind == "proc.exited"]
+    assert len(exited.data["policy_blocked"]) == 3
+
+
+async def test_modified_lock_is_restored_byte_for_byte_with_its_mode(env: Env) -> None:
+    before = os.stat(env.path / "poetry.lock")
+    result = await env.sh("echo tampered >> poetry.lock && chmod 777 poetry.lock")
+    assert result["exit_code"] == 0
+    assert blocked(result) == [("project:poetry.lock", "modify", True)]
+    after = os.stat(env.path / "poetry.lock")
+    assert (env.path / "poetry.lock").read_bytes() == LOCK
+    assert stat.S_IMODE(after.st_mode) == 0o640
+    assert (after.st_uid, after.st_gid, after.st_mtime_ns) == (
+        OWNER,
+        OWNER,
+        before.st_mtime_ns,
+    )
+    (entry,) = env.blocked_entries()
+    assert entry["before"]["sha256"] == hashlib.sha256(LOCK).hexdigest()
+    assert entry["after"]["sha256"] == hashlib.sha256(LOCK + b"tampered\n").hexdigest()
+
+
+async def test_deleted_denied_file_is_restored(env: Env) -> None:
+    result = await env.sh("rm poetry.lock")
+    assert blocked(result) == [("project:poetry.lock", "delete", True)]
+    assert (env.path / "poetry.lock").read_bytes() == LOCK
+    assert stat.S_IMODE(os.stat(env.path / "poetry.lock").st_mode) == 0o640
+
+
+async def test_chmod_of_denied_file_is_restored(env: Env) -> None:
+    result = await env.sh("chmod 755 poetry.lock")
+    assert blocked(result) == [("project:poetry.lock", "chmod", True)]
+    assert stat.S_IMODE(os.stat(env.path / "poetry.lock").st_mode) == 0o640
+
+
+async def test_symlink_at_denied_name_is_removed(env: Env) -> None:
+    result = await env.sh("ln -s /etc/passwd .env && ln -sf src/app.py poetry.lock")
+    assert result["exit_code"] == 0
+    assert blocked(result) == [
+        ("project:.env", "create", True),
+        ("project:poetry.lock", "modify", True),
+    ]
+    assert not (env.path / ".env").is_symlink() and not (env.path / ".env").exists()
+    assert not (env.path / "poetry.lock").is_symlink()
+    assert (env.path / "poetry.lock").read_bytes() == LOCK
+    assert (env.path / "src" / "app.py").read_text() == "print('hi')\n"
+
+
+async def test_git_config_is_read_only_inside(env: Env) -> None:
+    result = await env.sh("echo '[core] hooksPath = /tmp' >> .git/config")
+    assert result["exit_code"] != 0
+    assert "Read-only file system" in result["stderr"]["inline"]
+    assert (env.path / ".git" / "config").read_text() == GIT_CONFIG
+    assert result["policy_blocked"] == []  # the mount refused it: nothing to revert
+
+
+async def test_a_clean_command_reports_nothing_and_the_next_one_still_checks(env: Env) -> None:
+    assert (await env.sh("cat poetry.lock > /dev/null"))["policy_blocked"] == []
+    result = await env.sh("echo x > .env")
+    assert blocked(result) == [("project:.env", "create", True)]
