@@ -103,20 +103,23 @@ class Execution:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Service task: reap a previous run's containers, then sweep idle sandboxes and
         collect artifacts until cancelled; on the way out, remove this run's sandboxes."""
-        task_status.started()
         try:
-            try:
-                await self.containers.reap_previous()
-            except Refusal as exc:
-                log.warning("could not reap a previous run's containers: %s", exc.message)
-            period = max(1.0, min(IDLE_SWEEP_S, self.config.container_idle_s / 4))
-            while True:
-                await trio.sleep(period)
+            async with trio.open_nursery() as nursery:
+                # Started processes (proc.start) and subscriptions live here.
+                await nursery.start(self.processes.serve)
+                task_status.started()
                 try:
-                    await self.containers.reap_idle()
+                    await self.containers.reap_previous()
                 except Refusal as exc:
-                    log.warning("idle sweep: %s", exc.message)
-                await trio.to_thread.run_sync(self.artifacts.collect)
+                    log.warning("could not reap a previous run's containers: %s", exc.message)
+                period = max(1.0, min(IDLE_SWEEP_S, self.config.container_idle_s / 4))
+                while True:
+                    await trio.sleep(period)
+                    try:
+                        await self.containers.reap_idle()
+                    except Refusal as exc:
+                        log.warning("idle sweep: %s", exc.message)
+                    await trio.to_thread.run_sync(self.artifacts.collect)
         finally:
             with trio.CancelScope(shield=True):
                 await self.shutdown()

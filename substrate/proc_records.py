@@ -48,6 +48,61 @@ CREATE INDEX IF NOT EXISTS processes_workspace ON processes(workspace, started);
 
 
 @dataclass(frozen=True)
+class ProcRow:
+    """One `processes` row as stored (output refs decoded; None while running or lost)."""
+
+    id: str
+    workspace: str
+    profile: str
+    argv: list[str]
+    cwd: str
+    state: str  # running | exited | lost
+    started: float
+    ended: float | None
+    exit_code: int | None
+    signal: str | None
+    timed_out: bool
+    oom_killed: bool
+    duration_ms: float | None
+    stdout: OutputRef | None
+    stderr: OutputRef | None
+    epoch: int
+
+
+def _ref(raw: object) -> OutputRef | None:
+    if not isinstance(raw, str) or not raw:
+        return None
+    return msgspec.json.decode(raw, type=OutputRef)
+
+
+def _row(r: Any) -> ProcRow:
+    return ProcRow(
+        id=str(r["id"]),
+        workspace=str(r["workspace"]),
+        profile=str(r["profile"]),
+        argv=msgspec.json.decode(r["argv"], type=list[str]),
+        cwd=str(r["cwd"]),
+        state=str(r["state"]),
+        started=float(r["started"]),
+        ended=None if r["ended"] is None else float(r["ended"]),
+        exit_code=None if r["exit_code"] is None else int(r["exit_code"]),
+        signal=None if r["signal"] is None else str(r["signal"]),
+        timed_out=bool(r["timed_out"]),
+        oom_killed=bool(r["oom_killed"]),
+        duration_ms=None if r["duration_ms"] is None else float(r["duration_ms"]),
+        stdout=_ref(r["stdout"]),
+        stderr=_ref(r["stderr"]),
+        epoch=int(r["epoch"]),
+    )
+
+
+_ROW_COLUMNS = (
+    "id, workspace, profile, argv, cwd, state, started, ended, exit_code, signal, timed_out,"
+    " oom_killed, duration_ms, stdout, stderr, epoch"
+)
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How a command ended, as recorded."""
 
@@ -84,11 +139,32 @@ class ProcessRecords:
                 (epoch,),
             ).fetchall()
             for row in rows:
+                # `ended` stays unknown: the daemon died, nobody saw the command end.
                 db.execute("UPDATE processes SET state = 'lost' WHERE id = ?", (row["id"],))
                 self._journal.append_in(
                     db, "proc.lost", {"proc": row["id"]}, workspace=row["workspace"]
                 )
         return len(rows)
+
+    def get(self, proc: str) -> ProcRow | None:
+        """The record of `proc`, or None. One indexed query."""
+        rows = self._store.query(f"SELECT {_ROW_COLUMNS} FROM processes WHERE id = ?", (proc,))
+        return _row(rows[0]) if rows else None
+
+    def recent(self, workspace: str | None, limit: int) -> list[ProcRow]:
+        """The newest `limit` records, of one workspace or all; newest first."""
+        if workspace is None:
+            rows = self._store.query(
+                f"SELECT {_ROW_COLUMNS} FROM processes ORDER BY started DESC, id LIMIT ?",
+                (limit,),
+            )
+        else:
+            rows = self._store.query(
+                f"SELECT {_ROW_COLUMNS} FROM processes WHERE workspace = ?"
+                " ORDER BY started DESC, id LIMIT ?",
+                (workspace, limit),
+            )
+        return [_row(r) for r in rows]
 
     def started(
         self,

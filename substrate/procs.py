@@ -28,13 +28,15 @@ container, never per command.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import secrets
 import signal
 import socket
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +62,7 @@ from substrate.profiles import Profile
 from substrate.sandbox_spec import WORKSPACE_TARGET
 from substrate.schema.proc import PolicyBlocked, ProcResult
 from substrate.store import Store
+from substrate.subscriptions import Subscriptions
 from substrate.workspaces import Workspace
 
 log = logging.getLogger("substrate.procs")
@@ -160,6 +163,32 @@ class WriteGate(Protocol):
 
 
 @dataclass
+class Entry:
+    """A command of this daemon run, from its exec start until its record is final.
+
+    Held by `Processes` while it runs (intents look it up by id); whoever waits on it
+    or streams it keeps the object after that, and reads the closed sinks.
+    """
+
+    proc: str
+    workspace: str
+    profile: str
+    argv: list[str]
+    started: float  # unix time
+    sandbox: Sandbox
+    sinks: dict[int, OutputSink]
+    done: trio.Event = field(default_factory=trio.Event)
+    result: ProcResult | None = None  # set when it ended with an outcome
+    ended: float | None = None
+
+    @property
+    def state(self) -> str:
+        if not self.done.is_set():
+            return "running"
+        return "exited" if self.result is not None else "lost"
+
+
+@dataclass
 class _Run:
     """The state of one running command, shared by its tasks."""
 
@@ -195,6 +224,7 @@ class Processes:
         self._engine = engine
         self._containers = containers
         self._artifacts = artifacts
+        self.artifacts = artifacts
         self._config = config
         self._profiles = profiles
         self._fs_limiter = fs_limiter
@@ -202,6 +232,9 @@ class Processes:
         # long commands can never starve the engine's or the filesystem's threads.
         self._pump_limiter = trio.CapacityLimiter(max(2, 2 * config.max_processes))
         self._running: set[str] = set()
+        self._live: dict[str, Entry] = {}
+        self._nursery: trio.Nursery | None = None
+        self.subscriptions = Subscriptions()
         self.write_gate: WriteGate | None = SnapshotGate(
             config.state_path() / "gate", journal, limiter=fs_limiter
         )
@@ -217,6 +250,118 @@ class Processes:
             raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(self._profiles))
         return found
 
+    @property
+    def nursery(self) -> trio.Nursery:
+        """Where started processes and subscriptions run; `runtime_unavailable` before
+        `serve` started (or after it ended)."""
+        if self._nursery is None:
+            raise RuntimeUnavailable("the execution layer is not serving")
+        return self._nursery
+
+    def live(self, proc: str) -> Entry | None:
+        """The running command `proc` of this daemon run, if it is one."""
+        return self._live.get(proc)
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Service task: holds the nursery of started processes and subscriptions.
+
+        Cancelled (the daemon stops): every started process is cancelled like an
+        interrupted `proc.run` (its record becomes `lost`), every subscription ends.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    async def start(
+        self,
+        ws: Workspace,
+        profile_name: str,
+        argv: Sequence[str],
+        *,
+        cwd: str = ".",
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        actor: str = "daemon",
+    ) -> str:
+        """`proc.start`: like `run`, but answer the process id once the exec started.
+
+        Same refusals as `run`, raised here; the command then runs on in the service
+        nursery, detached from the caller (a closing connection never kills it).
+        """
+        nursery = self.nursery
+
+        async def background(*, task_status: trio.TaskStatus[str]) -> None:
+            started = False
+
+            def on_started(entry: Entry) -> None:
+                nonlocal started
+                started = True
+                task_status.started(entry.proc)
+
+            try:
+                await self.run(
+                    ws,
+                    profile_name,
+                    argv,
+                    cwd=cwd,
+                    stdin=stdin,
+                    timeout_s=timeout_s,
+                    actor=actor,
+                    on_started=on_started,
+                )
+            except Exception:
+                if not started:
+                    raise
+                # The record says lost already (`_abort_record`); nobody awaits us.
+                log.exception("a started process failed")
+
+        proc: str = await nursery.start(background)
+        return proc
+
+    async def signal(self, proc: str, name: str) -> int | None:
+        """`proc.signal`: send INT/TERM/KILL to every process of the running command.
+
+        Returns how many processes were signalled, or None when `proc` is not running in
+        this daemon run. KILL goes in rounds with the cgroup frozen (a forking command
+        cannot outrun it). Under gVisor the command's processes are not host processes:
+        TERM and KILL remove the whole sandbox (every command in it ends), INT is sent
+        to nothing (0).
+        """
+        entry = self._live.get(proc)
+        if entry is None:
+            return None
+        sandbox = entry.sandbox
+        if not sandbox.host_visible:
+            if name == "INT":
+                return 0
+            await self._containers.forget(sandbox, "signal")
+            return 1
+        if name == "KILL":
+            total = 0
+            for _ in range(10):
+                n = await trio.to_thread.run_sync(
+                    reaper.kill_round, sandbox.cgroups, proc, sandbox.protected, False
+                )
+                if n == 0:
+                    break
+                total = max(total, n)
+                await trio.sleep(0.02)
+            return total
+        signum = signal.Signals["SIG" + name]
+
+        def deliver() -> int:
+            found = reaper.targets(sandbox.cgroups, proc, sandbox.protected, False)
+            for pid in found:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            return len(found)
+
+        return await trio.to_thread.run_sync(deliver, limiter=self._fs_limiter)
+
     def mark_lost(self, epoch: int) -> int:
         """At start: records still `running` from an earlier daemon run become `lost`."""
         return self.records.mark_lost(epoch)
@@ -231,6 +376,7 @@ class Processes:
         stdin: bytes | None = None,
         timeout_s: float | None = None,
         actor: str = "daemon",
+        on_started: Callable[[Entry], None] | None = None,
     ) -> ProcResult:
         """Run `argv` to completion in the (ws, profile) sandbox; return its result.
 
@@ -263,7 +409,7 @@ class Processes:
                 sandbox.acquire()
                 try:
                     return await self._run_in(
-                        sandbox, ws, proc, argv, workdir, cwd, stdin, timeout, actor
+                        sandbox, ws, proc, argv, workdir, cwd, stdin, timeout, actor, on_started
                     )
                 except ContainerGone:
                     # Removed or stopped under us before the exec started: once more
@@ -290,6 +436,7 @@ class Processes:
         stdin: bytes | None,
         limit_s: float,
         actor: str,
+        on_started: Callable[[Entry], None] | None,
     ) -> ProcResult:
         profile = sandbox.profile
         snapshot = await self.write_gate.before(ws) if self.write_gate is not None else None
@@ -340,12 +487,48 @@ class Processes:
             raise
         exec_id = created[0]
         sinks, oom_before = started[0]
+        entry = Entry(
+            proc=proc,
+            workspace=ws.id,
+            profile=profile.name,
+            argv=list(argv),
+            started=time.time(),
+            sandbox=sandbox,
+            sinks=sinks,
+        )
+        self._live[proc] = entry
+        try:
+            entry.result = await self._run_started(
+                entry, ws, exec_id, oom_before, t0, limit_s, snapshot, stdin, actor, on_started
+            )
+            return entry.result
+        finally:
+            entry.ended = time.time()
+            self._live.pop(proc, None)
+            entry.done.set()
+
+    async def _run_started(
+        self,
+        entry: Entry,
+        ws: Workspace,
+        exec_id: str,
+        oom_before: int,
+        t0: float,
+        limit_s: float,
+        snapshot: object,
+        stdin: bytes | None,
+        actor: str,
+        on_started: Callable[[Entry], None] | None,
+    ) -> ProcResult:
+        proc, sandbox, sinks = entry.proc, entry.sandbox, entry.sinks
         try:
             try:
                 stream = await self._engine.exec_start(exec_id)
             except ContainerGone:
                 # The record exists now: no silent retry under the same process id.
                 raise RuntimeUnavailable("the sandbox went away as the command started") from None
+            if on_started is not None:
+                on_started(entry)
             run = _Run(
                 proc=proc,
                 sandbox=sandbox,

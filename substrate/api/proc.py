@@ -6,9 +6,24 @@ import base64
 import binascii
 from typing import TYPE_CHECKING
 
+from substrate import intents
 from substrate.api.base import Caller, handles
 from substrate.errors import InvalidParams, RuntimeUnavailable
-from substrate.schema.proc import ProcResult, RunParams
+from substrate.schema.proc import (
+    ListParams,
+    ListResult,
+    ProcParams,
+    ProcPending,
+    ProcResult,
+    ProcStatus,
+    RunParams,
+    SignalParams,
+    SignalResult,
+    StartResult,
+    SubscribeParams,
+    SubscribeResult,
+    WaitParams,
+)
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
@@ -50,3 +65,54 @@ async def run(daemon: Daemon, caller: Caller, p: RunParams) -> ProcResult:
         timeout_s=p.timeout_s,
         actor=caller.name,
     )
+
+
+@handles("proc.start")
+async def start(daemon: Daemon, caller: Caller, p: RunParams) -> StartResult:
+    execution = execution_of(daemon)
+    ws = daemon.workspaces.get(p.workspace)
+    proc = await execution.processes.start(
+        ws,
+        p.profile,
+        p.argv,
+        cwd=p.cwd,
+        stdin=stdin_bytes(p),
+        timeout_s=p.timeout_s,
+        actor=caller.name,
+    )
+    return StartResult(proc=proc)
+
+
+@handles("proc.wait")
+async def wait(daemon: Daemon, caller: Caller, p: WaitParams) -> ProcResult | ProcPending:
+    return await intents.wait(execution_of(daemon).processes, p.proc, p.timeout_s)
+
+
+@handles("proc.signal")
+async def signal(daemon: Daemon, caller: Caller, p: SignalParams) -> SignalResult:
+    processes = execution_of(daemon).processes
+    delivered = await processes.signal(p.proc, p.signal)
+    if delivered is not None:
+        return SignalResult(proc=p.proc, state="running", delivered=delivered)
+    found = await intents.status(processes, p.proc)  # process_unknown, or it ended
+    return SignalResult(proc=p.proc, state=found.state, delivered=0)
+
+
+@handles("proc.status")
+async def status(daemon: Daemon, caller: Caller, p: ProcParams) -> ProcStatus:
+    return await intents.status(execution_of(daemon).processes, p.proc)
+
+
+@handles("proc.list")
+async def list_(daemon: Daemon, caller: Caller, p: ListParams) -> ListResult:
+    processes = execution_of(daemon).processes
+    if p.workspace is not None:
+        daemon.workspaces.get(p.workspace)  # unknown_workspace
+    return ListResult(processes=await intents.listing(processes, p.workspace, p.limit))
+
+
+@handles("proc.subscribe")
+async def subscribe(daemon: Daemon, caller: Caller, p: SubscribeParams) -> SubscribeResult:
+    processes = execution_of(daemon).processes
+    await intents.subscribe(processes, p.proc, p.since, caller.notify, caller.on_close)
+    return SubscribeResult(proc=p.proc, subscribed=True)

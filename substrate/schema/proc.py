@@ -60,3 +60,143 @@ method(
     ProcResult,
     doc="Run argv (no shell) in the workspace's verified sandbox; wait for it to end.",
 )
+
+
+# --- intents (SPEC §5: proc.start, wait, signal, status, list, subscribe) -----------------
+
+ProcId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+ProcState = Literal["running", "exited", "lost"]
+WaitSeconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
+
+
+class StartResult(Result):
+    proc: str
+
+
+class ProcParams(Params):
+    proc: ProcId
+
+
+class WaitParams(Params):
+    proc: ProcId
+    timeout_s: WaitSeconds | None = None  # None: until it ends; 0: poll
+
+
+class ProcPending(Result):
+    """A process with no result (yet): still `running`, or `lost` (its daemon died)."""
+
+    proc: str
+    state: ProcState
+
+
+class WaitResult(Result):
+    """Either the `proc.run` result (the process ended: every field of it, no `state`)
+    or `{proc, state}` with state `running` (timeout_s passed) or `lost`."""
+
+    proc: str
+    state: ProcState | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    timed_out: bool | None = None
+    oom_killed: bool | None = None
+    duration_ms: float | None = None
+    stdout: OutputRef | None = None
+    stderr: OutputRef | None = None
+    facts: list[Fact] | None = None
+    policy_blocked: list[PolicyBlocked] | None = None
+
+
+SignalName = Literal["INT", "TERM", "KILL"]
+
+
+class SignalParams(Params):
+    proc: ProcId
+    signal: SignalName
+
+
+class SignalResult(Result):
+    """`delivered`: processes of the command signalled (0 when it had ended already)."""
+
+    proc: str
+    state: ProcState
+    delivered: int
+
+
+class ProcStatus(Result):
+    """A process as recorded; byte counts grow while it runs."""
+
+    proc: str
+    workspace: str
+    profile: str
+    argv: list[str]
+    state: ProcState
+    started: float  # unix time
+    stdout_bytes: int
+    stderr_bytes: int
+    ended: float | None = None  # unknown for a lost process
+    exit_code: int | None = None
+    signal: str | None = None
+    timed_out: bool | None = None
+
+
+class ListParams(Params):
+    workspace: WorkspaceId | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
+
+
+class ListResult(Result):
+    processes: list[ProcStatus]  # newest first
+
+
+class SubscribeParams(Params):
+    proc: ProcId
+    since: Annotated[int, msgspec.Meta(ge=0)] = 0  # byte offset, applied to both streams
+
+
+class SubscribeResult(Result):
+    proc: str
+    subscribed: bool
+
+
+class OutputNotice(Result):
+    """`proc.output` notification: bytes [offset, offset + len) of one stream.
+
+    `data` is UTF-8 text, or `data_b64` when the piece is not valid UTF-8 as cut. When
+    the subscriber fell too far behind, `skipped_from` is set: bytes [skipped_from,
+    offset) were skipped (they stay readable: resubscribe with `since`, or the artifact).
+    """
+
+    proc: str
+    stream: Literal["stdout", "stderr"]
+    offset: int
+    data: str | None = None
+    data_b64: str | None = None
+    skipped_from: int | None = None
+
+
+method(
+    "proc.start",
+    RunParams,
+    StartResult,
+    doc="Start argv like proc.run; answer {proc} once it runs (refusals as proc.run).",
+)
+method(
+    "proc.wait",
+    WaitParams,
+    WaitResult,
+    doc="The proc.run result once the process ends, or {proc, state: running|lost}.",
+)
+method(
+    "proc.signal",
+    SignalParams,
+    SignalResult,
+    doc="Send INT, TERM or KILL to every process of the command, from the host.",
+)
+method("proc.status", ProcParams, ProcStatus, doc="A process's record and output sizes.")
+method("proc.list", ListParams, ListResult, doc="Recent processes, newest first (bounded).")
+method(
+    "proc.subscribe",
+    SubscribeParams,
+    SubscribeResult,
+    doc="Stream proc.output notifications from byte `since`, then one proc.exit.",
+)
