@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import trio
 
 from substrate.client import AsyncClient, RpcError
 from substrate.containers import LABEL_DAEMON, daemon_id_for
@@ -23,7 +22,7 @@ from substrate.containers import LABEL_DAEMON, daemon_id_for
 if TYPE_CHECKING:
     from conftest import DaemonProcess
 
-TICKS = "i=0; while [ $i -lt {n} ]; do echo \"line $i\"; i=$((i+1)); sleep {s}; done"
+TICKS = 'i=0; while [ $i -lt {n} ]; do echo "line $i"; i=$((i+1)); sleep {s}; done'
 
 
 def ticks(n: int, s: float = 0.01) -> list[str]:
@@ -146,9 +145,7 @@ async def test_disconnect_detaches_and_resubscribe_has_no_gap(
     ws = d.adopt(d.make_workspace())
     n = 300
     async with d.async_client() as first:
-        proc = (await first.call("proc.start", workspace=ws, profile="tiny", argv=ticks(n)))[
-            "proc"
-        ]
+        proc = (await first.call("proc.start", workspace=ws, profile="tiny", argv=ticks(n)))["proc"]
         await first.call("proc.subscribe", proc=proc)
         seen, exit_, _ = await drain(first, proc, stop_after=200)
         assert exit_ is None
