@@ -2,7 +2,7 @@
 
 - `artifact.lines` / `artifact.grep` on a 20 MB artifact a command printed: lines near
   the end (through the line index), past the end, and the bounds refusals.
-- Quota collection under a running writer: finished artifacts are collected oldest
+- Quota collection under a running writer (`proc.start`): finished artifacts are collected oldest
   first once a live spool pushes the store over `artifact_quota_bytes`; the spool is
   never touched and the writer's artifact is whole when it ends. Age collection too.
 - Crash consistency: `kill -9` while a command is mid-output, damage the store the way
@@ -107,6 +107,15 @@ async def until_gone(c: AsyncClient, artifact: str) -> None:
         await trio.sleep(0.2)
 
 
+async def until_written(c: AsyncClient, proc: str, size: int) -> None:
+    """Poll `proc.status` until `proc`'s stdout reached `size` bytes (bounded by callers)."""
+    for _ in itertools.count():
+        status = await c.call("proc.status", proc=proc)
+        if status["stdout_bytes"] >= size:
+            return
+        await trio.sleep(0.05)
+
+
 # --- lines and grep on a big artifact -----------------------------------------------------
 
 
@@ -185,25 +194,29 @@ async def test_quota_collection_spares_the_running_writer(
         await trio.sleep(2.5)
         assert not await gone(c, older) and not await gone(c, newer)
 
-        box: dict[str, Any] = {}
-
-        async def writer() -> None:
-            box["result"] = await run(c, ws, ["sh", "-c", GATED, "w", str(5 * mb), str(mb)])
-
+        started = await c.call(
+            "proc.start",
+            workspace=ws,
+            profile="tiny",
+            argv=["sh", "-c", GATED, "w", str(5 * mb), str(mb)],
+        )
+        proc = started["proc"]
         spool = d.state_dir / "artifacts" / "spool"
         with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(writer)
-                # 6 MB stored + a 5 MB live spool > 10 MB: the oldest goes, and only it
-                # (3 + 5 fits). The writer is parked meanwhile, so this is no race.
-                await until_gone(c, older)
-                assert not await gone(c, newer)
-                live = {p.name: p.stat().st_size for p in spool.iterdir() if not p.suffix}
-                assert 5 * mb in live.values(), live  # the writer's spool, untouched
-                (path / "go").touch()
-                os.chown(path / "go", 1000, 1000)
-
-    out = box["result"]["stdout"]
+            await until_written(c, proc, 5 * mb)
+            # 6 MB stored + a 5 MB live spool > 10 MB: the oldest goes, and only it
+            # (3 + 5 fits). The writer is parked meanwhile, so this is no race.
+            await until_gone(c, older)
+            assert not await gone(c, newer)
+            status = await c.call("proc.status", proc=proc)
+            assert (status["state"], status["stdout_bytes"]) == ("running", 5 * mb)
+            live = {p.name: p.stat().st_size for p in spool.iterdir() if not p.suffix}
+            assert 5 * mb in live.values(), live  # the writer's spool, untouched
+            (path / "go").touch()
+            os.chown(path / "go", 1000, 1000)
+            result = await c.call("proc.wait", proc=proc)
+    assert result["exit_code"] == 0, result
+    out = result["stdout"]
     total = 6 * mb
     assert (out["bytes"], out["sha256"], out["truncated"]) == (total, sha(b"w" * total), False)
     async with d.async_client() as c:
@@ -263,21 +276,17 @@ async def test_kill_mid_output_then_files_and_rows_agree(
         kept = (await run(c, ws, ["sh", "-c", FILL, "k", "300000"]))["stdout"]
         doomed = (await run(c, ws, ["sh", "-c", FILL, "d", "400000"]))["stdout"]
 
-        async def hang() -> None:
-            await c.call(
-                "proc.run", workspace=ws, profile="tiny", argv=["sh", "-c", HANG, "c", "2000000"]
-            )
-
+        started = await c.call(
+            "proc.start",
+            workspace=ws,
+            profile="tiny",
+            argv=["sh", "-c", HANG, "c", "2000000"],
+        )
         with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(hang)
-                while True:  # the command is mid-output: its spool holds all 2 MB
-                    sizes = {p.name: p.stat().st_size for p in spool.iterdir() if not p.suffix}
-                    if 2_000_000 in sizes.values():
-                        break
-                    await trio.sleep(0.05)
-                d.kill()
-                nursery.cancel_scope.cancel()
+            await until_written(c, started["proc"], 2_000_000)
+    # The command is mid-output (sleeping): its spool holds all 2 MB. Crash now.
+    sizes = {p.name: p.stat().st_size for p in spool.iterdir() if not p.suffix}
+    d.kill()
     live_id = next(name for name, size in sizes.items() if size == 2_000_000)
     # The other spool is the same command's (empty) stderr.
     (err_id,) = set(sizes) - {live_id, kept["artifact"], doomed["artifact"]}
@@ -302,6 +311,7 @@ async def test_kill_mid_output_then_files_and_rows_agree(
             True,
         )
         assert (await c.call("artifact.read", artifact=live_id, length=3))["data"] == "ccc"
+        assert (lost["proc"], lost["stream"]) == (started["proc"], "stdout")
         # Small spools are kept too (everything recorded stays readable), even empty ones.
         err = await c.call("artifact.stat", artifact=err_id)
         assert (err["bytes"], err["stream"], err["lost"]) == (0, "stderr", True)
