@@ -108,7 +108,7 @@ class Daemon:
 
     def cpu(self) -> float:
         t = self.ps.cpu_times()
-        return t.user + t.system
+        return float(t.user + t.system)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
