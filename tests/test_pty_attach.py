@@ -124,8 +124,15 @@ def test_attach_in_tmux_echo_resize_exit_code(
     tmux("send-keys", "-t", "att", "echo hi", "Enter")
     wait_for(tmux, "\nhi")
     tmux("resize-window", "-t", "att", "-x", "120", "-y", "40")
-    tmux("send-keys", "-t", "att", "size", "Enter")
-    wait_for(tmux, "40 120")
+    # The resize travels SIGWINCH → attach → WebSocket → PTY: ask until it has arrived.
+    for attempt in range(40):
+        tmux("send-keys", "-t", "att", "size", "Enter")
+        try:
+            wait_for(tmux, "40 120", timeout=0.5)
+            break
+        except AssertionError:
+            if attempt == 39:
+                raise
     tmux("send-keys", "-t", "att", "exit 7", "Enter")
     assert exit_status(status) == 7
 

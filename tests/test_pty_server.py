@@ -418,6 +418,8 @@ async def test_never_ponging_client_is_disconnected(env: Env) -> None:
 
 
 async def test_never_reading_client_is_bounded_then_dropped(env: Env) -> None:
+    # The 25 MiB pumped below keeps the loop busy: the observer's open may come late.
+    env.terminals.settings.first_frame_timeout_s = 30
     token = env.token(uses=2)
     stream, conn = await _raw_ws(env)
     await stream.send_all(
