@@ -11,14 +11,39 @@ from substrate.schema import METHODS, render
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SPEC_REFUSALS = (
-    "unauthorized request_too_large invalid_params unknown_workspace path_invalid path_escape "
-    "symlink_refused path_denied not_found not_a_file not_a_directory already_exists stale_base "
-    "patch_conflict plan_mismatch approval_required too_large profile_unknown argv_denied "
-    "confinement_unmet runtime_unavailable image_missing process_unknown artifact_unknown "
-    "grant_invalid grant_expired grant_consumed origin_denied controller_busy limit_exceeded "
-    "internal"
-).split()
+SPEC_REFUSALS = [
+    "unauthorized",
+    "request_too_large",
+    "invalid_params",
+    "unknown_workspace",
+    "path_invalid",
+    "path_escape",
+    "symlink_refused",
+    "path_denied",
+    "not_found",
+    "not_a_file",
+    "not_a_directory",
+    "already_exists",
+    "stale_base",
+    "patch_conflict",
+    "plan_mismatch",
+    "approval_required",
+    "too_large",
+    "profile_unknown",
+    "argv_denied",
+    "confinement_unmet",
+    "runtime_unavailable",
+    "image_missing",
+    "process_unknown",
+    "artifact_unknown",
+    "grant_invalid",
+    "grant_expired",
+    "grant_consumed",
+    "origin_denied",
+    "controller_busy",
+    "limit_exceeded",
+    "internal",
+]
 
 
 def test_checked_in_schema_is_current() -> None:

@@ -55,4 +55,3 @@ def render() -> str:
     import json
 
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
-
