@@ -119,10 +119,21 @@ class Execution:
                         await self.containers.reap_idle()
                     except Refusal as exc:
                         log.warning("idle sweep: %s", exc.message)
-                    await trio.to_thread.run_sync(self.artifacts.collect)
+                    try:
+                        await trio.to_thread.run_sync(self._collect_artifacts)
+                    except Exception:  # one bad sweep must not end the service task
+                        log.exception("artifact collection failed")
         finally:
             with trio.CancelScope(shield=True):
                 await self.shutdown()
+
+    def _collect_artifacts(self) -> None:
+        """Collect by age and quota; journal what went (counts only), warn when still over."""
+        report = self.artifacts.collect()
+        if report.removed:
+            self.journal.append("artifact.collected", msgspec.to_builtins(report))
+        if report.over_quota:
+            log.warning("artifacts over quota after collection: %d bytes in use", report.bytes_used)
 
     async def release_workspace(self, ws: Workspace) -> None:
         """`workspace.release`: remove the workspace's sandboxes (their commands end)."""

@@ -226,9 +226,11 @@ async def test_quota_collection_spares_the_running_writer(
         assert (tail["data"], tail["eof"]) == ("w" * 10, True)
         assert not await gone(c, newer)  # 3 + 6 MB fit: nothing more to collect
         assert (await c.call("artifact.read", artifact=newer, length=4))["data"] == "bbbb"
-    # The collected artifact's file went with its row.
+    # The collected artifact's file went with its row, and the sweep journaled counts.
     a_sha = sha(b"a" * 3 * mb)
     assert not (d.state_dir / "artifacts" / a_sha[:2] / a_sha).exists()
+    collected = d.journal({"artifact.collected"})
+    assert sum(e["data"]["removed"] for e in collected) == 1
 
 
 async def test_age_collection(docker_daemons: Callable[..., DaemonProcess]) -> None:
