@@ -163,6 +163,28 @@ class Matcher:
 
 _matchers: dict[tuple[str, ...], Matcher] = {}
 
+#: `before`'s answer when read-only mounts already enforce every deny glob.
+_NOTHING_TO_GATE = object()
+
+
+def _mounts_cover_policy(ws: Workspace) -> bool:
+    """True when every `write_deny` glob is a whole directory that exists now, so the
+    sandbox gets it as a read-only mount (the default policy: `.git/**`) and there is
+    nothing file-level to snapshot. A denied directory that does not exist yet is not
+    mounted, so its creation must be caught by the gate: then this is False."""
+    mounted = set(ws.policy.readonly_dirs())
+    for pattern in ws.policy.policy.write_deny:
+        stem = pattern[:-3] if pattern.endswith("/**") else pattern.rstrip("/")
+        if stem == pattern or stem.lstrip("/") not in mounted:
+            return False
+    for rel in mounted:
+        try:
+            with paths.opened_dir(ws.root_fd, tuple(rel.split("/"))):
+                pass
+        except Refusal:
+            return False
+    return True
+
 
 def matcher_for(policy: CompiledPolicy) -> Matcher:
     key = tuple(policy.policy.write_deny)
@@ -671,6 +693,8 @@ class SnapshotGate:
         return state.keep
 
     async def before(self, ws: Workspace) -> object:
+        if await trio.to_thread.run_sync(_mounts_cover_policy, ws, limiter=self._limiter):
+            return _NOTHING_TO_GATE
         state = self._state(ws)
         ticket = _Ticket(ws.id)
         async with state.lock:
@@ -684,6 +708,8 @@ class SnapshotGate:
         return ticket
 
     async def after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]:
+        if snapshot is _NOTHING_TO_GATE:
+            return []
         state = self._state(ws)
         try:
             async with state.lock:

@@ -306,3 +306,32 @@ async def test_kept_bytes_are_private_and_collected(env: Env) -> None:
     assert await env.around(lambda root: None) == []
     assert sha(env.root / "poetry.lock") in os.listdir(store)
     assert hashlib.sha256(LOCK).hexdigest() not in os.listdir(store)
+
+
+async def test_default_policy_needs_no_snapshot_while_git_is_a_mounted_dir(
+    adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]
+) -> None:
+    # Only `.git/**` denied and `.git` exists: the read-only mount enforces it, the gate
+    # takes no snapshot (no cost per command). Without `.git`, creating one is caught.
+    root = make_workspace("plain", {"a.txt": "a\n"}, git=True)
+    state = tmp_path / "state2"
+    state.mkdir(mode=0o700)
+    store = Store(state / "substrate.db")
+    journal = Journal(store)
+    registry = WorkspaceRegistry(
+        Config(state_dir=str(state), adopt_roots=[str(adopt_root)]), store, journal, state
+    )
+    try:
+        ws = registry.adopt(str(root), None, None, "test")
+        gate = SnapshotGate(state / "gate", journal)
+        ticket = await gate.before(ws)
+        assert not (state / "gate").exists()  # nothing kept: no snapshot was taken
+        assert await gate.after(ws, ticket) == []
+        os.rename(root / ".git", root / "git-away")
+        ticket = await gate.before(ws)
+        (root / ".git").mkdir()
+        blocked = await gate.after(ws, ticket)
+        assert changes(blocked) == [("plain:.git", "create", True)]
+    finally:
+        registry.close()
+        store.close()
