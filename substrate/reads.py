@@ -190,10 +190,30 @@ class _Found:
     name: str
 
 
+def _kind_from_dirent(entry: os.DirEntry[str]) -> paths.Kind:
+    """The kind from the directory entry's d_type: no syscall (size unknown: 0)."""
+    if entry.is_symlink():
+        return "symlink"
+    if entry.is_dir(follow_symlinks=False):
+        return "dir"
+    if entry.is_file(follow_symlinks=False):
+        return "file"
+    return "other"
+
+
 def _walk(
-    ws: Workspace, parts: tuple[str, ...], max_depth: int | None, include_git: bool
+    ws: Workspace,
+    parts: tuple[str, ...],
+    max_depth: int | None,
+    include_git: bool,
+    *,
+    sizes: bool = True,
 ) -> Iterator[_Found]:
-    """Pre-order, name-byte-sorted walk. Directories are opened with O_NOFOLLOW."""
+    """Pre-order, name-byte-sorted walk. Directories are opened with O_NOFOLLOW.
+
+    With `sizes=False` entries are classified from d_type and reported with size 0,
+    saving an lstat per entry; callers then check what they open with fstat.
+    """
     base = "/".join(parts)
     top = paths.open_dir(ws.root_fd, parts, ws.provenance(base or "."))
     stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = [
@@ -212,7 +232,10 @@ def _walk(
             if entry.name == ".git" and not include_git:
                 continue
             rel = f"{dir_rel}/{entry.name}" if dir_rel else entry.name
-            kind, size = _entry_kind_size(entry)
+            if sizes:
+                kind, size = _entry_kind_size(entry)
+            else:
+                kind, size = _kind_from_dirent(entry), 0
             yield _Found(rel, kind, size, dir_fd, entry.name)
             if kind == "dir" and (max_depth is None or depth < max_depth):
                 try:
@@ -267,7 +290,7 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     matches: list[SearchMatch] = []
     files = 0
     scanned = 0
-    for found in _walk(ws, parts, None, include_git=False):
+    for found in _walk(ws, parts, None, include_git=False, sizes=False):
         if found.kind != "file" or found.size > SEARCH_MAX_FILE:
             continue
         if not ws.policy.may_read(found.rel):
