@@ -25,7 +25,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,6 +39,8 @@ import trio
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchdaemon import BenchDaemon  # noqa: E402
 
 from substrate.client import Client, open_client  # noqa: E402
 from substrate.config import Config  # noqa: E402
@@ -63,56 +64,7 @@ SEARCH_PATTERN_CLASS = r"[A-Z][a-z]+Error\(\w+"
 # --- the daemon --------------------------------------------------------------------------
 
 
-class Daemon:
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.state = base / "state"
-        self.roots = base / "roots"
-        self.roots.mkdir()
-        self.log = open(base / "daemon.log", "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-        env.pop("SUBSTRATE_STATE_DIR", None)
-        argv = [
-            sys.executable,
-            "-m",
-            "substrate",
-            "--state-dir",
-            str(self.state),
-            "serve",
-            "--adopt-root",
-            str(self.roots),
-            "--listen",
-            "127.0.0.1:0",
-        ]
-        self.proc = subprocess.Popen(
-            argv, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log
-        )
-        self.socket = self.state / "substrate.sock"
-        deadline = time.monotonic() + 30
-        while not self._accepts():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"daemon did not start:\n{(base / 'daemon.log').read_text()}")
-            time.sleep(0.02)
-
-    def _accepts(self) -> bool:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            try:
-                s.connect(str(self.socket))
-            except OSError:
-                return False
-        return True
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+Daemon = BenchDaemon
 
 
 # --- helpers ------------------------------------------------------------------------------

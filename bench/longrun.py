@@ -30,8 +30,6 @@ import argparse
 import hashlib
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +46,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchdaemon import BenchDaemon  # noqa: E402
+
 from substrate.client import Client  # noqa: E402
 
 WORKSPACE_UID = 1000
@@ -61,47 +61,10 @@ MiB = 1 << 20
 # --- the daemon -------------------------------------------------------------------------------
 
 
-class Daemon:
+class Daemon(BenchDaemon):
     def __init__(self, base: Path) -> None:
-        self.base = base
-        self.state = base / "state"
-        self.roots = base / "roots"
-        self.roots.mkdir()
-        self.log = open(base / "daemon.log", "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-        env.pop("SUBSTRATE_STATE_DIR", None)
-        argv = [
-            sys.executable,
-            "-m",
-            "substrate",
-            "--state-dir",
-            str(self.state),
-            "serve",
-            "--adopt-root",
-            str(self.roots),
-            "--listen",
-            "127.0.0.1:0",
-        ]
-        self.proc = subprocess.Popen(
-            argv, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log
-        )
-        self.socket = self.state / "substrate.sock"
-        deadline = time.monotonic() + 30
-        while not self._accepts():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"daemon did not start:\n{(base / 'daemon.log').read_text()}")
-            time.sleep(0.02)
+        super().__init__(base)
         self.ps = psutil.Process(self.proc.pid)
-
-    def _accepts(self) -> bool:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            try:
-                s.connect(str(self.socket))
-            except OSError:
-                return False
-        return True
 
     def client(self) -> Client:
         return Client(self.socket, timeout=600)
@@ -109,16 +72,6 @@ class Daemon:
     def cpu(self) -> float:
         t = self.ps.cpu_times()
         return float(t.user + t.system)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # removes its sandboxes on the way out
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def chown_tree(path: Path) -> None:

@@ -1,0 +1,58 @@
+"""A real `substrate serve` subprocess for benchmarks: private state and adopt root,
+started from this checkout, stopped with SIGTERM (so it removes its sandboxes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class BenchDaemon:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.state = base / "state"
+        self.roots = base / "roots"
+        self.roots.mkdir()
+        self.log = open(base / "daemon.log", "wb")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+        env.pop("SUBSTRATE_STATE_DIR", None)
+        argv = [
+            sys.executable, "-m", "substrate", "--state-dir", str(self.state),
+            "serve", "--adopt-root", str(self.roots), "--listen", "127.0.0.1:0",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log
+        )
+        self.socket = self.state / "substrate.sock"
+        deadline = time.monotonic() + 30
+        while not self._accepts():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"daemon did not start:\n{(base / 'daemon.log').read_text()}")
+            time.sleep(0.02)
+
+    def _accepts(self) -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(str(self.socket))
+            except OSError:
+                return False
+        return True
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
