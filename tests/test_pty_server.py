@@ -14,6 +14,8 @@ import trio
 import wsproto
 import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
+from ws_frames import read_until, send, until_closed
+from ws_frames import recv as _recv
 
 from substrate.grants import Grants
 from substrate.journal import Journal
@@ -71,31 +73,7 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
 
 
 async def recv(ws: WebSocketConnection) -> dict[str, Any]:
-    with trio.fail_after(5):
-        frame: dict[str, Any] = json.loads(await ws.get_message())
-    return frame
-
-
-async def until_closed(ws: WebSocketConnection) -> None:
-    """Read until the server closes (so it has acted on what we sent)."""
-    with trio.fail_after(10), contextlib.suppress(ConnectionClosed):
-        while True:
-            await ws.get_message()
-
-
-async def send(ws: WebSocketConnection, **frame: Any) -> None:
-    await ws.send_message(json.dumps(frame))
-
-
-async def read_until(ws: WebSocketConnection, needle: str) -> tuple[str, int]:
-    """Collect output until `needle` appears; return (text, last seq)."""
-    text, seq = "", -1
-    while needle not in text:
-        f = await recv(ws)
-        assert f["type"] == "output", f
-        text += f["data"]
-        seq = f["seq"]
-    return text, seq
+    return await _recv(ws, within_s=5)
 
 
 async def expect_refusal(ws: WebSocketConnection, refusal: str, code: int) -> None:

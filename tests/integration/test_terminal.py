@@ -22,6 +22,8 @@ import trio
 import wsproto
 import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
+from ws_frames import read_until as _read_until
+from ws_frames import recv, send, until_closed
 
 from substrate.client import AsyncClient, RpcError, open_client
 from substrate.config import PROJECT_ROOT, Config
@@ -157,34 +159,8 @@ async def env(
         daemon.close()
 
 
-async def recv(ws: WebSocketConnection) -> dict[str, Any]:
-    with trio.fail_after(20):
-        frame: dict[str, Any] = json.loads(await ws.get_message())
-    return frame
-
-
-async def until_closed(ws: WebSocketConnection) -> None:
-    """Read until the server closes (so it has acted on what we sent)."""
-    with trio.fail_after(10), contextlib.suppress(ConnectionClosed):
-        while True:
-            await ws.get_message()
-
-
-async def send(ws: WebSocketConnection, **frame: Any) -> None:
-    await ws.send_message(json.dumps(frame))
-
-
 async def read_until(ws: WebSocketConnection, needle: str) -> tuple[str, int]:
-    text, seq = "", -1
-    while needle not in text:
-        f = await recv(ws)
-        if f["type"] == "resync":
-            text = ""
-            continue
-        assert f["type"] == "output", f
-        text += f["data"]
-        seq = f["seq"]
-    return text, seq
+    return await _read_until(ws, needle, allow_resync=True)
 
 
 async def opened(ws: WebSocketConnection, token: str, **extra: Any) -> dict[str, Any]:
