@@ -241,13 +241,7 @@ def load_profile(path: Path, seccomp_dir: Path) -> Profile:
     name = path.name.removesuffix(".toml")
     if not NAME_RE.fullmatch(name):
         raise ProfileError(f"{source}: profile name {name!r} must match {NAME_RE.pattern}")
-    try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_PROFILE_BYTES + 1)
-    except OSError as exc:
-        raise ProfileError(f"{source}: cannot read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_PROFILE_BYTES:
-        raise ProfileError(f"{source}: larger than {MAX_PROFILE_BYTES} bytes")
+    raw = seccomp.read_bounded(path, MAX_PROFILE_BYTES, ProfileError)
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

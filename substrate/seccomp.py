@@ -139,6 +139,18 @@ class Verdict(NamedTuple):
     errno: int | None
 
 
+def read_bounded(path: Path, limit: int, error: type[Exception]) -> bytes:
+    """An operator config file's bytes, at most `limit`; `error` names the file otherwise."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(raw) > limit:
+        raise error(f"{path}: larger than {limit} bytes")
+    return raw
+
+
 def load_seccomp(path: Path) -> dict[str, Any]:
     """Read and validate `path`; return the JSON document exactly as the engine will get it.
 
@@ -148,13 +160,7 @@ def load_seccomp(path: Path) -> dict[str, Any]:
     `strict.json`).
     """
     source = str(path)
-    try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_POLICY_BYTES + 1)
-    except OSError as exc:
-        raise SeccompError(f"{source}: cannot read: {exc.strerror or exc}") from None
-    if len(raw) > MAX_POLICY_BYTES:
-        raise SeccompError(f"{source}: larger than {MAX_POLICY_BYTES} bytes")
+    raw = read_bounded(path, MAX_POLICY_BYTES, SeccompError)
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
