@@ -1,11 +1,38 @@
-"""`python -m substrate.schema [FILE]` regenerates docs/api.schema.json."""
+"""`python -m substrate.schema [SCHEMA] [--protocol FILE] [--check]`.
 
+Regenerates docs/api.schema.json (or SCHEMA) and the generated regions of
+docs/protocol.md (method reference, refusals, profile and config keys). With `--check`
+nothing is written: the exit status is 1 when either file is not current.
+"""
+
+import argparse
 import sys
 from pathlib import Path
 
 import substrate.api  # noqa: F401  (every layer declares its methods on import)
 from substrate.schema import METHODS, render
+from substrate.schema.reference import render_protocol
 
-target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/api.schema.json")
-target.write_text(render())
-print(f"wrote {target} ({len(METHODS)} methods)")
+parser = argparse.ArgumentParser(prog="python -m substrate.schema", description=__doc__)
+parser.add_argument("schema", nargs="?", default="docs/api.schema.json", type=Path)
+parser.add_argument("--protocol", default="docs/protocol.md", type=Path)
+parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+args = parser.parse_args()
+
+try:
+    wanted = {
+        args.schema: render(),
+        args.protocol: render_protocol(args.protocol.read_text()),
+    }
+except (OSError, ValueError) as exc:
+    sys.exit(f"python -m substrate.schema: {exc}")
+
+stale = [path for path, text in wanted.items() if not path.exists() or path.read_text() != text]
+if args.check:
+    for path in stale:
+        print(f"stale: {path}")
+    sys.exit(1 if stale else 0)
+for path, text in wanted.items():
+    if path in stale:
+        path.write_text(text)
+print(f"wrote {', '.join(map(str, stale)) or 'nothing (current)'} ({len(METHODS)} methods)")
