@@ -1,8 +1,9 @@
 """`python -m substrate.schema [SCHEMA] [--protocol FILE] [--check]`.
 
 Regenerates docs/api.schema.json (or SCHEMA) and the generated regions of
-docs/protocol.md (method reference, refusals, profile and config keys). With `--check`
-nothing is written: the exit status is 1 when either file is not current.
+docs/protocol.md (method reference, refusals, profile and config keys; by default the
+`protocol.md` next to SCHEMA). With `--check` nothing is written: the exit status is 1
+when either file is not current.
 """
 
 import argparse
@@ -15,14 +16,15 @@ from substrate.schema.reference import render_protocol
 
 parser = argparse.ArgumentParser(prog="python -m substrate.schema", description=__doc__)
 parser.add_argument("schema", nargs="?", default="docs/api.schema.json", type=Path)
-parser.add_argument("--protocol", default="docs/protocol.md", type=Path)
+parser.add_argument("--protocol", type=Path, help="default: protocol.md beside SCHEMA")
 parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
 args = parser.parse_args()
+protocol: Path = args.protocol or args.schema.parent / "protocol.md"
 
 try:
     wanted = {
         args.schema: render(),
-        args.protocol: render_protocol(args.protocol.read_text()),
+        protocol: render_protocol(protocol.read_text()),
     }
 except (OSError, ValueError) as exc:
     sys.exit(f"python -m substrate.schema: {exc}")
