@@ -15,6 +15,7 @@ that depend on where the package lives are written relative to it.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import io
 import textwrap
@@ -94,8 +95,8 @@ def regions() -> dict[str, str]:
 def render_protocol(text: str) -> str:
     """The exact text docs/protocol.md must have, given its current text.
 
-    Raises ValueError for missing or broken markers (`fill`). Costs one parse of the
-    source of each Struct shown (tens of milliseconds in all); no other I/O.
+    Raises ValueError for missing or broken markers (`fill`). Costs one read and parse
+    of each Struct class's source (cached per process); no other I/O.
     """
     return fill(text, regions())
 
@@ -244,6 +245,7 @@ def default_text(field: mi.Field) -> str | None:
     return msgspec.json.encode(value).decode()
 
 
+@functools.cache
 def _class_comments(cls: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
