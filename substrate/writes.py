@@ -46,8 +46,8 @@ from substrate.schema.fs import DeleteParams, PatchParams, Plan, WriteParams
 from substrate.store import Store
 from substrate.workspaces import TEMP_PREFIX, Workspace
 
-#: Files bigger than this are not loaded for patching.
-MAX_PATCH_FILE = 64 << 20
+#: Files bigger than this are not loaded for patching, nor made by a patch.
+MAX_PATCH_FILE = patching.MAX_RESULT_BYTES
 #: Mode of a created file when the caller gives none.
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
@@ -248,8 +248,8 @@ class Writer:
 
         def transform(old: bytes) -> bytes:
             if edits is not None:
-                return patching.apply_edits(old, edits)
-            return patching.apply_unified_diff(old, diff or "")
+                return patching.apply_edits(old, edits, MAX_PATCH_FILE)
+            return patching.apply_unified_diff(old, diff or "", MAX_PATCH_FILE)
 
         prepared, parent_fd = _plan(
             ws, p.path, None, p.base_sha256, transform, None, False, p.plan_digest

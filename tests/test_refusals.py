@@ -386,6 +386,29 @@ def test_patch_unified_diff_conflict(env: Env) -> None:
     )
 
 
+def test_patch_amplification_is_too_large(env: Env) -> None:
+    """A 100 kB file, then edits asking for 100 MB: refused before it is built, file as it was."""
+    body = "ab" * 50_000
+    env.ok("fs.write", path="amp.txt", content=body, base_sha256=None)
+    edits = [
+        {"old": "b", "new": "bb", "count": 50_000},  # many matches for the next edit...
+        {"old": "b", "new": "b" * 1000, "count": 100_000},  # ...each made 1000 times bigger
+    ]
+    err = env.refused("too_large", "fs.patch", path="amp.txt", base_sha256=sha(body), edits=edits)
+    assert err.data["limit"] == 64 * MiB
+    assert (env.root / "amp.txt").read_text() == body
+
+
+def test_unified_diff_past_the_size_bound_is_too_large(env: Env) -> None:
+    body = b"x" * (64 * MiB - 4) + b"\n"
+    (env.root / "big.txt").write_bytes(body)
+    grow = "@@ -1,0 +2,2 @@\n+0123456789\n+0123456789\n"  # 22 bytes after the last line
+    err = env.refused(
+        "too_large", "fs.patch", path="big.txt", base_sha256=sha(body), unified_diff=grow
+    )
+    assert err.data["limit"] == 64 * MiB
+
+
 def test_plan_digest_mismatch(env: Env) -> None:
     base = env.sha_of("a.txt")
     plan = env.ok("fs.write", path="a.txt", content="one\n", base_sha256=base, dry_run=True)
