@@ -287,6 +287,43 @@ def test_fifo_write_refused(env: Env) -> None:
     env.refused("not_a_file", "fs.write", path="fifo", content="x", base_sha256=sha(b""))
 
 
+TEMP = ".substrate-tmp-"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(f"{TEMP}0123456789abcdef", id="top"),
+        pytest.param(f"dir/{TEMP}foo", id="nested"),
+        pytest.param(f"{TEMP}d/new.txt", id="directory"),
+    ],
+)
+def test_temp_file_names_are_reserved(env: Env, path: str) -> None:
+    """A file named like substrate's temp files could later be taken for one: never made."""
+    err = env.refused(
+        "path_denied", "fs.write", path=path, content="x", base_sha256=None, create_parents=True
+    )
+    assert err.data["reserved_prefix"] == TEMP
+
+
+def test_a_users_temp_named_file_is_neither_patched_nor_deleted(
+    env: Env, chown_tree: Callable[[Path], None]
+) -> None:
+    (env.root / f"{TEMP}foo").write_text("beta\n")
+    chown_tree(env.root)
+    base = sha("beta\n")
+    env.refused("path_denied", "fs.delete", path=f"{TEMP}foo", base_sha256=base)
+    env.refused(
+        "path_denied",
+        "fs.patch",
+        path=f"{TEMP}foo",
+        base_sha256=base,
+        edits=[{"old": "beta", "new": "x"}],
+    )
+    env.refused("path_denied", "fs.write", path=f"{TEMP}foo", content="x", base_sha256=base)
+    assert (env.root / f"{TEMP}foo").read_text() == "beta\n"
+
+
 def test_directory_as_a_file(env: Env) -> None:
     env.refused("not_a_file", "fs.read", path="adir")
     env.refused("not_a_file", "fs.write", path="adir", content="x", base_sha256=None)
