@@ -62,6 +62,9 @@ DIGEST_CACHE_ENTRIES = 4096
 #: A digest is cached only for a file whose ctime is this much older than the hash: a
 #: change within one tick of the file system's clock would keep the same times.
 RACY_NS = 2_000_000_000
+#: Hashes of files over this size are shared by concurrent askers of the same version
+#: (below it a second hash costs less than waiting for the first).
+SHARED_HASH_BYTES = 1 << 20
 #: Files larger than this are skipped by search (reported in files_scanned only when read).
 SEARCH_MAX_FILE = 64 << 20
 _BINARY_SNIFF = 8192
@@ -101,8 +104,8 @@ class Digests:
     the version is the same. Within one tick of the file system's clock a change can keep
     the times (git's "racily clean" case), so a digest is kept only when the file's ctime
     is `racy_ns` older than the start of its hash. At most `entries` are kept, least
-    recently used dropped first. Thread-safe; callers that ask for a version being hashed
-    wait for that hash instead of starting another.
+    recently used dropped first. Thread-safe; callers that ask for a version of more than
+    `SHARED_HASH_BYTES` being hashed wait for that hash instead of starting another.
     """
 
     def __init__(self, entries: int = DIGEST_CACHE_ENTRIES, racy_ns: int = RACY_NS) -> None:
@@ -110,7 +113,7 @@ class Digests:
         self._racy_ns = racy_ns
         self._lock = threading.Lock()
         self._known: OrderedDict[Version, str] = OrderedDict()
-        self._running: dict[Version, Future[str]] = {}
+        self._running: dict[Version, Future[tuple[str, bool]]] = {}
 
     def known(self, st: os.stat_result) -> str | None:
         """The digest of this version if it is cached. Costs nothing."""
@@ -121,58 +124,62 @@ class Digests:
                 self._known.move_to_end(key)
             return found
 
-    def of(self, fd: int, st: os.stat_result, up_to: int | None) -> str | None:
-        """The digest of the file open as `fd` (whose fstat is `st`).
+    def of(self, fd: int, up_to: int | None) -> tuple[os.stat_result, str | None]:
+        """fstat and digest of the file open as `fd`, both of one version.
 
-        Cached, or computed when the file is at most `up_to` bytes (`None`: any size),
-        else None. Costs a pass over the file when computed.
+        The digest is the cached one, or computed when the file is at most `up_to` bytes
+        (`None`: any size), else None. A file that changes while it is hashed is hashed
+        again, at most three times (then the last digest is returned, not kept). Costs a
+        pass over the file for each computation.
         """
-        found = self.known(st)
-        if found is not None or (up_to is not None and st.st_size > up_to):
-            return found
+        for _attempt in range(3):
+            st = os.fstat(fd)
+            found = self.known(st)
+            if found is not None or (up_to is not None and st.st_size > up_to):
+                return st, found
+            digest, unchanged = self._compute(fd, st)
+            if unchanged:
+                break
+        return st, digest
+
+    def _compute(self, fd: int, st: os.stat_result) -> tuple[str, bool]:
         key = version_of(st)
-        mine: Future[str] = Future()
+        if st.st_size <= SHARED_HASH_BYTES:
+            return self._hash(fd, st)
+        mine: Future[tuple[str, bool]] = Future()
         with self._lock:
             running = self._running.setdefault(key, mine)
         if running is not mine:
             return running.result()
         try:
-            started = time.time_ns()
-            digest = hash_fd(fd)
-            unchanged = version_of(os.fstat(fd)) == key
+            outcome = self._hash(fd, st)
         except BaseException as exc:
-            with self._lock:
-                del self._running[key]
             mine.set_exception(exc)
             raise
-        with self._lock:
-            del self._running[key]
-            # A file changed while hashed has a digest of no version: it is returned (the
-            # caller checks the version again), never kept.
-            if unchanged and st.st_ctime_ns < started - self._racy_ns:
+        finally:
+            with self._lock:
+                del self._running[key]
+        mine.set_result(outcome)
+        return outcome
+
+    def _hash(self, fd: int, st: os.stat_result) -> tuple[str, bool]:
+        """(digest, whether the file stayed at version `st`); kept when it did, unless racy."""
+        started = time.time_ns()
+        digest = hash_fd(fd)
+        key = version_of(st)
+        unchanged = version_of(os.fstat(fd)) == key
+        if unchanged and st.st_ctime_ns < started - self._racy_ns:
+            with self._lock:
                 self._known[key] = digest
                 while len(self._known) > self._entries:
                     self._known.popitem(last=False)
-        mine.set_result(digest)
-        return digest
+        return digest, unchanged
 
 
 def _open_file(ws: Workspace, parts: tuple[str, ...], rel: str) -> int:
     """Open the regular file `parts` beneath the root fd, which is held only for the open."""
     with ws.use(), paths.opened_dir(ws.root_fd, parts[:-1], ws.provenance(rel)) as parent:
         return paths.open_regular(parent, parts[-1], ws.provenance(rel))
-
-
-def _digest_and_version(
-    fd: int, digests: Digests, up_to: int | None
-) -> tuple[os.stat_result, str | None]:
-    """fstat and digest of one version (tried three times while the file keeps changing)."""
-    for _attempt in range(3):
-        st = os.fstat(fd)
-        digest = digests.of(fd, st, up_to)
-        if digest is None or version_of(os.fstat(fd)) == version_of(st):
-            break
-    return st, digest
 
 
 def stat_path(
@@ -203,7 +210,7 @@ def stat_path(
     sha = None
     if fd is not None:
         try:
-            st, sha = _digest_and_version(fd, digests, hash_up_to)
+            st, sha = digests.of(fd, hash_up_to)
         finally:
             os.close(fd)
     return StatResult(
@@ -248,7 +255,7 @@ def read_file(
     fd = _open_file(ws, parts, rel)
     try:
         for _attempt in range(3):
-            st, digest = _digest_and_version(fd, digests, hash_up_to)
+            st, digest = digests.of(fd, hash_up_to)
             data = _pread_range(fd, p.offset, p.length)
             if version_of(os.fstat(fd)) == version_of(st):
                 break

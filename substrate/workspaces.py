@@ -17,8 +17,6 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,34 +67,32 @@ class FdUsers:
     """The operations using a workspace's root fd, so that release never closes it under one.
 
     The fd number is reused by the next `open` once closed: a read still holding it would
-    then reach whatever file got that number. So `hold` counts users, `close` refuses new
-    ones (`unknown_workspace`) and waits, bounded, for the count to drain; if it does not,
-    whichever user leaves last closes the fd.
+    then reach whatever file got that number. So each user enters this (a context manager
+    shared by all of them), `close` refuses new ones (`unknown_workspace`) and waits,
+    bounded, for the count to drain; if it does not, whichever user leaves last closes the
+    fd.
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._count = 0
         self._closing: int | None = None
         self._closed = False
 
-    @contextmanager
-    def hold(self, workspace: str) -> Iterator[None]:
-        """Use the root fd for the block. Refuses `unknown_workspace` once released."""
+    def __enter__(self) -> None:
         with self._cond:
             if self._closed:
-                raise UnknownWorkspace(f"no workspace {workspace!r}")
+                raise UnknownWorkspace("the workspace was released")
             self._count += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._count -= 1
-                if self._count == 0:
-                    self._cond.notify_all()
-                    if self._closing is not None:
-                        os.close(self._closing)
-                        self._closing = None
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._count -= 1
+            if self._count == 0:
+                self._cond.notify_all()
+                if self._closing is not None:
+                    os.close(self._closing)
+                    self._closing = None
 
     def close(self, fd: int, timeout: float) -> bool:
         """Refuse new users, wait up to `timeout` s for the current ones, close `fd`.
@@ -130,9 +126,10 @@ class Workspace:
     #: Who is using `root_fd` now; reads and writes hold it (`use`) while they do.
     fd_users: FdUsers = field(default_factory=FdUsers)
 
-    def use(self) -> AbstractContextManager[None]:
-        """Hold `root_fd` open for the block; refuses `unknown_workspace` once released."""
-        return self.fd_users.hold(self.id)
+    def use(self) -> FdUsers:
+        """`with ws.use():` holds `root_fd` open for the block; refuses `unknown_workspace`
+        once the workspace is released."""
+        return self.fd_users
 
     def provenance(self, rel: str) -> str:
         return f"{self.root_id}:{rel}"

@@ -346,8 +346,8 @@ def test_concurrent_askers_share_one_hash(
         assert release.wait(30)
         return real_hash(fd)
 
-    class WatchedFuture(Future[str]):
-        def result(self, timeout: float | None = None) -> str:
+    class WatchedFuture(Future[Any]):
+        def result(self, timeout: float | None = None) -> Any:
             waiting.set()
             return super().result(timeout)
 
@@ -378,7 +378,7 @@ def test_the_digest_cache_is_bounded(root: Path) -> None:
         (root / f"f{i}").write_bytes(b"%d" % i)
         fd = os.open(root / f"f{i}", os.O_RDONLY)
         try:
-            digests.of(fd, os.fstat(fd), None)
+            digests.of(fd, None)
         finally:
             os.close(fd)
     assert len(digests._known) == 3
