@@ -67,10 +67,10 @@ class FdUsers:
     """The operations using a workspace's root fd, so that release never closes it under one.
 
     The fd number is reused by the next `open` once closed: a read still holding it would
-    then reach whatever file got that number. So each user enters this (a context manager
-    shared by all of them), `close` refuses new ones (`unknown_workspace`) and waits,
-    bounded, for the count to drain; if it does not, whichever user leaves last closes the
-    fd.
+    then reach whatever file got that number. So each user enters this (one context
+    manager shared by all of them); `drain` refuses new ones (`unknown_workspace`) and
+    waits, bounded, for the count to reach zero; `close` closes the fd then, or leaves it
+    to whichever user leaves last.
     """
 
     def __init__(self) -> None:
@@ -94,18 +94,23 @@ class FdUsers:
                     os.close(self._closing)
                     self._closing = None
 
-    def close(self, fd: int, timeout: float) -> bool:
-        """Refuse new users, wait up to `timeout` s for the current ones, close `fd`.
+    def drain(self, timeout: float) -> bool:
+        """Refuse new users from now on; wait up to `timeout` s for the current ones.
 
-        Returns True when `fd` was closed now, False when the last user will close it.
+        Returns whether none is left.
         """
         with self._cond:
             self._closed = True
-            if self._cond.wait_for(lambda: self._count == 0, timeout):
+            return self._cond.wait_for(lambda: self._count == 0, timeout)
+
+    def close(self, fd: int) -> None:
+        """Close `fd` now if no user is left, else when the last one leaves."""
+        with self._cond:
+            self._closed = True
+            if self._count == 0:
                 os.close(fd)
-                return True
-            self._closing = fd
-            return False
+            else:
+                self._closing = fd
 
 
 @dataclass
@@ -372,19 +377,23 @@ class WorkspaceRegistry:
         """Forget the workspace and close its root fd once no operation uses it.
 
         New operations are refused (`unknown_workspace`) from the start; this waits up to
-        `drain_s` for those in flight (a started write finishes and journals itself), and
-        if some are still running, the last of them closes the fd. Refuses
-        `unknown_workspace`.
+        `drain_s` for those in flight (a started write finishes and is journaled before
+        the release), and if some are still running then, the last of them closes the fd.
+        Refuses `unknown_workspace`.
         """
         with self._lock:
             ws = self.get(workspace)
+            del self._by_id[ws.id]
+        try:
+            # Writes in flight finish (and are journaled) before the release is.
+            ws.fd_users.drain(drain_s)
             with self._store.transaction() as db:
                 db.execute("DELETE FROM workspaces WHERE id = ?", (ws.id,))
                 self._journal.append_in(
                     db, "workspace.released", {"root_id": ws.root_id}, workspace=ws.id, actor=actor
                 )
-            del self._by_id[ws.id]
-        ws.fd_users.close(ws.root_fd, drain_s)
+        finally:
+            ws.fd_users.close(ws.root_fd)
 
     def close(self) -> None:
         """At shutdown: every root fd is closed now, or by the last operation using it."""
@@ -392,7 +401,7 @@ class WorkspaceRegistry:
             spaces = list(self._by_id.values())
             self._by_id.clear()
         for ws in spaces:
-            ws.fd_users.close(ws.root_fd, 0)
+            ws.fd_users.close(ws.root_fd)
 
     # -- approvals ---------------------------------------------------------------------------
 
