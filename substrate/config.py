@@ -53,6 +53,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     idle_timeout_s: float = 3600.0  # a connection with nothing in flight closes after this
     max_processes: int = 64  # running processes per daemon
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
+    inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
 
     def state_path(self) -> Path:
         return Path(self.state_dir).absolute()
@@ -79,4 +80,6 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         raise ConfigError(f"{path or 'flags'}: {exc}") from exc
     if config.max_request_bytes < 1024:
         raise ConfigError("max_request_bytes: must be at least 1024")
+    if config.inline_hash_bytes < 0:
+        raise ConfigError("inline_hash_bytes: must not be negative")
     return config

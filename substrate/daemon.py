@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from substrate import __version__
+from substrate import __version__, reads
 from substrate.config import Config
 from substrate.journal import Journal
 from substrate.store import Store
@@ -79,6 +79,10 @@ class Daemon:
         # Blocking file work shares one limiter so a flood of reads cannot starve writes
         # of threads forever; writes are never abandoned once started.
         self.fs_limiter = trio.CapacityLimiter(16)
+        # Whole-file digests over `inline_hash_bytes`, asked for explicitly, take minutes on
+        # huge files: they get threads of their own, so reads never wait behind them.
+        self.hash_limiter = trio.CapacityLimiter(2)
+        self.digests = reads.Digests()
         # --- execution layer (containers, processes, artifacts) -----------------------
         from substrate.execution import Execution
         from substrate.profiles import ProfileError

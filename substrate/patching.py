@@ -30,8 +30,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from substrate.errors import PatchConflict
+from substrate.errors import PatchConflict, TooLarge
 
+#: Largest file the appliers produce (the same bound as the files `substrate.writes` loads):
+#: a small edit with a large `count` must not build a result of any size.
+MAX_RESULT_BYTES = 64 << 20
 #: Either side larger than this many bytes is summarized instead of diffed:
 #: `difflib.SequenceMatcher` is superlinear in the number of changed lines.
 PREVIEW_DIFF_LIMIT = 2 << 20
@@ -77,6 +80,15 @@ def _encode(text: str, message: str, **data: int | None) -> bytes:
         raise PatchConflict(message, **data) from None
 
 
+def _check_size(size: int, max_bytes: int, what: str) -> None:
+    """Refuse a result over the bound before it is built (sizes are computed, not measured)."""
+    if size > max_bytes:
+        raise TooLarge(
+            f"{what} would make the file {size} bytes, over the {max_bytes} byte bound",
+            limit=max_bytes,
+        )
+
+
 def _split_lines(text: str) -> list[str]:
     """Lines with their `\\n` kept; only the last may lack one. Splits on `\\n` only."""
     parts = text.split("\n")
@@ -90,7 +102,7 @@ def _split_lines(text: str) -> list[str]:
 # Exact string edits
 
 
-def apply_edits(data: bytes, edits: Sequence[EditLike]) -> bytes:
+def apply_edits(data: bytes, edits: Sequence[EditLike], max_bytes: int = MAX_RESULT_BYTES) -> bytes:
     """Apply exact string replacements in order, each to the previous one's result.
 
     Each edit's `old` must be non-empty and occur exactly `count` (>= 1) times in the text
@@ -100,11 +112,15 @@ def apply_edits(data: bytes, edits: Sequence[EditLike]) -> bytes:
     Refuses with `PatchConflict` when the file is not UTF-8 (`reason="not_text"`), when an
     edit's `old` is empty or its `count` is below 1 (`edit` = its index), when `old`
     occurs another number of times (`edit`, `occurrences`, `expected`), or when `new` is
-    not encodable (a lone surrogate). Nothing is applied unless every edit applies.
+    not encodable (a lone surrogate). Refuses with `TooLarge` when any edit's result would
+    pass `max_bytes`; that size is computed from the counts before the result is built, so
+    memory stays bounded by `max_bytes` whatever `count` and `new` ask for. Nothing is
+    applied unless every edit applies.
 
     Costs one decode and one encode of the file, plus one scan and one copy per edit.
     """
     text = _decode(data)
+    size = len(data)
     for index, edit in enumerate(edits):
         if not edit.old:
             raise PatchConflict(f"edit {index}: old is empty", edit=index)
@@ -119,7 +135,10 @@ def apply_edits(data: bytes, edits: Sequence[EditLike]) -> bytes:
                 occurrences=found,
                 expected=edit.count,
             )
-        _encode(edit.new, f"edit {index}: new is not valid Unicode text", edit=index)
+        new = _encode(edit.new, f"edit {index}: new is not valid Unicode text", edit=index)
+        # `old` occurs in the text, so it has no lone surrogate and encodes.
+        size += edit.count * (len(new) - len(edit.old.encode("utf-8")))
+        _check_size(size, max_bytes, f"edit {index}")
         text = text.replace(edit.old, edit.new, edit.count)
     return text.encode("utf-8")
 
@@ -311,7 +330,12 @@ def _extend(out: list[str], chunk: list[str], hunk: int) -> None:
     out.extend(chunk)
 
 
-def apply_unified_diff(data: bytes, diff: str) -> bytes:
+def _lines_bytes(lines: list[str]) -> int:
+    # surrogatepass only to count: a lone surrogate is refused when the result is encoded.
+    return sum(len(line.encode("utf-8", "surrogatepass")) for line in lines)
+
+
+def apply_unified_diff(data: bytes, diff: str, max_bytes: int = MAX_RESULT_BYTES) -> bytes:
     """Apply a unified diff for one file strictly: no fuzz, no offset search.
 
     Accepts optional `diff ...`, `index ...`, `new file mode`/`deleted file mode`,
@@ -327,7 +351,8 @@ def apply_unified_diff(data: bytes, diff: str) -> bytes:
     Refuses with `PatchConflict` (`hunk` = index or null, and `line` or `diff_line` where
     one applies; messages never quote file contents) when the file is not UTF-8, the diff
     has no hunks, touches more than one file (a second `diff`/`---`+`+++` header), carries
-    mode, rename, copy or binary headers, is malformed, or a hunk does not match.
+    mode, rename, copy or binary headers, is malformed, or a hunk does not match. Refuses
+    with `TooLarge` when the result would pass `max_bytes` (computed before it is built).
 
     Costs one decode, one split and one join of the file plus a pass over the diff.
     """
@@ -336,6 +361,7 @@ def apply_unified_diff(data: bytes, diff: str) -> bytes:
     lines = _split_lines(text)
     out: list[str] = []
     cursor = 0
+    size = len(data)
     for hunk in hunks:
         # With no old lines, old-start names the line the new ones go after.
         pos = hunk.old_start - 1 if hunk.old_len else hunk.old_start
@@ -356,6 +382,8 @@ def apply_unified_diff(data: bytes, diff: str) -> bytes:
                     hunk=hunk.index,
                     line=number,
                 )
+        size += _lines_bytes(hunk.new_lines) - _lines_bytes(hunk.old_lines)
+        _check_size(size, max_bytes, f"hunk {hunk.index}")
         _extend(out, lines[cursor:pos], hunk.index)
         _extend(out, hunk.new_lines, hunk.index)
         cursor = pos + hunk.old_len

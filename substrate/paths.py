@@ -11,6 +11,7 @@ followed, so swapping a directory for a symlink mid-operation cannot redirect us
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import errno
 import os
@@ -71,6 +72,23 @@ def split_relpath(path: str, *, allow_root: bool = False) -> tuple[str, ...]:
         if len(part.encode()) > MAX_NAME_BYTES:
             raise PathInvalid(f"a path component is longer than {MAX_NAME_BYTES} bytes")
     return parts
+
+
+def wire_name(name: str) -> tuple[str, str | None]:
+    """A name or relative path met on disk, for a result: `(text, raw_b64)`.
+
+    File names are bytes; `os` gives them as str with each byte that is not UTF-8 as a lone
+    surrogate (surrogateescape), which JSON cannot carry. A UTF-8 name comes back as is,
+    with None. Any other comes back with each such byte written `\\xNN` (Python's
+    backslashreplace) and, since that text is ambiguous and no path argument can name it,
+    its exact bytes in base64.
+    """
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = os.fsencode(name)
+        return raw.decode("utf-8", "backslashreplace"), base64.b64encode(raw).decode("ascii")
+    return name, None
 
 
 def kind_of(mode: int) -> Kind:

@@ -1,8 +1,15 @@
 """Bounded, symlink-refusing reads of a workspace (SPEC §3).
 
 Every function is blocking (call it from a worker thread) and reaches files only through
-the workspace's root fd (`substrate.paths`). Symlinks are reported as such and never
-followed; `read_deny` paths are refused for content and skipped by search.
+the workspace's root fd (`substrate.paths`), held against release (`Workspace.use`) while
+it opens them. Symlinks are reported as such and never followed; `read_deny` paths are
+refused for content and skipped by search. Names that are not UTF-8 are listed escaped
+(`paths.wire_name`), never refused.
+
+Whole-file digests (`fs.stat`, `fs.read`) cost a pass over the file, so they are bounded:
+a caller passes `hash_up_to`, and a file over it that `Digests` does not know yet gets no
+digest (`sha256_deferred`) unless the caller asks for any size (`None`), which the API
+does only on request and on threads of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +20,11 @@ import importlib
 import os
 import re
 import stat
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,13 +47,24 @@ from substrate.schema.fs import (
     WalkParams,
     WalkResult,
 )
-from substrate.workspaces import TEMP_PREFIX, Workspace
+from substrate.temp_files import TEMP_PREFIX
+from substrate.workspaces import Workspace
 
 #: The stdlib's own regex parser (private, stable since 3.11): see `_Prefilter`.
 _sre: Any = importlib.import_module("re._constants")
 _sre_parser: Any = importlib.import_module("re._parser")
 
 CHUNK = 1 << 20
+#: Files up to this size get their digest with every stat and read (`inline_hash_bytes`).
+INLINE_HASH_BYTES = 64 << 20
+#: Digests kept by `Digests` (about 200 bytes each).
+DIGEST_CACHE_ENTRIES = 4096
+#: A digest is cached only for a file whose ctime is this much older than the hash: a
+#: change within one tick of the file system's clock would keep the same times.
+RACY_NS = 2_000_000_000
+#: Hashes of files over this size are shared by concurrent askers of the same version
+#: (below it a second hash costs less than waiting for the first).
+SHARED_HASH_BYTES = 1 << 20
 #: Files larger than this are skipped by search (reported in files_scanned only when read).
 SEARCH_MAX_FILE = 64 << 20
 _BINARY_SNIFF = 8192
@@ -66,85 +88,190 @@ def hash_fd(fd: int) -> str:
         offset += len(block)
 
 
-def stat_path(ws: Workspace, p: StatParams) -> StatResult:
-    """`fs.stat`. Refuses path, symlink-on-the-way and read_deny problems."""
+#: What names one version of one file: (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns).
+Version = tuple[int, int, int, int, int]
+
+
+def version_of(st: os.stat_result) -> Version:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class Digests:
+    """Whole-file SHA-256s, cached by file version; one computation per version at a time.
+
+    A version is `version_of(fstat)`: any change to a file's bytes through the file system
+    sets its mtime and ctime, and ctime cannot be set back, so a digest stays valid while
+    the version is the same. Within one tick of the file system's clock a change can keep
+    the times (git's "racily clean" case), so a digest is kept only when the file's ctime
+    is `racy_ns` older than the start of its hash. At most `entries` are kept, least
+    recently used dropped first. Thread-safe; callers that ask for a version of more than
+    `SHARED_HASH_BYTES` being hashed wait for that hash instead of starting another.
+    """
+
+    def __init__(self, entries: int = DIGEST_CACHE_ENTRIES, racy_ns: int = RACY_NS) -> None:
+        self._entries = entries
+        self._racy_ns = racy_ns
+        self._lock = threading.Lock()
+        self._known: OrderedDict[Version, str] = OrderedDict()
+        self._running: dict[Version, Future[tuple[str, bool]]] = {}
+
+    def known(self, st: os.stat_result) -> str | None:
+        """The digest of this version if it is cached. Costs nothing."""
+        key = version_of(st)
+        with self._lock:
+            found = self._known.get(key)
+            if found is not None:
+                self._known.move_to_end(key)
+            return found
+
+    def of(self, fd: int, up_to: int | None) -> tuple[os.stat_result, str | None]:
+        """fstat and digest of the file open as `fd`, both of one version.
+
+        The digest is the cached one, or computed when the file is at most `up_to` bytes
+        (`None`: any size), else None. A file that changes while it is hashed is hashed
+        again, at most three times (then the last digest is returned, not kept). Costs a
+        pass over the file for each computation.
+        """
+        for _attempt in range(3):
+            st = os.fstat(fd)
+            found = self.known(st)
+            if found is not None or (up_to is not None and st.st_size > up_to):
+                return st, found
+            digest, unchanged = self._compute(fd, st)
+            if unchanged:
+                break
+        return st, digest
+
+    def _compute(self, fd: int, st: os.stat_result) -> tuple[str, bool]:
+        key = version_of(st)
+        if st.st_size <= SHARED_HASH_BYTES:
+            return self._hash(fd, st)
+        mine: Future[tuple[str, bool]] = Future()
+        with self._lock:
+            running = self._running.setdefault(key, mine)
+        if running is not mine:
+            return running.result()
+        try:
+            outcome = self._hash(fd, st)
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                del self._running[key]
+        mine.set_result(outcome)
+        return outcome
+
+    def _hash(self, fd: int, st: os.stat_result) -> tuple[str, bool]:
+        """(digest, whether the file stayed at version `st`); kept when it did, unless racy."""
+        started = time.time_ns()
+        digest = hash_fd(fd)
+        key = version_of(st)
+        unchanged = version_of(os.fstat(fd)) == key
+        if unchanged and st.st_ctime_ns < started - self._racy_ns:
+            with self._lock:
+                self._known[key] = digest
+                while len(self._known) > self._entries:
+                    self._known.popitem(last=False)
+        return digest, unchanged
+
+
+def _open_file(ws: Workspace, parts: tuple[str, ...], rel: str) -> int:
+    """Open the regular file `parts` beneath the root fd, which is held only for the open."""
+    with ws.use(), paths.opened_dir(ws.root_fd, parts[:-1], ws.provenance(rel)) as parent:
+        return paths.open_regular(parent, parts[-1], ws.provenance(rel))
+
+
+def stat_path(
+    ws: Workspace, p: StatParams, digests: Digests, hash_up_to: int | None = INLINE_HASH_BYTES
+) -> StatResult:
+    """`fs.stat`. Refuses path, symlink-on-the-way and read_deny problems.
+
+    A file's `sha256` is given when `digests` knows it or the file is at most
+    `hash_up_to` bytes (`None`: any size); else it is null with `sha256_deferred`. Costs
+    a pass over a file whose digest is computed, nothing more for any other.
+    """
     parts = paths.split_relpath(p.path, allow_root=True)
     rel = "/".join(parts) or "."
-    if parts:
-        _check_readable(ws, rel)
-    with paths.opened_dir(ws.root_fd, parts[:-1], ws.provenance(rel)) as parent:
-        if not parts:
-            st = os.fstat(parent)
-        else:
-            found = paths.lstat_at(parent, parts[-1])
-            if found is None:
-                raise paths.refusal_for(FileNotFoundError(2, "absent"), ws.provenance(rel))
-            st = found
-        kind = paths.kind_of(st.st_mode)
-        sha = None
-        if kind == "file":
-            fd = paths.open_regular(parent, parts[-1], ws.provenance(rel))
-            try:
-                sha = hash_fd(fd)
-            finally:
-                os.close(fd)
+    fd = None
+    with ws.use():
+        if parts:
+            _check_readable(ws, rel)
+        with paths.opened_dir(ws.root_fd, parts[:-1], ws.provenance(rel)) as parent:
+            if not parts:
+                st = os.fstat(parent)
+            else:
+                found = paths.lstat_at(parent, parts[-1])
+                if found is None:
+                    raise paths.refusal_for(FileNotFoundError(2, "absent"), ws.provenance(rel))
+                st = found
+                if stat.S_ISREG(st.st_mode):
+                    fd = paths.open_regular(parent, parts[-1], ws.provenance(rel))
+    sha = None
+    if fd is not None:
+        try:
+            st, sha = digests.of(fd, hash_up_to)
+        finally:
+            os.close(fd)
     return StatResult(
         path=rel,
-        kind=kind,
+        kind=paths.kind_of(st.st_mode),
         size=st.st_size,
         mode=stat.S_IMODE(st.st_mode),
         mtime_ns=st.st_mtime_ns,
         sha256=sha,
+        sha256_deferred=fd is not None and sha is None,
     )
 
 
-def read_file(ws: Workspace, p: ReadParams) -> ReadResult:
+def _pread_range(fd: int, offset: int, length: int) -> bytes:
+    chunks: list[bytes] = []
+    while length > 0:
+        block = os.pread(fd, min(length, CHUNK), offset)
+        if not block:
+            break
+        chunks.append(block)
+        offset += len(block)
+        length -= len(block)
+    return b"".join(chunks)
+
+
+def read_file(
+    ws: Workspace, p: ReadParams, digests: Digests, hash_up_to: int | None = INLINE_HASH_BYTES
+) -> ReadResult:
     """`fs.read`: a slice plus the whole file's SHA-256 (so a write can bind to it).
 
-    Refuses `too_large` for length > 4 MiB; `not_a_file` for FIFOs, devices and
-    directories (a FIFO is opened non-blocking, so it never hangs). Costs one pass over
-    the whole file for the digest; the slice is taken from the same pass.
+    The digest follows `stat_path`'s rule (`hash_up_to`, `sha256_deferred`); slice and
+    digest are of the same version (re-read while the file changes under them, at most
+    three times). Refuses `too_large` for length > 4 MiB; `not_a_file` for FIFOs, devices
+    and directories (a FIFO is opened non-blocking, so it never hangs). Costs the slice,
+    plus a pass over the whole file when its digest is computed.
     """
     if p.length > MAX_READ:
         raise TooLarge(f"length {p.length} exceeds {MAX_READ}", limit=MAX_READ)
     parts = paths.split_relpath(p.path)
     rel = "/".join(parts)
     _check_readable(ws, rel)
-    with paths.opened_dir(ws.root_fd, parts[:-1], ws.provenance(rel)) as parent:
-        fd = paths.open_regular(parent, parts[-1], ws.provenance(rel))
+    fd = _open_file(ws, parts, rel)
     try:
         for _attempt in range(3):
-            before = os.fstat(fd)
-            digest = hashlib.sha256()
-            piece = bytearray()
-            end = p.offset + p.length
-            offset = 0
-            while True:
-                block = os.pread(fd, CHUNK, offset)
-                if not block:
-                    break
-                digest.update(block)
-                lo, hi = max(p.offset, offset), min(end, offset + len(block))
-                if lo < hi:
-                    piece += block[lo - offset : hi - offset]
-                offset += len(block)
-            after = os.fstat(fd)
-            if (before.st_size, before.st_mtime_ns) == (after.st_size, after.st_mtime_ns):
+            st, digest = digests.of(fd, hash_up_to)
+            data = _pread_range(fd, p.offset, p.length)
+            if version_of(os.fstat(fd)) == version_of(st):
                 break
-        size = offset
     finally:
         os.close(fd)
-    data = bytes(piece)
     try:
         text, encoding = data.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:
         text, encoding = base64.b64encode(data).decode("ascii"), "base64"
     return ReadResult(
         path=rel,
-        size=size,
-        sha256=digest.hexdigest(),
+        size=st.st_size,
+        sha256=digest,
+        sha256_deferred=digest is None,
         offset=p.offset,
-        eof=p.offset + len(data) >= size,
+        eof=p.offset + len(data) >= st.st_size,
         encoding=encoding,  # type: ignore[arg-type]
         data=text,
     )
@@ -168,16 +295,20 @@ def _entry_kind_size(entry: os.DirEntry[str]) -> tuple[paths.Kind, int]:
 
 
 def list_dir(ws: Workspace, p: ListParams) -> ListResult:
-    """`fs.list`: one directory's entries sorted by name bytes, at most `limit`."""
+    """`fs.list`: one directory's entries sorted by name bytes, at most `limit`.
+
+    A name that is not UTF-8 is listed escaped, with its bytes in `name_b64`.
+    """
     parts = paths.split_relpath(p.path, allow_root=True)
     rel = "/".join(parts) or "."
     out = []
-    with paths.opened_dir(ws.root_fd, parts, ws.provenance(rel)) as fd:
+    with ws.use(), paths.opened_dir(ws.root_fd, parts, ws.provenance(rel)) as fd:
         entries = _scan_sorted(fd)
         # Inside the block: a DirEntry of scandir(fd) stats lazily, relative to that fd.
         for entry in entries[: p.limit]:
             kind, size = _entry_kind_size(entry)
-            out.append(ListEntry(name=entry.name, kind=kind, size=size))
+            name, raw = paths.wire_name(entry.name)
+            out.append(ListEntry(name=name, kind=kind, size=size, name_b64=raw))
     return ListResult(entries=out, truncated=len(entries) > p.limit)
 
 
@@ -215,7 +346,8 @@ def _walk(
     saving an lstat per entry; callers then check what they open with fstat.
     """
     base = "/".join(parts)
-    top = paths.open_dir(ws.root_fd, parts, ws.provenance(base or "."))
+    with ws.use():
+        top = paths.open_dir(ws.root_fd, parts, ws.provenance(base or "."))
     stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = [
         (top, base, 1, iter(_scan_sorted(top)))
     ]
@@ -249,7 +381,10 @@ def _walk(
 
 
 def walk(ws: Workspace, p: WalkParams) -> WalkResult:
-    """`fs.walk`: contained, deterministic, never follows a symlink, skips `.git` unless asked."""
+    """`fs.walk`: contained, deterministic, never follows a symlink, skips `.git` unless asked.
+
+    A path that is not UTF-8 is listed escaped, with its bytes in `path_b64`.
+    """
     parts = paths.split_relpath(p.path, allow_root=True)
     if p.max_depth == 0:
         return WalkResult(paths=[], truncated=False)
@@ -259,7 +394,8 @@ def walk(ws: Workspace, p: WalkParams) -> WalkResult:
         if len(out) >= p.max_entries:
             truncated = True
             break
-        out.append(WalkEntry(path=found.rel, kind=found.kind, size=found.size))
+        path, raw = paths.wire_name(found.rel)
+        out.append(WalkEntry(path=path, kind=found.kind, size=found.size, path_b64=raw))
     return WalkResult(paths=out, truncated=truncated)
 
 
@@ -276,7 +412,7 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     """`fs.search`: regex (or fixed string) over the tree's text files, bounded.
 
     Skips symlinks, binary files (a NUL in the first 8 KiB), files over 64 MiB, `.git`,
-    and `read_deny` paths. `column` is the 1-based byte column. Costs one read of every
+    and `read_deny` paths. A path that is not UTF-8 is reported as `fs.walk` does. `column` is the 1-based byte column. Costs one read of every
     scanned file, plus regex work only where a literal every match must contain occurs
     (see `_Prefilter`); stops at `max_matches`.
     """
@@ -491,6 +627,7 @@ def _collect(
     hay = data.lower() if literal and prefilter.fold else data
     if literal and hay.find(literal) < 0:
         return False
+    path, path_b64 = paths.wire_name(rel)
     line_no = 1
     counted_to = 0
 
@@ -499,7 +636,9 @@ def _collect(
         line_no += data.count(b"\n", counted_to, start)
         counted_to = start
         text = data[start : min(end, start + max_line_bytes)].decode("utf-8", "replace")
-        out.append(SearchMatch(path=rel, line=line_no, column=column, text=text))
+        out.append(
+            SearchMatch(path=path, line=line_no, column=column, text=text, path_b64=path_b64)
+        )
         return len(out) >= limit
 
     if prefilter.line_bound:

@@ -36,6 +36,8 @@ from substrate.journal import Journal
 from substrate.policy import CompiledPolicy, compile_policy
 from substrate.schema.workspace import Policy, Vcs, WorkspaceInfo
 from substrate.store import Store
+from substrate.temp_files import TEMP_PREFIX as TEMP_PREFIX
+from substrate.temp_files import TempFiles, remove_recorded
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS workspaces (
@@ -54,9 +56,61 @@ CREATE TABLE IF NOT EXISTS approvals (
 );
 """
 
-TEMP_PREFIX = ".substrate-tmp-"
+#: How long `release` waits for operations using the root fd before returning anyway
+#: (the fd is then closed by the last of them to finish, never under one).
+RELEASE_DRAIN_S = 30.0
 _SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 _REF_RE = re.compile(r"^refs/[A-Za-z0-9._/-]{1,200}$")
+
+
+class FdUsers:
+    """The operations using a workspace's root fd, so that release never closes it under one.
+
+    The fd number is reused by the next `open` once closed: a read still holding it would
+    then reach whatever file got that number. So each user enters this (one context
+    manager shared by all of them); `drain` refuses new ones (`unknown_workspace`) and
+    waits, bounded, for the count to reach zero; `close` closes the fd then, or leaves it
+    to whichever user leaves last.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._count = 0
+        self._closing: int | None = None
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            if self._closed:
+                raise UnknownWorkspace("the workspace was released")
+            self._count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._count -= 1
+            if self._count == 0:
+                self._cond.notify_all()
+                if self._closing is not None:
+                    os.close(self._closing)
+                    self._closing = None
+
+    def drain(self, timeout: float) -> bool:
+        """Refuse new users from now on; wait up to `timeout` s for the current ones.
+
+        Returns whether none is left.
+        """
+        with self._cond:
+            self._closed = True
+            return self._cond.wait_for(lambda: self._count == 0, timeout)
+
+    def close(self, fd: int) -> None:
+        """Close `fd` now if no user is left, else when the last one leaves."""
+        with self._cond:
+            self._closed = True
+            if self._count == 0:
+                os.close(fd)
+            else:
+                self._closing = fd
 
 
 @dataclass
@@ -74,6 +128,13 @@ class Workspace:
     dev_ino: tuple[int, int]
     #: Serialises the check-then-rename of guarded writes in this workspace.
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Who is using `root_fd` now; reads and writes hold it (`use`) while they do.
+    fd_users: FdUsers = field(default_factory=FdUsers)
+
+    def use(self) -> FdUsers:
+        """`with ws.use():` holds `root_fd` open for the block; refuses `unknown_workspace`
+        once the workspace is released."""
+        return self.fd_users
 
     def provenance(self, rel: str) -> str:
         return f"{self.root_id}:{rel}"
@@ -157,9 +218,6 @@ class WorkspaceRegistry:
         self._state_dir = state_dir
         self._lock = threading.Lock()
         self._by_id: dict[str, Workspace] = {}
-        # Temp files older than this are a previous run's; newer ones may be writes in flight.
-        # Less 50 ms: file times come from a coarse clock that lags time.time() by a tick.
-        self._started = time.time() - 0.05
         store.ensure_schema(SCHEMA)
         self._reload()
 
@@ -302,7 +360,11 @@ class WorkspaceRegistry:
     # -- lookup and release ----------------------------------------------------------------
 
     def get(self, workspace: str) -> Workspace:
-        """The workspace with this handle. Refuses `unknown_workspace`."""
+        """The workspace with this handle. Refuses `unknown_workspace`.
+
+        A released workspace is gone from here at once; an operation that got it before
+        holds its root fd with `Workspace.use`, which refuses once it is released.
+        """
         found = self._by_id.get(workspace)
         if found is None:
             raise UnknownWorkspace(f"no workspace {workspace!r}")
@@ -311,22 +373,35 @@ class WorkspaceRegistry:
     def all(self) -> list[Workspace]:
         return sorted(self._by_id.values(), key=lambda w: w.adopted)
 
-    def release(self, workspace: str, actor: str) -> None:
+    def release(self, workspace: str, actor: str, drain_s: float = RELEASE_DRAIN_S) -> None:
+        """Forget the workspace and close its root fd once no operation uses it.
+
+        New operations are refused (`unknown_workspace`) from the start; this waits up to
+        `drain_s` for those in flight (a started write finishes and is journaled before
+        the release), and if some are still running then, the last of them closes the fd.
+        Refuses `unknown_workspace`.
+        """
         with self._lock:
             ws = self.get(workspace)
+            del self._by_id[ws.id]
+        try:
+            # Writes in flight finish (and are journaled) before the release is.
+            ws.fd_users.drain(drain_s)
             with self._store.transaction() as db:
                 db.execute("DELETE FROM workspaces WHERE id = ?", (ws.id,))
                 self._journal.append_in(
                     db, "workspace.released", {"root_id": ws.root_id}, workspace=ws.id, actor=actor
                 )
-            del self._by_id[ws.id]
-            os.close(ws.root_fd)
+        finally:
+            ws.fd_users.close(ws.root_fd)
 
     def close(self) -> None:
+        """At shutdown: every root fd is closed now, or by the last operation using it."""
         with self._lock:
-            for ws in self._by_id.values():
-                os.close(ws.root_fd)
+            spaces = list(self._by_id.values())
             self._by_id.clear()
+        for ws in spaces:
+            ws.fd_users.close(ws.root_fd)
 
     # -- approvals ---------------------------------------------------------------------------
 
@@ -352,48 +427,29 @@ class WorkspaceRegistry:
     # -- start-up hygiene --------------------------------------------------------------------
 
     def clean_stale_temp_files(self) -> int:
-        """Remove guarded-write temp files a crashed daemon left behind. Returns the count.
+        """Remove the temp files earlier runs recorded and left behind. Returns the count.
 
-        Runs while the sockets already accept writes: only files last modified before
-        this registry was made are removed, never the temp file of a write in flight.
+        Exactly the files substrate recorded before creating them (`substrate.temp_files`)
+        in an earlier run (epoch): never a write in flight in this one, and never a file
+        substrate did not make, whatever its name or age. Each is unlinked only if it is
+        still a regular file in its directory, reached beneath the root fd without
+        following a symlink. Costs one database read and one open per record.
         """
+        records = TempFiles(self._store, self._journal.epoch)
         removed = 0
-        for ws in list(self._by_id.values()):
-            try:
-                removed += _clean_dir(ws.root_fd, depth=0, before=self._started)
-            except OSError:
-                continue
+        for workspace, dirs, name in records.stale():
+            ws = self._by_id.get(workspace)
+            outcome: bool | None = False
+            if ws is not None:
+                try:
+                    with ws.use():
+                        outcome = remove_recorded(ws.root_fd, dirs, name)
+                except UnknownWorkspace:
+                    outcome = False  # released meanwhile: nothing of it can be reached
+            if outcome is None:
+                continue  # undecided (an I/O error): kept for the next start
+            removed += outcome
+            records.forget(workspace, dirs, name)
         if removed:
             self._journal.append("workspace.temp_cleaned", {"files": removed})
         return removed
-
-
-def _clean_dir(dir_fd: int, depth: int, before: float) -> int:
-    removed = 0
-    with os.scandir(dir_fd) as it:
-        entries = list(it)
-    for entry in entries:
-        if entry.name.startswith(TEMP_PREFIX) and entry.is_file(follow_symlinks=False):
-            try:
-                if entry.stat(follow_symlinks=False).st_mtime >= before:
-                    continue
-                os.unlink(entry.name, dir_fd=dir_fd)
-                removed += 1
-            except FileNotFoundError:
-                pass
-        elif entry.is_dir(follow_symlinks=False) and not (depth == 0 and entry.name == ".git"):
-            if depth > 512:
-                continue
-            try:
-                child = os.open(
-                    entry.name,
-                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    dir_fd=dir_fd,
-                )
-            except OSError:
-                continue
-            try:
-                removed += _clean_dir(child, depth + 1, before)
-            finally:
-                os.close(child)
-    return removed

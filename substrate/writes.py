@@ -11,7 +11,12 @@ renamed over the target through the same dir fd, the directory is fsynced, and t
 approval (if any) is consumed in the same database transaction as the journal entry.
 
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
-next start removes (`WorkspaceRegistry.clean_stale_temp_files`).
+next start removes: each temp file is recorded in the database before it is created
+(`substrate.temp_files`), and only recorded ones are ever cleaned. Names with the temp
+prefix are refused as targets, so no agent can make a file that looks like ours.
+
+Every operation holds the workspace's root fd (`Workspace.use`) while it runs, so a
+release waits for it instead of closing the fd under it.
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ from substrate.errors import (
 from substrate.journal import Journal, canonical
 from substrate.schema.fs import DeleteParams, PatchParams, Plan, WriteParams
 from substrate.store import Store
-from substrate.workspaces import TEMP_PREFIX, Workspace
+from substrate.temp_files import TEMP_PREFIX, TempFiles
+from substrate.workspaces import Workspace
 
-#: Files bigger than this are not loaded for patching.
-MAX_PATCH_FILE = 64 << 20
+#: Files bigger than this are not loaded for patching, nor made by a patch.
+MAX_PATCH_FILE = patching.MAX_RESULT_BYTES
 #: Mode of a created file when the caller gives none.
 DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
@@ -122,6 +128,15 @@ def _read_current(parent_fd: int, name: str, where: str, limit: int) -> _Current
     )
 
 
+def _check_not_reserved(parts: tuple[str, ...], where: str) -> None:
+    """Refuse a name substrate uses for its temp files: it must never write or delete one."""
+    if any(part.startswith(TEMP_PREFIX) for part in parts):
+        raise PathDenied(
+            f"{where}: names starting with {TEMP_PREFIX!r} are reserved for substrate's temp files",
+            reserved_prefix=TEMP_PREFIX,
+        )
+
+
 def _open_parent(
     ws: Workspace, parts: tuple[str, ...], where: str, create_parents: bool
 ) -> tuple[int | None, tuple[str, ...]]:
@@ -156,6 +171,7 @@ def _plan(
     parts = paths.split_relpath(path)
     rel = "/".join(parts)
     where = ws.provenance(rel)
+    _check_not_reserved(parts, where)
     if not ws.policy.may_write(rel):
         raise PathDenied(f"{where}: denied by the workspace write policy")
     parent_fd, missing = _open_parent(ws, parts, where, create_parents)
@@ -220,6 +236,7 @@ class Writer:
     def __init__(self, store: Store, journal: Journal) -> None:
         self._store = store
         self._journal = journal
+        self._temps = TempFiles(store, journal.epoch)
 
     # -- the three wire operations --------------------------------------------------------
 
@@ -234,10 +251,11 @@ class Writer:
                 data = base64.b64decode(p.content_b64 or "", validate=True)
             except binascii.Error:
                 raise InvalidParams("content_b64 is not base64", path="$.content_b64") from None
-        prepared, parent_fd = _plan(
-            ws, p.path, None, p.base_sha256, data, p.mode, p.create_parents, p.plan_digest
-        )
-        return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.write")
+        with ws.use():
+            prepared, parent_fd = _plan(
+                ws, p.path, None, p.base_sha256, data, p.mode, p.create_parents, p.plan_digest
+            )
+            return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.write")
 
     def patch(self, ws: Workspace, p: PatchParams, actor: str) -> Plan:
         """`fs.patch`: edits or a strict unified diff. Refuses `patch_conflict` and the rest."""
@@ -248,20 +266,22 @@ class Writer:
 
         def transform(old: bytes) -> bytes:
             if edits is not None:
-                return patching.apply_edits(old, edits)
-            return patching.apply_unified_diff(old, diff or "")
+                return patching.apply_edits(old, edits, MAX_PATCH_FILE)
+            return patching.apply_unified_diff(old, diff or "", MAX_PATCH_FILE)
 
-        prepared, parent_fd = _plan(
-            ws, p.path, None, p.base_sha256, transform, None, False, p.plan_digest
-        )
-        return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.patch")
+        with ws.use():
+            prepared, parent_fd = _plan(
+                ws, p.path, None, p.base_sha256, transform, None, False, p.plan_digest
+            )
+            return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.patch")
 
     def delete(self, ws: Workspace, p: DeleteParams, actor: str) -> Plan:
         """`fs.delete`, bound to the base like any write."""
-        prepared, parent_fd = _plan(
-            ws, p.path, "delete", p.base_sha256, None, None, False, p.plan_digest
-        )
-        return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.delete")
+        with ws.use():
+            prepared, parent_fd = _plan(
+                ws, p.path, "delete", p.base_sha256, None, None, False, p.plan_digest
+            )
+            return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.delete")
 
     # -- apply ----------------------------------------------------------------------------
 
@@ -294,7 +314,7 @@ class Writer:
                 self._commit(ws, parent_fd, prep, temp, needs_approval, actor, kind)
             except BaseException:
                 if temp is not None:
-                    _unlink_quietly(parent_fd, temp)
+                    self._discard_temp(ws, parent_fd, prep, temp)
                 raise
             return _applied(prep.plan)
         finally:
@@ -321,10 +341,19 @@ class Writer:
             raise
         return fd
 
-    def _write_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared) -> str:
-        assert prep.new is not None and prep.plan.mode is not None
+    def _discard_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared, temp: str) -> None:
+        _unlink_quietly(parent_fd, temp)
+        self._temps.forget(ws.id, prep.parts[:-1], temp)
+
+    def _create_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared) -> tuple[str, int]:
+        """Record, then create (`O_EXCL`) a temp file in the target's directory."""
+        dirs = prep.parts[:-1]
         for _ in range(8):
             name = TEMP_PREFIX + secrets.token_hex(8)
+            if paths.lstat_at(parent_fd, name) is not None:
+                continue  # something (maybe planted) holds that name: take another
+            # Recorded first, so a crash at any later point leaves a record to clean by.
+            self._temps.record(ws.id, dirs, name)
             try:
                 fd = os.open(
                     name,
@@ -332,11 +361,18 @@ class Writer:
                     0o600,
                     dir_fd=parent_fd,
                 )
-            except FileExistsError:
-                continue  # something (maybe planted) holds that name: take another
-            break
-        else:
-            raise PathDenied(f"{prep.plan.path}: could not create a temp file")
+            except BaseException as exc:
+                # Not ours (planted since the lstat) or not made: the record must go.
+                self._temps.forget(ws.id, dirs, name)
+                if isinstance(exc, FileExistsError):
+                    continue
+                raise
+            return name, fd
+        raise PathDenied(f"{prep.plan.path}: could not create a temp file")
+
+    def _write_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared) -> str:
+        assert prep.new is not None and prep.plan.mode is not None
+        name, fd = self._create_temp(ws, parent_fd, prep)
         try:
             view = memoryview(prep.new)
             while view:
@@ -352,7 +388,7 @@ class Writer:
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(parent_fd, name)
+            self._discard_temp(ws, parent_fd, prep, name)
             raise
         os.close(fd)
         return name
@@ -389,6 +425,8 @@ class Writer:
                 os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
             os.fsync(parent_fd)
             with self._store.transaction() as db:
+                if temp is not None:
+                    self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
                 if approval is not None:
                     db.execute(
                         "UPDATE approvals SET used = ? WHERE id = ?", (time.time(), approval)
@@ -463,23 +501,24 @@ def drift_report(
         since = batch[-1].seq
     prefix = ws.root_id + ":"
     report: list[tuple[str, int, str | None, str | None, str]] = []
-    for path in sorted(last):
-        seq, digest = last[path]
-        rel = path[len(prefix) :] if path.startswith(prefix) else path
-        try:
-            parts = paths.split_relpath(rel)
-            with paths.opened_dir(ws.root_fd, parts[:-1], path) as parent:
-                current = _read_current(parent, parts[-1], path, 1 << 62).sha256
-        except NotFound:
-            current = None
-        except Exception:
-            report.append((path, seq, digest, None, "unreadable"))
-            continue
-        if current == digest:
-            status = "match"
-        elif current is None:
-            status = "missing"
-        else:
-            status = "drift"
-        report.append((path, seq, digest, current, status))
+    with ws.use():
+        for path in sorted(last):
+            seq, digest = last[path]
+            rel = path[len(prefix) :] if path.startswith(prefix) else path
+            try:
+                parts = paths.split_relpath(rel)
+                with paths.opened_dir(ws.root_fd, parts[:-1], path) as parent:
+                    current = _read_current(parent, parts[-1], path, 1 << 62).sha256
+            except NotFound:
+                current = None
+            except Exception:
+                report.append((path, seq, digest, None, "unreadable"))
+                continue
+            if current == digest:
+                status = "match"
+            elif current is None:
+                status = "missing"
+            else:
+                status = "drift"
+            report.append((path, seq, digest, current, status))
     return report

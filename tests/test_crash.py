@@ -2,7 +2,9 @@
 
 After every crash and restart: each file is entirely one version the writers sent (its
 last acknowledged one, or the one in flight when the daemon died), never a mix; no
-`.substrate-tmp-*` file survives the start-up cleaner; `journal.verify` is ok.
+`.substrate-tmp-*` file survives the start-up cleaner, even though the restart follows
+the kill at once (each temp file is recorded before it exists, so the cleaner knows it
+by its record, not by its age); `journal.verify` is ok.
 
 Rounds default to 50 (`SUBSTRATE_CRASH_ROUNDS` overrides); the seed is printed so a
 failing sequence of kill moments can be replayed (`SUBSTRATE_CRASH_SEED`).

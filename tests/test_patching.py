@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import shutil
 import subprocess
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from substrate import patching
-from substrate.errors import PatchConflict
+from substrate.errors import PatchConflict, TooLarge
 from substrate.patching import apply_edits, apply_unified_diff, unified_preview
 
 
@@ -148,6 +149,46 @@ def test_untouched_bytes_survive_including_bom_and_non_ascii() -> None:
 
 def test_no_edits_returns_content_unchanged() -> None:
     assert apply_edits(b"same\n", []) == b"same\n"
+
+
+def test_an_amplifying_edit_is_refused_before_its_result_is_built() -> None:
+    """A 100 kB file and a tiny request asking for a 100 MB result: no memory is spent on it."""
+    data = b"ab" * 50_000
+    edits = [Edit(old="b", new="bb", count=50_000), Edit(old="b", new="b" * 1000, count=100_000)]
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooLarge) as excinfo:
+            apply_edits(data, edits)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert excinfo.value.name == "too_large"
+    assert excinfo.value.data == {"limit": patching.MAX_RESULT_BYTES}
+    assert "edit 1" in excinfo.value.message
+    assert peak < 4 << 20
+
+
+@pytest.mark.parametrize(
+    ("data", "edits", "size"),
+    [
+        (b"aaaa", [Edit(old="a", new="bb", count=4)], 8),
+        (b"aaaa", [Edit(old="a", new="\u00e9", count=4)], 8),  # bytes, not characters
+        (b"aaaa-", [Edit(old="a", new="", count=4), Edit(old="-", new="x" * 8)], 8),
+        (b"aaaa-", [Edit(old="aaaa", new="\U0001f600\U0001f600")], 9),
+    ],
+)
+def test_edit_results_are_bounded_in_utf8_bytes(data: bytes, edits: list[Edit], size: int) -> None:
+    assert len(apply_edits(data, edits, max_bytes=size)) == size
+    with pytest.raises(TooLarge):
+        apply_edits(data, edits, max_bytes=size - 1)
+
+
+def test_a_growing_edit_is_refused_at_the_step_that_passes_the_bound() -> None:
+    """Every step is bounded, not only the last: a later shrinking edit does not excuse it."""
+    edits = [Edit(old="a", new="a" * 100, count=4), Edit(old="a" * 400, new="z")]
+    with pytest.raises(TooLarge) as excinfo:
+        apply_edits(b"aaaa", edits, max_bytes=100)
+    assert "edit 0" in excinfo.value.message
 
 
 # --------------------------------------------------------------------------------------
@@ -448,6 +489,14 @@ def test_hunk_past_end_of_file_is_refused() -> None:
         apply_unified_diff(b"a\n", "@@ -1,2 +1,2 @@\n a\n-b\n+c\n")
     with pytest.raises(PatchConflict, match="past the end"):
         apply_unified_diff(b"", "@@ -1,0 +1 @@\n+a\n")
+
+
+def test_a_diff_whose_result_passes_the_bound_is_refused() -> None:
+    diff = "@@ -1 +1,3 @@\n-a\n+bbbb\n+cccc\n+dddd\n"
+    assert len(apply_unified_diff(b"a\n", diff, max_bytes=15)) == 15
+    with pytest.raises(TooLarge) as excinfo:
+        apply_unified_diff(b"a\n", diff, max_bytes=14)
+    assert excinfo.value.data == {"limit": 14}
 
 
 @pytest.mark.parametrize("diff", ["", "\n", "--- a/f\n+++ b/f\n", "diff --git a/f b/f\n"])

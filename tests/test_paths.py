@@ -6,6 +6,7 @@ component-by-component `O_NOFOLLOW` walk that is the fallback.
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
 import socket
@@ -28,6 +29,31 @@ from substrate.errors import (
     Refusal,
     SymlinkRefused,
 )
+
+# --- wire_name (pure) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "text"),
+    [
+        (b"plain.txt", "plain.txt"),
+        ("caf\u00e9 \u2603.txt".encode(), "caf\u00e9 \u2603.txt"),  # UTF-8: as is
+        (b"caf\xe9.txt", "caf\\xe9.txt"),  # Latin-1
+        (b"\xff\xfe", "\\xff\\xfe"),
+        (b"d\xff/caf\xc3\xa9", "d\\xff/caf\u00e9"),  # only the bad bytes are escaped
+        (b"\xed\xa0\x80", "\\xed\\xa0\\x80"),  # an encoded surrogate is not UTF-8
+    ],
+)
+def test_wire_name(raw: bytes, text: str) -> None:
+    """Names from `os` (surrogateescape) become JSON-safe text, with the bytes when lossy."""
+    shown, b64 = paths.wire_name(os.fsdecode(raw))
+    assert shown == text
+    shown.encode("utf-8")  # always encodable
+    if raw.decode("utf-8", "replace").encode() == raw:
+        assert b64 is None
+    else:
+        assert b64 is not None and base64.b64decode(b64) == raw
+
 
 # --- split_relpath (pure) ------------------------------------------------------------------
 

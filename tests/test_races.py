@@ -37,6 +37,7 @@ from substrate.errors import Refusal
 from substrate.journal import Journal
 from substrate.schema.fs import WriteParams
 from substrate.store import Store
+from substrate.temp_files import TempFiles
 from substrate.workspaces import TEMP_PREFIX, Workspace, WorkspaceRegistry
 
 if TYPE_CHECKING:
@@ -556,8 +557,8 @@ def test_startup_cleaner_never_removes_a_live_temp_file(local: Local) -> None:
     """
     stale = local.root / f"{TEMP_PREFIX}0123456789abcdef"
     stale.write_text("left by a crash\n")
-    old = time.time() - 3600
-    os.utime(stale, (old, old))
+    # Recorded by the run that crashed (the epoch before this one).
+    TempFiles(local.store, local.registry._journal.epoch - 1).record(local.ws.id, (), stale.name)
     stop = threading.Event()
     cleaned = [0]
 

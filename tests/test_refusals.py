@@ -287,6 +287,43 @@ def test_fifo_write_refused(env: Env) -> None:
     env.refused("not_a_file", "fs.write", path="fifo", content="x", base_sha256=sha(b""))
 
 
+TEMP = ".substrate-tmp-"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(f"{TEMP}0123456789abcdef", id="top"),
+        pytest.param(f"dir/{TEMP}foo", id="nested"),
+        pytest.param(f"{TEMP}d/new.txt", id="directory"),
+    ],
+)
+def test_temp_file_names_are_reserved(env: Env, path: str) -> None:
+    """A file named like substrate's temp files could later be taken for one: never made."""
+    err = env.refused(
+        "path_denied", "fs.write", path=path, content="x", base_sha256=None, create_parents=True
+    )
+    assert err.data["reserved_prefix"] == TEMP
+
+
+def test_a_users_temp_named_file_is_neither_patched_nor_deleted(
+    env: Env, chown_tree: Callable[[Path], None]
+) -> None:
+    (env.root / f"{TEMP}foo").write_text("beta\n")
+    chown_tree(env.root)
+    base = sha("beta\n")
+    env.refused("path_denied", "fs.delete", path=f"{TEMP}foo", base_sha256=base)
+    env.refused(
+        "path_denied",
+        "fs.patch",
+        path=f"{TEMP}foo",
+        base_sha256=base,
+        edits=[{"old": "beta", "new": "x"}],
+    )
+    env.refused("path_denied", "fs.write", path=f"{TEMP}foo", content="x", base_sha256=base)
+    assert (env.root / f"{TEMP}foo").read_text() == "beta\n"
+
+
 def test_directory_as_a_file(env: Env) -> None:
     env.refused("not_a_file", "fs.read", path="adir")
     env.refused("not_a_file", "fs.write", path="adir", content="x", base_sha256=None)
@@ -384,6 +421,29 @@ def test_patch_unified_diff_conflict(env: Env) -> None:
         base_sha256=env.sha_of("dir/b.txt"),
         unified_diff=diff,
     )
+
+
+def test_patch_amplification_is_too_large(env: Env) -> None:
+    """A 100 kB file, then edits asking for 100 MB: refused before it is built, file as it was."""
+    body = "ab" * 50_000
+    env.ok("fs.write", path="amp.txt", content=body, base_sha256=None)
+    edits = [
+        {"old": "b", "new": "bb", "count": 50_000},  # many matches for the next edit...
+        {"old": "b", "new": "b" * 1000, "count": 100_000},  # ...each made 1000 times bigger
+    ]
+    err = env.refused("too_large", "fs.patch", path="amp.txt", base_sha256=sha(body), edits=edits)
+    assert err.data["limit"] == 64 * MiB
+    assert (env.root / "amp.txt").read_text() == body
+
+
+def test_unified_diff_past_the_size_bound_is_too_large(env: Env) -> None:
+    body = b"x" * (64 * MiB - 4) + b"\n"
+    (env.root / "big.txt").write_bytes(body)
+    grow = "@@ -1,0 +2,2 @@\n+0123456789\n+0123456789\n"  # 22 bytes after the last line
+    err = env.refused(
+        "too_large", "fs.patch", path="big.txt", base_sha256=sha(body), unified_diff=grow
+    )
+    assert err.data["limit"] == 64 * MiB
 
 
 def test_plan_digest_mismatch(env: Env) -> None:

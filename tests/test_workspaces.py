@@ -26,7 +26,6 @@ from substrate.journal import Journal
 from substrate.schema.workspace import Policy, Vcs
 from substrate.store import Store
 from substrate.workspaces import (
-    TEMP_PREFIX,
     WorkspaceRegistry,
     derive_root_id,
     read_vcs,
@@ -477,40 +476,3 @@ def test_grant_approval_is_stored_and_journaled(env: Env, workspace_dir: Path) -
     last = env.journal.read()[-1]
     assert last.kind == "approval.granted" and last.actor == "operator:0"
     assert last.data["approval_id"] == approval_id
-
-
-def test_clean_stale_temp_files(env: Env, workspace_dir: Path, tmp_path: Path) -> None:
-    ws = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
-    (workspace_dir / "deep" / "er").mkdir(parents=True)
-    stale = [
-        workspace_dir / f"{TEMP_PREFIX}aaaa",
-        workspace_dir / "src" / f"{TEMP_PREFIX}bbbb",
-        workspace_dir / "deep" / "er" / f"{TEMP_PREFIX}cccc",
-    ]
-    for path in stale:
-        path.write_text("half-written")
-        os.utime(path, (1_000_000_000, 1_000_000_000))  # a previous run's
-    in_flight = workspace_dir / f"{TEMP_PREFIX}ffff"
-    in_flight.write_text("a write of this run, still in flight")
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / f"{TEMP_PREFIX}dddd").write_text("not ours")
-    (workspace_dir / "link").symlink_to(outside)
-    (workspace_dir / f"{TEMP_PREFIX}link").symlink_to(outside / f"{TEMP_PREFIX}dddd")
-    (workspace_dir / ".git").mkdir()
-    (workspace_dir / ".git" / f"{TEMP_PREFIX}eeee").write_text("git's business")
-    (workspace_dir / "keep.substrate-tmp-x").write_text("not the prefix")
-    for kept in [outside / f"{TEMP_PREFIX}dddd", workspace_dir / ".git" / f"{TEMP_PREFIX}eeee"]:
-        os.utime(kept, (1_000_000_000, 1_000_000_000))
-    assert env.registry.clean_stale_temp_files() == 3
-    assert not any(p.exists() for p in stale)
-    assert in_flight.exists()
-    assert (outside / f"{TEMP_PREFIX}dddd").exists()
-    assert (workspace_dir / f"{TEMP_PREFIX}link").is_symlink()
-    assert (workspace_dir / ".git" / f"{TEMP_PREFIX}eeee").exists()
-    assert (workspace_dir / "keep.substrate-tmp-x").exists()
-    entry = env.journal.read()[-1]
-    assert entry.kind == "workspace.temp_cleaned" and entry.data == {"files": 3}
-    assert env.registry.clean_stale_temp_files() == 0
-    assert env.journal.read()[-1] == entry  # nothing cleaned: nothing journaled
-    assert env.registry.get(ws.id)

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from substrate.errors import (
     Refusal,
     StaleBase,
     SymlinkRefused,
+    UnknownWorkspace,
 )
 from substrate.journal import Journal
 from substrate.schema.fs import DeleteParams, Edit, PatchParams, Plan, WriteParams
@@ -557,6 +559,43 @@ def test_refusals_journal_nothing(env: Env) -> None:
         with pytest.raises(Refusal):
             attempt()
     assert env.journal.read(limit=1000) == before
+    assert temp_files(env.root) == []
+
+
+# --- release while a write is in flight --------------------------------------------------------
+
+
+def test_release_waits_for_a_write_in_flight_which_lands_and_is_journaled_first(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written, go = threading.Event(), threading.Event()
+    real_commit = Writer._commit
+
+    def paused_commit(self: Writer, *args: Any) -> None:
+        written.set()  # the temp file is written; the rename is next
+        assert go.wait(30)
+        real_commit(self, *args)
+
+    monkeypatch.setattr(Writer, "_commit", paused_commit)
+    base = env.sha("README.md")
+    plans: list[Plan] = []
+    writer = threading.Thread(target=lambda: plans.append(env.write("README.md", "new\n", base)))
+    writer.start()
+    assert written.wait(30)
+    releaser = threading.Thread(target=env.registry.release, args=(env.ws.id, "operator:0"))
+    releaser.start()
+    while True:  # the release has begun once new operations are refused
+        try:
+            env.write("other.txt", "x", None, dry_run=True)
+        except UnknownWorkspace:
+            break
+    assert releaser.is_alive()  # waiting for the write, the root fd still open
+    go.set()
+    writer.join(30)
+    releaser.join(30)
+    assert plans[0].applied and (env.root / "README.md").read_text() == "new\n"
+    kinds = [e.kind for e in env.journal.read(limit=1000)]
+    assert kinds[-2:] == ["fs.write", "workspace.released"]
     assert temp_files(env.root) == []
 
 

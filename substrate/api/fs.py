@@ -2,6 +2,11 @@
 
 Writes run in threads that are never abandoned (trio's default), so a cancelled request
 or a daemon shutting down still lets a started write finish and journal itself.
+
+Reads share `fs_limiter` and stay bounded there: a file digest is computed inline only up
+to `inline_hash_bytes`. A bigger one is computed only on request (`hash: true`), on
+`hash_limiter`'s own few threads, so long hashes never hold the threads small reads need;
+such a hash only reads, so a cancelled request abandons it (it finishes and is cached).
 """
 
 from __future__ import annotations
@@ -36,13 +41,41 @@ if TYPE_CHECKING:
 @handles("fs.stat")
 async def stat(daemon: Daemon, caller: Caller, p: StatParams) -> StatResult:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(reads.stat_path, ws, p, limiter=daemon.fs_limiter)
+    inline = daemon.config.inline_hash_bytes
+    result = await trio.to_thread.run_sync(
+        reads.stat_path, ws, p, daemon.digests, inline, limiter=daemon.fs_limiter
+    )
+    if result.sha256_deferred and p.hash:
+        result = await trio.to_thread.run_sync(
+            reads.stat_path,
+            ws,
+            p,
+            daemon.digests,
+            None,
+            limiter=daemon.hash_limiter,
+            abandon_on_cancel=True,
+        )
+    return result
 
 
 @handles("fs.read")
 async def read(daemon: Daemon, caller: Caller, p: ReadParams) -> ReadResult:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(reads.read_file, ws, p, limiter=daemon.fs_limiter)
+    inline = daemon.config.inline_hash_bytes
+    result = await trio.to_thread.run_sync(
+        reads.read_file, ws, p, daemon.digests, inline, limiter=daemon.fs_limiter
+    )
+    if result.sha256_deferred and p.hash:
+        result = await trio.to_thread.run_sync(
+            reads.read_file,
+            ws,
+            p,
+            daemon.digests,
+            None,
+            limiter=daemon.hash_limiter,
+            abandon_on_cancel=True,
+        )
+    return result
 
 
 @handles("fs.list")

@@ -24,6 +24,9 @@ Kind = Literal["file", "dir", "symlink", "other"]
 class StatParams(Params):
     workspace: WorkspaceId
     path: RelPath
+    # Hash a file over `inline_hash_bytes` too (a pass over the whole file, off the reader
+    # threads); without it such a file's digest is deferred unless already known.
+    hash: bool = False
 
 
 class StatResult(Result):
@@ -33,6 +36,9 @@ class StatResult(Result):
     mode: int
     mtime_ns: int
     sha256: str | None = None
+    # True when a file's sha256 is left out because it is over `inline_hash_bytes` and
+    # not known yet: ask again with `hash: true`.
+    sha256_deferred: bool = False
 
 
 class ReadParams(Params):
@@ -41,16 +47,20 @@ class ReadParams(Params):
     offset: NonNegative = 0
     # Bounded in `reads` (too_large), not here, so the refusal is the named one.
     length: NonNegative = 262144
+    # As `StatParams.hash`: the whole file's digest even over `inline_hash_bytes`.
+    hash: bool = False
 
 
 class ReadResult(Result):
     path: str
     size: int
-    sha256: str
+    # The whole file's digest, or null with `sha256_deferred` (see `StatResult`).
+    sha256: str | None
     offset: int
     eof: bool
     encoding: Literal["utf-8", "base64"]
     data: str
+    sha256_deferred: bool = False
 
 
 class ListParams(Params):
@@ -59,10 +69,13 @@ class ListParams(Params):
     limit: Annotated[int, msgspec.Meta(ge=1, le=100000)] = 1000
 
 
-class ListEntry(msgspec.Struct, frozen=True, kw_only=True):
+class ListEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    # A name that is not UTF-8 has its other bytes written `\xNN` here, and its exact
+    # bytes in `name_b64` (absent for UTF-8 names).
     name: str
     kind: Kind
     size: int
+    name_b64: str | None = None
 
 
 class ListResult(Result):
@@ -78,10 +91,11 @@ class WalkParams(Params):
     include_git: bool = False
 
 
-class WalkEntry(msgspec.Struct, frozen=True, kw_only=True):
-    path: str
+class WalkEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    path: str  # escaped as `ListEntry.name` when not UTF-8, with the bytes in `path_b64`
     kind: Kind
     size: int
+    path_b64: str | None = None
 
 
 class WalkResult(Result):
@@ -100,11 +114,12 @@ class SearchParams(Params):
     max_line_bytes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 512
 
 
-class SearchMatch(msgspec.Struct, frozen=True, kw_only=True):
-    path: str
+class SearchMatch(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    path: str  # escaped as `ListEntry.name` when not UTF-8, with the bytes in `path_b64`
     line: int
     column: int
     text: str
+    path_b64: str | None = None
 
 
 class SearchResult(Result):
