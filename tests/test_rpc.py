@@ -263,7 +263,7 @@ def test_reply_result() -> None:
 
 def test_reply_result_encodes_structs() -> None:
     line = rpc.reply_result("x", StatParams(workspace="w", path="p"))
-    assert msgspec.json.decode(line)["result"] == {"workspace": "w", "path": "p"}
+    assert msgspec.json.decode(line)["result"] == {"workspace": "w", "path": "p", "hash": False}
 
 
 def test_reply_error_without_and_with_data() -> None:
