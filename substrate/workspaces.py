@@ -311,9 +311,9 @@ class WorkspaceRegistry:
             with self._lock:
                 for ws in self._by_id.values():
                     if ws.dev_ino == (st.st_dev, st.st_ino):
-                        os.close(root_fd)
                         if policy is not None:
                             self._add_policy(ws, policy, actor)
+                        os.close(root_fd)
                         return ws
                 taken = {ws.root_id for ws in self._by_id.values()}
                 if root_id is not None and root_id in taken:
