@@ -9,12 +9,17 @@ checkout's `.git` as a workspace and write its hooks; adopt a `read_deny` subdir
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import substrate
 from substrate.client import Client, RpcError
 from substrate.config import ConfigError, load_config
 from substrate.errors import all_refusals
@@ -181,3 +186,22 @@ def test_config_policy_section(tmp_path: Path) -> None:
     path.write_text('[policy]\nread_only = ["x"]\n')
     with pytest.raises(ConfigError, match="read_only"):
         load_config(path, {})
+
+
+def test_cli_policy_set(daemon: DaemonProcess) -> None:
+    root = daemon.make_workspace("proj", {"id.key": "k\n"})
+    ws = daemon.adopt(root, policy=LOCKED)
+    argv = [sys.executable, "-m", "substrate", "--state-dir", str(daemon.state_dir), "policy"]
+    env = {**os.environ, "PYTHONPATH": str(Path(substrate.__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [*argv, "set", "--workspace", ws, "--read-deny", "*.key"],
+        capture_output=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["policy"]["read_deny"] == ["*.key"]
+    with daemon.client() as c:
+        assert c.call("workspace.info", workspace=ws)["policy"]["write_deny"] == [".git/**"]
+        assert refusal(c, "fs.read", workspace=ws, path="id.key").refusal == "path_denied"
