@@ -369,6 +369,18 @@ def reroot(policy: Policy, prefix: Sequence[str]) -> Policy:
     return Policy(write_allow=write_allow, **lists)
 
 
+def beyond(policy: Policy, cover: Policy) -> Policy:
+    """`policy` without the unanchored deny globs `cover` holds too. For the rules of a
+    nested checkout seen from an enclosing one whose own policy is `cover`: there an
+    unanchored glob already matches its names at every depth, nested checkout included,
+    so `prefixed` would only add a longer copy of it."""
+    lists: dict[str, list[str]] = {}
+    for name in DENY_LISTS:
+        mine = {canonical_glob(g) for g in getattr(cover, name) if not _parse(g)[0]}
+        lists[name] = [g for g in getattr(policy, name) if canonical_glob(g) not in mine]
+    return Policy(write_allow=list(policy.write_allow), **lists)
+
+
 def _literal(name: str) -> str:
     """A directory name as a glob component matching exactly it. A backslash cannot be
     escaped (globs refuse it): it becomes `?`, which matches it and more — used only in

@@ -7,15 +7,17 @@ re-adopt after a restart and to bind-mount into sandboxes, and never leaves the 
 
 VCS state is read from `.git/HEAD` and refs as plain files: git itself is never run on a
 workspace, so no hook, fsmonitor, filter or diff driver the checkout configures can run.
+
+A workspace's policy is its checkout's, remembered across release and restarts, with the
+rules of the checkouts nested in it or enclosing it (`substrate.checkouts`); it is
+recomputed for every adopted workspace a change reaches.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import secrets
-import sqlite3
 import stat
 import threading
 import time
@@ -25,6 +27,7 @@ from pathlib import Path
 import msgspec
 
 from substrate import paths
+from substrate.checkouts import NOTHING, CheckoutPolicies, checkout_key, glob_count, nested, summary
 from substrate.config import Config
 from substrate.errors import (
     AlreadyExists,
@@ -32,23 +35,11 @@ from substrate.errors import (
     NotADirectory,
     PathDenied,
     PathInvalid,
-    PolicyLocked,
     Refusal,
     UnknownWorkspace,
 )
 from substrate.journal import Journal
-from substrate.policy import (
-    DENY_LISTS,
-    GIT_NAME,
-    CompiledPolicy,
-    additions,
-    compile_policy,
-    loosening,
-    merge,
-    prefixed,
-    reroot,
-    subtract,
-)
+from substrate.policy import DENY_LISTS, GIT_NAME, CompiledPolicy, compile_policy, merge, subtract
 from substrate.schema.workspace import MAX_GLOBS, Policy, Vcs, WorkspaceInfo
 from substrate.store import Store
 
@@ -60,16 +51,6 @@ CREATE TABLE IF NOT EXISTS workspaces (
     policy TEXT NOT NULL,
     adopted REAL NOT NULL
 );
--- The policy of each checkout ever adopted (SPEC §2), kept across release and restarts:
--- what the operator set and agents added, beside the operator's default. `checkout` is
--- "st_dev:st_ino" of its root; `path` its resolved host path, to find nested checkouts.
-CREATE TABLE IF NOT EXISTS checkout_policies (
-    checkout TEXT PRIMARY KEY,
-    path TEXT NOT NULL,
-    policy TEXT NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS checkout_policies_path ON checkout_policies(path);
 CREATE TABLE IF NOT EXISTS approvals (
     id TEXT PRIMARY KEY,
     workspace TEXT NOT NULL,
@@ -191,27 +172,6 @@ def _is_git_dir(dir_fd: int) -> bool:
     return True
 
 
-def _checkout_key(dev_ino: tuple[int, int]) -> str:
-    """A checkout's identity (text: st_ino may not fit SQLite's signed 64 bits)."""
-    return f"{dev_ino[0]}:{dev_ino[1]}"
-
-
-def _nested(inner: str, outer: str) -> bool:
-    return inner.startswith(outer.rstrip("/") + "/")
-
-
-def _glob_count(policy: Policy) -> int:
-    return sum(len(getattr(policy, name)) for name in ("write_allow", *DENY_LISTS))
-
-
-def _policy_summary(policy: Policy) -> dict[str, object]:
-    """Journal data of a policy change: how many globs per list and a digest of them."""
-    return {
-        "globs": {name: len(getattr(policy, name)) for name in ("write_allow", *DENY_LISTS)},
-        "policy_sha256": hashlib.sha256(msgspec.json.encode(policy)).hexdigest(),
-    }
-
-
 class WorkspaceRegistry:
     """Adopted workspaces, persisted in the store, each holding its root dir fd."""
 
@@ -226,6 +186,7 @@ class WorkspaceRegistry:
         # Less 50 ms: file times come from a coarse clock that lags time.time() by a tick.
         self._started = time.time() - 0.05
         store.ensure_schema(SCHEMA)
+        self._checkouts = CheckoutPolicies(store, config.policy)
         self._reload()
 
     # -- adoption ------------------------------------------------------------------------
@@ -321,12 +282,12 @@ class WorkspaceRegistry:
                 chosen = root_id or self._free_root_id(
                     derive_root_id(os.path.basename(os.path.normpath(path))), taken
                 )
-                key = _checkout_key((st.st_dev, st.st_ino))
-                record = self._record(key, checkout_path)
-                added = Policy(write_deny=[])
+                key = checkout_key((st.st_dev, st.st_ino))
+                own = self._checkouts.own(key, checkout_path)
+                added = NOTHING
                 if policy is not None:
-                    added = self._additions(record, policy)
-                    record = merge(record, added)
+                    added = self._checkouts.additions(own, policy)
+                    own = merge(own, added)
                 ws = Workspace(
                     id="ws_" + secrets.token_hex(8),
                     root_id=chosen,
@@ -340,7 +301,7 @@ class WorkspaceRegistry:
                     checkout_path=checkout_path,
                 )
                 with self._store.transaction() as db:
-                    self._save_record(db, key, checkout_path, record)
+                    self._checkouts.save(db, key, checkout_path, own)
                     policies = self._recompute([ws, *self._related_live(checkout_path)])
                     db.execute(
                         "INSERT INTO workspaces(id, root_id, path, policy, adopted)"
@@ -361,11 +322,11 @@ class WorkspaceRegistry:
                         workspace=ws.id,
                         actor=actor,
                     )
-                    if _glob_count(added):
+                    if glob_count(added):
                         self._journal.append_in(
                             db,
                             "workspace.policy_added",
-                            {"root_id": ws.root_id, **_policy_summary(added)},
+                            {"root_id": ws.root_id, **summary(added)},
                             workspace=ws.id,
                             actor=actor,
                         )
@@ -405,14 +366,12 @@ class WorkspaceRegistry:
                     db.execute("DELETE FROM workspaces WHERE id = ?", (row["id"],))
                 continue
             st = os.fstat(root_fd)
-            key = _checkout_key((st.st_dev, st.st_ino))
-            if not self._store.query(
-                "SELECT 1 FROM checkout_policies WHERE checkout = ? OR path = ?",
-                (key, checkout_path),
-            ):
+            key = checkout_key((st.st_dev, st.st_ino))
+            if not self._checkouts.known(key, checkout_path):
                 stored = msgspec.json.decode(row["policy"], type=Policy)
                 with self._store.transaction() as db:
-                    self._save_record(db, key, checkout_path, subtract(stored, self._config.policy))
+                    own = subtract(stored, self._config.policy)
+                    self._checkouts.save(db, key, checkout_path, own)
             self._by_id[row["id"]] = Workspace(
                 id=row["id"],
                 root_id=row["root_id"],
@@ -441,15 +400,14 @@ class WorkspaceRegistry:
         compile_policy(policy)
         with self._lock:
             ws = self.get(workspace)
-            key = _checkout_key(ws.dev_ino)
-            record = subtract(policy, Policy(write_deny=[]))
+            own = subtract(policy, NOTHING)
             with self._store.transaction() as db:
-                self._save_record(db, key, ws.checkout_path, record)
+                self._checkouts.save(db, checkout_key(ws.dev_ino), ws.checkout_path, own)
                 policies = self._recompute([ws, *self._related_live(ws.checkout_path)])
                 self._journal.append_in(
                     db,
                     "workspace.policy_set",
-                    {"root_id": ws.root_id, **_policy_summary(record)},
+                    {"root_id": ws.root_id, **summary(own)},
                     workspace=ws.id,
                     actor=actor,
                 )
@@ -458,98 +416,30 @@ class WorkspaceRegistry:
 
     def _add_policy(self, ws: Workspace, policy: Policy, actor: str) -> None:
         """An agent's policy for an adopted checkout: add what it adds (caller holds the lock)."""
-        key = _checkout_key(ws.dev_ino)
-        record = self._record(key, ws.checkout_path)
-        added = self._additions(record, policy)
-        if not _glob_count(added):
+        key = checkout_key(ws.dev_ino)
+        own = self._checkouts.own(key, ws.checkout_path)
+        added = self._checkouts.additions(own, policy)
+        if not glob_count(added):
             return
         with self._store.transaction() as db:
-            self._save_record(db, key, ws.checkout_path, merge(record, added))
+            self._checkouts.save(db, key, ws.checkout_path, merge(own, added))
             policies = self._recompute([ws, *self._related_live(ws.checkout_path)])
             self._journal.append_in(
                 db,
                 "workspace.policy_added",
-                {"root_id": ws.root_id, **_policy_summary(added)},
+                {"root_id": ws.root_id, **summary(added)},
                 workspace=ws.id,
                 actor=actor,
             )
         self._apply(policies, None)
-
-    def _additions(self, record: Policy, asked: Policy) -> Policy:
-        """What `asked` adds to the checkout's policy (`merge(default, record)`).
-
-        Refuses `policy_locked` when it would loosen it: a missing deny glob, a wider
-        allow list. Globs the default holds are not remembered as the checkout's, so
-        an operator who loosens the default loosens it for every checkout.
-        """
-        default = self._config.policy
-        current = merge(default, record)
-        dropped, widened = loosening(asked, current)
-        if dropped or widened:
-            raise PolicyLocked(
-                "the checkout's policy is the operator's: an agent may only add "
-                "restrictions (see workspace.info for the current policy)",
-                dropped=dropped,
-                added={"write_allow": widened} if widened else {},
-            )
-        return additions(asked, current)
-
-    def _record(self, key: str, checkout_path: str) -> Policy:
-        """The remembered policy of a checkout: by its identity, or by its path when the
-        directory there was replaced (stricter than forgetting it)."""
-        rows = self._store.query(
-            "SELECT policy FROM checkout_policies WHERE checkout = ? OR path = ?",
-            (key, checkout_path),
-        )
-        return merge(*(msgspec.json.decode(r["policy"], type=Policy) for r in rows))
-
-    def _save_record(
-        self, db: sqlite3.Connection, key: str, checkout_path: str, policy: Policy
-    ) -> None:
-        # Another identity's record at this path was merged into this one by `_record`.
-        db.execute(
-            "DELETE FROM checkout_policies WHERE path = ? AND checkout != ?", (checkout_path, key)
-        )
-        db.execute(
-            "INSERT INTO checkout_policies(checkout, path, policy, updated) VALUES (?, ?, ?, ?)"
-            " ON CONFLICT(checkout) DO UPDATE SET path = excluded.path,"
-            " policy = excluded.policy, updated = excluded.updated",
-            (key, checkout_path, msgspec.json.encode(policy).decode(), round(time.time(), 6)),
-        )
 
     def _related_live(self, checkout_path: str) -> list[Workspace]:
         """Adopted workspaces nested in or enclosing `checkout_path` (not at it)."""
         return [
             ws
             for ws in self._by_id.values()
-            if _nested(ws.checkout_path, checkout_path) or _nested(checkout_path, ws.checkout_path)
+            if nested(ws.checkout_path, checkout_path) or nested(checkout_path, ws.checkout_path)
         ]
-
-    def _effective(self, ws: Workspace) -> Policy:
-        """The checkout's policy plus the rules of every remembered checkout nested in it
-        (prefixed) or enclosing it (re-rooted). Reads the store (inside a transaction,
-        its uncommitted rows)."""
-        default = self._config.policy
-        key = _checkout_key(ws.dev_ino)
-        here = ws.checkout_path
-        parts = [merge(default, self._record(key, here))]
-        ancestors = [here[:i] for i in range(1, len(here)) if here[i] == "/"]
-        marks = ", ".join("?" * len(ancestors))
-        rows = self._store.query(
-            "SELECT checkout, path, policy FROM checkout_policies"
-            f" WHERE path IN ({marks}) OR (path > ? AND path < ?)",
-            (*ancestors, here + "/", here + "0"),
-        )
-        for row in rows:
-            there = row["path"]
-            if row["checkout"] == key or there == here:
-                continue
-            own = merge(default, msgspec.json.decode(row["policy"], type=Policy))
-            if _nested(here, there):
-                parts.append(reroot(own, here[len(there) + 1 :].split("/")))
-            elif _nested(there, here):
-                parts.append(prefixed(own, there[len(here) + 1 :].split("/")))
-        return merge(*parts)
 
     def _recompute(
         self, spaces: list[Workspace], *, capped: bool = True
@@ -558,7 +448,8 @@ class WorkspaceRegistry:
         more than MAX_GLOBS globs in a list (checked before anything is applied)."""
         out: dict[str, CompiledPolicy] = {}
         for ws in spaces:
-            compiled = compile_policy(self._effective(ws))
+            effective = self._checkouts.effective(checkout_key(ws.dev_ino), ws.checkout_path)
+            compiled = compile_policy(effective)
             for name in ("write_allow", *DENY_LISTS):
                 if capped and len(getattr(compiled.policy, name)) > MAX_GLOBS:
                     raise LimitExceeded(

@@ -10,6 +10,7 @@ from substrate.policy import (
     GIT_DENY,
     GlobSet,
     additions,
+    beyond,
     canonical_glob,
     compile_glob,
     compile_policy,
@@ -427,3 +428,11 @@ def test_prefixed_escapes_names_and_closes_allow_lists() -> None:
     # An allow list is not a glob list in the enclosing checkout: the whole subdir is shut.
     assert deny.matches("a*b/[x]/!bang/q?/src/x.py")
     assert out.write_allow == []
+
+
+def test_beyond_drops_what_an_unanchored_glob_already_covers() -> None:
+    nested = Policy(write_deny=["*.lock", "/gen"], read_deny=["*.pem", "/x"], write_allow=["a"])
+    cover = Policy(write_deny=["/*.lock", "gen"], read_deny=["*.pem"])
+    assert beyond(nested, cover) == Policy(
+        write_deny=["*.lock", "/gen"], read_deny=["/x"], write_allow=["a"]
+    )
