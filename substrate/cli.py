@@ -182,6 +182,20 @@ def cmd_approve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_policy(args: argparse.Namespace) -> int:
+    """`substrate policy set`: the operator's policy of one checkout (replaces the last)."""
+    policy = {
+        "write_allow": args.write_allow,
+        "write_deny": args.write_deny,
+        "read_deny": args.read_deny,
+        "require_approval": args.require_approval,
+    }
+    with _client(args, operator=True) as c:
+        ws = _workspace(c, args.workspace)
+        _print_json(c.call("workspace.set_policy", workspace=ws, policy=policy))
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------
 
 
@@ -250,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workspace", help=ws_help)
     p.add_argument("--ttl", type=float, default=600.0)
     p.set_defaults(func=cmd_approve)
+
+    p = sub.add_parser("policy", help="operator: set the policy of a checkout")
+    psub = p.add_subparsers(dest="policy_cmd", required=True)
+    ps = psub.add_parser("set", help="replace the checkout's policy (the default still applies)")
+    ps.add_argument("--workspace", help=ws_help)
+    for flag in ("--write-allow", "--write-deny", "--read-deny", "--require-approval"):
+        ps.add_argument(flag, action="append", default=[], metavar="GLOB")
+    p.set_defaults(func=cmd_policy)
 
     p = sub.add_parser("journal", help="read, verify or replay the journal")
     jsub = p.add_subparsers(dest="journal_cmd", required=True)

@@ -13,6 +13,10 @@ from typing import Any
 
 import msgspec
 
+from substrate.errors import Refusal
+from substrate.policy import compile_policy
+from substrate.schema.workspace import Policy
+
 #: Where the shipped profiles and seccomp policies live (a checkout or an sdist).
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,6 +58,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     max_processes: int = 64  # running processes per daemon
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
+    # `[policy]`: the operator's default policy of every checkout (SPEC §2); agents add to it.
+    policy: Policy = msgspec.field(default_factory=Policy)
 
     def state_path(self) -> Path:
         return Path(self.state_dir).absolute()
@@ -82,4 +88,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         raise ConfigError("max_request_bytes: must be at least 1024")
     if config.inline_hash_bytes < 0:
         raise ConfigError("inline_hash_bytes: must not be negative")
+    try:
+        compile_policy(config.policy)
+    except Refusal as exc:
+        raise ConfigError(f"{path or 'flags'}: [policy]: {exc.message}") from exc
     return config

@@ -83,6 +83,13 @@ class PathDenied(Refusal):
     name = "path_denied"
 
 
+class PolicyLocked(Refusal):
+    """An agent's policy would loosen the checkout's: drop a deny glob or widen the allow
+    list (`data.dropped`, `data.added`). Only the operator loosens (`workspace.set_policy`)."""
+
+    name = "policy_locked"
+
+
 class NotFound(Refusal):
     """The path does not exist."""
 

@@ -7,6 +7,10 @@ re-adopt after a restart and to bind-mount into sandboxes, and never leaves the 
 
 VCS state is read from `.git/HEAD` and refs as plain files: git itself is never run on a
 workspace, so no hook, fsmonitor, filter or diff driver the checkout configures can run.
+
+A workspace's policy is its checkout's, remembered across release and restarts, with the
+rules of the checkouts nested in it or enclosing it (`substrate.checkouts`); it is
+recomputed for every adopted workspace a change reaches.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from pathlib import Path
 import msgspec
 
 from substrate import paths
+from substrate.checkouts import NOTHING, CheckoutPolicies, checkout_key, glob_count, nested, summary
 from substrate.config import Config
 from substrate.errors import (
     AlreadyExists,
+    LimitExceeded,
     NotADirectory,
     PathDenied,
     PathInvalid,
@@ -33,8 +39,8 @@ from substrate.errors import (
     UnknownWorkspace,
 )
 from substrate.journal import Journal
-from substrate.policy import CompiledPolicy, compile_policy
-from substrate.schema.workspace import Policy, Vcs, WorkspaceInfo
+from substrate.policy import DENY_LISTS, GIT_NAME, CompiledPolicy, compile_policy, merge, subtract
+from substrate.schema.workspace import MAX_GLOBS, Policy, Vcs, WorkspaceInfo
 from substrate.store import Store
 from substrate.temp_files import TEMP_PREFIX as TEMP_PREFIX
 from substrate.temp_files import TempFiles, remove_recorded
@@ -126,6 +132,8 @@ class Workspace:
     owner_gid: int
     adopted: float
     dev_ino: tuple[int, int]
+    #: The root's resolved host path (internal): how nested checkouts are found.
+    checkout_path: str
     #: Serialises the check-then-rename of guarded writes in this workspace.
     commit_lock: threading.Lock = field(default_factory=threading.Lock)
     #: Who is using `root_fd` now; reads and writes hold it (`use`) while they do.
@@ -208,6 +216,23 @@ def _resolve_ref(git_fd: int, ref: str) -> str | None:
     return None
 
 
+def _is_git_dir(dir_fd: int) -> bool:
+    """True for a git directory by content, as git itself decides: a HEAD naming a ref or
+    a commit, and `objects` and `refs` directories (a bare repository, a `.git`, a
+    submodule's git dir under another name)."""
+    head = _read_small(dir_fd, "HEAD", 256)
+    if head is None:
+        return False
+    text = head.decode("utf-8", "replace").strip()
+    if not (text.startswith("ref:") or _SHA_RE.match(text)):
+        return False
+    for name in ("objects", "refs"):
+        st = paths.lstat_at(dir_fd, name)
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            return False
+    return True
+
+
 class WorkspaceRegistry:
     """Adopted workspaces, persisted in the store, each holding its root dir fd."""
 
@@ -219,11 +244,21 @@ class WorkspaceRegistry:
         self._lock = threading.Lock()
         self._by_id: dict[str, Workspace] = {}
         store.ensure_schema(SCHEMA)
+        self._checkouts = CheckoutPolicies(store, config.policy)
         self._reload()
 
     # -- adoption ------------------------------------------------------------------------
 
-    def _open_under_adopt_root(self, path: str) -> int:
+    def _open_under_adopt_root(self, path: str) -> tuple[int, str]:
+        """Open `path` beneath its adopt root: (dir fd, its checkout path).
+
+        The checkout path is the adopt root resolved (operator configuration, trusted)
+        plus the components walked: one spelling per directory, used to find the
+        checkouts nested in or enclosing another. Refuses `path_denied` for a `.git`
+        directory or anything inside one, and for a git directory by content (a bare
+        repository, a submodule's or worktree's git dir): adopting one would let guarded
+        writes reach hooks and config that git runs.
+        """
         if "\x00" in path or not path.startswith("/"):
             raise PathInvalid("workspace path must be an absolute host path")
         norm = os.path.normpath(path)
@@ -235,15 +270,28 @@ class WorkspaceRegistry:
                 rel = tuple(norm[len(root_norm.rstrip("/")) + 1 :].split("/"))
             else:
                 continue
+            if GIT_NAME in norm.split("/"):
+                raise PathDenied("a .git directory, or anything inside one, is never a workspace")
             try:
                 # The adopt root itself is operator configuration: trusted to resolve.
                 root_fd = os.open(root_norm, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as exc:
                 raise paths.refusal_for(exc, "adopt root") from None
+            fd = root_fd
             try:
-                return paths.open_dir(root_fd, rel, "workspace path")
-            finally:
-                os.close(root_fd)
+                for name in rel:
+                    nxt = paths.open_dir(fd, (name,), "workspace path")
+                    os.close(fd)
+                    fd = nxt
+                    if _is_git_dir(fd):
+                        raise PathDenied(
+                            "a git directory, or anything inside one, is never a workspace"
+                        )
+            except BaseException:
+                os.close(fd)
+                raise
+            real_root = os.path.realpath(root_norm)
+            return fd, "/".join([real_root.rstrip("/"), *rel]) if rel else real_root
         raise PathDenied("path is not under any configured adopt root")
 
     def _check_state_dir_outside(self, root_fd: int) -> None:
@@ -260,12 +308,20 @@ class WorkspaceRegistry:
     def adopt(self, path: str, root_id: str | None, policy: Policy | None, actor: str) -> Workspace:
         """Adopt `path` (or return the workspace that already holds it).
 
-        Refuses: `path_invalid`, `path_denied` (outside adopt roots, or containing the
-        state dir), `symlink_refused`, `not_found`, `not_a_directory`, `already_exists`
-        (root_id taken by another workspace), `invalid_params` (bad policy glob).
+        The workspace's policy is the checkout's (the operator's default, what the
+        operator set for it and what agents added, remembered across release and
+        restarts) plus the rules of every checkout nested in it or enclosing it. A given
+        `policy` may only add to the checkout's; it is remembered with it.
+
+        Refuses: `path_invalid`, `path_denied` (outside adopt roots, containing the state
+        dir, a `.git` or git directory or inside one), `symlink_refused`, `not_found`,
+        `not_a_directory`, `already_exists` (root_id taken by another workspace),
+        `invalid_params` (bad policy glob), `policy_locked` (the policy would loosen the
+        checkout's), `limit_exceeded` (too many globs in an effective policy).
         """
-        compiled = compile_policy(policy)
-        root_fd = self._open_under_adopt_root(path)
+        if policy is not None:
+            compile_policy(policy)
+        root_fd, checkout_path = self._open_under_adopt_root(path)
         try:
             st = os.fstat(root_fd)
             if not stat.S_ISDIR(st.st_mode):
@@ -274,6 +330,8 @@ class WorkspaceRegistry:
             with self._lock:
                 for ws in self._by_id.values():
                     if ws.dev_ino == (st.st_dev, st.st_ino):
+                        if policy is not None:
+                            self._add_policy(ws, policy, actor)
                         os.close(root_fd)
                         return ws
                 taken = {ws.root_id for ws in self._by_id.values()}
@@ -282,18 +340,27 @@ class WorkspaceRegistry:
                 chosen = root_id or self._free_root_id(
                     derive_root_id(os.path.basename(os.path.normpath(path))), taken
                 )
+                key = checkout_key((st.st_dev, st.st_ino))
+                own = self._checkouts.own(key, checkout_path)
+                added = NOTHING
+                if policy is not None:
+                    added = self._checkouts.additions(own, policy)
+                    own = merge(own, added)
                 ws = Workspace(
                     id="ws_" + secrets.token_hex(8),
                     root_id=chosen,
                     host_path=os.path.normpath(path),
                     root_fd=root_fd,
-                    policy=compiled,
+                    policy=compile_policy(None),
                     owner_uid=st.st_uid,
                     owner_gid=st.st_gid,
                     adopted=round(time.time(), 6),
                     dev_ino=(st.st_dev, st.st_ino),
+                    checkout_path=checkout_path,
                 )
                 with self._store.transaction() as db:
+                    self._checkouts.save(db, key, checkout_path, own)
+                    policies = self._recompute([ws, *self._related_live(checkout_path)])
                     db.execute(
                         "INSERT INTO workspaces(id, root_id, path, policy, adopted)"
                         " VALUES (?, ?, ?, ?, ?)",
@@ -301,7 +368,7 @@ class WorkspaceRegistry:
                             ws.id,
                             ws.root_id,
                             ws.host_path,
-                            msgspec.json.encode(compiled.policy).decode(),
+                            msgspec.json.encode(policies[ws.id].policy).decode(),
                             ws.adopted,
                         ),
                     )
@@ -313,6 +380,15 @@ class WorkspaceRegistry:
                         workspace=ws.id,
                         actor=actor,
                     )
+                    if glob_count(added):
+                        self._journal.append_in(
+                            db,
+                            "workspace.policy_added",
+                            {"root_id": ws.root_id, **summary(added)},
+                            workspace=ws.id,
+                            actor=actor,
+                        )
+                self._apply(policies, ws)
                 self._by_id[ws.id] = ws
                 return ws
         except BaseException:
@@ -330,10 +406,14 @@ class WorkspaceRegistry:
         return f"{base[:60]}-{n}"
 
     def _reload(self) -> None:
-        """Re-adopt persisted workspaces at start; one that cannot be reopened is dropped."""
+        """Re-adopt persisted workspaces at start; one that cannot be reopened is dropped.
+
+        A workspace persisted before checkouts had remembered policies gets its stored
+        policy remembered as its checkout's, so an upgrade loosens nothing.
+        """
         for row in self._store.query("SELECT * FROM workspaces ORDER BY adopted"):
             try:
-                root_fd = self._open_under_adopt_root(row["path"])
+                root_fd, checkout_path = self._open_under_adopt_root(row["path"])
             except Refusal as refusal:
                 self._journal.append(
                     "workspace.unavailable",
@@ -344,18 +424,104 @@ class WorkspaceRegistry:
                     db.execute("DELETE FROM workspaces WHERE id = ?", (row["id"],))
                 continue
             st = os.fstat(root_fd)
-            policy = msgspec.json.decode(row["policy"], type=Policy)
+            key = checkout_key((st.st_dev, st.st_ino))
+            if not self._checkouts.known(key, checkout_path):
+                stored = msgspec.json.decode(row["policy"], type=Policy)
+                with self._store.transaction() as db:
+                    own = subtract(stored, self._config.policy)
+                    self._checkouts.save(db, key, checkout_path, own)
             self._by_id[row["id"]] = Workspace(
                 id=row["id"],
                 root_id=row["root_id"],
                 host_path=row["path"],
                 root_fd=root_fd,
-                policy=compile_policy(policy),
+                policy=compile_policy(None),
                 owner_uid=st.st_uid,
                 owner_gid=st.st_gid,
                 adopted=row["adopted"],
                 dev_ino=(st.st_dev, st.st_ino),
+                checkout_path=checkout_path,
             )
+        # No cap here: what was adopted stays adopted; the cap applies to changes.
+        live = list(self._by_id.values())
+        self._apply(self._recompute(live, capped=False), None)
+
+    # -- policy of checkouts ----------------------------------------------------------------
+
+    def set_policy(self, workspace: str, policy: Policy, actor: str) -> Workspace:
+        """`workspace.set_policy` (operator): the policy of this checkout becomes `policy`
+        (beside the operator's default `[policy]`, which always applies), replacing what
+        was set or added before; remembered across release and restarts. May loosen.
+
+        Refuses: `unknown_workspace`, `invalid_params` (bad glob), `limit_exceeded`.
+        """
+        compile_policy(policy)
+        with self._lock:
+            ws = self.get(workspace)
+            own = subtract(policy, NOTHING)
+            with self._store.transaction() as db:
+                self._checkouts.save(db, checkout_key(ws.dev_ino), ws.checkout_path, own)
+                policies = self._recompute([ws, *self._related_live(ws.checkout_path)])
+                self._journal.append_in(
+                    db,
+                    "workspace.policy_set",
+                    {"root_id": ws.root_id, **summary(own)},
+                    workspace=ws.id,
+                    actor=actor,
+                )
+            self._apply(policies, None)
+            return ws
+
+    def _add_policy(self, ws: Workspace, policy: Policy, actor: str) -> None:
+        """An agent's policy for an adopted checkout: add what it adds (caller holds the lock)."""
+        key = checkout_key(ws.dev_ino)
+        own = self._checkouts.own(key, ws.checkout_path)
+        added = self._checkouts.additions(own, policy)
+        if not glob_count(added):
+            return
+        with self._store.transaction() as db:
+            self._checkouts.save(db, key, ws.checkout_path, merge(own, added))
+            policies = self._recompute([ws, *self._related_live(ws.checkout_path)])
+            self._journal.append_in(
+                db,
+                "workspace.policy_added",
+                {"root_id": ws.root_id, **summary(added)},
+                workspace=ws.id,
+                actor=actor,
+            )
+        self._apply(policies, None)
+
+    def _related_live(self, checkout_path: str) -> list[Workspace]:
+        """Adopted workspaces nested in or enclosing `checkout_path` (not at it)."""
+        return [
+            ws
+            for ws in self._by_id.values()
+            if nested(ws.checkout_path, checkout_path) or nested(checkout_path, ws.checkout_path)
+        ]
+
+    def _recompute(
+        self, spaces: list[Workspace], *, capped: bool = True
+    ) -> dict[str, CompiledPolicy]:
+        """The effective policy of each of `spaces`; `limit_exceeded` when one would hold
+        more than MAX_GLOBS globs in a list (checked before anything is applied)."""
+        out: dict[str, CompiledPolicy] = {}
+        for ws in spaces:
+            effective = self._checkouts.effective(checkout_key(ws.dev_ino), ws.checkout_path)
+            compiled = compile_policy(effective)
+            for name in ("write_allow", *DENY_LISTS):
+                if capped and len(getattr(compiled.policy, name)) > MAX_GLOBS:
+                    raise LimitExceeded(
+                        f"the policy of {ws.root_id} would hold more than {MAX_GLOBS} {name}"
+                        " globs (with those of the checkouts nested in it or enclosing it)"
+                    )
+            out[ws.id] = compiled
+        return out
+
+    def _apply(self, policies: dict[str, CompiledPolicy], new: Workspace | None) -> None:
+        for ws_id, compiled in policies.items():
+            target = new if new is not None and new.id == ws_id else self._by_id.get(ws_id)
+            if target is not None:
+                target.policy = compiled
 
     # -- lookup and release ----------------------------------------------------------------
 

@@ -5,7 +5,23 @@ from __future__ import annotations
 import pytest
 
 from substrate.errors import InvalidParams
-from substrate.policy import GIT_DENY, GlobSet, compile_glob, compile_policy
+from substrate.policy import (
+    DENY_ALL,
+    GIT_DENY,
+    GlobSet,
+    additions,
+    beyond,
+    canonical_glob,
+    compile_glob,
+    compile_policy,
+    is_git_path,
+    loosening,
+    merge,
+    prefixed,
+    reroot,
+    reroot_glob,
+    subtract,
+)
 from substrate.schema.workspace import Policy
 
 
@@ -128,10 +144,29 @@ def test_git_is_always_write_denied() -> None:
     assert once.policy.write_deny.count(GIT_DENY) == 1
 
 
-def test_nested_git_dirs_are_not_denied_by_the_anchored_default() -> None:
-    """`.git/**` contains a slash, so it is anchored: only the workspace's own `.git`."""
-    compiled = compile_policy(None)
-    assert compiled.may_write("vendor/.git/config")
+@pytest.mark.parametrize(
+    "path",
+    [
+        "vendor/.git/config",  # a nested repository
+        "vendor/.git",  # a submodule's or worktree's `.git` file, or the dir itself
+        "a/b/c/.git/hooks/pre-commit",
+        "a/b/c/.git/modules/x/hooks/post-checkout",
+    ],
+)
+def test_every_nested_git_is_write_denied(path: str) -> None:
+    """SPEC §2: every `.git` at any depth is write-denied, like the top-level one, even
+    where an allow list or an empty deny list would allow it. (It was writable before.)"""
+    for policy in [None, Policy(write_deny=[]), Policy(write_allow=["**"])]:
+        compiled = compile_policy(policy)
+        assert not compiled.may_write(path)
+        assert compiled.may_read(path)
+    assert is_git_path(path)
+
+
+@pytest.mark.parametrize("path", ["x/.gitignore", "x/.gitmodules", "x/.git-keep", "git/x", "x.git"])
+def test_names_like_git_are_not_git(path: str) -> None:
+    assert not is_git_path(path)
+    assert compile_policy(None).may_write(path)
 
 
 def test_write_allow_and_deny() -> None:
@@ -190,3 +225,214 @@ def test_readonly_dirs() -> None:
 
 def test_readonly_dirs_default() -> None:
     assert compile_policy(None).readonly_dirs() == [".git"]
+
+
+# --- character classes never match `/` ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "expected"),
+    [
+        ("a[/]b", "a/b", False),
+        ("a[!x]b", "a/b", False),
+        ("a[^x]b", "a/b", False),
+        ("a[!x]b", "ayb", True),
+        ("[[]x", "[x", True),  # escaped inside the class: no "nested set" warning
+        ("[*]", "*", True),
+        ("[*]", "a", False),
+        ("[?]x", "?x", True),
+        ("[?]x", "ax", False),
+    ],
+)
+def test_classes(pattern: str, path: str, expected: bool) -> None:
+    assert matches(pattern, path) is expected
+
+
+# --- combining policies -------------------------------------------------------------------------
+
+
+def test_canonical_glob() -> None:
+    assert canonical_glob("src/**") == canonical_glob("/src/**") == "/src/**"
+    assert canonical_glob("dist/") == canonical_glob("dist") == "dist"
+    assert canonical_glob("/dist/") == "/dist"
+
+
+def test_merge_unions_deny_lists_and_intersects_allow_lists() -> None:
+    merged = merge(
+        Policy(write_deny=["a/**"], read_deny=["*.pem"], write_allow=["src/**", "docs/**"]),
+        Policy(write_deny=["/a/**", "b"], require_approval=["ci/**"], write_allow=["/src/**"]),
+        Policy(write_deny=[]),
+    )
+    assert merged == Policy(
+        write_allow=["src/**"],
+        write_deny=["a/**", "b"],
+        read_deny=["*.pem"],
+        require_approval=["ci/**"],
+    )
+
+
+def test_merge_of_disjoint_allow_lists_allows_nothing() -> None:
+    merged = merge(Policy(write_allow=["src/**"]), Policy(write_allow=["docs/**"]))
+    assert merged.write_allow == []
+    assert DENY_ALL in merged.write_deny
+    compiled = compile_policy(merged)
+    assert not compiled.may_write("src/a.py") and not compiled.may_write("docs/x")
+
+
+def test_loosening() -> None:
+    current = Policy(write_deny=["dist/"], read_deny=["*.pem"], write_allow=["src/**", "docs/**"])
+    # Restating (in other spellings) and adding is not loosening; `.git/**` may be left out.
+    same = Policy(write_deny=["dist", "x"], read_deny=["*.pem"], write_allow=["/src/**"])
+    assert loosening(same, current) == ({}, [])
+    dropped, added = loosening(Policy(write_allow=["src/**", "lib/**"]), current)
+    assert dropped == {"write_deny": ["dist/"], "read_deny": ["*.pem"]}
+    assert added == ["lib/**"]
+    # An empty allow list allows everything: it drops the whole list.
+    dropped, added = loosening(Policy(write_deny=["dist/"], read_deny=["*.pem"]), current)
+    assert dropped == {"write_allow": ["src/**", "docs/**"]} and added == []
+    # Nothing to drop from an empty allow list: any allow list narrows it.
+    assert loosening(Policy(write_allow=["x/**"]), Policy()) == ({}, [])
+
+
+def test_additions_and_subtract() -> None:
+    current = Policy(write_deny=[GIT_DENY, "dist/"], write_allow=["src/**", "docs/**"])
+    asked = Policy(write_deny=["dist", "x"], read_deny=["*.pem"], write_allow=["src/**"])
+    assert additions(asked, current) == Policy(
+        write_allow=["src/**"], write_deny=["x"], read_deny=["*.pem"]
+    )
+    restated = Policy(write_deny=["dist"], write_allow=["docs/**", "src/**"])
+    assert additions(restated, current) == Policy(write_deny=[])
+    assert subtract(asked, Policy(write_deny=["x"])) == Policy(
+        write_allow=["src/**"], write_deny=["dist"], read_deny=["*.pem"]
+    )
+
+
+# --- carrying rules between nested checkouts ------------------------------------------------------
+
+#: Globs of every shape: unanchored, anchored, `**` at each place, classes, trailing `/`.
+SHAPES = [
+    "*.pem",
+    "secret",
+    "build/",
+    "a*",
+    "/top",
+    "a/b",
+    "a/b/**",
+    "a/**",
+    "/a/*/c",
+    "**/c",
+    "a/**/c",
+    "a/**/b/**",
+    "**",
+    "/**",
+    "[ab]/x",
+    "a/[!x]*/c/",
+    "?/b",
+]
+PREFIXES = [
+    ("a",),
+    ("a", "b"),
+    ("a", "a"),
+    ("x", "a"),
+    ("a", "x", "b"),
+    ("secret",),
+    ("b",),
+    ("top",),
+]
+PATHS = [
+    "c",
+    "x",
+    "b",
+    "b/c",
+    "c/d",
+    "c/c",
+    "a/c",
+    "x.pem",
+    "secret",
+    "q/secret/z",
+    "a/b/c",
+    "b/x",
+    "x/c/y",
+    "b/b/c",
+]
+
+
+@pytest.mark.parametrize("pattern", SHAPES)
+def test_reroot_is_exact(pattern: str) -> None:
+    """A path `p` of the subdirectory at `prefix` is matched by the re-rooted globs exactly
+    when the original glob matches `prefix/p` in the enclosing checkout."""
+    for prefix in PREFIXES:
+        found = reroot_glob(pattern, prefix)
+        for path in PATHS:
+            outer = matches(pattern, "/".join([*prefix, path]))
+            inner = True if found is None else GlobSet.of(found).matches(path)
+            assert inner is outer, (pattern, prefix, path, found)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "prefix", "expected"),
+    [
+        ("*.pem", ("a",), ["*.pem"]),
+        ("secrets/", ("secrets",), None),  # adopting a denied directory: all of it denied
+        ("secrets/", ("a", "secrets", "b"), None),
+        ("/keys/**", ("keys", "sub"), None),
+        ("/keys/**", ("other",), []),
+        ("a/b/**", ("a",), ["/b/**"]),
+        ("**/c", ("a", "b"), ["/**/c"]),
+        ("a/**/c", ("a", "b"), ["/**/c"]),
+        ("a/*/c/d", ("a", "b"), ["/c/d"]),
+        (".git/**", ("sub",), []),
+    ],
+)
+def test_reroot_glob(pattern: str, prefix: tuple[str, ...], expected: list[str] | None) -> None:
+    assert reroot_glob(pattern, prefix) == expected
+
+
+def test_reroot_policy() -> None:
+    outer = Policy(
+        write_deny=[GIT_DENY, "sub/gen/**"],
+        read_deny=["*.pem", "/sub/secret"],
+        require_approval=["sub/"],
+        write_allow=["sub/src/**", "docs/**"],
+    )
+    assert reroot(outer, ("sub",)) == Policy(
+        write_allow=["/src/**"],
+        write_deny=["/gen/**"],
+        read_deny=["*.pem", "/secret"],
+        require_approval=[DENY_ALL],
+    )
+    # No allow glob reaches inside: nothing there is writable.
+    assert reroot(Policy(write_allow=["docs/**"]), ("sub",)).write_deny == [DENY_ALL]
+    # One allow glob covers all of it: no allow restriction inside.
+    assert reroot(Policy(write_allow=["su*"]), ("sub",)).write_allow == []
+
+
+@pytest.mark.parametrize("pattern", SHAPES)
+def test_prefixed_is_exact(pattern: str) -> None:
+    """The enclosing checkout matches `prefix/p` with the prefixed globs exactly when the
+    nested checkout's glob matches `p`, and matches nothing outside `prefix`."""
+    for prefix in PREFIXES:
+        found = GlobSet.of(prefixed(Policy(read_deny=[pattern]), prefix).read_deny)
+        for path in PATHS:
+            assert found.matches("/".join([*prefix, path])) is matches(pattern, path)
+        for outside in ["c", "zz/c", prefix[0] + "x/c"]:
+            assert not found.matches(outside)
+
+
+def test_prefixed_escapes_names_and_closes_allow_lists() -> None:
+    odd = ("a*b", "[x]", "!bang", "q?")
+    out = prefixed(Policy(write_deny=["/f"], write_allow=["src/**"]), odd)
+    deny = GlobSet.of(out.write_deny)
+    assert deny.matches("a*b/[x]/!bang/q?/f")
+    assert not deny.matches("aXb/x/!bang/qq/f")
+    # An allow list is not a glob list in the enclosing checkout: the whole subdir is shut.
+    assert deny.matches("a*b/[x]/!bang/q?/src/x.py")
+    assert out.write_allow == []
+
+
+def test_beyond_drops_what_an_unanchored_glob_already_covers() -> None:
+    nested = Policy(write_deny=["*.lock", "/gen"], read_deny=["*.pem", "/x"], write_allow=["a"])
+    cover = Policy(write_deny=["/*.lock", "gen"], read_deny=["*.pem"])
+    assert beyond(nested, cover) == Policy(
+        write_deny=["*.lock", "/gen"], read_deny=["/x"], write_allow=["a"]
+    )

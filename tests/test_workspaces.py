@@ -15,15 +15,17 @@ from substrate.config import Config
 from substrate.errors import (
     AlreadyExists,
     InvalidParams,
+    LimitExceeded,
     NotADirectory,
     NotFound,
     PathDenied,
     PathInvalid,
+    PolicyLocked,
     SymlinkRefused,
     UnknownWorkspace,
 )
 from substrate.journal import Journal
-from substrate.schema.workspace import Policy, Vcs
+from substrate.schema.workspace import MAX_GLOBS, Policy, Vcs
 from substrate.store import Store
 from substrate.workspaces import (
     WorkspaceRegistry,
@@ -476,3 +478,280 @@ def test_grant_approval_is_stored_and_journaled(env: Env, workspace_dir: Path) -
     last = env.journal.read()[-1]
     assert last.kind == "approval.granted" and last.actor == "operator:0"
     assert last.data["approval_id"] == approval_id
+
+
+
+def open_env_with_default(adopt_roots: list[Path], state_dir: Path, default: Policy) -> Env:
+    state_dir.mkdir(mode=0o700, exist_ok=True)
+    config = Config(
+        state_dir=str(state_dir), adopt_roots=[str(r) for r in adopt_roots], policy=default
+    )
+    store = Store(state_dir / "substrate.db")
+    journal = Journal(store)
+    return Env(
+        config, state_dir, store, journal, WorkspaceRegistry(config, store, journal, state_dir)
+    )
+
+
+LOCKED = Policy(write_deny=["dist/"], read_deny=["*.pem"], require_approval=["ci/**"])
+
+
+def test_release_and_readopt_cannot_drop_the_policy(env: Env, workspace_dir: Path) -> None:
+    """The attack: adopt with a policy, release, re-adopt with `{}`. It used to succeed."""
+    ws = env.registry.adopt(str(workspace_dir), None, LOCKED, "agent:0")
+    env.registry.release(ws.id, "agent:0")
+    kinds = env.kinds()
+    for loosened in [Policy(), Policy(write_deny=["dist/"], read_deny=["*.pem"])]:
+        with pytest.raises(PolicyLocked) as info:
+            env.registry.adopt(str(workspace_dir), None, loosened, "agent:0")
+        assert (
+            "read_deny" in info.value.data["dropped"]
+            or "require_approval" in (info.value.data["dropped"])
+        )
+    assert env.registry.all() == []
+    assert env.kinds() == kinds  # a refusal changes nothing
+    again = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    assert not again.policy.may_read("k.pem")
+    assert not again.policy.may_write("dist/x")
+    assert again.policy.needs_approval("ci/run.sh")
+    env.registry.release(again.id, "agent:0")
+    env.reopen()  # and across a restart
+    with pytest.raises(PolicyLocked):
+        env.registry.adopt(str(workspace_dir), None, Policy(), "agent:0")
+    restarted = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    assert restarted.policy.policy == again.policy.policy
+
+
+def test_an_agent_policy_may_add(env: Env, workspace_dir: Path) -> None:
+    ws = env.registry.adopt(str(workspace_dir), None, LOCKED, "agent:0")
+    # Restating the policy in other spellings, plus more: accepted, on the live workspace.
+    more = Policy(
+        write_deny=["dist", "*.lock"],
+        read_deny=["*.pem", ".env"],
+        require_approval=["/ci/**"],
+        write_allow=["src/**", "dist/**"],
+    )
+    assert env.registry.adopt(str(workspace_dir), None, more, "agent:0") is ws
+    assert not ws.policy.may_write("x.lock") and not ws.policy.may_read(".env")
+    assert not ws.policy.may_write("README.md")  # outside the new allow list
+    assert env.kinds()[-1] == "workspace.policy_added"
+    # Widening the allow list is loosening; narrowing it is not.
+    widen = Policy(
+        write_deny=["dist/", "*.lock"],
+        read_deny=["*.pem", ".env"],
+        require_approval=["ci/**"],
+        write_allow=["src/**", "dist/**", "README.md"],
+    )
+    with pytest.raises(PolicyLocked) as info:
+        env.registry.adopt(str(workspace_dir), None, widen, "agent:0")
+    assert info.value.data["added"] == {"write_allow": ["README.md"]}
+    narrow = msgspec.structs.replace(widen, write_allow=["src/**"])
+    env.registry.adopt(str(workspace_dir), None, narrow, "agent:0")
+    assert ws.policy.policy.write_allow == ["src/**"]
+    assert not ws.policy.may_write("dist/a") and ws.policy.may_write("src/a.py")
+
+
+def test_the_operator_default_applies_and_cannot_be_dropped(
+    adopt_root: Path, make_workspace: Callable[..., Path], tmp_path: Path
+) -> None:
+    default = Policy(read_deny=["*.key"], write_deny=["vendor/**"])
+    e = open_env_with_default([adopt_root], tmp_path / "state", default)
+    try:
+        path = make_workspace("proj")
+        ws = e.registry.adopt(str(path), None, None, "agent:0")
+        assert not ws.policy.may_read("a/id.key") and not ws.policy.may_write("vendor/x")
+        with pytest.raises(PolicyLocked) as info:
+            e.registry.adopt(str(path), None, Policy(read_deny=["*.pem"]), "agent:0")
+        assert info.value.data["dropped"] == {"write_deny": ["vendor/**"], "read_deny": ["*.key"]}
+        # The operator may loosen what was set for the checkout, never the default.
+        e.registry.adopt(
+            str(path),
+            None,
+            Policy(read_deny=["*.key", "*.pem"], write_deny=["vendor/**"]),
+            "agent:0",
+        )
+        assert not ws.policy.may_read("x.pem")
+        e.registry.set_policy(ws.id, Policy(write_deny=[]), "operator:0")
+        assert ws.policy.may_read("x.pem")
+        assert not ws.policy.may_read("id.key")
+        assert ws.policy.policy.write_deny == [".git/**", "vendor/**"]
+        entry = e.journal.read()[-1]
+        assert entry.kind == "workspace.policy_set" and entry.actor == "operator:0"
+    finally:
+        e.registry.close()
+        e.store.close()
+
+
+def test_default_globs_are_not_pinned_to_the_checkout(
+    adopt_root: Path, make_workspace: Callable[..., Path], tmp_path: Path
+) -> None:
+    """An agent restates the default to add to it; the operator loosening the default later
+    still loosens that checkout (only what the agent added stays)."""
+    state = tmp_path / "state"
+    e = open_env_with_default([adopt_root], state, Policy(read_deny=["*.key"]))
+    path = make_workspace("proj")
+    e.registry.adopt(str(path), None, Policy(read_deny=["*.key", "*.pem"]), "agent:0")
+    e.registry.close()
+    e.store.close()
+    e = open_env_with_default([adopt_root], state, Policy())
+    try:
+        (ws,) = e.registry.all()
+        assert ws.policy.may_read("id.key") and not ws.policy.may_read("id.pem")
+    finally:
+        e.registry.close()
+        e.store.close()
+
+
+def test_set_policy_may_loosen_and_is_remembered(env: Env, workspace_dir: Path) -> None:
+    ws = env.registry.adopt(str(workspace_dir), None, LOCKED, "agent:0")
+    env.registry.set_policy(ws.id, Policy(read_deny=["*.pem"]), "operator:0")
+    assert ws.policy.may_write("dist/x") and not ws.policy.may_read("a.pem")
+    env.registry.release(ws.id, "agent:0")
+    env.reopen()
+    again = env.registry.adopt(str(workspace_dir), None, Policy(read_deny=["*.pem"]), "agent:0")
+    assert again.policy.policy.read_deny == ["*.pem"]
+    with pytest.raises(UnknownWorkspace):
+        env.registry.set_policy("ws_nope", Policy(), "operator:0")
+
+
+def test_the_policy_follows_the_directory_not_its_name(
+    env: Env, adopt_root: Path, workspace_dir: Path
+) -> None:
+    ws = env.registry.adopt(str(workspace_dir), None, LOCKED, "agent:0")
+    env.registry.release(ws.id, "agent:0")
+    moved = adopt_root / "renamed"
+    workspace_dir.rename(moved)
+    with pytest.raises(PolicyLocked):
+        env.registry.adopt(str(moved), None, Policy(), "agent:0")
+    assert not env.registry.adopt(str(moved), None, None, "agent:0").policy.may_read("a.pem")
+
+
+@pytest.mark.parametrize("inside", [".git", ".git/hooks", ".git/modules/sub", "sub/.git"])
+def test_a_git_dir_or_anything_inside_is_never_adopted(
+    env: Env, make_workspace: Callable[..., Path], inside: str
+) -> None:
+    """Adopting `.git` made its hooks and config writable by guarded writes."""
+    path = make_workspace("proj", git=True)
+    (path / inside).mkdir(parents=True, exist_ok=True)
+    with pytest.raises(PathDenied):
+        env.registry.adopt(str(path / inside), None, None, "agent:0")
+    assert env.registry.all() == []
+
+
+@pytest.mark.parametrize("inside", ["", "hooks"])
+def test_a_bare_repository_is_never_adopted(env: Env, adopt_root: Path, inside: str) -> None:
+    bare = adopt_root / "repo.git"
+    for sub in ("objects", "refs/heads", "hooks"):
+        (bare / sub).mkdir(parents=True)
+    (bare / "HEAD").write_text("ref: refs/heads/main\n")
+    with pytest.raises(PathDenied):
+        env.registry.adopt(str(bare / inside) if inside else str(bare), None, None, "agent:0")
+    # A checkout that merely has a file named HEAD is a checkout.
+    (adopt_root / "plain").mkdir()
+    (adopt_root / "plain" / "HEAD").write_text("not a ref\n")
+    assert env.registry.adopt(str(adopt_root / "plain"), None, None, "agent:0")
+
+
+def test_adopting_a_denied_subdirectory_keeps_it_denied(
+    env: Env, make_workspace: Callable[..., Path]
+) -> None:
+    """Adopting `secrets/` of a checkout that denies it used to read it freely."""
+    path = make_workspace("proj", {"secrets/db.txt": "pw\n", "src/gen/x.py": "x\n", "a.py": ""})
+    outer = env.registry.adopt(
+        str(path),
+        None,
+        Policy(read_deny=["secrets/"], write_deny=["src/gen/**"], write_allow=["src/**"]),
+        "agent:0",
+    )
+    secrets_ws = env.registry.adopt(str(path / "secrets"), None, None, "agent:0")
+    assert not secrets_ws.policy.may_read("db.txt")
+    src = env.registry.adopt(str(path / "src"), None, None, "agent:0")
+    assert not src.policy.may_write("gen/x.py") and src.policy.may_write("main.py")
+    # `src/**` allows all of src/: no allow list inside it.
+    assert src.policy.policy.write_allow == [] and src.policy.may_write("any/where.py")
+    # It holds with the enclosing checkout released, and after a restart.
+    env.registry.release(outer.id, "agent:0")
+    env.registry.release(secrets_ws.id, "agent:0")
+    env.reopen()
+    again = env.registry.adopt(str(path / "secrets"), None, None, "agent:0")
+    assert not again.policy.may_read("db.txt")
+    # Inherited rules are not the checkout's own: no agent policy can leave them out.
+    env.registry.release(again.id, "agent:0")
+    assert not env.registry.adopt(str(path / "secrets"), None, Policy(), "agent:0").policy.may_read(
+        "db.txt"
+    )
+
+
+def test_inherited_rules_cannot_be_dropped_by_restating(
+    env: Env, make_workspace: Callable[..., Path]
+) -> None:
+    path = make_workspace("proj", {"sub/k.pem": "k"})
+    env.registry.adopt(str(path), None, Policy(read_deny=["*.pem"]), "agent:0")
+    sub = env.registry.adopt(str(path / "sub"), None, None, "agent:0")
+    assert sub.policy.policy.read_deny == ["*.pem"]
+    env.registry.adopt(str(path / "sub"), None, Policy(read_deny=["*.pem"]), "agent:0")
+    env.registry.set_policy(sub.id, Policy(write_deny=[]), "operator:0")
+    # The operator loosened the nested checkout's own policy; the enclosing one still holds.
+    assert not sub.policy.may_read("k.pem")
+
+
+@pytest.mark.parametrize("parent", ["proj", "", "proj/a"], ids=["parent", "adopt-root", "middle"])
+def test_adopting_a_parent_inherits_the_nested_checkouts_rules(
+    env: Env, adopt_root: Path, make_workspace: Callable[..., Path], parent: str
+) -> None:
+    """Adopting the parent of a workspace (or the adopt root) used to read what it denied."""
+    inner_path = make_workspace("proj/a/inner", {"k.pem": "k", "gen/x": "x", "ok.txt": "o"})
+    inner = env.registry.adopt(
+        str(inner_path), None, Policy(read_deny=["*.pem"], write_deny=["/gen/"]), "agent:0"
+    )
+    env.registry.release(inner.id, "agent:0")  # remembered, not live
+    outer = env.registry.adopt(str(adopt_root / parent), None, None, "agent:0")
+    rel = os.path.relpath(inner_path, adopt_root / parent)
+    assert not outer.policy.may_read(f"{rel}/k.pem")
+    assert not outer.policy.may_read(f"{rel}/deeper/k.pem")
+    assert not outer.policy.may_write(f"{rel}/gen/x")
+    assert not outer.policy.may_write(f"{rel}/.git/config")
+    assert outer.policy.may_read(f"{rel}/ok.txt") and outer.policy.may_write(f"{rel}/ok.txt")
+    assert outer.policy.may_read("k.pem")  # outside the nested checkout: not inherited
+    assert outer.policy.may_write("gen/x")
+
+
+def test_a_live_enclosing_workspace_learns_a_nested_checkouts_rules(
+    env: Env, make_workspace: Callable[..., Path]
+) -> None:
+    path = make_workspace("proj", {"sub/k.pem": "k", "sub/x": "x"})
+    outer = env.registry.adopt(str(path), None, None, "agent:0")
+    assert outer.policy.may_read("sub/k.pem")
+    inner = env.registry.adopt(str(path / "sub"), None, Policy(read_deny=["*.pem"]), "agent:0")
+    assert not outer.policy.may_read("sub/k.pem")
+    # An allow list of the nested checkout shuts it to writes through the enclosing one.
+    env.registry.set_policy(inner.id, Policy(write_allow=["x"]), "operator:0")
+    assert outer.policy.may_read("sub/k.pem")  # the operator dropped the read rule
+    assert not outer.policy.may_write("sub/x") and inner.policy.may_write("x")
+    assert outer.policy.may_write("other")
+
+
+def test_a_policy_too_large_with_what_it_inherits_is_refused(
+    env: Env, make_workspace: Callable[..., Path]
+) -> None:
+    path = make_workspace("proj", {"sub/x": "x"})
+    many = Policy(read_deny=[f"f{i}" for i in range(MAX_GLOBS)])
+    env.registry.adopt(str(path), None, many, "agent:0")
+    kinds = env.kinds()
+    with pytest.raises(LimitExceeded):
+        env.registry.adopt(str(path / "sub"), None, Policy(read_deny=["g"]), "agent:0")
+    assert env.kinds() == kinds
+    assert len(env.registry.all()) == 1
+
+
+def test_a_workspace_from_before_remembered_policies_keeps_its_policy(
+    env: Env, workspace_dir: Path
+) -> None:
+    ws = env.registry.adopt(str(workspace_dir), None, LOCKED, "agent:0")
+    with env.store.transaction() as db:
+        db.execute("DELETE FROM checkout_policies")
+    env.reopen()
+    assert env.registry.get(ws.id).policy.policy == ws.policy.policy
+    env.registry.release(ws.id, "agent:0")
+    with pytest.raises(PolicyLocked):
+        env.registry.adopt(str(workspace_dir), None, Policy(), "agent:0")

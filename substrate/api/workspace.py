@@ -12,6 +12,7 @@ from substrate.schema.workspace import (
     ApprovalGrantParams,
     ApprovalGrantResult,
     ReleaseResult,
+    SetPolicyParams,
     WorkspaceInfo,
     WorkspaceList,
     WorkspaceListParams,
@@ -22,11 +23,38 @@ if TYPE_CHECKING:
     from substrate.daemon import Daemon
 
 
+def _mounts(daemon: Daemon) -> dict[str, list[str]]:
+    return {ws.id: ws.policy.readonly_dirs() for ws in daemon.workspaces.all()}
+
+
+async def _restart_sandboxes(daemon: Daemon, before: dict[str, list[str]]) -> None:
+    """A sandbox binds the policy's read-only dirs when it is made: one whose set changed
+    (a policy changed, here or in a checkout nested in or enclosing it) is removed, and
+    made again with the new mounts on next use. Its running commands end."""
+    if daemon.execution is None:
+        return
+    for ws in daemon.workspaces.all():
+        if ws.id in before and before[ws.id] != ws.policy.readonly_dirs():
+            await daemon.execution.release_workspace(ws)
+
+
 @handles("workspace.adopt")
 async def adopt(daemon: Daemon, caller: Caller, p: AdoptParams) -> WorkspaceInfo:
+    before = _mounts(daemon)
     ws = await trio.to_thread.run_sync(
         daemon.workspaces.adopt, p.path, p.root_id, p.policy, caller.name
     )
+    await _restart_sandboxes(daemon, before)
+    return await trio.to_thread.run_sync(ws.info)
+
+
+@handles("workspace.set_policy")
+async def set_policy(daemon: Daemon, caller: Caller, p: SetPolicyParams) -> WorkspaceInfo:
+    before = _mounts(daemon)
+    ws = await trio.to_thread.run_sync(
+        daemon.workspaces.set_policy, p.workspace, p.policy, caller.name
+    )
+    await _restart_sandboxes(daemon, before)
     return await trio.to_thread.run_sync(ws.info)
 
 
