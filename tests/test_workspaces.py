@@ -480,7 +480,6 @@ def test_grant_approval_is_stored_and_journaled(env: Env, workspace_dir: Path) -
     assert last.data["approval_id"] == approval_id
 
 
-
 def open_env_with_default(adopt_roots: list[Path], state_dir: Path, default: Policy) -> Env:
     state_dir.mkdir(mode=0o700, exist_ok=True)
     config = Config(
