@@ -25,9 +25,12 @@ class GatedPtys:
     gate: trio.Event = field(default_factory=trio.Event)
     waiting: int = 0
     inner: FakePtys = field(default_factory=FakePtys)
+    arrived: trio.Event = field(default_factory=trio.Event)  # set (and renewed) per arrival
 
     async def __call__(self, *, workspace: str, profile: str, cols: int, rows: int) -> FakePty:
         self.waiting += 1
+        self.arrived.set()
+        self.arrived = trio.Event()
         await self.gate.wait()
         return await self.inner(workspace=workspace, profile=profile, cols=cols, rows=rows)
 
@@ -82,26 +85,35 @@ async def _open_both(env: Env) -> tuple[list[Attached], list[LimitExceeded]]:
     """Two new-session opens at once; the first is inside the spawner when the second asks."""
     opened: list[Attached] = []
     refused: list[LimitExceeded] = []
+    second_done = trio.Event()
 
-    async def one(token: str) -> None:
+    async def one(token: str, done: trio.Event | None = None) -> None:
         try:
-            opened.append(
-                await env.terminals.open(Open(token=token, cols=80, rows=24), _kick)
-            )
+            opened.append(await env.terminals.open(Open(token=token, cols=80, rows=24), _kick))
         except LimitExceeded as exc:
             refused.append(exc)
+        finally:
+            if done is not None:
+                done.set()
+
+    async def second_waiting() -> None:
+        while env.ptys.waiting < 2:
+            await env.ptys.arrived.wait()
+        second_done.set()  # it reached the spawner: no refusal comes
 
     first, second = env.token(), env.token()
     async with trio.open_nursery() as nursery:
+        arrived = env.ptys.arrived
         nursery.start_soon(one, first)
         with trio.fail_after(10):
-            while env.ptys.waiting < 1:
-                await trio.sleep(0)
-        nursery.start_soon(one, second)
+            await arrived.wait()
         # The second open either is refused or reaches the spawner too; then let both go.
-        with trio.fail_after(10):
-            while env.ptys.waiting < 2 and not refused:
-                await trio.sleep(0)
+        async with trio.open_nursery() as watch:
+            watch.start_soon(second_waiting)
+            nursery.start_soon(one, second, second_done)
+            with trio.fail_after(10):
+                await second_done.wait()
+            watch.cancel_scope.cancel()
         env.ptys.gate.set()
     return opened, refused
 
