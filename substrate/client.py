@@ -117,8 +117,12 @@ class Client:
         max_request_bytes: int | None = None,
     ) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        self._sock.connect(os.fspath(path))
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(os.fspath(path))
+        except BaseException:
+            self._sock.close()
+            raise
         self._buf = b""
         self._ids = itertools.count(1)
         self.max_request_bytes = max_request_bytes
