@@ -106,8 +106,9 @@ class LineSplitter:
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
 _encoder = msgspec.json.Encoder()
 
-#: A JSON string (escapes included), unrolled so that it runs in linear time.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+#: A JSON string (escapes included). An unterminated one runs to the end of the line, as
+#: for a parser; that also keeps the search linear (it never fails and restarts inside).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
 #: Digits enough to be out of the 64-bit range (a fast filter; the walk decides).
 _LONG_DIGITS = re.compile(rb"[0-9]{19,}")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")

@@ -329,6 +329,9 @@ def test_nesting_counts_brackets_outside_strings_only() -> None:
     # An escaped quote does not end the string early.
     assert not rpc.nesting_exceeds(b'["\\"' + b"[" * 100 + b'"]', 64)
     assert not rpc.nesting_exceeds(b'["\\\\", ' + nested(62) + b"]", 64)
+    # An unterminated string runs to the end of the line, as it would for a parser.
+    assert not rpc.nesting_exceeds(b'["' + b"[" * 100, 64)
+    assert rpc.nesting_exceeds(b"[" * 65 + b'"' + b'\\"' * 1000, 64)
     # Openers and closers of any kind count against each other; unclosed ones count.
     assert rpc.nesting_exceeds(b"[{" * 40, 64)
     assert not rpc.nesting_exceeds(b"[]{}" * 1000, 64)
