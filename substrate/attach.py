@@ -8,7 +8,10 @@ Other outcomes: 0 after a detach (Ctrl-] — the session lives on and can be re-
 with `--session`), 1 for a refusal (printed), 255 when the connection drops.
 
 The token is a secret: prefer the `SUBSTRATE_TOKEN` environment variable to `--token`,
-which other local users can see in the process list.
+which other local users can see in the process list. Without `--url`, the URL comes from
+the daemon itself (`daemon.status` → `listen`, through `--state-dir` or
+`$SUBSTRATE_STATE_DIR`), never from a default port: a token sent to whatever else
+listens on 7681 would be a leak. When the daemon cannot say, attach refuses to guess.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from trio_websocket import (
     WebSocketConnection,
 )
 
+from substrate.client import Client, ConnectionLost, RpcError, socket_path
 from substrate.pty import frames
-from substrate.pty.client import DEFAULT_URL, open_terminal
+from substrate.pty.client import open_terminal
 
 #: Ctrl-]: leave the session running and exit (as telnet does).
 DETACH_KEY = b"\x1d"
@@ -40,6 +44,34 @@ EXIT_REFUSED = 1
 EXIT_DROPPED = 255
 
 Mode = Literal["control", "observe"]
+
+
+class NoTerminalUrl(Exception):
+    """The daemon could not be asked where its terminals are, or serves none."""
+
+
+def terminal_listen(client: Client) -> str:
+    """The daemon's terminal `HOST:PORT` (`daemon.status` → `listen`); `NoTerminalUrl` if none."""
+    listen = client.call("daemon.status").get("listen")
+    if not isinstance(listen, str) or not listen:
+        raise NoTerminalUrl("the daemon serves no terminals (its log says why)")
+    return listen
+
+
+def daemon_terminal_url(state: str | os.PathLike[str] | None = None) -> str:
+    """The `/pty` URL of the daemon at state dir `state` (default: $SUBSTRATE_STATE_DIR...).
+
+    Asks the daemon over its agent socket; raises `NoTerminalUrl` when it cannot be
+    reached or serves no terminals, so that a caller never falls back to a guess.
+    """
+    path = socket_path(state)
+    try:
+        with Client(path, timeout=30.0) as client:
+            return f"ws://{terminal_listen(client)}/pty"
+    except (OSError, RpcError, ConnectionLost) as exc:
+        raise NoTerminalUrl(
+            f"cannot ask the daemon at {path} for its terminal address: {exc}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -135,7 +167,7 @@ class _Attach:
 
 async def attach_async(
     token: str,
-    url: str = DEFAULT_URL,
+    url: str,
     session: str | None = None,
     mode: Mode = "control",
     *,
@@ -166,9 +198,7 @@ async def attach_async(
         return EXIT_DROPPED
 
 
-def attach(
-    token: str, url: str = DEFAULT_URL, session: str | None = None, mode: Mode = "control"
-) -> int:
+def attach(token: str, url: str, session: str | None = None, mode: Mode = "control") -> int:
     """Attach this process's terminal to a session; return the exit status (see above)."""
     blocking = {fd: os.get_blocking(fd) for fd in (0, 1)}
     try:
@@ -185,13 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m substrate.attach` (the same options as `substrate attach`)."""
     parser = argparse.ArgumentParser(prog="substrate attach", description=__doc__.split("\n")[0])
     parser.add_argument("--token", default=os.environ.get("SUBSTRATE_TOKEN"))
-    parser.add_argument("--url", default=DEFAULT_URL)
+    parser.add_argument("--url", help="the terminal URL (default: asked of the daemon)")
+    parser.add_argument("--state-dir", help="the daemon's state dir, to ask it for the URL")
     parser.add_argument("--session")
     parser.add_argument("--observe", action="store_true")
     args = parser.parse_args(argv)
     if not args.token:
         parser.error("--token or SUBSTRATE_TOKEN is required")
-    return attach(args.token, args.url, args.session, "observe" if args.observe else "control")
+    url = args.url
+    if url is None:
+        try:
+            url = daemon_terminal_url(args.state_dir)
+        except NoTerminalUrl as exc:
+            print(f"substrate: {exc}; give --url", file=sys.stderr)
+            return EXIT_REFUSED
+    return attach(args.token, url, args.session, "observe" if args.observe else "control")
 
 
 if __name__ == "__main__":

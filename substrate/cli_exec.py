@@ -88,10 +88,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_grant(args: argparse.Namespace) -> int:
+    from substrate.attach import NoTerminalUrl, terminal_listen
     from substrate.cli import _client, _workspace
     from substrate.grants import parse_duration
 
     with _client(args, operator=True) as c:
+        # Where the daemon really listens (never a default port), asked before issuing.
+        try:
+            listen = args.listen or terminal_listen(c)
+        except NoTerminalUrl as exc:
+            raise SystemExit(f"substrate: {exc}") from None
         result = c.call(
             "grant.issue",
             kind="interactive_terminal",
@@ -104,15 +110,17 @@ def cmd_grant(args: argparse.Namespace) -> int:
     print(f"grant   {result['grant']}")
     print(f"token   {result['token']}")
     print(f"expires {result.get('expires')}")
-    print(f"page    http://{args.listen}/#token={result['token']}")
-    print(f"attach  SUBSTRATE_TOKEN={result['token']} substrate attach")
+    print(f"page    http://{listen}/#token={result['token']}")
+    print(f"attach  SUBSTRATE_TOKEN={result['token']} substrate attach --url ws://{listen}/pty")
     return 0
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
     from substrate import attach
 
-    argv = ["--url", args.url]
+    argv = ["--url", args.url] if args.url else []
+    if args.state_dir:
+        argv += ["--state-dir", args.state_dir]
     if args.token:
         argv += ["--token", args.token]
     if args.session:
@@ -130,12 +138,12 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--profile", default="interactive")
     g.add_argument("--ttl", default="10m", help="e.g. 90s, 10m, 1h")
     g.add_argument("--uses", type=int, default=1)
-    g.add_argument("--listen", default="127.0.0.1:7681", help="the daemon's terminal address")
+    g.add_argument("--listen", help="the daemon's terminal HOST:PORT (default: asked of it)")
     p.set_defaults(func=cmd_grant)
 
     p = sub.add_parser("attach", help="open a terminal with a grant token")
     p.add_argument("--token", help="the grant token (or $SUBSTRATE_TOKEN; --token shows in ps)")
-    p.add_argument("--url", default="ws://127.0.0.1:7681/pty")
+    p.add_argument("--url", help="the terminal URL (default: asked of the daemon)")
     p.add_argument("--session", help="join an existing session")
     p.add_argument("--observe", action="store_true", help="watch without typing")
     p.set_defaults(func=cmd_attach)

@@ -51,10 +51,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     inline_output_bytes: int = 64 << 10  # larger output streams become artifacts
     artifact_quota_bytes: int = 10 << 30  # total artifact bytes kept
     artifact_max_age_s: float = 7 * 24 * 3600.0  # artifacts older than this are collected
-    max_connections: int = 2048  # per daemon; more are refused with limit_exceeded
+    max_connections: int = 2048  # per socket; more are refused with limit_exceeded
+    max_connections_per_uid: int = 1024  # per peer uid and socket; more: limit_exceeded
     max_in_flight: int = 64  # concurrent requests per connection
     line_timeout_s: float = 10.0  # a started request line must end within this
-    idle_timeout_s: float = 3600.0  # a connection with nothing in flight closes after this
+    idle_timeout_s: float = 600.0  # a connection with nothing in flight closes after this
     max_processes: int = 64  # running processes per daemon
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
@@ -92,4 +93,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         compile_policy(config.policy)
     except Refusal as exc:
         raise ConfigError(f"{path or 'flags'}: [policy]: {exc.message}") from exc
+    if config.max_connections_per_uid < 1:
+        raise ConfigError("max_connections_per_uid: must be at least 1")
+    if config.idle_timeout_s <= 0:
+        raise ConfigError("idle_timeout_s: must be positive")
     return config

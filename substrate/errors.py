@@ -46,6 +46,15 @@ class RequestTooLarge(Refusal):
     name = "request_too_large"
 
 
+class RequestTooDeep(Refusal):
+    """A request line nesting arrays/objects deeper than `rpc.MAX_DEPTH`; it is not parsed.
+
+    Answered with id null (the line is never decoded); the connection stays open.
+    """
+
+    name = "request_too_deep"
+
+
 class InvalidParams(Refusal):
     """Params do not match the method's schema; `data.path` names the field."""
 

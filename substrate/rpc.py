@@ -5,17 +5,23 @@ complete request lines and refuses a line longer than the limit before buffering
 Each line goes through `decode_call`, which returns either a `Call` (method known, params
 validated against the method's Struct) or an `Outcome` that is already the error reply.
 Replies are bytes made by `reply_result` / `reply_error`. Nothing here touches a socket.
+
+Before a line is parsed, its nesting depth is measured on the bytes (strings stripped):
+deeper than `MAX_DEPTH` is `request_too_deep`, so no decoder ever recurses on a client's
+say-so. Integers in params must fit in 64 signed bits (what SQLite and the kernel take),
+else `invalid_params`: checked once here for every method.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from substrate.errors import InvalidParams, Refusal, RequestTooLarge
+from substrate.errors import InvalidParams, Refusal, RequestTooDeep, RequestTooLarge
 from substrate.schema import METHODS, MethodSpec
 
 PARSE_ERROR = -32700
@@ -24,6 +30,11 @@ METHOD_NOT_FOUND = -32601
 INVALID_PARAMS = -32602
 
 RequestId = int | str | None
+
+#: Deepest nesting of arrays and objects in a request line (the envelope is level 1).
+MAX_DEPTH = 64
+#: The integers params may carry: signed 64 bits.
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class _Envelope(msgspec.Struct, forbid_unknown_fields=True):
@@ -85,15 +96,75 @@ class LineSplitter:
         self._buf += data[start:]
         return lines
 
+    def finish(self) -> list[bytes]:
+        """At end of input: the last line, if it lacked its newline (within the limit)."""
+        line = bytes(self._buf).strip()
+        self._buf.clear()
+        return [line] if line else []
+
 
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
 _encoder = msgspec.json.Encoder()
 
+#: A JSON string (escapes included). An unterminated one runs to the end of the line, as
+#: for a parser; that also keeps the search linear (it never fails and restarts inside).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+#: Digits enough to be out of the 64-bit range (a fast filter; the walk decides).
+_LONG_DIGITS = re.compile(rb"[0-9]{19,}")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = [0] * 256
+for _opener, _closer in (b"[]", b"{}"):
+    _BRACKET_STEP[_opener], _BRACKET_STEP[_closer] = 1, -1
+
+
+def nesting_exceeds(line: bytes, limit: int) -> bool:
+    """True when arrays/objects in `line` (outside strings) nest deeper than `limit`.
+
+    Every opener counts against every closer, whatever their kinds: a parser would reach
+    at most that depth before it stopped. Costs two C-speed passes over the line, and
+    a third over its brackets only when there are more than `limit` of them.
+    """
+    if len(line.translate(None, _NOT_BRACKETS)) <= limit:
+        return False
+    brackets = _STRING.sub(b'""', line).translate(None, _NOT_BRACKETS)
+    if len(brackets) <= limit:
+        return False
+    return max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets))) > limit
+
+
+def _too_deep() -> Outcome:
+    refusal = RequestTooDeep(
+        f"request nests arrays/objects deeper than {MAX_DEPTH} levels", limit=MAX_DEPTH
+    )
+    return Outcome(refusal_error(None, refusal))
+
+
+def out_of_range_int(value: Any) -> str | None:
+    """The path (`$.a[2].b`) of the first integer in `value` outside 64 signed bits, or None.
+
+    Iterative: `value` comes from a line whose depth is already bounded, but the walk
+    does not rely on it.
+    """
+    stack: list[tuple[str, Any]] = [("$", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((f"{path}.{key}", v) for key, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+        elif isinstance(item, int) and not INT_MIN <= item <= INT_MAX:
+            return path
+    return None
+
 
 def decode_call(line: bytes) -> Call | Outcome:
     """Decode one request line into a validated `Call`, or the error `Outcome` to send."""
+    if nesting_exceeds(line, MAX_DEPTH):
+        return _too_deep()
     try:
         envelope = _envelope_decoder.decode(line)
+    except RecursionError:
+        return _too_deep()  # unreachable after the byte check; never let it escape
     except msgspec.ValidationError as exc:
         return Outcome(reply_error(_salvage_id(line), INVALID_REQUEST, f"invalid request: {exc}"))
     except msgspec.DecodeError as exc:
@@ -110,6 +181,13 @@ def decode_call(line: bytes) -> Call | Outcome:
             reply_error(request_id, METHOD_NOT_FOUND, f"unknown method {envelope.method!r}")
         )
     raw = {} if isinstance(envelope.params, msgspec.UnsetType) else envelope.params
+    if _LONG_DIGITS.search(line):
+        bad = out_of_range_int(raw)
+        if bad is not None:
+            refusal = InvalidParams(
+                f"integer out of range [-2**63, 2**63 - 1] - at `{bad}`", path=bad
+            )
+            return Outcome(None if notification else refusal_error(request_id, refusal))
     try:
         params = msgspec.convert(raw, spec.params, strict=True)
     except msgspec.ValidationError as exc:
@@ -136,7 +214,7 @@ def _error_path(message: str) -> str:
 def _salvage_id(line: bytes) -> RequestId:
     try:
         value = msgspec.json.decode(line)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if isinstance(value, dict):
         found = value.get("id")

@@ -5,6 +5,17 @@ One task reads a connection, splitting lines and starting one task per request (
 replies and notifications go through one send lock. Deadlines: a started line must end
 within `line_timeout_s`; a connection with nothing in flight closes after
 `idle_timeout_s`; a send that cannot progress for `send_timeout_s` closes the connection.
+Caps: `max_connections` per socket, `max_connections_per_uid` per peer uid and socket;
+past either, one `limit_exceeded` error and the connection closes.
+
+End of input: a peer that only shut its writing side (`shutdown(SHUT_WR)`) still gets
+every reply (and subscription) it asked for, then the connection closes; a peer that
+closed entirely has its calls cancelled (shielded writes still finish).
+
+The connection task is where anything unexpected stops: it is logged, journaled as
+`internal` (exception type names only, never data), answered with one `internal` error
+when the connection can still take it, and the connection closes. Nothing a client sends
+can end the daemon.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -24,6 +36,7 @@ import trio
 from substrate import rpc
 from substrate.api import HANDLERS
 from substrate.api.base import Actor, Caller
+from substrate.config import Config
 from substrate.errors import Internal, LimitExceeded, Refusal, Unauthorized
 
 if TYPE_CHECKING:
@@ -32,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("substrate.server")
 
 SEND_TIMEOUT_S = 30.0
+#: After a half-close, how often to look whether the peer has gone entirely, seconds.
+PEER_CHECK_S = 1.0
 _connection_ids = itertools.count(1)
 
 #: Methods whose refusals are journaled (they would have changed state).
@@ -77,8 +92,36 @@ def peer_uid(sock: trio.socket.SocketType) -> int:
 
 
 class _Connections:
+    """The live connections of one socket, in total and per peer uid."""
+
     def __init__(self) -> None:
         self.count = 0
+        self.by_uid: dict[int, int] = {}
+
+    def admit(self, uid: int, config: Config) -> LimitExceeded | None:
+        """Count a new connection of `uid`, or say which cap it would pass."""
+        if self.count >= config.max_connections:
+            return LimitExceeded(
+                "too many connections", limit=config.max_connections, scope="socket"
+            )
+        held = self.by_uid.get(uid, 0)
+        if held >= config.max_connections_per_uid:
+            return LimitExceeded(
+                f"too many connections from uid {uid}",
+                limit=config.max_connections_per_uid,
+                scope="uid",
+            )
+        self.count += 1
+        self.by_uid[uid] = held + 1
+        return None
+
+    def release(self, uid: int) -> None:
+        self.count -= 1
+        left = self.by_uid[uid] - 1
+        if left:
+            self.by_uid[uid] = left
+        else:
+            del self.by_uid[uid]
 
 
 async def serve_socket(
@@ -118,10 +161,17 @@ class Connection:
         self.actor = actor
         self.live = live
         self.id = next(_connection_ids)
+        self.uid: int | None = None
         self._send_lock = trio.Lock()
         self._in_flight = trio.Semaphore(daemon.config.max_in_flight)
         self._busy = 0
+        self._quiet = trio.Event()  # set when the last call in flight ends
         self._closed = False
+
+    @property
+    def actor_name(self) -> str:
+        """The journal's `actor` string (the uid once known)."""
+        return f"{self.actor}:{'?' if self.uid is None else self.uid}"
 
     async def send(self, data: bytes) -> None:
         if self._closed:
@@ -141,30 +191,42 @@ class Connection:
         await self.send(rpc.notification(method, params))
 
     async def run(self) -> None:
-        config = self.daemon.config
+        """Serve the connection until it ends; never raises anything but cancellation."""
         try:
-            uid = peer_uid(self.stream.socket)
-            if uid not in config.effective_uids():
-                await self.send(rpc.refusal_error(None, Unauthorized("peer uid is not allowed")))
-                return
-            if self.live.count >= config.max_connections:
-                await self.send(rpc.refusal_error(None, LimitExceeded("too many connections")))
-                return
-            self.live.count += 1
-            caller = Caller(actor=self.actor, uid=uid, connection=self.id, notify=self.notify)
-            try:
-                async with trio.open_nursery() as nursery:
-                    await self._read_loop(nursery, caller)
-                    nursery.cancel_scope.cancel()
-            finally:
-                self.live.count -= 1
-                for cleanup in caller.on_close:
-                    cleanup()
+            await self._serve()
+        except* Exception as group:
+            log.error("connection %s failed", self.id, exc_info=group)
+            await self._journal_internal("connection", None, group)
+            await self.send(rpc.refusal_error(None, Internal("internal error; closing")))
         finally:
             self._closed = True
             await trio.aclose_forcefully(self.stream)
 
-    async def _read_loop(self, nursery: trio.Nursery, caller: Caller) -> None:
+    async def _serve(self) -> None:
+        config = self.daemon.config
+        uid = peer_uid(self.stream.socket)
+        self.uid = uid
+        if uid not in config.effective_uids():
+            await self.send(rpc.refusal_error(None, Unauthorized("peer uid is not allowed")))
+            return
+        refused = self.live.admit(uid, config)
+        if refused is not None:
+            await self.send(rpc.refusal_error(None, refused))
+            return
+        caller = Caller(actor=self.actor, uid=uid, connection=self.id, notify=self.notify)
+        try:
+            async with trio.open_nursery() as nursery:
+                ended_by_peer = await self._read_loop(nursery, caller)
+                if ended_by_peer:
+                    await self._finish_after_eof(caller)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.live.release(uid)
+            for cleanup in caller.on_close:
+                cleanup()
+
+    async def _read_loop(self, nursery: trio.Nursery, caller: Caller) -> bool:
+        """Read and dispatch lines; True when the peer ended its input (EOF)."""
         config = self.daemon.config
         splitter = rpc.LineSplitter(config.max_request_bytes)
         line_started: float | None = None
@@ -181,22 +243,41 @@ class Connection:
                 try:
                     data = await self.stream.receive_some(65536)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    return
+                    return False
             if scope.cancelled_caught:
                 if line_started is not None or (self._busy == 0 and not caller.on_close):
-                    return  # a request that never ends, or an idle connection
+                    return False  # a request that never ends, or an idle connection
                 continue
             if not data:
-                return
+                # A last line without its newline is still a line.
+                for line in splitter.finish():
+                    await self._dispatch(nursery, caller, line)
+                return True
             idle_since = trio.current_time()
             try:
                 lines = splitter.feed(data)
             except Refusal as refusal:
                 await self.send(rpc.refusal_error(None, refusal))
-                return
+                return False
             line_started = (line_started or idle_since) if splitter.pending else None
             for line in lines:
                 await self._dispatch(nursery, caller, line)
+        return False
+
+    def _peer_gone(self) -> bool:
+        """After EOF: has the peer closed entirely (POLLHUP), not just shut its writing side?"""
+        poller = select.poll()
+        poller.register(self.stream.socket.fileno(), select.POLLIN)
+        return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
+    async def _finish_after_eof(self, caller: Caller) -> None:
+        """Half-closed: let calls in flight and subscriptions finish (their output is sent)."""
+        while (self._busy or caller.on_close) and not self._closed:
+            if self._peer_gone():
+                return
+            self._quiet = trio.Event()
+            with trio.move_on_after(PEER_CHECK_S):
+                await self._quiet.wait()
 
     async def _dispatch(self, nursery: trio.Nursery, caller: Caller, line: bytes) -> None:
         decoded = rpc.decode_call(line)
@@ -228,6 +309,8 @@ class Connection:
         finally:
             self._busy -= 1
             self._in_flight.release()
+            if self._busy == 0:
+                self._quiet.set()
 
     async def _invoke(self, caller: Caller, call: rpc.Call) -> bytes:
         handler = HANDLERS.get(call.spec.name)
@@ -240,9 +323,22 @@ class Connection:
             if call.spec.name in MUTATING:
                 await self._journal_refusal(caller, call, refusal)
             return rpc.refusal_error(call.id, refusal)
-        except Exception:
+        except Exception as exc:
             log.exception("internal error in %s", call.spec.name)
+            await self._journal_internal("call", call.spec.name, exc)
             return rpc.refusal_error(call.id, Internal(f"internal error in {call.spec.name}"))
+
+    async def _journal_internal(self, where: str, method: str | None, exc: BaseException) -> None:
+        """Journal an unexpected error: where, the method, exception type names; no data."""
+        data: dict[str, Any] = {"where": where, "errors": _type_names(exc)}
+        if method is not None:
+            data["method"] = method
+        try:
+            await trio.to_thread.run_sync(
+                lambda: self.daemon.journal.append("internal", data, actor=self.actor_name)
+            )
+        except Exception:
+            log.exception("could not journal an internal error")
 
     async def _journal_refusal(self, caller: Caller, call: rpc.Call, refusal: Refusal) -> None:
         params = call.params
@@ -265,3 +361,16 @@ class Connection:
             )
         except Exception:
             log.exception("could not journal a refusal")
+
+
+def _type_names(exc: BaseException, limit: int = 8) -> list[str]:
+    """The type names of the leaf exceptions of `exc` (a group is flattened), at most `limit`."""
+    names: list[str] = []
+    stack = [exc]
+    while stack and len(names) < limit:
+        item = stack.pop()
+        if isinstance(item, BaseExceptionGroup):
+            stack.extend(reversed(item.exceptions))
+        else:
+            names.append(type(item).__name__)
+    return names

@@ -90,6 +90,19 @@ def test_request_limit_floor() -> None:
     assert load_config(None, {"max_request_bytes": 1024}).max_request_bytes == 1024
 
 
+def test_connection_caps_and_idle_timeout(tmp_path: Path) -> None:
+    defaults = Config()
+    assert defaults.max_connections_per_uid < defaults.max_connections
+    assert defaults.idle_timeout_s == 600.0
+    path = write(tmp_path, "max_connections_per_uid = 8\nidle_timeout_s = 30.5\n")
+    config = load_config(path, {})
+    assert (config.max_connections_per_uid, config.idle_timeout_s) == (8, 30.5)
+    for key, bad in (("max_connections_per_uid", 0), ("idle_timeout_s", 0)):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, {key: bad})
+        assert key in str(info.value)
+
+
 def test_flags_override_the_file(tmp_path: Path) -> None:
     path = write(
         tmp_path,

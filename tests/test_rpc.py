@@ -106,6 +106,16 @@ def test_the_limit_counts_the_carriage_return() -> None:
         splitter.feed(b"x" * 10 + b"\r\n")
 
 
+def test_finish_returns_a_last_line_without_its_newline() -> None:
+    splitter = rpc.LineSplitter(100)
+    assert splitter.feed(b"one\ntwo") == [b"one"]
+    assert splitter.finish() == [b"two"]
+    assert not splitter.pending
+    assert splitter.finish() == []
+    splitter.feed(b"  \r")
+    assert splitter.finish() == []
+
+
 # --- decode_call ------------------------------------------------------------------------------
 
 
@@ -294,3 +304,106 @@ def test_refusal_error_carries_the_name_and_data() -> None:
 def test_server_notification_has_no_id() -> None:
     decoded = msgspec.json.decode(rpc.notification("proc.exit", {"code": 0}))
     assert decoded == {"jsonrpc": "2.0", "method": "proc.exit", "params": {"code": 0}}
+
+
+# --- nesting depth -------------------------------------------------------------------------------
+
+
+def nested(depth: int, kind: str = "[") -> bytes:
+    """A JSON value of exactly `depth` nested arrays (or objects, each under key "a")."""
+    if kind == "[":
+        return b"[" * depth + b"]" * depth
+    return b'{"a":' * (depth - 1) + b"{}" + b"}" * (depth - 1)
+
+
+def status_with(value: bytes, id: int = 1) -> bytes:
+    """daemon.status whose params hold `value` under key "a": value depth + 2 in all."""
+    return b'{"jsonrpc":"2.0","id":%d,"method":"daemon.status","params":{"a":%s}}' % (id, value)
+
+
+def test_nesting_counts_brackets_outside_strings_only() -> None:
+    assert not rpc.nesting_exceeds(nested(64), 64)
+    assert rpc.nesting_exceeds(nested(65), 64)
+    assert rpc.nesting_exceeds(nested(65, "{"), 64)
+    assert not rpc.nesting_exceeds(b'["' + b"[" * 1000 + b'"]', 64)
+    # An escaped quote does not end the string early.
+    assert not rpc.nesting_exceeds(b'["\\"' + b"[" * 100 + b'"]', 64)
+    assert not rpc.nesting_exceeds(b'["\\\\", ' + nested(62) + b"]", 64)
+    # An unterminated string runs to the end of the line, as it would for a parser.
+    assert not rpc.nesting_exceeds(b'["' + b"[" * 100, 64)
+    assert rpc.nesting_exceeds(b"[" * 65 + b'"' + b'\\"' * 1000, 64)
+    # Openers and closers of any kind count against each other; unclosed ones count.
+    assert rpc.nesting_exceeds(b"[{" * 40, 64)
+    assert not rpc.nesting_exceeds(b"[]{}" * 1000, 64)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        nested(1000),  # the 2 KB line that used to end the daemon
+        nested(100_000),
+        b"[" * 100_000,  # never closed
+        status_with(nested(1000)),
+        status_with(nested(1000, "{")),
+        status_with(nested(63)),  # 65 levels with the envelope and params
+        b'{"jsonrpc":"2.0","id":' + nested(1000) + b',"method":"daemon.status"}',
+    ],
+    ids=["arrays", "arrays-100k", "unclosed", "params", "params-objects", "one-over", "in-id"],
+)
+def test_too_deep_is_refused_by_name_without_parsing(line: bytes) -> None:
+    error = reply(rpc.decode_call(line))
+    assert error["id"] is None
+    assert error["error"]["code"] == -32001
+    assert error["error"]["data"] == {"refusal": "request_too_deep", "limit": rpc.MAX_DEPTH}
+
+
+def test_depth_at_the_limit_is_parsed() -> None:
+    # 62 + params + envelope = 64 levels: decoded, then refused for its unknown field.
+    error = reply(rpc.decode_call(status_with(nested(62), id=4)))
+    assert error["id"] == 4
+    assert error["error"]["data"] == {"refusal": "invalid_params", "path": "$.a"}
+    # Brackets in strings are text, whatever their number.
+    error = reply(rpc.decode_call(status_with(b'"' + b"[" * 5000 + b'"', id=5)))
+    assert error["error"]["data"] == {"refusal": "invalid_params", "path": "$.a"}
+
+
+# --- integers out of range -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "path"),
+    [
+        ("journal.read", {"since": 2**63}, "$.since"),
+        ("journal.read", {"since": 10**40}, "$.since"),
+        ("journal.read", {"limit": -(2**63) - 1}, "$.limit"),
+        ("fs.read", {"workspace": "w", "path": "a", "offset": 2**64}, "$.offset"),
+        (
+            "fs.patch",
+            {"workspace": "w", "path": "a", "base_sha256": SHA, "edits": [{"count": 2**63}]},
+            "$.edits[0].count",
+        ),
+        ("daemon.status", {"x": [1, {"y": 2**70}]}, "$.x[1].y"),
+    ],
+)
+def test_integer_outside_64_bits_is_invalid_params(
+    method: str, params: dict[str, Any], path: str
+) -> None:
+    error = reply(rpc.decode_call(request(method, params, id=12)))
+    assert error["id"] == 12
+    assert error["error"]["code"] == rpc.INVALID_PARAMS
+    assert error["error"]["data"] == {"refusal": "invalid_params", "path": path}
+    # As a notification: no reply, like any invalid params.
+    assert rpc.decode_call(request(method, params)) == rpc.Outcome(None)
+
+
+def test_64_bit_integers_pass() -> None:
+    call = rpc.decode_call(request("journal.read", {"since": 2**63 - 1}, id=1))
+    assert isinstance(call, rpc.Call) and call.params.since == 2**63 - 1
+    # Long digit runs inside strings are not integers.
+    call = rpc.decode_call(request("journal.read", {"workspace": "9" * 40}, id=1))
+    assert isinstance(call, rpc.Call)
+
+
+def test_out_of_range_int_walks_every_container() -> None:
+    assert rpc.out_of_range_int({"a": [0, -(2**63), 2**63 - 1, True, 1.5e300]}) is None
+    assert rpc.out_of_range_int([[[], {"k": [2**63]}]]) == "$[0][1].k[0]"

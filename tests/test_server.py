@@ -540,3 +540,88 @@ def test_client_vanishing_mid_call_does_not_hurt_the_daemon(
         s.sendall(request("fs.search", workspace=slow_tree, pattern="dolor") + b"\n")
         s.close()
     assert_served(module_daemon)
+
+
+# --- end of input, per-uid caps, integers ----------------------------------------------------
+
+
+def test_half_closed_connection_gets_every_reply(
+    module_daemon: DaemonProcess, slow_tree: str
+) -> None:
+    """shutdown(SHUT_WR) after the requests: all are answered, then the daemon closes."""
+    with Wire(module_daemon.raw(timeout=PATIENCE_S)) as w:
+        w.send(request("fs.search", id="slow", workspace=slow_tree, pattern=SLOW_PATTERN) + b"\n")
+        w.send(request("daemon.status", id="status") + b"\n")
+        w.send(request("workspace.list", id="no-newline"))  # ended by the end of input
+        w.sock.shutdown(socket.SHUT_WR)
+        assert w.closed()
+        replies = [json.loads(line) for line in w.buf.splitlines()]
+    assert sorted(r["id"] for r in replies) == ["no-newline", "slow", "status"]
+    assert all("result" in r for r in replies), replies
+
+
+def test_peer_gone_entirely_does_not_keep_its_calls(
+    module_daemon: DaemonProcess, slow_tree: str
+) -> None:
+    for _ in range(3):
+        s = module_daemon.raw()
+        s.sendall(request("fs.search", workspace=slow_tree, pattern=SLOW_PATTERN) + b"\n")
+        s.close()
+    assert_served(module_daemon)
+
+
+def test_per_uid_cap_leaves_room_for_other_uids(
+    daemon_factory: Callable[..., DaemonProcess],
+) -> None:
+    d = daemon_factory(max_connections=20, max_connections_per_uid=3, allowed_uids=[0, 1000])
+    held: list[Wire] = []
+    try:
+        for i in range(3):
+            w = Wire(d.raw(timeout=PATIENCE_S))
+            w.send(request("workspace.list", id=i) + b"\n")
+            assert w.message()["id"] == i
+            held.append(w)
+        with Wire(d.raw(timeout=PATIENCE_S)) as extra:
+            error = extra.message()["error"]
+            assert error["data"] == {"refusal": "limit_exceeded", "limit": 3, "scope": "uid"}
+            assert extra.closed()
+        # Another uid is still served while uid 0 holds all it may.
+        _open_to_everyone(d)
+        replies = _connect_as(1000, d.agent_path)
+        assert [r["id"] for r in replies] == [1]
+        # The operator socket has its own slots.
+        with d.operator() as operator:
+            assert operator.call("daemon.status")["version"]
+    finally:
+        for w in held:
+            w.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "params", "path"),
+    [
+        ("journal.read", {"since": 2**63}, "$.since"),
+        ("journal.read", {"since": 0, "limit": 2**64}, "$.limit"),
+        ("fs.read", {"workspace": "w", "path": "a", "offset": 2**63}, "$.offset"),
+    ],
+)
+def test_integer_out_of_range_is_invalid_params(
+    wire: Callable[..., Wire], method: str, params: dict[str, Any], path: str
+) -> None:
+    w = wire()
+    w.send(request(method, id=13, **params) + b"\n")
+    reply = w.message()
+    assert reply["id"] == 13
+    assert reply["error"]["code"] == -32602
+    assert reply["error"]["data"] == {"refusal": "invalid_params", "path": path}
+
+
+def test_status_reports_the_real_terminal_address(module_daemon: DaemonProcess) -> None:
+    """The daemon listens on 127.0.0.1:0 here: status says which port it got."""
+    with module_daemon.client() as c:
+        listen = c.call("daemon.status")["listen"]
+    host, _, port = listen.rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    with socket.create_connection((host, int(port)), timeout=PATIENCE_S) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(64).startswith(b"HTTP/1.1 200")

@@ -9,6 +9,7 @@ import trio
 
 from substrate import __version__, writes
 from substrate.api.base import Caller, handles
+from substrate.pty.http import parse_listen
 from substrate.schema.journal import (
     EngineStatus,
     JournalReadParams,
@@ -65,4 +66,19 @@ async def status(daemon: Daemon, caller: Caller, p: StatusParams) -> StatusResul
         epoch=daemon.epoch,
         uptime_s=round(time.monotonic() - daemon.started, 3),
         engine=engine,
+        listen=terminal_listen(daemon),
     )
+
+
+def terminal_listen(daemon: Daemon) -> str | None:
+    """Where terminals are served (`HOST:PORT`, the bound port), or None when they are not.
+
+    Clients build their terminal URL from this, never from a default port: a token sent
+    to whatever else listens on 7681 would be a leak.
+    """
+    terminals = getattr(daemon, "terminals", None)
+    port = getattr(getattr(terminals, "http", None), "port", 0)
+    if not port:
+        return None
+    host, _ = parse_listen(daemon.config.listen)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -122,7 +122,8 @@ class Terminals:
         self._live: dict[str, Live] = {}
         self._ended: OrderedDict[str, Session] = OrderedDict()
         self._clients = itertools.count(1)
-        self._attached = 0
+        self._attached = 0  # client slots taken, counting opens still under way
+        self._starting = 0  # sessions being started (not yet in `_live`)
         self._nursery: trio.Nursery | None = None
         self._jsend, self._jrecv = trio.open_memory_channel[
             tuple[str, dict[str, Any], str | None, str]
@@ -201,18 +202,26 @@ class Terminals:
     # -- opening and attaching ----------------------------------------------------------
 
     async def open(self, f: Open, kick: Kick) -> Attached:
-        """Start (no `session`) or join a session for a client. Refuses as documented."""
+        """Start (no `session`) or join a session for a client. Refuses as documented.
+
+        The client slot is reserved before the first await and given back on a refusal,
+        so concurrent opens can never pass `max_clients` together.
+        """
         if self._nursery is None:
             raise LimitExceeded("the terminal service is not running")
         if self._attached >= self.settings.max_clients:
             raise LimitExceeded("too many terminal connections", limit=self.settings.max_clients)
-        if f.session is None:
-            attached = await self._start(f)
-        else:
-            attached = await self._join(f)
+        self._attached += 1
+        try:
+            if f.session is None:
+                attached = await self._start(f)
+            else:
+                attached = await self._join(f)
+        except BaseException:
+            self._attached -= 1
+            raise
         live = attached.live
         live.kicks[attached.client] = (attached.grant, kick)
-        self._attached += 1
         self._log(
             "pty.attached",
             live,
@@ -228,8 +237,16 @@ class Terminals:
         if f.mode != "control":
             raise InvalidParams("a new session is opened with mode control", path="$.mode")
         running = sum(1 for live in self._live.values() if live.session.state == "running")
-        if running >= self.settings.max_sessions:
+        if running + self._starting >= self.settings.max_sessions:
             raise LimitExceeded("too many terminal sessions", limit=self.settings.max_sessions)
+        # Reserve the session slot before the first await; `_live` holds it once started.
+        self._starting += 1
+        try:
+            return await self._start_reserved(f)
+        finally:
+            self._starting -= 1
+
+    async def _start_reserved(self, f: Open) -> Attached:
         grant = await trio.to_thread.run_sync(lambda: self.grants.check(f.token, need_use=True))
         if self._check_workspace is not None:
             self._check_workspace(grant.workspace)

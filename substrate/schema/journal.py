@@ -62,6 +62,9 @@ class StatusResult(Result):
     epoch: int
     uptime_s: float
     engine: EngineStatus
+    #: HOST:PORT the terminal endpoint is bound to (the real port, also for `:0`);
+    #: absent when terminals could not listen.
+    listen: str | None = None
 
 
 method("journal.read", JournalReadParams, JournalReadResult)

@@ -1,0 +1,157 @@
+"""substrate.client: refusals surface by name; a full notification queue never loses an exit.
+
+The request-size tests talk to a real daemon; the notification tests feed an
+`AsyncClient` from a socket pair (the server side is the test), so that the queue can be
+filled on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from substrate.client import AsyncClient, Client, RpcError, open_client
+
+if TYPE_CHECKING:
+    from conftest import DaemonProcess
+
+LIMIT = 4096
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("size", [8 * 1024, 4 * MiB], ids=["buffered", "broken-pipe"])
+def test_oversized_request_is_request_too_large(
+    daemon_factory: Callable[..., DaemonProcess], size: int
+) -> None:
+    d = daemon_factory(max_request_bytes=LIMIT)
+    with Client(d.agent_path, timeout=30) as c, pytest.raises(RpcError) as info:
+        c.call("journal.read", workspace="x" * size)
+    assert info.value.refusal == "request_too_large"
+    assert info.value.data["limit"] == LIMIT
+
+
+def test_known_limit_refuses_before_sending(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    d = daemon_factory(max_request_bytes=LIMIT)
+    with Client(d.agent_path, timeout=30, max_request_bytes=LIMIT) as c:
+        with pytest.raises(RpcError) as info:
+            c.call("journal.read", workspace="x" * LIMIT)
+        assert info.value.refusal == "request_too_large"
+        # Nothing was sent: the connection is still good.
+        assert c.call("daemon.status")["version"]
+
+
+@pytest.mark.parametrize("size", [8 * 1024, 4 * MiB], ids=["buffered", "broken-pipe"])
+async def test_async_oversized_request_is_request_too_large(
+    daemon_factory: Callable[..., DaemonProcess], size: int
+) -> None:
+    d = daemon_factory(max_request_bytes=LIMIT)
+    async with open_client(d.agent_path) as c:
+        with pytest.raises(RpcError) as info, trio.fail_after(30):
+            await c.call("journal.read", workspace="x" * size)
+    assert info.value.refusal == "request_too_large"
+    async with open_client(d.agent_path, max_request_bytes=LIMIT) as c:
+        with pytest.raises(RpcError) as info:
+            await c.call("journal.read", workspace="x" * size)
+        assert info.value.refusal == "request_too_large"
+        assert (await c.call("daemon.status"))["version"]
+
+
+def test_connection_refusal_answers_the_waiting_call(
+    daemon_factory: Callable[..., DaemonProcess],
+) -> None:
+    d = daemon_factory(allowed_uids=[4242])
+    with Client(d.agent_path, timeout=30) as c, pytest.raises(RpcError) as info:
+        c.call("daemon.status")
+    assert info.value.refusal == "unauthorized"
+
+
+# --- notifications ---------------------------------------------------------------------------
+
+
+def output(offset: int, data: str = "x", proc: str = "p1", stream: str = "stdout") -> bytes:
+    params = {"proc": proc, "stream": stream, "offset": offset, "data": data}
+    return msgspec.json.encode({"jsonrpc": "2.0", "method": "proc.output", "params": params})
+
+
+def exit_notice(proc: str = "p1") -> bytes:
+    params = {"proc": proc, "exit_code": 0}
+    return msgspec.json.encode({"jsonrpc": "2.0", "method": "proc.exit", "params": params})
+
+
+@contextlib.asynccontextmanager
+async def fed_client(buffer: int) -> AsyncIterator[tuple[AsyncClient, trio.SocketStream]]:
+    """An AsyncClient with a small queue, and the server end of its socket."""
+    ours, theirs = trio.socket.socketpair()
+    server = trio.SocketStream(theirs)
+    async with trio.open_nursery() as nursery:
+        client = AsyncClient(trio.SocketStream(ours), nursery, notification_buffer=buffer)
+        yield client, server
+        await client.aclose()
+        await server.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def send_lines(server: trio.SocketStream, *lines: bytes) -> None:
+    await server.send_all(b"".join(line + b"\n" for line in lines))
+    await trio.testing.wait_all_tasks_blocked()  # the client's reader has taken them all
+
+
+async def take(client: AsyncClient, n: int) -> list[dict[str, Any]]:
+    with trio.fail_after(5):
+        return [(await client.notifications.receive())["params"] for _ in range(n)]
+
+
+async def test_full_queue_drops_output_never_the_exit() -> None:
+    async with fed_client(buffer=4) as (client, server):
+        await send_lines(server, *[output(i) for i in range(10)], exit_notice())
+        got = await take(client, 6)
+    assert [p.get("offset") for p in got[:4]] == [0, 1, 2, 3]
+    assert all("skipped_from" not in p for p in got[:4])
+    # The hole is reported before the exit, as the daemon reports its own skips.
+    assert got[4] == {"proc": "p1", "stream": "stdout", "offset": 10, "data": "", "skipped_from": 4}
+    assert got[5] == {"proc": "p1", "exit_code": 0}
+    assert client.dropped_output == 6
+
+
+async def test_next_delivered_piece_carries_skipped_from() -> None:
+    async with fed_client(buffer=2) as (client, server):
+        await send_lines(server, output(0, "ab"), output(2, "cd"), output(4, "é"), output(6, "gh"))
+        first = await take(client, 2)
+        await send_lines(server, output(8, "ij"), output(0, "z", stream="stderr"), exit_notice())
+        rest = await take(client, 2)
+        # The exit waited for room (it is never dropped): it comes once the queue drains.
+        last = await take(client, 1)
+    assert [p["offset"] for p in first] == [0, 2]
+    assert rest[0] == {
+        "proc": "p1",
+        "stream": "stdout",
+        "offset": 8,
+        "data": "ij",
+        "skipped_from": 4,
+    }
+    assert rest[1]["stream"] == "stderr"
+    assert last == [{"proc": "p1", "exit_code": 0}]
+    assert client.dropped_output == 2
+
+
+async def test_exit_after_held_notifications_keeps_order() -> None:
+    async with fed_client(buffer=1) as (client, server):
+        await send_lines(
+            server,
+            output(0, proc="a"),
+            exit_notice("a"),
+            output(0, proc="b"),
+            exit_notice("b"),
+        )
+        got = await take(client, 4)
+    assert got[0] == {"proc": "a", "stream": "stdout", "offset": 0, "data": "x"}
+    assert got[1] == {"proc": "a", "exit_code": 0}
+    # b's output came while a's exit was still held: dropped, and reported before b's exit.
+    assert got[2] == {"proc": "b", "stream": "stdout", "offset": 1, "data": "", "skipped_from": 0}
+    assert got[3] == {"proc": "b", "exit_code": 0}
