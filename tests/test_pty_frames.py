@@ -74,6 +74,11 @@ def test_other_frames(text: str, expected: object) -> None:
         '{"type":"open","token":"t","mode":"admin"}',
         '{"type":"open","token":"t","since":-1}',
         '{"type":"open","token":"t","session":"../x"}',
+        # Deep nesting would exhaust the decoder's recursion: refused before parsing.
+        pytest.param(
+            '{"type":"input","data":"x","x":' + "[" * 20_000 + "]" * 20_000 + "}", id="deep"
+        ),
+        pytest.param("[" * 60_000, id="deep-unclosed"),
     ],
 )
 def test_bad_frames_are_4400(text: str) -> None:

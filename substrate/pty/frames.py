@@ -29,6 +29,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from substrate.rpc import nesting_exceeds
+
 #: The largest client frame accepted, in bytes of UTF-8 JSON.
 MAX_FRAME_BYTES = 64 * 1024
 
@@ -163,6 +165,11 @@ _decoder = msgspec.json.Decoder(ClientFrame)
 _encoder = msgspec.json.Encoder()
 
 
+#: Frames are flat objects; anything nesting deeper is refused before it is parsed, so a
+#: crafted `[[[[…` can never reach the decoder's recursion limit.
+MAX_FRAME_DEPTH = 8
+
+
 def decode_client_frame(message: str | bytes) -> ClientFrame:
     """Decode one client message. Refuses binary messages, bad JSON and oversize frames."""
     if isinstance(message, bytes):
@@ -170,6 +177,8 @@ def decode_client_frame(message: str | bytes) -> ClientFrame:
     raw = message.encode("utf-8", errors="surrogatepass")
     if len(raw) > MAX_FRAME_BYTES:
         raise FrameRefused("too_large", f"frame exceeds {MAX_FRAME_BYTES} bytes", CLOSE_TOO_LARGE)
+    if nesting_exceeds(raw, MAX_FRAME_DEPTH):
+        raise FrameRefused("invalid_params", "frame nests too deep", CLOSE_BAD_FRAME)
     try:
         return _decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
