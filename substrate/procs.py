@@ -19,7 +19,23 @@ A supervisor task watches the clock and the command:
 - the deadline passes → TERM to every process of the command, KILL after `GRACE_S`.
 After the stream ends: exit code from the engine, stragglers reaped (a background child
 that closed its output), the cgroup's OOM-kill counter compared with its value before,
-sinks closed into output refs, row and `proc.exited` entry committed.
+then, shielded from cancellation (`_conclude`): an exec the engine could not start at
+all is given the shell's code (127 not found, 126 not executable) and a message on
+stderr in place of the engine's text on stdout, the write gate checks the workspace,
+sinks are closed into output refs, row and `proc.exited` entry committed.
+
+A run cut off after its exec started — its caller went away (`proc.run` on a closed
+connection), the daemon stops, the engine failed — ends the same way: the supervisor
+kills the command (TERM, `GRACE_S`, KILL) and lets the stream drain, then `_settle`
+collects the exit code, and `_conclude` runs the gate and finishes the record with the
+output it had (`cancelled` in the journal). Never left running, never recorded without
+its output. Each shielded step is bounded (`SETTLE_S`, `GATE_WAIT_S`).
+
+Signals (`Processes.signal`) go from the host to every process the reaper attributes
+to the command. Right after `proc.start` the exec may not have a process yet (the engine
+answers the upgrade before runc has started it): a signal that finds nothing then is
+*held* on the entry, and the run delivers it as soon as the engine reports the main
+process (or answers 0 if the exec ended without one).
 
 Hot path (a warm `["true"]`): three engine calls (exec create, start, inspect), two
 commits, one procfs scan of the container's cgroup. Facts are observed once per
@@ -29,6 +45,7 @@ container, never per command.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -75,6 +92,16 @@ MAIN_PROBE_S = 0.25
 #: Largest argv (items) and total argv bytes accepted.
 MAX_ARGV_ITEMS = 4096
 MAX_ARGV_BYTES = 1 << 20
+#: A run cut off after its exec started: at most this long to end the command and read
+#: its exit code (the kill itself takes up to `GRACE_S` plus KILL rounds).
+SETTLE_S = 30.0
+#: The write gate's check after a command may wait this long for its workspace's lock
+#: (the walk and the reverts themselves are never interrupted).
+GATE_WAIT_S = 60.0
+#: The exec's own code when the engine could not start the program at all.
+ENGINE_START_FAILED = 126
+#: At most this much of the engine's start-failure text is read to classify it.
+ENGINE_MESSAGE_BYTES = 4096
 
 
 # --- pure parts ----------------------------------------------------------------------------
@@ -130,6 +157,24 @@ def exec_env(profile: Profile, proc: str) -> dict[str, str]:
     return {**profile.env, reaper.MARKER: proc}
 
 
+def start_failure(argv0: str, engine_text: bytes) -> tuple[int, str]:
+    """(exit code, stderr text) for an exec the engine could not start (pure).
+
+    The engine reports such an exec as exit 126 with its own message ("OCI runtime exec
+    failed: ... executable file not found in $PATH") on *stdout*. A shell says 127 for
+    a program that is not there and 126 for one that cannot be executed, on stderr,
+    naming it; so does substrate (docs/execution.md).
+    """
+    text = engine_text.decode("utf-8", "replace").lower()
+    name = argv0[:256]
+    if "permission denied" in text:
+        return 126, f"substrate: {name}: permission denied\n"
+    if "not found" in text or "no such file or directory" in text:
+        why = "no such file or directory" if "/" in argv0 else "command not found"
+        return 127, f"substrate: {name}: {why}\n"
+    return ENGINE_START_FAILED, f"substrate: {name}: could not be started\n"
+
+
 def signal_of(exit_code: int | None) -> str | None:
     """The signal name the engine's `128 + n` exit code stands for, if any.
 
@@ -150,16 +195,29 @@ def signal_of(exit_code: int | None) -> str | None:
 class WriteGate(Protocol):
     """Checks what a command wrote against the workspace's file-level deny globs.
 
-    `before` snapshots the workspace as the command starts; `after` compares, reverts
-    each offending change and returns them. Implemented by `substrate.gate.SnapshotGate`.
+    `before` snapshots the workspace as the command starts (`readonly`: the paths the
+    sandbox has mounted read-only, with their identities: not walked); `after` compares,
+    reverts each offending change and returns them. Implemented by
+    `substrate.gate.SnapshotGate`.
     """
 
-    async def before(self, ws: Workspace) -> object: ...
+    async def before(
+        self, ws: Workspace, readonly: Mapping[str, tuple[int, int]] | None = None
+    ) -> object: ...
 
     async def after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]: ...
 
 
 # --- running -----------------------------------------------------------------------------------
+
+
+@dataclass
+class HeldSignal:
+    """A signal sent before the command had a process: delivered by its run."""
+
+    name: str
+    done: trio.Event = field(default_factory=trio.Event)
+    delivered: int = 0
 
 
 @dataclass
@@ -180,6 +238,14 @@ class Entry:
     done: trio.Event = field(default_factory=trio.Event)
     result: ProcResult | None = None  # set when it ended with an outcome
     ended: float | None = None
+    #: (host pid, start ticks) of the main process, once the engine reported it: it is
+    #: the command's even if it scrubbed its environment (no marker).
+    main: tuple[int, int] | None = None
+    #: The engine reported the main process (or the exec's end): a signal that finds
+    #: nothing after this is answered 0, never held.
+    appeared: bool = False
+    held: list[HeldSignal] = field(default_factory=list)
+    held_added: trio.Event = field(default_factory=trio.Event)
 
     @property
     def state(self) -> str:
@@ -192,6 +258,7 @@ class Entry:
 class _Run:
     """The state of one running command, shared by its tasks."""
 
+    entry: Entry
     proc: str
     sandbox: Sandbox
     exec_id: str
@@ -222,6 +289,7 @@ class Processes:
         fs_limiter: trio.CapacityLimiter | None = None,
     ) -> None:
         self._engine = engine
+        self._journal = journal
         self._containers = containers
         self._artifacts = artifacts
         self.artifacts = artifacts
@@ -327,9 +395,11 @@ class Processes:
 
         Returns how many processes were signalled, or None when `proc` is not running in
         this daemon run. KILL goes in rounds with the cgroup frozen (a forking command
-        cannot outrun it). Under gVisor the command's processes are not host processes:
-        TERM and KILL remove the whole sandbox (every command in it ends), INT is sent
-        to nothing (0).
+        cannot outrun it). A signal that finds no process before the engine reported the
+        main one is held and delivered by the run as soon as it is (this call waits for
+        that); 0 means the command had no process left. Under gVisor the command's
+        processes are not host processes: TERM and KILL remove the whole sandbox (every
+        command in it ends), INT is sent to nothing (0).
         """
         entry = self._live.get(proc)
         if entry is None:
@@ -340,11 +410,31 @@ class Processes:
                 return 0
             await self._containers.forget(sandbox, "signal")
             return 1
+        delivered = await self._send(entry, name)
+        if delivered or entry.appeared or entry.done.is_set():
+            return delivered
+        held = HeldSignal(name)
+        entry.held.append(held)
+        entry.held_added.set()
+        await held.done.wait()
+        return held.delivered
+
+    async def _send(self, entry: Entry, name: str) -> int:
+        """Signal every process of `entry`'s command now; how many were signalled."""
+        sandbox = entry.sandbox
+        roots = _roots(entry)
         if name == "KILL":
             total = 0
             for _ in range(10):
                 n = await trio.to_thread.run_sync(
-                    reaper.kill_round, sandbox.cgroups, proc, sandbox.protected, False
+                    functools.partial(
+                        reaper.kill_round,
+                        sandbox.cgroups,
+                        entry.proc,
+                        sandbox.protected,
+                        False,
+                        roots=roots,
+                    )
                 )
                 if n == 0:
                     break
@@ -354,13 +444,52 @@ class Processes:
         signum = signal.Signals["SIG" + name]
 
         def deliver() -> int:
-            found = reaper.targets(sandbox.cgroups, proc, sandbox.protected, False)
+            found = reaper.targets(
+                sandbox.cgroups, entry.proc, sandbox.protected, False, roots=roots
+            )
             for pid in found:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signum)
             return len(found)
 
         return await trio.to_thread.run_sync(deliver, limiter=self._fs_limiter)
+
+    async def _release_held(self, run: _Run) -> None:
+        """Deliver held signals once the engine reports the main process (run task)."""
+        entry = run.entry
+        while True:
+            await entry.held_added.wait()
+            entry.held_added = trio.Event()
+            await self._learn_main(run, first_sleep=0.005)
+            await self._deliver_held(entry)
+
+    async def _learn_main(self, run: _Run, *, first_sleep: float) -> int | None:
+        """Wait until the engine reports the exec's main process (or its end); record it
+        on the entry. Returns its host pid, None once the exec ended without one."""
+        pid = await self._started_pid(run.exec_id, first_sleep=first_sleep)
+        entry = run.entry
+        if pid is not None and entry.main is None:
+            info = await trio.to_thread.run_sync(reaper.read_proc, pid)
+            if info is not None:
+                entry.main = (pid, info.start)
+        entry.appeared = True
+        return pid
+
+    async def _release_remaining(self, entry: Entry) -> None:
+        """The stream ended: one last delivery for anything still held."""
+        entry.appeared = True
+        await self._deliver_held(entry)
+
+    async def _deliver_held(self, entry: Entry) -> None:
+        """Send each held signal now and answer its caller. Shielded: once taken off the
+        list, a signal is sent (the run's end cancels the releaser) and answered."""
+        while entry.held:
+            held = entry.held.pop(0)
+            try:
+                with trio.CancelScope(shield=True):
+                    held.delivered = await self._send(entry, held.name)
+            finally:
+                held.done.set()
 
     def mark_lost(self, epoch: int) -> int:
         """At start: records still `running` from an earlier daemon run become `lost`."""
@@ -439,7 +568,10 @@ class Processes:
         on_started: Callable[[Entry], None] | None,
     ) -> ProcResult:
         profile = sandbox.profile
-        snapshot = await self.write_gate.before(ws) if self.write_gate is not None else None
+        snapshot = None
+        if self.write_gate is not None and profile.workspace == "rw":
+            # Only an rw workspace can be written; the mounts it has read-only are not walked.
+            snapshot = await self.write_gate.before(ws, sandbox.readonly)
         t0 = trio.current_time()
         # The exec is created while the record commits: two round trips overlap.
         created: list[str] = []
@@ -498,14 +630,16 @@ class Processes:
         )
         self._live[proc] = entry
         try:
-            entry.result = await self._run_started(
+            return await self._run_started(
                 entry, ws, exec_id, oom_before, t0, limit_s, snapshot, stdin, actor, on_started
             )
-            return entry.result
         finally:
             entry.ended = time.time()
             self._live.pop(proc, None)
             entry.done.set()
+            for held in entry.held:  # its exec never started: nothing to signal
+                held.done.set()
+            entry.held.clear()
 
     async def _run_started(
         self,
@@ -522,43 +656,117 @@ class Processes:
     ) -> ProcResult:
         proc, sandbox, sinks = entry.proc, entry.sandbox, entry.sinks
         try:
-            try:
-                stream = await self._engine.exec_start(exec_id)
-            except ContainerGone:
+            stream = await self._engine.exec_start(exec_id)
+        except BaseException as exc:
+            # Nothing ran: the record says lost (no outcome to keep).
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._abort_record, ws, proc, sinks)
+            if isinstance(exc, ContainerGone):
                 # The record exists now: no silent retry under the same process id.
                 raise RuntimeUnavailable("the sandbox went away as the command started") from None
-            if on_started is not None:
-                on_started(entry)
-            run = _Run(
-                proc=proc,
-                sandbox=sandbox,
-                exec_id=exec_id,
-                sock=stream.sock,
-                initial=stream.initial,
-                sinks=sinks,
-                deadline=t0 + limit_s,
-            )
+            raise
+        if on_started is not None:
+            on_started(entry)
+        run = _Run(
+            entry=entry,
+            proc=proc,
+            sandbox=sandbox,
+            exec_id=exec_id,
+            sock=stream.sock,
+            initial=stream.initial,
+            sinks=sinks,
+            deadline=t0 + limit_s,
+        )
+        cut_off: BaseException | None = None
+        exit_code: int | None = None
+        oom_after = oom_before
+        try:
             await self._drive(run, stdin)
             exit_code = await self._exit_code(run)
             if exit_code is None and run.timed_out:
                 # Killed with its whole sandbox (gVisor): the engine lost the code.
                 exit_code = 128 + signal.SIGKILL
-            alone = sandbox.running <= 1
-            stragglers, oom_after = await trio.to_thread.run_sync(
-                _after_exit, sandbox, proc, alone, limiter=self._fs_limiter
+            oom_after = await self._reap_stragglers(run)
+        except BaseException as exc:
+            # Cancelled (its caller went away, the daemon stops) or the engine failed:
+            # the command is ended below and its record finished, then this re-raised.
+            cut_off = exc
+        with trio.CancelScope(shield=True):
+            if cut_off is not None:
+                exit_code, oom_after = await self._settle(run, exit_code)
+            result = await self._conclude(
+                run, ws, exit_code, oom_before, oom_after, t0, snapshot, actor, cut_off is not None
             )
-            if stragglers:
-                termed, killed = await reaper.terminate(
-                    sandbox.cgroups, proc, sandbox.protected, alone=alone, grace_s=GRACE_S
-                )
-                run.reaped += termed
-                run.killed += killed
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self._abort_record, ws, proc, sinks)
-            raise
+        if cut_off is not None:
+            raise cut_off
+        return result
+
+    async def _reap_stragglers(self, run: _Run) -> int:
+        """After the main process: reap what it left behind; return the OOM-kill count."""
+        sandbox = run.sandbox
+        alone = sandbox.running <= 1
+        stragglers, oom_after = await trio.to_thread.run_sync(
+            _after_exit, sandbox, run.proc, alone, limiter=self._fs_limiter
+        )
+        if stragglers:
+            termed, killed = await reaper.terminate(
+                sandbox.cgroups,
+                run.proc,
+                sandbox.protected,
+                alone=alone,
+                grace_s=GRACE_S,
+                roots=_roots(run.entry),
+            )
+            run.reaped += termed
+            run.killed += killed
+        return oom_after
+
+    async def _settle(self, run: _Run, exit_code: int | None) -> tuple[int | None, int]:
+        """A run cut off after its exec started: end whatever of the command is left and
+        read its exit code (bounded by `SETTLE_S`); return (exit code, OOM-kill count).
+        Called shielded."""
+        sandbox = run.sandbox
+        if not run.pump_done.is_set():  # cut off before its stream was driven at all
+            exec_stream.shutdown(run.sock)
+            run.sock.close()
+        with trio.move_on_after(SETTLE_S):
+            if sandbox.host_visible:
+                await self._kill(run)  # targeted: one scan when nothing is left
+            elif exit_code is None:
+                try:
+                    info = await self._engine.exec_inspect(run.exec_id)
+                except ContainerGone:
+                    info = {}
+                if info.get("Running"):
+                    await self._kill_inside(run)
+            if exit_code is None:
+                with trio.move_on_after(GRACE_S):
+                    exit_code = await self._wait_exit(run)
+        oom_after = await trio.to_thread.run_sync(
+            reaper.oom_kills, sandbox.cgroups, limiter=self._fs_limiter
+        )
+        return exit_code, oom_after
+
+    async def _conclude(
+        self,
+        run: _Run,
+        ws: Workspace,
+        exit_code: int | None,
+        oom_before: int,
+        oom_after: int,
+        t0: float,
+        snapshot: object,
+        actor: str,
+        cancelled: bool,
+    ) -> ProcResult:
+        """Gate, outputs, record: the end of every run whose exec started. Called shielded;
+        every wait in it is bounded, and the record is always finished (or, if even that
+        fails, marked lost)."""
+        entry, sinks = run.entry, run.sinks
         duration_ms = round((trio.current_time() - t0) * 1000, 3)
-        blocked = await self.write_gate.after(ws, snapshot) if self.write_gate is not None else []
+        if exit_code == ENGINE_START_FAILED:
+            exit_code = await self._start_failed(run, exit_code)
+        blocked = await self._gate_after(ws, snapshot)
         outcome = Outcome(
             exit_code=exit_code,
             signal=signal_of(exit_code),
@@ -567,51 +775,122 @@ class Processes:
             duration_ms=duration_ms,
             reaped=run.reaped,
             killed=run.killed,
+            cancelled=cancelled,
         )
-        return await trio.to_thread.run_sync(
-            self._finish_record,
-            ws,
-            proc,
-            sandbox,
-            outcome,
-            sinks,
-            blocked,
-            actor,
-            limiter=self._fs_limiter,
+        try:
+            entry.result = await trio.to_thread.run_sync(
+                self._finish_record,
+                ws,
+                run.proc,
+                run.sandbox,
+                outcome,
+                sinks,
+                blocked,
+                actor,
+                limiter=self._fs_limiter,
+            )
+        except Exception:
+            log.exception("%s: finishing the record failed; it is marked lost", run.proc)
+            await trio.to_thread.run_sync(self._abort_record, ws, run.proc, sinks)
+            raise
+        return entry.result
+
+    async def _start_failed(self, run: _Run, exit_code: int) -> int:
+        """Exit 126 from an exec that never had a process: the engine could not start the
+        program. Its message (on stdout) becomes the shell's code and a line on stderr."""
+        try:
+            info = await self._engine.exec_inspect(run.exec_id)
+        except ContainerGone:
+            return exit_code
+        if int(info.get("Pid") or 0) != 0:
+            return exit_code  # it ran, and exited 126 itself
+        sinks = run.sinks
+        argv0 = run.entry.argv[0]
+
+        def rewrite() -> int:
+            code, message = start_failure(argv0, sinks[1].read_at(0, ENGINE_MESSAGE_BYTES))
+            for sink in sinks.values():
+                sink.rewind()
+            sinks[2].write(message.encode("utf-8", "surrogateescape"))
+            return code
+
+        return await trio.to_thread.run_sync(rewrite, limiter=self._fs_limiter)
+
+    async def _gate_after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]:
+        """The write gate's check, bounded by `GATE_WAIT_S`; a failure is journalled
+        (`policy.gate_failed`) and reported as nothing blocked, never left unfinished."""
+        if self.write_gate is None or snapshot is None:
+            return []
+        reason = "timeout"
+        with trio.move_on_after(GATE_WAIT_S):
+            try:
+                return await self.write_gate.after(ws, snapshot)
+            except Exception as exc:
+                log.exception("write gate check of %s failed", ws.root_id)
+                reason = type(exc).__name__
+        await trio.to_thread.run_sync(
+            functools.partial(
+                self._journal.append, "policy.gate_failed", {"reason": reason}, workspace=ws.id
+            )
         )
+        return []
 
     # -- driving one exec -----------------------------------------------------------------
 
     async def _drive(self, run: _Run, stdin: bytes | None) -> None:
-        """Pump output (and stdin) until the stream ends; supervise timeout and exit."""
+        """Pump output (and stdin) until the stream ends; supervise timeout and exit;
+        deliver held signals. Cancelled, it kills the command and drains its stream
+        before it returns (see `_supervise`): the pump thread is never abandoned, so
+        nothing writes to a sink after the run closed it."""
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump, run)
-                if stdin is not None:
-                    nursery.start_soon(
-                        trio.to_thread.run_sync, exec_stream.feed_stdin, run.sock, stdin, True
-                    )
-                nursery.start_soon(self._supervise, run)
+            async with trio.open_nursery() as signals:
+                signals.start_soon(self._release_held, run)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump, run)
+                    if stdin is not None:
+                        nursery.start_soon(
+                            trio.to_thread.run_sync, exec_stream.feed_stdin, run.sock, stdin, True
+                        )
+                    nursery.start_soon(self._supervise, run)
+                signals.cancel_scope.cancel()
         finally:
             exec_stream.shutdown(run.sock)
             run.sock.close()
+            with trio.CancelScope(shield=True):
+                await self._release_remaining(run.entry)
 
     async def _pump(self, run: _Run) -> None:
         try:
+            # Not abandoned on cancel: the run ends the command (or shuts the socket) and
+            # this returns once every byte it read is in the sinks.
             await trio.to_thread.run_sync(
                 exec_stream.pump_stream,
                 run.sock,
                 run.initial,
                 run.sinks,
                 limiter=self._pump_limiter,
-                abandon_on_cancel=True,
             )
         finally:
-            # Cancelled (the daemon stops): unblock the abandoned thread's recv.
-            exec_stream.shutdown(run.sock)
             run.pump_done.set()
 
     async def _supervise(self, run: _Run) -> None:
+        try:
+            await self._watch(run)
+        except BaseException:
+            # Cut off (cancelled, or a failure here): the command must not outlive its
+            # run. End it, let its stream drain, shut the stream; bounded.
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + SETTLE_S
+                if not run.pump_done.is_set():
+                    await self._kill(run)
+                    with trio.move_on_after(GRACE_S):
+                        await run.pump_done.wait()
+            if not run.pump_done.is_set():
+                log.warning("%s: output stream still open after kill; closing it", run.proc)
+                exec_stream.shutdown(run.sock)
+            raise
+
+    async def _watch(self, run: _Run) -> None:
         sandbox = run.sandbox
         with trio.move_on_at(run.deadline):
             with trio.move_on_after(MAIN_PROBE_S):
@@ -621,7 +900,7 @@ class Processes:
             if sandbox.host_visible:
                 # Still streaming: watch the main process itself, so a background child
                 # holding the output pipe cannot keep the command "running".
-                pid = await self._started_pid(run.exec_id)
+                pid = await self._learn_main(run, first_sleep=0.05)
                 if pid is not None:
                     async with trio.open_nursery() as nursery:
 
@@ -644,6 +923,7 @@ class Processes:
                         sandbox.protected,
                         alone=sandbox.running <= 1,
                         grace_s=GRACE_S,
+                        roots=_roots(run.entry),
                     )
                     run.reaped += termed
                     run.killed += killed
@@ -668,6 +948,7 @@ class Processes:
                 sandbox.protected,
                 alone=sandbox.running <= 1,
                 grace_s=GRACE_S,
+                roots=_roots(run.entry),
             )
             run.reaped += termed
             run.killed += killed
@@ -679,12 +960,13 @@ class Processes:
         stopped instead (its next command gets a fresh, verified one)."""
         await self._containers.forget(run.sandbox, "timeout")
 
-    async def _started_pid(self, exec_id: str) -> int | None:
+    async def _started_pid(self, exec_id: str, *, first_sleep: float = 0.05) -> int | None:
         """The exec's host pid once it runs; None once it has exited (or vanished).
 
         An exec the engine has not started yet also reads `Running: false`, but with no
-        exit code: that one is asked again (a slow engine can take longer than
-        `MAIN_PROBE_S` to start a process).
+        exit code: that one is asked again, after `first_sleep`, then twice as long each
+        time up to 1 s (a slow engine can take longer than `MAIN_PROBE_S` to start a
+        process). The engine reports the pid once runc has exec'd the program.
         """
         for attempt in itertools.count():
             try:
@@ -696,7 +978,7 @@ class Processes:
                 return pid
             if not info.get("Running") and info.get("ExitCode") is not None:
                 return None
-            await trio.sleep(min(0.05 * 2**attempt, 1.0))
+            await trio.sleep(min(first_sleep * 2**attempt, 1.0))
         raise AssertionError("unreachable")
 
     async def _exit_code(self, run: _Run) -> int | None:
@@ -756,6 +1038,7 @@ class Processes:
             cwd=cwd,
             container=sandbox.id,
             actor=actor,
+            facts=sandbox.facts,
         )
         return sinks, reaper.oom_kills(sandbox.cgroups)
 
@@ -806,6 +1089,11 @@ def _sole(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+def _roots(entry: Entry) -> dict[int, int]:
+    """The main process as the reaper's extra root (pid → start ticks), once known."""
+    return dict([entry.main]) if entry.main is not None else {}
 
 
 def _after_exit(sandbox: Sandbox, proc: str, alone: bool) -> tuple[bool, int]:
