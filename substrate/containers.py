@@ -500,7 +500,7 @@ def git_paths(root_fd: int, skip: Collection[str] = ()) -> list[tuple[str, tuple
     read or `MAX_GIT_WALK_DEPTH` levels (a sandbox is refused rather than left with a
     writable `.git`), and `confinement_unmet` for a `.git` whose path is not UTF-8 (the
     engine's API cannot name it, so it cannot be mounted). Cost: one `scandir` per
-    directory, about 10 ms per 10,000 entries.
+    directory, about 13 ms per 10,000 entries (warm page cache).
     """
     found: list[tuple[str, tuple[int, int]]] = []
     seen = 0

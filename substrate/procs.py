@@ -304,7 +304,7 @@ class Processes:
             except Exception:
                 if not started:
                     raise
-                # The record says lost already (`_abort_record`); nobody awaits us.
+                # Its record is finished (or lost, if it never ran); nobody awaits us.
                 log.exception("a started process failed")
 
         proc: str = await nursery.start(background)
