@@ -240,11 +240,12 @@ def _running_in(docker_client: Any, state_dir: Any, needle: str) -> list[str]:
     return found
 
 
-SETTLE_SCRIPT = "echo started-{tag}; echo x > {tag}.lock; sleep 300"
+#: Writes a denied file, then says so, then waits to be cut off.
+SETTLE_SCRIPT = "echo x > {tag}.lock; echo started-{tag}; sleep 300"
 
 
 async def _until_output(c: AsyncClient, ws: str) -> str:
-    """The newest process of `ws` once it has written to stdout."""
+    """The newest process of `ws` once it has written to stdout (so its lock file too)."""
     with trio.fail_after(30):
         while True:
             listed = (await c.call("proc.list", workspace=ws))["processes"]
