@@ -20,6 +20,12 @@ workspace is released, or the daemon stops. On a cache miss it:
    container and raises `confinement_unmet` with what was required and what was seen.
    The facts are journalled (`proc.facts`) and returned with every command's result.
 
+Read-only over the workspace bind: the policy's whole-directory denies (`X/**`) and
+every `.git` — directory or file (worktrees, submodules) — at any depth, found by a
+bounded walk from the held root fd that never follows a symlink (`git_paths`). An empty
+read-only file is bound over `/etc/resolv.conf`: the engine would otherwise copy the
+host's resolver (its name server address) into a sandbox that has no network.
+
 On a cache hit the only check is that the container's init is still the same process
 (pid and start time from procfs, microseconds): a restarted or replaced container is
 verified again from scratch. Settings changed on a running container through the
@@ -34,13 +40,14 @@ removed: it belongs to a previous run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import secrets
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +58,7 @@ import trio
 from substrate import facts as factlib
 from substrate import observe, paths, profiles, reaper, seccomp
 from substrate.engine import ContainerGone, Engine
-from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
+from substrate.errors import ConfinementUnmet, LimitExceeded, Refusal, RuntimeUnavailable
 from substrate.facts import Fact, FactValue
 from substrate.journal import Journal
 from substrate.profiles import Profile
@@ -74,6 +81,15 @@ __all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_fo
 
 log = logging.getLogger("substrate.containers")
 
+#: At most this many `.git` paths get a read-only mount in one sandbox; more is refused
+#: (`limit_exceeded`): a checkout with that many nested repositories is not supported.
+MAX_GIT_PATHS = 128
+#: The `.git` search reads at most this many directory entries, and goes this deep;
+#: past either the sandbox is refused (`limit_exceeded`) rather than left unprotected.
+MAX_GIT_WALK_ENTRIES = 1_000_000
+MAX_GIT_WALK_DEPTH = 256
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 @dataclass
 class Sandbox:
@@ -91,6 +107,8 @@ class Sandbox:
     host_visible: bool
     running: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
+    readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def alive(self) -> bool:
         """Is the container's init still the process we verified? (procfs, microseconds)"""
@@ -120,12 +138,15 @@ class Containers:
         seccomp_dir: Path,
         idle_s: float,
         fs_limiter: trio.CapacityLimiter | None = None,
+        files_dir: Path | None = None,
     ) -> None:
         self._engine = engine
         self._journal = journal
         self.daemon_id = daemon_id
         self._epoch = epoch
         self._seccomp_dir = seccomp_dir
+        # Files the daemon binds into sandboxes (the empty resolv.conf); None: none bound.
+        self._files_dir = files_dir
         self.idle_s = idle_s
         self._fs_limiter = fs_limiter
         self._live: dict[tuple[str, str], Sandbox] = {}
@@ -213,6 +234,11 @@ class Containers:
         required.update(_identity_required(profile, ro_dirs, owner))
         ro_rels = [rel for rel, _ in ro_dirs]
         await self._remove_foreign(ws, profile, required, ro_rels)
+        resolv_conf = None
+        if self._files_dir is not None:
+            resolv_conf = await trio.to_thread.run_sync(
+                empty_resolv_conf, self._files_dir, limiter=self._fs_limiter
+            )
 
         spec = container_spec(
             profile,
@@ -220,6 +246,7 @@ class Containers:
             workspace_source=ws.host_path,
             readonly_dirs=ro_rels,
             security_opt=security_opt,
+            resolv_conf=resolv_conf,
         )
         labels = {
             **self.labels_for(ws.id, profile.name),
@@ -231,7 +258,7 @@ class Containers:
         try:
             try:
                 await self._engine.start(container)
-                return await self._verify(container, ws, profile, who, required, ro_rels)
+                return await self._verify(container, ws, profile, who, required, dict(ro_dirs))
             except (ContainerGone, ProcessLookupError):
                 raise RuntimeUnavailable(
                     f"the sandbox of profile {profile.name!r} did not stay up (its image "
@@ -249,13 +276,13 @@ class Containers:
         profile: Profile,
         who: RunAs,
         required: Mapping[str, FactValue],
-        ro_rels: Sequence[str],
+        readonly: dict[str, tuple[int, int]],
     ) -> Sandbox:
         inspect = await self._engine.inspect(container)
         init_pid = int(inspect["State"]["Pid"] or 0)
         if not inspect["State"].get("Running") or init_pid <= 0:
             raise ContainerGone(container)
-        observed = await self._observe(init_pid, inspect, profile, ro_rels)
+        observed = await self._observe(init_pid, inspect, profile, list(readonly))
         await self._check(container, ws, profile, required, observed)
         init = reaper.read_proc(init_pid)
         if init is None:
@@ -276,6 +303,7 @@ class Containers:
             cgroups=cgroups,
             facts=observed,
             host_visible=host_visible,
+            readonly=readonly,
         )
         await self._journal_async(
             "proc.facts",
@@ -432,11 +460,14 @@ def _identity_required(
 
 
 def _readonly_identities(ws: Workspace, profile: Profile) -> list[tuple[str, tuple[int, int]]]:
-    """Policy read-only paths that exist as a real directory or regular file (no symlink
-    anywhere on the way, the last component included), with their (st_dev, st_ino).
+    """Paths to bind read-only over the workspace, with their (st_dev, st_ino), sorted:
+    the policy's read-only dirs that exist as a real directory or regular file (no
+    symlink anywhere on the way, the last component included), and every `.git` at any
+    depth (`git_paths`).
 
     A regular file counts because `.git` is a file in a git worktree or submodule (it
-    names the real git dir): it is bound read-only like a directory would be.
+    names the real git dir): it is bound read-only like a directory would be. Refuses
+    as `git_paths` does.
     """
     if profile.workspace == "none":
         return []
@@ -453,7 +484,127 @@ def _readonly_identities(ws: Workspace, profile: Profile) -> list[tuple[str, tup
             os.close(parent)
         if st is not None and (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
             found.append(("/".join([*parents, name]), (st.st_dev, st.st_ino)))
-    return found
+    mounted = {rel for rel, _ in found}
+    found += [(rel, ident) for rel, ident in git_paths(ws.root_fd, mounted) if rel not in mounted]
+    return sorted(found)
+
+
+def git_paths(root_fd: int, skip: Collection[str] = ()) -> list[tuple[str, tuple[int, int]]]:
+    """Every `.git` beneath `root_fd` that is a directory or a regular file, as
+    (workspace-relative path, (st_dev, st_ino)), sorted. Blocking.
+
+    Walks from the held root fd with `O_NOFOLLOW | O_DIRECTORY` opens, one fd per level
+    (never one per pending directory): never follows a symlink, never enters a `.git`
+    (its mount covers it) nor a directory in `skip` (mounted read-only whole already).
+    Refuses `limit_exceeded` past `MAX_GIT_PATHS` found, `MAX_GIT_WALK_ENTRIES` entries
+    read or `MAX_GIT_WALK_DEPTH` levels (a sandbox is refused rather than left with a
+    writable `.git`), and `confinement_unmet` for a `.git` whose path is not UTF-8 (the
+    engine's API cannot name it, so it cannot be mounted). Cost: one `scandir` per
+    directory, about 13 ms per 10,000 entries (warm page cache).
+    """
+    found: list[tuple[str, tuple[int, int]]] = []
+    seen = 0
+
+    def scan(dir_fd: int, prefix: str) -> list[str]:
+        nonlocal seen
+        subdirs: list[str] = []
+        with os.scandir(dir_fd) as it:
+            for entry in it:
+                seen += 1
+                if seen > MAX_GIT_WALK_ENTRIES:
+                    raise LimitExceeded(
+                        f"the workspace has more than {MAX_GIT_WALK_ENTRIES} entries to "
+                        "search for .git directories",
+                        limit=MAX_GIT_WALK_ENTRIES,
+                    )
+                rel = prefix + entry.name
+                if entry.name == ".git":
+                    _add_git(found, rel, entry)
+                elif entry.is_dir(follow_symlinks=False) and rel not in skip:
+                    subdirs.append(entry.name)
+        return subdirs
+
+    # Each level: (its fd, its prefix, its subdirectories still to visit).
+    stack: list[tuple[int, str, list[str]]] = []
+    try:
+        top = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
+        stack.append((top, "", []))
+        stack[-1][2].extend(scan(top, ""))
+        while stack:
+            dir_fd, prefix, todo = stack[-1]
+            if not todo:
+                os.close(dir_fd)
+                stack.pop()
+                continue
+            name = todo.pop()
+            if len(stack) >= MAX_GIT_WALK_DEPTH:
+                raise LimitExceeded(
+                    f"the workspace is more than {MAX_GIT_WALK_DEPTH} directories deep",
+                    limit=MAX_GIT_WALK_DEPTH,
+                )
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            except OSError:
+                continue  # swapped for a symlink or gone meanwhile: never followed
+            stack.append((child, f"{prefix}{name}/", []))
+            stack[-1][2].extend(scan(child, f"{prefix}{name}/"))
+    finally:
+        for dir_fd, _, _ in stack:
+            os.close(dir_fd)
+    return sorted(found)
+
+
+def _add_git(found: list[tuple[str, tuple[int, int]]], rel: str, entry: os.DirEntry[str]) -> None:
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        return  # a symlink named .git points elsewhere in the sandbox's own view
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfinementUnmet(
+            "a .git in the workspace lies under a directory whose name is not UTF-8: "
+            "it cannot be mounted read-only (rename that directory)",
+            required={"readonly_dirs": "every .git"},
+            observed={"readonly_dirs": "a .git under a name that is not UTF-8"},
+        ) from None
+    found.append((rel, (st.st_dev, st.st_ino)))
+    if len(found) > MAX_GIT_PATHS:
+        raise LimitExceeded(
+            f"the workspace has more than {MAX_GIT_PATHS} .git directories or files",
+            limit=MAX_GIT_PATHS,
+        )
+
+
+#: The empty file bound over /etc/resolv.conf (in the daemon's `files_dir`).
+RESOLV_CONF_NAME = "resolv.conf"
+
+
+def empty_resolv_conf(files_dir: Path) -> str:
+    """The host path of an empty, read-only resolver file for sandboxes, made (or made
+    empty again) in `files_dir` (0700, under the state dir). Blocking."""
+    files_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(files_dir, 0o700)
+    target = files_dir / RESOLV_CONF_NAME
+    st = None
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(target)
+    if (
+        st is None
+        or not stat.S_ISREG(st.st_mode)
+        or st.st_size
+        or stat.S_IMODE(st.st_mode) != 0o444
+    ):
+        temp = files_dir / f".{RESOLV_CONF_NAME}.{secrets.token_hex(4)}"
+        fd = os.open(
+            temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444
+        )
+        os.fchmod(fd, 0o444)
+        os.close(fd)
+        os.rename(temp, target)
+    return str(target)
 
 
 def _filesystem_pid(init_pid: int, profile: Profile) -> int:
@@ -496,9 +647,7 @@ def _observed_identities(init_pid: int, readonly_dirs: Sequence[str]) -> list[Fa
             value = f"{st.st_dev}:{st.st_ino}" if plain else "not-a-directory-or-file"
         except OSError:
             value = "absent"
-        found.append(
-            factlib.make_fact(name, value, source=f"kernel:lstat {path}", observed_at=time.time())
-        )
+        found.append(factlib.make_fact(name, value, source="kernel:lstat", observed_at=time.time()))
     return found
 
 

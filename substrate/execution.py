@@ -70,6 +70,7 @@ class Execution:
             seccomp_dir=Path(config.seccomp_dir),
             idle_s=config.container_idle_s,
             fs_limiter=fs_limiter,
+            files_dir=state_dir / "sandbox-files",
         )
         self.processes = Processes(
             engine=self.engine,

@@ -68,9 +68,12 @@ _SET_FACTS = frozenset(
 class Fact(msgspec.Struct, frozen=True, kw_only=True):
     """One observation: `value` of `name`, read from `source` at `observed_at` (unix time).
 
-    Sources: "kernel:/proc/<pid>/status", "kernel:/proc/<pid>/mountinfo",
-    "cgroup:v1:<file>", "cgroup:v2:<file>", "netns:pyroute2:/proc/<pid>/ns/net",
-    "engine:inspect", and the caller's own (containers' "procfs" identities).
+    `source` names the kind of source and a stable id, never a host path or pid:
+    "kernel:proc-status", "kernel:mountinfo", "kernel:proc-cgroup",
+    "kernel:proc-ns-user", "kernel:proc-cmdline", "kernel:gofer-mountinfo",
+    "kernel:lstat" (the workspace identities), "cgroup:<file>" ("cgroup:memory.max",
+    "cgroup:pids.max", ...), "netns:rtnetlink", "engine:inspect",
+    "engine:inspect+kernel:mountinfo"; a failed read appends its reason ("(ENOENT)").
     """
 
     name: str

@@ -1,8 +1,11 @@
 """The write gate for sandboxed code: file-level `write_deny` globs (SPEC §5, issue 4).
 
-Theory of operation. Directories denied whole (`.git/**`) are bound read-only into the
-sandbox (`substrate.containers`); everything else a deny glob names (`*.lock`, `.env`,
-`secrets/*.pem`) is checked around each command:
+Theory of operation. Directories denied whole (`.git/**`) and every `.git` at any depth
+are bound read-only into the sandbox (`substrate.containers`); everything else a deny
+glob names (`*.lock`, `.env`, `secrets/*.pem`) is checked around each command. So is
+every `require_approval` glob: sandboxed code cannot ask an operator for an approval, so
+until such changes can wait as pending plans (the working layer, SPEC §11) they are
+reverted like denied ones and reported with `rule: "require_approval"`.
 
 - `before` walks the workspace once through directory fds (`os.scandir`, `O_NOFOLLOW`,
   never following a symlink, not descending into the read-only-mounted dirs) and records
@@ -15,7 +18,9 @@ sandbox (`substrate.containers`); everything else a deny glob names (`*.lock`, `
   what it points at), a modification or deletion is restored from the kept bytes through
   a same-directory temp file and `rename` (old owner, mode and mtime), a mode change is
   undone. Each one becomes a `policy_blocked` entry of the result and a `policy.blocked`
-  journal entry (paths, kinds, modes, sizes and digests: no bytes).
+  journal entry (paths, kinds, modes, sizes and digests: no bytes). Names are whatever
+  bytes the command chose: the bytes of one that are not UTF-8 are reported as `\\xNN`
+  (`display_rel`), so the result and the journal can always be encoded.
 
 Commands that overlap in one workspace share one baseline: it is taken when the first
 starts and kept until the last ends, so a command never "restores" another's offending
@@ -55,6 +60,7 @@ from substrate.workspaces import TEMP_PREFIX, Workspace
 log = logging.getLogger("substrate.gate")
 
 Change = Literal["create", "modify", "delete", "chmod"]
+Rule = Literal["write_deny", "require_approval"]
 
 #: Denied files larger than this are hashed but not kept: a change to one is reported
 #: with `reverted: false` (a creation is still removed).
@@ -143,9 +149,15 @@ def _under_folded(rel: str, found: Mapping[str, Change], change: Change) -> bool
     return any(found.get("/".join(parts[:i])) in (change, "modify") for i in range(1, len(parts)))
 
 
+def display_rel(rel: str) -> str:
+    """`rel` as it may be shown and journalled: a name read from the disk carries the
+    bytes that are not UTF-8 as surrogates (`os.fsdecode`); they become `\\xNN`. Pure."""
+    return rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 @dataclass(frozen=True)
 class Matcher:
-    """The deny globs as one regex, matched against each path once (its ancestors were
+    """The gated globs as one regex, matched against each path once (its ancestors were
     matched as the walk entered them, and a match there covers everything beneath)."""
 
     regex: re.Pattern[str] | None
@@ -167,27 +179,37 @@ _matchers: dict[tuple[str, ...], Matcher] = {}
 _NOTHING_TO_GATE = object()
 
 
-def _mounts_cover_policy(ws: Workspace) -> bool:
-    """True when every `write_deny` glob is a whole directory that exists now, so the
-    sandbox gets it as a read-only mount (the default policy: `.git/**`) and there is
-    nothing file-level to snapshot. A denied directory that does not exist yet is not
-    mounted, so its creation must be caught by the gate: then this is False."""
-    mounted = set(ws.policy.readonly_dirs())
+def gated_globs(policy: CompiledPolicy) -> tuple[str, ...]:
+    """The globs the gate enforces on sandboxed code: `write_deny` and `require_approval`."""
+    return (*policy.policy.write_deny, *policy.policy.require_approval)
+
+
+def _mounts_cover_policy(ws: Workspace, readonly: Mapping[str, tuple[int, int]]) -> bool:
+    """True when every gated glob is a `write_deny` whole directory that the sandbox has
+    mounted read-only and that is still the mounted inode (the default policy, `.git/**`)
+    so there is nothing file-level to snapshot. A denied directory that does not exist
+    (or is not the one mounted) could be created by the command: then this is False, as
+    it is for any `require_approval` glob."""
+    if ws.policy.policy.require_approval:
+        return False
     for pattern in ws.policy.policy.write_deny:
         stem = pattern[:-3] if pattern.endswith("/**") else pattern.rstrip("/")
-        if stem == pattern or stem.lstrip("/") not in mounted:
+        if stem == pattern or stem.lstrip("/") not in readonly:
             return False
-    for rel in mounted:
+    for rel, identity in readonly.items():
         try:
-            with paths.opened_dir(ws.root_fd, tuple(rel.split("/"))):
-                pass
+            *parents, name = paths.split_relpath(rel)
+            with paths.opened_dir(ws.root_fd, parents, rel) as parent:
+                st = paths.lstat_at(parent, name)
         except Refusal:
+            return False
+        if st is None or (st.st_dev, st.st_ino) != identity:
             return False
     return True
 
 
 def matcher_for(policy: CompiledPolicy) -> Matcher:
-    key = tuple(policy.policy.write_deny)
+    key = gated_globs(policy)
     found = _matchers.get(key)
     if found is None:
         found = _matchers[key] = Matcher.of(key)
@@ -373,11 +395,17 @@ class Keep:
                     os.unlink(self.root / name)
 
 
-def take_snapshot(ws: Workspace, keep: Keep, previous: Snapshot | None) -> Snapshot:
+def take_snapshot(
+    ws: Workspace,
+    keep: Keep,
+    previous: Snapshot | None,
+    readonly: Mapping[str, tuple[int, int]] | None = None,
+) -> Snapshot:
     """`before`: the denied paths now, files hashed and kept (reusing an unchanged
-    file's digest from `previous`). Blocking."""
+    file's digest from `previous`). `readonly`: what the sandbox mounted read-only
+    (default: the policy's read-only dirs as they are now). Blocking."""
     now = time.time_ns()
-    readonly = readonly_identities(ws)
+    readonly = dict(readonly_identities(ws) if readonly is None else readonly)
     old = previous.nodes if previous is not None else {}
     kept_total = 0
 
@@ -692,8 +720,18 @@ class SnapshotGate:
             state.keep = Keep(self._root / ws.id)
         return state.keep
 
-    async def before(self, ws: Workspace) -> object:
-        if await trio.to_thread.run_sync(_mounts_cover_policy, ws, limiter=self._limiter):
+    async def before(
+        self, ws: Workspace, readonly: Mapping[str, tuple[int, int]] | None = None
+    ) -> object:
+        """Snapshot (or join the running baseline of) `ws`. `readonly`: the paths the
+        command's sandbox has mounted read-only, with the identities it mounted (default:
+        the policy's read-only dirs as they are now); the gate does not walk them."""
+
+        def mounted() -> dict[str, tuple[int, int]]:
+            return dict(readonly_identities(ws) if readonly is None else readonly)
+
+        ro = await trio.to_thread.run_sync(mounted, limiter=self._limiter)
+        if await trio.to_thread.run_sync(_mounts_cover_policy, ws, ro, limiter=self._limiter):
             return _NOTHING_TO_GATE
         state = self._state(ws)
         ticket = _Ticket(ws.id)
@@ -702,7 +740,7 @@ class SnapshotGate:
                 # Nobody else is running here: the workspace as it is now is the baseline.
                 keep = await trio.to_thread.run_sync(self._keep, ws, state, limiter=self._limiter)
                 state.baseline = await trio.to_thread.run_sync(
-                    take_snapshot, ws, keep, state.baseline, limiter=self._limiter
+                    take_snapshot, ws, keep, state.baseline, ro, limiter=self._limiter
                 )
             state.holders.add(ticket)
         return ticket
@@ -748,9 +786,15 @@ class SnapshotGate:
         with ws.commit_lock:
             outcomes = revert(ws, changes, baseline.nodes, now, keep)
         for (rel, change), (reverted, reason) in zip(changes, outcomes, strict=True):
-            where = ws.provenance(rel)
-            blocked.append(PolicyBlocked(path=where, change=change, reverted=reverted))
-            data: dict[str, Any] = {"path": where, "change": change, "reverted": reverted}
+            where = ws.provenance(display_rel(rel))
+            rule: Rule = "write_deny" if ws.policy.write_deny.matches(rel) else "require_approval"
+            blocked.append(PolicyBlocked(path=where, change=change, reverted=reverted, rule=rule))
+            data: dict[str, Any] = {
+                "path": where,
+                "change": change,
+                "reverted": reverted,
+                "rule": rule,
+            }
             if reason:
                 data["reason"] = reason
             old, new = baseline.nodes.get(rel), now.get(rel)

@@ -5,9 +5,9 @@ A command of this daemon run is looked up in memory first (byte counts grow, wai
 wake as it ends); anything else comes from the `processes` table: an exited command's
 result and outputs (inline bytes or artifact), or a `lost` one (its daemon died) with
 whatever output the dead daemon had spooled (kept as artifacts marked lost by
-`ArtifactStore.repair`). Results rebuilt from a record carry no `facts` and no
-`policy_blocked` (those are in the journal: `proc.facts`, `proc.exited`,
-`policy.blocked`).
+`ArtifactStore.repair`). A result rebuilt from a record is the first reply again: the
+record keeps its `facts` and `policy_blocked` (SPEC §5), and `proc.status` of a
+finished command carries them too.
 
 Costs: a lookup is a dict probe, or one indexed query; a lost record adds one query for
 its artifacts.
@@ -81,8 +81,8 @@ def result_of_row(row: ProcRow) -> ProcResult | ProcPending:
         duration_ms=row.duration_ms or 0.0,
         stdout=row.stdout,
         stderr=row.stderr,
-        facts=[],
-        policy_blocked=[],
+        facts=row.facts,
+        policy_blocked=row.policy_blocked,
     )
 
 
@@ -147,11 +147,12 @@ async def status(processes: Processes, proc: str) -> ProcStatus:
     """`proc.status`."""
     found = await resolve(processes, proc)
     if isinstance(found, Entry):
-        return _entry_status(found)
-    return await trio.to_thread.run_sync(_row_status, processes, found)
+        return _entry_status(found, outcome=True)
+    return await trio.to_thread.run_sync(_row_status, processes, found, True)
 
 
-def _entry_status(entry: Entry) -> ProcStatus:
+def _entry_status(entry: Entry, *, outcome: bool = False) -> ProcStatus:
+    """`outcome`: a finished command's status carries its facts and policy_blocked."""
     result = entry.result
     state = entry.state
     return ProcStatus(
@@ -167,11 +168,13 @@ def _entry_status(entry: Entry) -> ProcStatus:
         timed_out=result.timed_out if result is not None else None,
         stdout_bytes=entry.sinks[1].written,
         stderr_bytes=entry.sinks[2].written,
+        facts=result.facts if outcome and result is not None else None,
+        policy_blocked=result.policy_blocked if outcome and result is not None else None,
     )
 
 
-def _row_status(processes: Processes, row: ProcRow) -> ProcStatus:
-    """Blocking (a lost row queries its artifacts)."""
+def _row_status(processes: Processes, row: ProcRow, outcome: bool = False) -> ProcStatus:
+    """Blocking (a lost row queries its artifacts). `outcome`: as `_entry_status`."""
     if row.stdout is not None and row.stderr is not None:
         out, err = row.stdout.bytes, row.stderr.bytes
     else:
@@ -192,6 +195,8 @@ def _row_status(processes: Processes, row: ProcRow) -> ProcStatus:
         timed_out=row.timed_out if exited else None,
         stdout_bytes=out,
         stderr_bytes=err,
+        facts=row.facts if outcome and exited else None,
+        policy_blocked=row.policy_blocked if outcome and exited else None,
     )
 
 

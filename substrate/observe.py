@@ -218,7 +218,7 @@ def _engine_nnp(security_opt: Sequence[str]) -> bool:
 
 
 def _status_facts(proc_fd: int, pid: int, sandboxed: bool) -> list[Fact]:
-    source = f"kernel:/proc/{pid}/status"
+    source = "kernel:proc-status"
     prefix = "sandbox_" if sandboxed else ""
     names = ["no_new_privs", "seccomp_mode", "cap_eff", "cap_prm", "cap_bnd", "cap_amb"]
     names = [prefix + n for n in names] + [prefix + "uid", prefix + "gid"]
@@ -242,7 +242,7 @@ def _status_facts(proc_fd: int, pid: int, sandboxed: bool) -> list[Fact]:
 
 
 def _mount_facts(proc_fd: int, pid: int, target: str, engine_ok: bool) -> list[Fact]:
-    source = f"kernel:/proc/{pid}/mountinfo"
+    source = "kernel:mountinfo"
     names = ["rootfs_readonly", "workspace_mount", "readonly_dirs", "tmpfs", "docker_socket_absent"]
     try:
         mounts = F.parse_mountinfo(_read_at(proc_fd, "mountinfo"))
@@ -265,7 +265,7 @@ def _mount_facts(proc_fd: int, pid: int, target: str, engine_ok: bool) -> list[F
     )
     found += _facts(
         {"docker_socket_absent": engine_ok and not in_kernel},
-        f"engine:inspect+{source}",
+        "engine:inspect+kernel:mountinfo",
     )
     return found
 
@@ -273,7 +273,7 @@ def _mount_facts(proc_fd: int, pid: int, target: str, engine_ok: bool) -> list[F
 def _sandbox_facts(proc_fd: int, pid: int) -> list[Fact]:
     """The gVisor sandbox process: its user namespace and runsc's flags."""
     found: list[Fact] = []
-    source = f"kernel:/proc/{pid}/ns/user"
+    source = "kernel:proc-ns-user"
     try:
         theirs = os.stat("ns/user", dir_fd=proc_fd)
         ours = os.stat("/proc/self/ns/user")
@@ -283,7 +283,7 @@ def _sandbox_facts(proc_fd: int, pid: int) -> list[Fact]:
         )
     except OSError as exc:
         found += _failed(["sandbox_userns"], source, exc)
-    source = f"kernel:/proc/{pid}/cmdline"
+    source = "kernel:proc-cmdline"
     try:
         argv = _read_at(proc_fd, "cmdline").split("\0")
     except OSError as exc:
@@ -343,7 +343,7 @@ def _gofer_rootfs(found: list[Fact], sandbox_pid: int) -> list[Fact]:
     gofer = gofer_pid(sandbox_pid)
     if gofer is None:
         return found
-    source = f"kernel:/proc/{gofer}/mountinfo (runsc gofer)"
+    source = "kernel:gofer-mountinfo"
     try:
         readonly = F.rootfs_readonly(F.parse_mountinfo(_read_path(f"/proc/{gofer}/mountinfo")))
     except (OSError, ValueError) as exc:
@@ -359,7 +359,7 @@ def _gofer_rootfs(found: list[Fact], sandbox_pid: int) -> list[Fact]:
 
 
 def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
-    source = f"kernel:/proc/{pid}/cgroup"
+    source = "kernel:proc-cgroup"
     try:
         groups = F.parse_cgroup(_read_at(proc_fd, "cgroup"))
         # Only the hierarchies matter; skipping the other lines halves the parse.
@@ -368,31 +368,38 @@ def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
     except (OSError, ValueError) as exc:
         return _failed(["memory_limit", "pids_limit", "cpu_quota"], source, exc)
     found: list[Fact] = []
-    readers: list[tuple[str, str, dict[str, Callable[[str], FactValue]]]] = [
+    # (fact, controller, {version: (the file it is read from, reader)})
+    readers: list[tuple[str, str, dict[str, tuple[str, Callable[[str], FactValue]]]]] = [
         (
             "memory_limit",
             "memory",
             {
-                "v1": lambda d: F.parse_memory_limit_v1(_read_path(f"{d}/memory.limit_in_bytes")),
-                "v2": lambda d: F.parse_max(_read_path(f"{d}/memory.max")),
+                "v1": (
+                    "memory.limit_in_bytes",
+                    lambda d: F.parse_memory_limit_v1(_read_path(f"{d}/memory.limit_in_bytes")),
+                ),
+                "v2": ("memory.max", lambda d: F.parse_max(_read_path(f"{d}/memory.max"))),
             },
         ),
         (
             "pids_limit",
             "pids",
             {
-                "v1": lambda d: F.parse_max(_read_path(f"{d}/pids.max")),
-                "v2": lambda d: F.parse_max(_read_path(f"{d}/pids.max")),
+                "v1": ("pids.max", lambda d: F.parse_max(_read_path(f"{d}/pids.max"))),
+                "v2": ("pids.max", lambda d: F.parse_max(_read_path(f"{d}/pids.max"))),
             },
         ),
         (
             "cpu_quota",
             "cpu",
             {
-                "v1": lambda d: F.parse_cpu_v1(
-                    _read_path(f"{d}/cpu.cfs_quota_us"), _read_path(f"{d}/cpu.cfs_period_us")
+                "v1": (
+                    "cpu.cfs_quota_us",
+                    lambda d: F.parse_cpu_v1(
+                        _read_path(f"{d}/cpu.cfs_quota_us"), _read_path(f"{d}/cpu.cfs_period_us")
+                    ),
                 ),
-                "v2": lambda d: F.parse_cpu_max(_read_path(f"{d}/cpu.max")),
+                "v2": ("cpu.max", lambda d: F.parse_cpu_max(_read_path(f"{d}/cpu.max"))),
             },
         ),
     ]
@@ -402,11 +409,15 @@ def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
             found += _facts({name: None}, f"{source} (no {controller} hierarchy)")
             continue
         version, directory = where
-        src = f"cgroup:{version}:{directory}"
+        filename, reader = read[version]
+        # The kind of source and the file, never the host directory (SPEC §5: results
+        # carry no host paths); the log names the directory when a read fails.
+        src = f"cgroup:{filename}"
         try:
-            found += _facts({name: read[version](directory)}, src)
+            found += _facts({name: reader(directory)}, src)
         except (OSError, ValueError) as exc:
-            found += _failed([name], src, exc)
+            log.warning("cannot read %s in %s: %s", filename, directory, exc)
+            found += _facts({name: None}, f"{src} ({_why(exc)})")
     return found
 
 
@@ -414,7 +425,7 @@ def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
 
 
 def _net_facts(proc_fd: int, pid: int) -> list[Fact]:
-    source = f"netns:pyroute2:/proc/{pid}/ns/net"
+    source = "netns:rtnetlink"
     try:
         links, routes = read_netns(proc_fd)
     except (OSError, ValueError) as exc:

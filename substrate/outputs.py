@@ -351,6 +351,27 @@ class OutputSink:
             self._batch = []
             self._batch_bytes = 0
 
+    def rewind(self) -> None:
+        """Drop every byte kept so far: the stream is empty again, and goes on from 0.
+
+        For a stream that held no output of the command's own (the engine's message
+        about an exec it could not start: `procs.start_failure`). Raises `SinkClosed`
+        after `close`. Costs one `ftruncate`.
+        """
+        with self._lock:
+            if self._closing:
+                raise SinkClosed(f"{self.id}: rewind after close")
+            if self._hasher is not None:
+                self._hasher.finish()
+                self._hasher = None
+            self._batch = []
+            self._batch_bytes = 0
+            os.ftruncate(self._fd, 0)
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            self._written = 0
+            self._hash = hashlib.sha256()
+            self.truncated = False
+
     def read_at(self, offset: int, length: int) -> bytes:
         """Up to `length` kept bytes from `offset`; b"" at or past the current end.
 

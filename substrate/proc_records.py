@@ -3,13 +3,22 @@
 One row per command (`running` → `exited`, or `lost` when its daemon died or the run
 broke), written in the same transaction as its `proc.started` / `proc.exited` /
 `proc.lost` journal entry, so the table and the journal never disagree. Neither holds
-output bytes: only argv, outcomes, sizes, digests and artifact ids.
+output bytes: only outcomes, sizes, digests and artifact ids. The full argv (which can
+hold a prompt or an inline script) is in the row only; the journal gets `argv0`, `argc`
+and `argv_sha256` (SPEC §8).
+
+A finished row also keeps what its first reply carried, so a result reads the same
+whenever it is read: the `policy_blocked` list, and the confinement facts of the
+sandbox it ran in. Facts are the same for every command of one container, so they are
+stored once per distinct set (`fact_sets`, keyed by the SHA-256 of their encoding) and
+the row names the set.
 
 Blocking (SQLite): async callers use `trio.to_thread.run_sync`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from substrate.facts import Fact
 from substrate.journal import Journal
 from substrate.schema.artifact import OutputRef
 from substrate.schema.proc import PolicyBlocked
@@ -41,10 +51,20 @@ CREATE TABLE IF NOT EXISTS processes (
     stdout TEXT,
     stderr TEXT,
     artifacts TEXT,
-    epoch INTEGER NOT NULL
+    epoch INTEGER NOT NULL,
+    facts TEXT,
+    policy_blocked TEXT
 );
 CREATE INDEX IF NOT EXISTS processes_workspace ON processes(workspace, started);
+CREATE TABLE IF NOT EXISTS fact_sets (
+    digest TEXT PRIMARY KEY,
+    facts TEXT NOT NULL
+);
 """
+#: Columns added after the first release (`Store.ensure_columns` adds them to old files).
+ADDED_COLUMNS = {"facts": "TEXT", "policy_blocked": "TEXT"}
+#: The longest argv[0] the journal keeps (the rest is in the digest).
+MAX_ARGV0_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -67,12 +87,20 @@ class ProcRow:
     stdout: OutputRef | None
     stderr: OutputRef | None
     epoch: int
+    facts: list[Fact]  # of the sandbox it ran in ([] for rows older than this column)
+    policy_blocked: list[PolicyBlocked]
 
 
 def _ref(raw: object) -> OutputRef | None:
     if not isinstance(raw, str) or not raw:
         return None
     return msgspec.json.decode(raw, type=OutputRef)
+
+
+def _decoded(raw: object, kind: type[list[Fact]] | type[list[PolicyBlocked]]) -> Any:
+    if not isinstance(raw, str) or not raw:
+        return []
+    return msgspec.json.decode(raw, type=kind)
 
 
 def _row(r: Any) -> ProcRow:
@@ -93,13 +121,28 @@ def _row(r: Any) -> ProcRow:
         stdout=_ref(r["stdout"]),
         stderr=_ref(r["stderr"]),
         epoch=int(r["epoch"]),
+        facts=_decoded(r["fact_list"], list[Fact]),
+        policy_blocked=_decoded(r["policy_blocked"], list[PolicyBlocked]),
     )
 
 
-_ROW_COLUMNS = (
-    "id, workspace, profile, argv, cwd, state, started, ended, exit_code, signal, timed_out,"
-    " oom_killed, duration_ms, stdout, stderr, epoch"
+_ROW_SELECT = (
+    "SELECT p.id, p.workspace, p.profile, p.argv, p.cwd, p.state, p.started, p.ended,"
+    " p.exit_code, p.signal, p.timed_out, p.oom_killed, p.duration_ms, p.stdout, p.stderr,"
+    " p.epoch, p.policy_blocked, f.facts AS fact_list"
+    " FROM processes p LEFT JOIN fact_sets f ON f.digest = p.facts"
 )
+
+
+def argv_summary(argv: Sequence[str]) -> dict[str, Any]:
+    """What the journal keeps of an argv: `argv0` (at most 256 characters), `argc`, and
+    `argv_sha256`, the SHA-256 of the argv as a compact JSON array in UTF-8 (msgspec's
+    encoding: non-ASCII characters as themselves). Pure."""
+    return {
+        "argv0": argv[0][:MAX_ARGV0_CHARS] if argv else "",
+        "argc": len(argv),
+        "argv_sha256": hashlib.sha256(msgspec.json.encode(list(argv))).hexdigest(),
+    }
 
 
 @dataclass(frozen=True)
@@ -113,6 +156,7 @@ class Outcome:
     duration_ms: float
     reaped: int  # processes of the command signalled after it ended or timed out
     killed: int  # of those, how many needed KILL
+    cancelled: bool = False  # its run was cut off (caller gone, daemon stopping): killed
 
 
 def ref_summary(ref: OutputRef) -> dict[str, Any]:
@@ -130,6 +174,7 @@ class ProcessRecords:
         self._store = store
         self._journal = journal
         store.ensure_schema(SCHEMA)
+        store.ensure_columns("processes", ADDED_COLUMNS)
 
     def mark_lost(self, epoch: int) -> int:
         """At start: rows still `running` from an earlier daemon run become `lost`."""
@@ -148,20 +193,19 @@ class ProcessRecords:
 
     def get(self, proc: str) -> ProcRow | None:
         """The record of `proc`, or None. One indexed query."""
-        rows = self._store.query(f"SELECT {_ROW_COLUMNS} FROM processes WHERE id = ?", (proc,))
+        rows = self._store.query(f"{_ROW_SELECT} WHERE p.id = ?", (proc,))
         return _row(rows[0]) if rows else None
 
     def recent(self, workspace: str | None, limit: int) -> list[ProcRow]:
         """The newest `limit` records, of one workspace or all; newest first."""
         if workspace is None:
             rows = self._store.query(
-                f"SELECT {_ROW_COLUMNS} FROM processes ORDER BY started DESC, id LIMIT ?",
+                f"{_ROW_SELECT} ORDER BY p.started DESC, p.id LIMIT ?",
                 (limit,),
             )
         else:
             rows = self._store.query(
-                f"SELECT {_ROW_COLUMNS} FROM processes WHERE workspace = ?"
-                " ORDER BY started DESC, id LIMIT ?",
+                f"{_ROW_SELECT} WHERE p.workspace = ? ORDER BY p.started DESC, p.id LIMIT ?",
                 (workspace, limit),
             )
         return [_row(r) for r in rows]
@@ -176,11 +220,18 @@ class ProcessRecords:
         cwd: str,
         container: str,
         actor: str,
+        facts: Sequence[Fact] = (),
     ) -> None:
+        encoded_facts = msgspec.json.encode(list(facts))
+        fact_set = hashlib.sha256(encoded_facts).hexdigest()
         with self._store.transaction() as db:
             db.execute(
+                "INSERT OR IGNORE INTO fact_sets(digest, facts) VALUES (?, ?)",
+                (fact_set, encoded_facts.decode()),
+            )
+            db.execute(
                 "INSERT INTO processes(id, workspace, profile, argv, cwd, container, state,"
-                " started, epoch) VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?)",
+                " started, epoch, facts) VALUES (?, ?, ?, ?, ?, ?, 'running', ?, ?, ?)",
                 (
                     proc,
                     workspace,
@@ -190,6 +241,7 @@ class ProcessRecords:
                     container,
                     time.time(),
                     self._journal.epoch,
+                    fact_set,
                 ),
             )
             self._journal.append_in(
@@ -198,7 +250,7 @@ class ProcessRecords:
                 {
                     "proc": proc,
                     "profile": profile,
-                    "argv": list(argv),
+                    **argv_summary(argv),
                     "cwd": cwd,
                     "container": container[:12],
                 },
@@ -230,7 +282,7 @@ class ProcessRecords:
             db.execute(
                 "UPDATE processes SET state = 'exited', exit_code = ?, signal = ?,"
                 " timed_out = ?, oom_killed = ?, ended = ?, duration_ms = ?, stdout = ?,"
-                " stderr = ?, artifacts = ? WHERE id = ?",
+                " stderr = ?, artifacts = ?, policy_blocked = ? WHERE id = ?",
                 (
                     outcome.exit_code,
                     outcome.signal,
@@ -241,6 +293,7 @@ class ProcessRecords:
                     msgspec.json.encode(stdout).decode(),
                     msgspec.json.encode(stderr).decode(),
                     msgspec.json.encode(artifacts).decode(),
+                    msgspec.json.encode(list(blocked)).decode(),
                     proc,
                 ),
             )
@@ -258,6 +311,7 @@ class ProcessRecords:
                     "stderr": ref_summary(stderr),
                     "reaped": outcome.reaped,
                     "killed": outcome.killed,
+                    "cancelled": outcome.cancelled,
                     "policy_blocked": [msgspec.to_builtins(b) for b in blocked],
                 },
                 workspace=workspace,

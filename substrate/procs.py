@@ -6,20 +6,22 @@ from `Containers.ensure`, records the process (SQLite row and `proc.started` jou
 entry, one commit), then makes one engine exec of exactly `argv` — no shell — as the
 sandbox's uid:gid, in `/workspace/<cwd>`, with the profile's environment plus the
 marker `SUBSTRATE_PROC=<proc id>` that lets `substrate.reaper` find every process the
-command starts. The exec's multiplexed stream is read by one worker thread, demuxed
-(`Demuxer`, sans-IO) and written to two `OutputSink`s as it arrives, so daemon memory
-does not grow with output; stdin, when given, is written by another thread, then the
-write half is shut so the command sees EOF.
+command starts. `substrate.exec_driver.ExecDriver` drives the exec (pumps, supervisor,
+timeout, signals, the kill) until its main process has ended and its stream is drained.
 
-A supervisor task watches the clock and the command:
-- the stream ends (the usual case) → done;
-- still open after `MAIN_PROBE_S` → ask the engine for the exec's host pid and wait on
-  it (pidfd): once the main process exits, anything still holding the output pipe is a
-  straggler and is reaped;
-- the deadline passes → TERM to every process of the command, KILL after `GRACE_S`.
-After the stream ends: exit code from the engine, stragglers reaped (a background child
-that closed its output), the cgroup's OOM-kill counter compared with its value before,
-sinks closed into output refs, row and `proc.exited` entry committed.
+Then the stragglers are reaped (a background child that closed its output), the cgroup's
+OOM-kill counter compared with its value before, and, shielded from cancellation
+(`_conclude`): an exec the engine could not start at all is given the shell's code (127
+not found, 126 not executable) and a message on stderr in place of the engine's text on
+stdout, the write gate checks the workspace, sinks are closed into output refs, row and
+`proc.exited` entry committed.
+
+A run cut off after its exec started — its caller went away (`proc.run` on a closed
+connection), the daemon stops, the engine failed — ends the same way: the driver kills
+the command (TERM, grace, KILL) and drains its stream, `settle` collects the exit code,
+and `_conclude` runs the gate and finishes the record with the output it had
+(`cancelled` in the journal). Never left running, never recorded without its output.
+Each shielded step is bounded (`exec_driver.SETTLE_S`, `GATE_WAIT_S`).
 
 Hot path (a warm `["true"]`): three engine calls (exec create, start, inspect), two
 commits, one procfs scan of the container's cgroup. Facts are observed once per
@@ -28,21 +30,18 @@ container, never per command.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import functools
 import logging
 import os
 import secrets
 import signal
-import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
 
-from substrate import exec_stream, paths, reaper
+from substrate import paths, reaper
 from substrate.artifacts import ArtifactStore
 from substrate.config import Config
 from substrate.containers import Containers, Sandbox
@@ -54,6 +53,7 @@ from substrate.errors import (
     ProfileUnknown,
     RuntimeUnavailable,
 )
+from substrate.exec_driver import Entry, ExecDriver, Run
 from substrate.gate import SnapshotGate
 from substrate.journal import Journal
 from substrate.outputs import OutputSink
@@ -67,14 +67,18 @@ from substrate.workspaces import Workspace
 
 log = logging.getLogger("substrate.procs")
 
-#: Seconds between TERM and KILL, on timeout and for stragglers.
-GRACE_S = 2.0
-#: The stream still open this long: learn the main pid so its exit is noticed even when
-#: a background child holds the output pipe.
-MAIN_PROBE_S = 0.25
+__all__ = ["Entry", "Processes", "WriteGate"]
+
 #: Largest argv (items) and total argv bytes accepted.
 MAX_ARGV_ITEMS = 4096
 MAX_ARGV_BYTES = 1 << 20
+#: The write gate's check after a command may wait this long for its workspace's lock
+#: (the walk and the reverts themselves are never interrupted).
+GATE_WAIT_S = 60.0
+#: The exec's own code when the engine could not start the program at all.
+ENGINE_START_FAILED = 126
+#: At most this much of the engine's start-failure text is read to classify it.
+ENGINE_MESSAGE_BYTES = 4096
 
 
 # --- pure parts ----------------------------------------------------------------------------
@@ -130,6 +134,24 @@ def exec_env(profile: Profile, proc: str) -> dict[str, str]:
     return {**profile.env, reaper.MARKER: proc}
 
 
+def start_failure(argv0: str, engine_text: bytes) -> tuple[int, str]:
+    """(exit code, stderr text) for an exec the engine could not start (pure).
+
+    The engine reports such an exec as exit 126 with its own message ("OCI runtime exec
+    failed: ... executable file not found in $PATH") on *stdout*. A shell says 127 for
+    a program that is not there and 126 for one that cannot be executed, on stderr,
+    naming it; so does substrate (docs/execution.md).
+    """
+    text = engine_text.decode("utf-8", "replace").lower()
+    name = argv0[:256]
+    if "permission denied" in text:
+        return 126, f"substrate: {name}: permission denied\n"
+    if "not found" in text or "no such file or directory" in text:
+        why = "no such file or directory" if "/" in argv0 else "command not found"
+        return 127, f"substrate: {name}: {why}\n"
+    return ENGINE_START_FAILED, f"substrate: {name}: could not be started\n"
+
+
 def signal_of(exit_code: int | None) -> str | None:
     """The signal name the engine's `128 + n` exit code stands for, if any.
 
@@ -150,60 +172,20 @@ def signal_of(exit_code: int | None) -> str | None:
 class WriteGate(Protocol):
     """Checks what a command wrote against the workspace's file-level deny globs.
 
-    `before` snapshots the workspace as the command starts; `after` compares, reverts
-    each offending change and returns them. Implemented by `substrate.gate.SnapshotGate`.
+    `before` snapshots the workspace as the command starts (`readonly`: the paths the
+    sandbox has mounted read-only, with their identities: not walked); `after` compares,
+    reverts each offending change and returns them. Implemented by
+    `substrate.gate.SnapshotGate`.
     """
 
-    async def before(self, ws: Workspace) -> object: ...
+    async def before(
+        self, ws: Workspace, readonly: Mapping[str, tuple[int, int]] | None = None
+    ) -> object: ...
 
     async def after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]: ...
 
 
 # --- running -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Entry:
-    """A command of this daemon run, from its exec start until its record is final.
-
-    Held by `Processes` while it runs (intents look it up by id); whoever waits on it
-    or streams it keeps the object after that, and reads the closed sinks.
-    """
-
-    proc: str
-    workspace: str
-    profile: str
-    argv: list[str]
-    started: float  # unix time
-    sandbox: Sandbox
-    sinks: dict[int, OutputSink]
-    done: trio.Event = field(default_factory=trio.Event)
-    result: ProcResult | None = None  # set when it ended with an outcome
-    ended: float | None = None
-
-    @property
-    def state(self) -> str:
-        if not self.done.is_set():
-            return "running"
-        return "exited" if self.result is not None else "lost"
-
-
-@dataclass
-class _Run:
-    """The state of one running command, shared by its tasks."""
-
-    proc: str
-    sandbox: Sandbox
-    exec_id: str
-    sock: socket.socket
-    initial: bytes
-    sinks: dict[int, OutputSink]
-    deadline: float
-    pump_done: trio.Event = field(default_factory=trio.Event)
-    main_exited: bool = False
-    timed_out: bool = False
-    reaped: int = 0
-    killed: int = 0
 
 
 class Processes:
@@ -222,6 +204,7 @@ class Processes:
         fs_limiter: trio.CapacityLimiter | None = None,
     ) -> None:
         self._engine = engine
+        self._journal = journal
         self._containers = containers
         self._artifacts = artifacts
         self.artifacts = artifacts
@@ -230,7 +213,12 @@ class Processes:
         self._fs_limiter = fs_limiter
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
-        self._pump_limiter = trio.CapacityLimiter(max(2, 2 * config.max_processes))
+        self.driver = ExecDriver(
+            engine,
+            containers,
+            pump_limiter=trio.CapacityLimiter(max(2, 2 * config.max_processes)),
+            fs_limiter=fs_limiter,
+        )
         self._running: set[str] = set()
         self._live: dict[str, Entry] = {}
         self._nursery: trio.Nursery | None = None
@@ -316,7 +304,7 @@ class Processes:
             except Exception:
                 if not started:
                     raise
-                # The record says lost already (`_abort_record`); nobody awaits us.
+                # Its record is finished (or lost, if it never ran); nobody awaits us.
                 log.exception("a started process failed")
 
         proc: str = await nursery.start(background)
@@ -327,40 +315,16 @@ class Processes:
 
         Returns how many processes were signalled, or None when `proc` is not running in
         this daemon run. KILL goes in rounds with the cgroup frozen (a forking command
-        cannot outrun it). Under gVisor the command's processes are not host processes:
-        TERM and KILL remove the whole sandbox (every command in it ends), INT is sent
-        to nothing (0).
+        cannot outrun it). A signal that finds no process before the engine reported the
+        main one is held and delivered by the run as soon as it is (this call waits for
+        that); 0 means the command had no process left. Under gVisor the command's
+        processes are not host processes: TERM and KILL remove the whole sandbox (every
+        command in it ends), INT is sent to nothing (0).
         """
         entry = self._live.get(proc)
         if entry is None:
             return None
-        sandbox = entry.sandbox
-        if not sandbox.host_visible:
-            if name == "INT":
-                return 0
-            await self._containers.forget(sandbox, "signal")
-            return 1
-        if name == "KILL":
-            total = 0
-            for _ in range(10):
-                n = await trio.to_thread.run_sync(
-                    reaper.kill_round, sandbox.cgroups, proc, sandbox.protected, False
-                )
-                if n == 0:
-                    break
-                total = max(total, n)
-                await trio.sleep(0.02)
-            return total
-        signum = signal.Signals["SIG" + name]
-
-        def deliver() -> int:
-            found = reaper.targets(sandbox.cgroups, proc, sandbox.protected, False)
-            for pid in found:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-            return len(found)
-
-        return await trio.to_thread.run_sync(deliver, limiter=self._fs_limiter)
+        return await self.driver.signal(entry, name)
 
     def mark_lost(self, epoch: int) -> int:
         """At start: records still `running` from an earlier daemon run become `lost`."""
@@ -439,7 +403,10 @@ class Processes:
         on_started: Callable[[Entry], None] | None,
     ) -> ProcResult:
         profile = sandbox.profile
-        snapshot = await self.write_gate.before(ws) if self.write_gate is not None else None
+        snapshot = None
+        if self.write_gate is not None and profile.workspace == "rw":
+            # Only an rw workspace can be written; the mounts it has read-only are not walked.
+            snapshot = await self.write_gate.before(ws, sandbox.readonly)
         t0 = trio.current_time()
         # The exec is created while the record commits: two round trips overlap.
         created: list[str] = []
@@ -498,14 +465,16 @@ class Processes:
         )
         self._live[proc] = entry
         try:
-            entry.result = await self._run_started(
+            return await self._run_started(
                 entry, ws, exec_id, oom_before, t0, limit_s, snapshot, stdin, actor, on_started
             )
-            return entry.result
         finally:
             entry.ended = time.time()
             self._live.pop(proc, None)
             entry.done.set()
+            for held in entry.held:  # its exec never started: nothing to signal
+                held.done.set()
+            entry.held.clear()
 
     async def _run_started(
         self,
@@ -522,43 +491,71 @@ class Processes:
     ) -> ProcResult:
         proc, sandbox, sinks = entry.proc, entry.sandbox, entry.sinks
         try:
-            try:
-                stream = await self._engine.exec_start(exec_id)
-            except ContainerGone:
+            stream = await self._engine.exec_start(exec_id)
+        except BaseException as exc:
+            # Nothing ran: the record says lost (no outcome to keep).
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._abort_record, ws, proc, sinks)
+            if isinstance(exc, ContainerGone):
                 # The record exists now: no silent retry under the same process id.
                 raise RuntimeUnavailable("the sandbox went away as the command started") from None
-            if on_started is not None:
-                on_started(entry)
-            run = _Run(
-                proc=proc,
-                sandbox=sandbox,
-                exec_id=exec_id,
-                sock=stream.sock,
-                initial=stream.initial,
-                sinks=sinks,
-                deadline=t0 + limit_s,
-            )
-            await self._drive(run, stdin)
-            exit_code = await self._exit_code(run)
+            raise
+        if on_started is not None:
+            on_started(entry)
+        run = Run(
+            entry=entry,
+            proc=proc,
+            sandbox=sandbox,
+            exec_id=exec_id,
+            sock=stream.sock,
+            initial=stream.initial,
+            sinks=sinks,
+            deadline=t0 + limit_s,
+        )
+        cut_off: BaseException | None = None
+        exit_code: int | None = None
+        oom_after = oom_before
+        try:
+            await self.driver.drive(run, stdin)
+            exit_code = await self.driver.exit_code(run)
             if exit_code is None and run.timed_out:
                 # Killed with its whole sandbox (gVisor): the engine lost the code.
                 exit_code = 128 + signal.SIGKILL
-            alone = sandbox.running <= 1
-            stragglers, oom_after = await trio.to_thread.run_sync(
-                _after_exit, sandbox, proc, alone, limiter=self._fs_limiter
+            oom_after = await self.driver.reap_stragglers(run)
+        except BaseException as exc:
+            # Cancelled (its caller went away, the daemon stops) or the engine failed:
+            # the command is ended below and its record finished, then this re-raised.
+            cut_off = exc
+        with trio.CancelScope(shield=True):
+            if cut_off is not None:
+                exit_code, oom_after = await self.driver.settle(run, exit_code)
+            result = await self._conclude(
+                run, ws, exit_code, oom_before, oom_after, t0, snapshot, actor, cut_off is not None
             )
-            if stragglers:
-                termed, killed = await reaper.terminate(
-                    sandbox.cgroups, proc, sandbox.protected, alone=alone, grace_s=GRACE_S
-                )
-                run.reaped += termed
-                run.killed += killed
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self._abort_record, ws, proc, sinks)
-            raise
+        if cut_off is not None:
+            raise cut_off
+        return result
+
+    async def _conclude(
+        self,
+        run: Run,
+        ws: Workspace,
+        exit_code: int | None,
+        oom_before: int,
+        oom_after: int,
+        t0: float,
+        snapshot: object,
+        actor: str,
+        cancelled: bool,
+    ) -> ProcResult:
+        """Gate, outputs, record: the end of every run whose exec started. Called shielded;
+        every wait in it is bounded, and the record is always finished (or, if even that
+        fails, marked lost)."""
+        entry, sinks = run.entry, run.sinks
         duration_ms = round((trio.current_time() - t0) * 1000, 3)
-        blocked = await self.write_gate.after(ws, snapshot) if self.write_gate is not None else []
+        if exit_code == ENGINE_START_FAILED:
+            exit_code = await self._start_failed(run, exit_code)
+        blocked = await self._gate_after(ws, snapshot)
         outcome = Outcome(
             exit_code=exit_code,
             signal=signal_of(exit_code),
@@ -567,169 +564,65 @@ class Processes:
             duration_ms=duration_ms,
             reaped=run.reaped,
             killed=run.killed,
+            cancelled=cancelled,
         )
-        return await trio.to_thread.run_sync(
-            self._finish_record,
-            ws,
-            proc,
-            sandbox,
-            outcome,
-            sinks,
-            blocked,
-            actor,
-            limiter=self._fs_limiter,
-        )
-
-    # -- driving one exec -----------------------------------------------------------------
-
-    async def _drive(self, run: _Run, stdin: bytes | None) -> None:
-        """Pump output (and stdin) until the stream ends; supervise timeout and exit."""
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump, run)
-                if stdin is not None:
-                    nursery.start_soon(
-                        trio.to_thread.run_sync, exec_stream.feed_stdin, run.sock, stdin, True
-                    )
-                nursery.start_soon(self._supervise, run)
-        finally:
-            exec_stream.shutdown(run.sock)
-            run.sock.close()
-
-    async def _pump(self, run: _Run) -> None:
-        try:
-            await trio.to_thread.run_sync(
-                exec_stream.pump_stream,
-                run.sock,
-                run.initial,
-                run.sinks,
-                limiter=self._pump_limiter,
-                abandon_on_cancel=True,
-            )
-        finally:
-            # Cancelled (the daemon stops): unblock the abandoned thread's recv.
-            exec_stream.shutdown(run.sock)
-            run.pump_done.set()
-
-    async def _supervise(self, run: _Run) -> None:
-        sandbox = run.sandbox
-        with trio.move_on_at(run.deadline):
-            with trio.move_on_after(MAIN_PROBE_S):
-                await run.pump_done.wait()
-            if run.pump_done.is_set():
-                return
-            if sandbox.host_visible:
-                # Still streaming: watch the main process itself, so a background child
-                # holding the output pipe cannot keep the command "running".
-                pid = await self._started_pid(run.exec_id)
-                if pid is not None:
-                    async with trio.open_nursery() as nursery:
-
-                        async def main_exit() -> None:
-                            await reaper.wait_exit(pid)
-                            nursery.cancel_scope.cancel()
-
-                        async def stream_end() -> None:
-                            await run.pump_done.wait()
-                            nursery.cancel_scope.cancel()
-
-                        nursery.start_soon(main_exit)
-                        nursery.start_soon(stream_end)
-                if not run.pump_done.is_set():
-                    # The main process is gone but the stream is open: stragglers hold it.
-                    run.main_exited = True
-                    termed, killed = await reaper.terminate(
-                        sandbox.cgroups,
-                        run.proc,
-                        sandbox.protected,
-                        alone=sandbox.running <= 1,
-                        grace_s=GRACE_S,
-                    )
-                    run.reaped += termed
-                    run.killed += killed
-            # Under gVisor the engine itself closes the stream soon after the main exits.
-            await run.pump_done.wait()
-        if run.pump_done.is_set():
-            return
-        run.timed_out = not run.main_exited
-        await self._kill(run)
-        with trio.move_on_after(GRACE_S):
-            await run.pump_done.wait()
-        if not run.pump_done.is_set():
-            log.warning("%s: output stream still open after kill; closing it", run.proc)
-            exec_stream.shutdown(run.sock)
-
-    async def _kill(self, run: _Run) -> None:
-        sandbox = run.sandbox
-        if sandbox.host_visible:
-            termed, killed = await reaper.terminate(
-                sandbox.cgroups,
+            entry.result = await trio.to_thread.run_sync(
+                self._finish_record,
+                ws,
                 run.proc,
-                sandbox.protected,
-                alone=sandbox.running <= 1,
-                grace_s=GRACE_S,
+                run.sandbox,
+                outcome,
+                sinks,
+                blocked,
+                actor,
+                limiter=self._fs_limiter,
             )
-            run.reaped += termed
-            run.killed += killed
-        else:
-            await self._kill_inside(run)
+        except Exception:
+            log.exception("%s: finishing the record failed; it is marked lost", run.proc)
+            await trio.to_thread.run_sync(self._abort_record, ws, run.proc, sinks)
+            raise
+        return entry.result
 
-    async def _kill_inside(self, run: _Run) -> None:
-        """Under gVisor the command's processes are not host processes: the sandbox is
-        stopped instead (its next command gets a fresh, verified one)."""
-        await self._containers.forget(run.sandbox, "timeout")
+    async def _start_failed(self, run: Run, exit_code: int) -> int:
+        """Exit 126 from an exec that never had a process: the engine could not start the
+        program. Its message (on stdout) becomes the shell's code and a line on stderr."""
+        try:
+            info = await self._engine.exec_inspect(run.exec_id)
+        except ContainerGone:
+            return exit_code
+        if int(info.get("Pid") or 0) != 0:
+            return exit_code  # it ran, and exited 126 itself
+        sinks = run.sinks
+        argv0 = run.entry.argv[0]
 
-    async def _started_pid(self, exec_id: str) -> int | None:
-        """The exec's host pid once it runs; None once it has exited (or vanished).
+        def rewrite() -> int:
+            code, message = start_failure(argv0, sinks[1].read_at(0, ENGINE_MESSAGE_BYTES))
+            for sink in sinks.values():
+                sink.rewind()
+            sinks[2].write(message.encode("utf-8", "surrogateescape"))
+            return code
 
-        An exec the engine has not started yet also reads `Running: false`, but with no
-        exit code: that one is asked again (a slow engine can take longer than
-        `MAIN_PROBE_S` to start a process).
-        """
-        for attempt in itertools.count():
+        return await trio.to_thread.run_sync(rewrite, limiter=self._fs_limiter)
+
+    async def _gate_after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]:
+        """The write gate's check, bounded by `GATE_WAIT_S`; a failure is journalled
+        (`policy.gate_failed`) and reported as nothing blocked, never left unfinished."""
+        if self.write_gate is None or snapshot is None:
+            return []
+        reason = "timeout"
+        with trio.move_on_after(GATE_WAIT_S):
             try:
-                info = await self._engine.exec_inspect(exec_id)
-            except ContainerGone:
-                return None
-            pid = int(info.get("Pid") or 0)
-            if info.get("Running") and pid > 0:
-                return pid
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return None
-            await trio.sleep(min(0.05 * 2**attempt, 1.0))
-        raise AssertionError("unreachable")
-
-    async def _exit_code(self, run: _Run) -> int | None:
-        """The exit code once the main process has ended; None if the engine lost it.
-
-        The stream usually closes as the process exits, and the first inspect has the
-        code. A command can also close its output and go on running: then it is waited
-        for until the deadline, and killed there (`timed_out`).
-        """
-        with trio.move_on_at(run.deadline):
-            return await self._wait_exit(run)
-        run.timed_out = True
-        await self._kill(run)
-        with trio.move_on_after(GRACE_S):
-            return await self._wait_exit(run)
-        return None
-
-    async def _wait_exit(self, run: _Run) -> int | None:
-        for attempt in itertools.count():
-            try:
-                info = await self._engine.exec_inspect(run.exec_id)
-            except ContainerGone:
-                return None
-            if not info.get("Running"):
-                code = info.get("ExitCode")
-                # Not running and no code yet: the engine is still recording the exit.
-                if code is not None or attempt >= 8:
-                    return int(code) if code is not None else None
-            elif run.sandbox.host_visible and int(info.get("Pid") or 0) > 0:
-                await reaper.wait_exit(int(info["Pid"]))  # it closed its output: wait on it
-                continue
-            await trio.sleep(min(0.005 * 2**attempt, 0.5))
-        raise AssertionError("unreachable")
+                return await self.write_gate.after(ws, snapshot)
+            except Exception as exc:
+                log.exception("write gate check of %s failed", ws.root_id)
+                reason = type(exc).__name__
+        await trio.to_thread.run_sync(
+            functools.partial(
+                self._journal.append, "policy.gate_failed", {"reason": reason}, workspace=ws.id
+            )
+        )
+        return []
 
     # -- records (blocking; worker threads) -------------------------------------------------
 
@@ -756,6 +649,7 @@ class Processes:
             cwd=cwd,
             container=sandbox.id,
             actor=actor,
+            facts=sandbox.facts,
         )
         return sinks, reaper.oom_kills(sandbox.cgroups)
 
@@ -806,14 +700,6 @@ def _sole(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-def _after_exit(sandbox: Sandbox, proc: str, alone: bool) -> tuple[bool, int]:
-    """After the main process: does anything of the command remain? And the OOM count."""
-    left = sandbox.host_visible and bool(
-        reaper.targets(sandbox.cgroups, proc, sandbox.protected, alone)
-    )
-    return left, reaper.oom_kills(sandbox.cgroups)
 
 
 def _check_dir(root_fd: int, parts: tuple[str, ...], where: str) -> None:

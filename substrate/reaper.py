@@ -29,11 +29,12 @@ here may signal it (callers check `host_visible`).
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import trio
@@ -174,10 +175,33 @@ def attribute(procs: Iterable[ProcInfo], protected: frozenset[int]) -> dict[int,
     return owner
 
 
-def targets(dirs: CgroupDirs, marker: str, protected: frozenset[int], alone: bool) -> list[int]:
-    """Host pids belonging to the command with `marker` (plus ownerless ones when `alone`)."""
+def with_roots(procs: Iterable[ProcInfo], marker: str, roots: Mapping[int, int]) -> list[ProcInfo]:
+    """`procs` with each unmarked process of `roots` (pid → start ticks) given `marker`.
+
+    Pure. A pid whose start time differs is another process that reused it: left alone.
+    """
+    return [
+        replace(p, marker=marker) if p.marker is None and roots.get(p.pid) == p.start else p
+        for p in procs
+    ]
+
+
+def targets(
+    dirs: CgroupDirs,
+    marker: str,
+    protected: frozenset[int],
+    alone: bool,
+    *,
+    roots: Mapping[int, int] | None = None,
+) -> list[int]:
+    """Host pids belonging to the command with `marker` (plus ownerless ones when `alone`).
+
+    `roots` (pid → start ticks): processes known to be the command's (its main process,
+    as the engine reported it) even without a marker; the start time guards against a
+    reused pid. Their descendants follow them, as for a marked process.
+    """
     found = (read_proc(pid) for pid in cgroup_pids(dirs) if pid not in protected)
-    infos = [i for i in found if i is not None]
+    infos = with_roots([i for i in found if i is not None], marker, roots or {})
     owners = attribute(infos, protected)
     return [pid for pid, owner in owners.items() if owner == marker or (owner is None and alone)]
 
@@ -218,11 +242,18 @@ def _set_frozen(dirs: CgroupDirs, frozen: bool) -> bool:
     return True  # best effort: signals queued to a freezing task still land at thaw
 
 
-def kill_round(dirs: CgroupDirs, marker: str, protected: frozenset[int], alone: bool) -> int:
+def kill_round(
+    dirs: CgroupDirs,
+    marker: str,
+    protected: frozenset[int],
+    alone: bool,
+    *,
+    roots: Mapping[int, int] | None = None,
+) -> int:
     """One frozen KILL sweep (blocking, milliseconds). Returns how many were signalled."""
     frozen = _set_frozen(dirs, True)
     try:
-        found = targets(dirs, marker, protected, alone)
+        found = targets(dirs, marker, protected, alone, roots=roots)
         _signal_all(found, signal.SIGKILL)
     finally:
         if frozen:
@@ -238,15 +269,17 @@ async def terminate(
     alone: bool,
     grace_s: float,
     limiter: trio.CapacityLimiter | None = None,
+    roots: Mapping[int, int] | None = None,
 ) -> tuple[int, int]:
     """TERM every process of the command, wait up to `grace_s`, then KILL what is left.
 
     Returns (processes sent TERM, processes that needed KILL). Blocking work (procfs
-    scans, cgroup writes) runs in worker threads; the waits are Trio sleeps.
+    scans, cgroup writes) runs in worker threads; the waits are Trio sleeps. `roots`:
+    as for `targets`.
     """
 
     def term() -> list[int]:
-        found = targets(dirs, marker, protected, alone)
+        found = targets(dirs, marker, protected, alone, roots=roots)
         _signal_all(found, signal.SIGTERM)
         return found
 
@@ -266,7 +299,8 @@ async def terminate(
     killed = 0
     for _ in range(KILL_ROUNDS):
         n = await trio.to_thread.run_sync(
-            kill_round, dirs, marker, protected, alone, limiter=limiter
+            functools.partial(kill_round, dirs, marker, protected, alone, roots=roots),
+            limiter=limiter,
         )
         if n == 0:
             break

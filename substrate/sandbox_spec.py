@@ -30,6 +30,9 @@ WORKSPACE_TARGET = "/workspace"
 KEEPALIVE = ("sleep", "infinity")
 #: Runtimes whose sandboxed processes are host processes (so `reaper` may signal them).
 HOST_VISIBLE_RUNTIMES = frozenset({"runc"})
+#: The engine copies the host's resolver file here (even with no network); substrate
+#: binds an empty read-only file over it, so a sandbox learns no name server address.
+RESOLV_CONF_TARGET = "/etc/resolv.conf"
 
 
 @dataclass(frozen=True)
@@ -81,18 +84,23 @@ def container_spec(
     workspace_source: str | None,
     readonly_dirs: Sequence[str],
     security_opt: Sequence[str],
+    resolv_conf: str | None = None,
 ) -> dict[str, Any]:
     """The engine's create request for `profile` (pure): everything comes from the profile.
 
     `workspace_source` is the host path to bind at /workspace (None for `workspace =
-    "none"`); `readonly_dirs` are workspace-relative directories bound read-only over it;
-    `security_opt` is `profiles.security_opts(profile, ...)` (no-new-privileges, seccomp).
+    "none"`); `readonly_dirs` are workspace-relative directories (or `.git` files) bound
+    read-only over it; `security_opt` is `profiles.security_opts(profile, ...)`
+    (no-new-privileges, seccomp); `resolv_conf` is the host path of an empty file bound
+    read-only at /etc/resolv.conf (the engine then leaves the host's resolver out).
     """
     mounts: list[dict[str, Any]] = []
     if workspace_source is not None and profile.workspace != "none":
         mounts.append(_bind(workspace_source, WORKSPACE_TARGET, profile.workspace == "ro"))
         for rel in readonly_dirs:
             mounts.append(_bind(f"{workspace_source}/{rel}", f"{WORKSPACE_TARGET}/{rel}", True))
+    if resolv_conf is not None:
+        mounts.append(_bind(resolv_conf, RESOLV_CONF_TARGET, True))
     host_config: dict[str, Any] = {
         "mounts": mounts,
         "tmpfs": {path: tmpfs_options(size) for path, size in profile.tmpfs.items()},

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,6 +37,15 @@ class Store:
         """Run idempotent DDL (`CREATE TABLE IF NOT EXISTS ...`)."""
         with self._lock:
             self._db.executescript(ddl)
+
+    def ensure_columns(self, table: str, columns: Mapping[str, str]) -> None:
+        """Add each missing column (`name` → its SQL type) to `table`: a database made by
+        an older release gains what `CREATE TABLE IF NOT EXISTS` would not add."""
+        with self._lock:
+            have = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, decl in columns.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

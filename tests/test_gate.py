@@ -335,3 +335,86 @@ async def test_default_policy_needs_no_snapshot_while_git_is_a_mounted_dir(
     finally:
         registry.close()
         store.close()
+
+
+# --- names that are not UTF-8, require_approval, the sandbox's read-only mounts --------------
+
+
+def test_display_rel_escapes_only_what_is_not_utf8() -> None:
+    assert gate.display_rel("src/é.lock") == "src/é.lock"
+    assert gate.display_rel(os.fsdecode(b"d\xff/\xfe.lock")) == "d\\xff/\\xfe.lock"
+
+
+async def test_names_that_are_not_utf8_are_reported_escaped(env: Env) -> None:
+    root = os.fsencode(env.root)
+
+    def command(_: Path) -> None:
+        os.mkdir(root + b"/d\xff")
+        with open(root + b"/d\xff/\xfe.lock", "wb") as f:
+            f.write(b"x")
+        with open(root + b"/poetry.lock", "ab") as f:
+            f.write(b"tampered")
+        with open(root + b"/ok\xff", "wb") as f:
+            f.write(b"allowed")
+
+    blocked = await env.around(command)
+    assert changes(blocked) == [
+        ("gated:d\\xff/\\xfe.lock", "create", True),
+        ("gated:poetry.lock", "modify", True),
+    ]
+    assert os.listdir(root + b"/d\xff") == []
+    assert (env.root / "poetry.lock").read_bytes() == LOCK
+    assert {e["path"] for e in env.blocked_entries()} == {b.path for b in blocked}
+
+
+async def test_require_approval_globs_are_gated_like_denied_ones(
+    adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]
+) -> None:
+    root = make_workspace("approvals", {"app.cfg": "safe\n", "conf/db.cfg": "local\n"}, git=True)
+    state = tmp_path / "state3"
+    state.mkdir(mode=0o700)
+    store = Store(state / "substrate.db")
+    journal = Journal(store)
+    registry = WorkspaceRegistry(
+        Config(state_dir=str(state), adopt_roots=[str(adopt_root)]), store, journal, state
+    )
+    try:
+        ws = registry.adopt(str(root), None, Policy(require_approval=["*.cfg"]), "test")
+        gate_ = SnapshotGate(state / "gate", journal)
+        ticket = await gate_.before(ws)  # `.git` is mounted, but approvals need the gate
+        (root / "app.cfg").write_text("open\n")
+        (root / "conf" / "db.cfg").unlink()
+        (root / "new.cfg").write_text("n\n")
+        (root / "other.txt").write_text("fine\n")
+        blocked = await gate_.after(ws, ticket)
+        assert changes(blocked) == [
+            ("approvals:app.cfg", "modify", True),
+            ("approvals:conf/db.cfg", "delete", True),
+            ("approvals:new.cfg", "create", True),
+        ]
+        assert {b.rule for b in blocked} == {"require_approval"}
+        entries = [e.data for e in journal.read(limit=100) if e.kind == "policy.blocked"]
+        assert {e["rule"] for e in entries} == {"require_approval"}
+        assert (root / "app.cfg").read_text() == "safe\n"
+        assert (root / "conf" / "db.cfg").read_text() == "local\n"
+        assert not (root / "new.cfg").exists()
+        assert (root / "other.txt").read_text() == "fine\n"
+    finally:
+        registry.close()
+        store.close()
+
+
+async def test_paths_the_sandbox_mounted_read_only_are_not_walked(env: Env) -> None:
+    nested = env.root / "vendor" / ".git"
+    nested.mkdir(parents=True)
+    st = os.lstat(nested)
+    mounted = {**gate.readonly_identities(env.ws), "vendor/.git": (st.st_dev, st.st_ino)}
+    ticket = await env.gate.before(env.ws, mounted)
+    (nested / "x.lock").write_text("x")  # impossible through a read-only mount
+    assert await env.gate.after(env.ws, ticket) == []
+    # Without the mount (another inode there now), the same write is caught.
+    ticket = await env.gate.before(env.ws)
+    (nested / "y.lock").write_text("y")
+    assert changes(await env.gate.after(env.ws, ticket)) == [
+        ("gated:vendor/.git/y.lock", "create", True)
+    ]

@@ -17,6 +17,7 @@ import pytest
 
 from substrate.errors import ArtifactUnknown
 from substrate.outputs import (
+    HASH_THREAD_AFTER,
     PREVIEW_BYTES,
     OutputSink,
     SinkClosed,
@@ -326,6 +327,23 @@ def test_write_after_close_is_refused_and_close_is_idempotent(owner: FakeOwner) 
     assert sink.close() is ref
     with pytest.raises(SinkClosed):
         sink.write(b"b")
+
+
+@pytest.mark.parametrize("before", [100, HASH_THREAD_AFTER + 100])
+def test_rewind_starts_the_stream_again_empty(owner: FakeOwner, before: int) -> None:
+    # The engine's own message where a command's output would be (procs.start_failure):
+    # dropped, with any hashing already under way, before the real bytes go in.
+    sink = owner.open(inline_limit=10, max_bytes=before + 50)
+    sink.write(b"e" * before)
+    sink.rewind()
+    assert (sink.written, sink.read_at(0, 10), sink.truncated) == (0, b"", False)
+    sink.write(b"substrate: x: command not found\n")
+    ref = sink.close()
+    data = owner.stored[ref.artifact or ""]
+    assert data == b"substrate: x: command not found\n"
+    assert (ref.bytes, ref.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    with pytest.raises(SinkClosed):
+        sink.rewind()
 
 
 def test_disk_refusal_cuts_the_stream_cleanly(owner: FakeOwner) -> None:

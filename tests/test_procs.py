@@ -13,6 +13,7 @@ from substrate.procs import (
     effective_timeout,
     exec_env,
     signal_of,
+    start_failure,
     validate_argv,
     workdir_for,
 )
@@ -90,3 +91,19 @@ def test_demuxer_notices_a_cut_frame() -> None:
     demux = Demuxer()
     demux.feed(frame(1, b"abcdef")[:-2])
     assert demux.mid_frame
+
+
+ENGINE = b"OCI runtime exec failed: exec failed: unable to start container process: exec: "
+
+
+def test_an_exec_the_engine_could_not_start_reads_like_a_shell() -> None:
+    assert start_failure(
+        "nope", ENGINE + b'"nope": executable file not found in $PATH: unknown\r\n'
+    ) == (127, "substrate: nope: command not found\n")
+    assert start_failure(
+        "/no/x", ENGINE + b'"/no/x": stat /no/x: no such file or directory: unknown\r\n'
+    ) == (127, "substrate: /no/x: no such file or directory\n")
+    assert start_failure(
+        "/etc/passwd", ENGINE + b'"/etc/passwd": permission denied: unknown\r\n'
+    ) == (126, "substrate: /etc/passwd: permission denied\n")
+    assert start_failure("x", b"something else") == (126, "substrate: x: could not be started\n")

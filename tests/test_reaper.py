@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from substrate.reaper import CgroupDirs, ProcInfo, attribute
+from substrate.reaper import CgroupDirs, ProcInfo, attribute, with_roots
 
 V1 = """9:name=systemd:/docker/abc
 8:pids:/docker/abc
@@ -56,3 +56,16 @@ def test_attribution_follows_markers_then_ancestors() -> None:
 def test_attribution_survives_a_ppid_cycle() -> None:
     owners = attribute([info(5, 6, None), info(6, 5, None)], frozenset())
     assert owners == {5: None, 6: None}
+
+
+def test_the_main_process_is_a_root_even_without_a_marker() -> None:
+    # The engine reported pid 10 (started at tick 7) as the command's main process; it
+    # scrubbed its environment, and so did its child. Pid 40 reuses a root's number.
+    procs = [
+        ProcInfo(pid=10, ppid=0, start=7, marker=None),
+        ProcInfo(pid=11, ppid=10, start=8, marker=None),
+        ProcInfo(pid=40, ppid=0, start=9, marker=None),
+    ]
+    rooted = with_roots(procs, "a", {10: 7, 40: 1})
+    assert attribute(rooted, frozenset()) == {10: "a", 11: "a", 40: None}
+    assert with_roots(procs, "a", {}) == procs

@@ -66,6 +66,20 @@ def test_spec_comes_from_the_profile_only() -> None:
     assert "docker.sock" not in repr(out)
 
 
+def test_an_empty_resolver_file_is_bound_read_only() -> None:
+    host = spec(Profile(name="p"), resolv_conf="/state/sandbox-files/resolv.conf")["host_config"]
+    assert isinstance(host, dict)
+    assert host["mounts"][-1] == {
+        "Type": "bind",
+        "Source": "/state/sandbox-files/resolv.conf",
+        "Target": "/etc/resolv.conf",
+        "ReadOnly": True,
+        "BindOptions": {"Propagation": "rprivate"},
+    }
+    none = spec(Profile(name="p", workspace="none"), resolv_conf="/r")["host_config"]
+    assert [m["Target"] for m in none["mounts"]] == ["/etc/resolv.conf"]  # type: ignore[index]
+
+
 def test_workspace_modes() -> None:
     ro = spec(Profile(name="p", workspace="ro"))["host_config"]
     assert isinstance(ro, dict)

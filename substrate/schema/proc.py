@@ -21,11 +21,16 @@ Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class PolicyBlocked(msgspec.Struct, frozen=True, kw_only=True):
-    """A change a command made that the workspace policy denies; it was reverted."""
+    """A change a command made that the workspace policy denies; it was reverted (unless
+    `reverted` is false: docs/write-gate.md says when). `path` is `root_id:rel`; bytes of
+    a name that are not UTF-8 are written `\\xNN`. `rule` is the policy list that denies
+    it: `write_deny`, or `require_approval` (sandboxed code cannot ask for an approval,
+    so such a change is reverted like a denied one)."""
 
-    path: str  # workspace-relative
+    path: str
     change: Literal["create", "modify", "delete", "chmod"]
     reverted: bool
+    rule: Literal["write_deny", "require_approval"] = "write_deny"
 
 
 class RunParams(Params):
@@ -123,7 +128,8 @@ class SignalResult(Result):
 
 
 class ProcStatus(Result):
-    """A process as recorded; byte counts grow while it runs."""
+    """A process as recorded; byte counts grow while it runs. `proc.status` of a finished
+    process adds the `facts` and `policy_blocked` of its result (`proc.list` does not)."""
 
     proc: str
     workspace: str
@@ -137,6 +143,8 @@ class ProcStatus(Result):
     exit_code: int | None = None
     signal: str | None = None
     timed_out: bool | None = None
+    facts: list[Fact] | None = None
+    policy_blocked: list[PolicyBlocked] | None = None
 
 
 class ListParams(Params):

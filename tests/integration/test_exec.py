@@ -11,8 +11,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import itertools
+import json
 import os
 import shutil
+import sqlite3
 import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -419,10 +421,117 @@ async def test_journal_has_facts_and_outcomes_never_output(env: Env) -> None:
     assert "proc.facts" in kinds
     started = next(e for e in entries if e["kind"] == "proc.started")
     exited = next(e for e in entries if e["kind"] == "proc.exited")
-    assert started["data"]["argv"] == ["echo", marker]
+    assert started["data"]["argv0"] == "echo" and started["data"]["argc"] == 2
     assert exited["data"]["exit_code"] == 0
     assert exited["data"]["stdout"]["bytes"] == len(marker) + 1
-    assert all(marker not in str(e["data"]) for e in entries if e["kind"] != "proc.started")
+    assert all(marker not in str(e["data"]) for e in entries)
+
+
+async def test_argv_is_journaled_as_a_digest_and_kept_in_the_record(env: Env) -> None:
+    secret = "sk-live-0f9e8d7c6b5a49382716"
+    argv = ["sh", "-c", f"echo {secret} | wc -c", "inline-script"]
+    result = await env.run(argv)
+    assert result["exit_code"] == 0
+    status = await env.client.call("proc.status", proc=result["proc"])
+    assert status["argv"] == argv
+    started = [e for e in env.daemon.journal.read(limit=10000) if e.kind == "proc.started"]
+    assert started[-1].data == {
+        "proc": result["proc"],
+        "profile": "tiny",
+        "argv0": "sh",
+        "argc": 4,
+        "argv_sha256": hashlib.sha256(json.dumps(argv, separators=(",", ":")).encode()).hexdigest(),
+        "cwd": ".",
+        "container": started[-1].data["container"],
+    }
+    with sqlite3.connect(env.daemon.state_dir / "substrate.db") as db:
+        rows = db.execute("SELECT kind, data FROM journal").fetchall()
+    assert rows and not [kind for kind, data in rows if secret in data]
+
+
+# --- what a sandbox sees --------------------------------------------------------------------
+
+
+async def test_a_missing_program_is_127_with_a_message_on_stderr(env: Env) -> None:
+    missing = await env.run(["no-such-program", "arg"])
+    assert (missing["exit_code"], missing["signal"]) == (127, None)
+    assert missing["stdout"]["bytes"] == 0
+    assert "no-such-program" in text(missing["stderr"])
+    assert "not found" in text(missing["stderr"])
+    by_path = await env.run(["/no/such/program"])
+    assert by_path["exit_code"] == 127
+    assert "/no/such/program" in text(by_path["stderr"])
+    not_executable = await env.run(["/workspace/README"])
+    assert not_executable["exit_code"] == 126
+    assert "/workspace/README" in text(not_executable["stderr"])
+    assert not_executable["stdout"]["bytes"] == 0
+    # A program that exits 126 or 127 itself keeps its own output.
+    own = await env.run(["sh", "-c", "echo mine; exit 127"])
+    assert (own["exit_code"], text(own["stdout"])) == (127, "mine\n")
+
+
+async def test_the_sandbox_has_no_name_server(env: Env) -> None:
+    result = await env.run(["cat", "/etc/resolv.conf"])
+    assert result["exit_code"] == 0
+    assert "nameserver" not in text(result["stdout"])
+    assert text(result["stdout"]).strip() == ""
+    write = await env.run(["sh", "-c", "echo nameserver 1.1.1.1 > /etc/resolv.conf"])
+    assert write["exit_code"] != 0
+
+
+async def test_fact_sources_name_no_host_path(env: Env) -> None:
+    result = await env.run(["true"])
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="tiny")
+    entries = env.daemon.journal.read(limit=10000)
+    journaled = [f for e in entries if e.kind == "proc.facts" for f in e.data["facts"]]
+    for facts in (result["facts"], probe["facts"]):
+        sources = {f["name"]: f["source"] for f in facts}
+        assert sources["cap_bnd"] == "kernel:proc-status"
+        assert sources["readonly_dirs"] == "kernel:mountinfo"
+        assert sources["memory_limit"] == "cgroup:memory.max" or sources["memory_limit"] == (
+            "cgroup:memory.limit_in_bytes"
+        )
+        for name, source in sources.items():
+            assert "/" not in source, (name, source)
+    assert journaled and all("/" not in f["source"] for f in journaled)
+
+
+async def test_every_git_at_any_depth_is_read_only_inside(env: Env) -> None:
+    project = env.root / "nested"
+    (project / ".git" / "modules" / "sub").mkdir(parents=True)
+    (project / "vendor" / "lib" / ".git" / "hooks").mkdir(parents=True)
+    (project / "vendor" / "lib" / ".git" / "config").write_text("[core]\n")
+    (project / "mod" / "sub").mkdir(parents=True)
+    (project / "mod" / "sub" / ".git").write_text("gitdir: ../../.git/modules/sub\n")
+    (project / "deep" / "a" / "b" / "c" / ".git").mkdir(parents=True)
+    os.symlink("vendor/lib", project / "link")  # never followed
+    chown_tree(project, OWNER)
+    ws = (await env.client.call("workspace.adopt", path=str(project)))["workspace"]
+    call = {"workspace": ws, "profile": "tiny"}
+    attempts = {
+        "vendor/lib/.git/hooks/post-checkout": "echo x > vendor/lib/.git/hooks/post-checkout",
+        "vendor/lib/.git/config": "echo x >> vendor/lib/.git/config",
+        "mod/sub/.git": "echo x >> mod/sub/.git",
+        "deep/a/b/c/.git/x": "echo x > deep/a/b/c/.git/x",
+        ".git/modules/sub/x": "echo x > .git/modules/sub/x",
+    }
+    for rel, script in attempts.items():
+        result = await env.client.call("proc.run", argv=["sh", "-c", script], **call)
+        assert result["exit_code"] != 0, rel
+        assert "Read-only file system" in text(result["stderr"]), rel
+    assert (project / "vendor" / "lib" / ".git" / "config").read_text() == "[core]\n"
+    assert (project / "mod" / "sub" / ".git").read_text() == "gitdir: ../../.git/modules/sub\n"
+    assert not (project / "deep" / "a" / "b" / "c" / ".git" / "x").exists()
+    ok = await env.client.call("proc.run", argv=["sh", "-c", "echo fine > vendor/lib/ok"], **call)
+    assert ok["exit_code"] == 0
+    probe = await env.client.call("facts.probe", **call)
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    assert set(facts["readonly_dirs"]) >= {
+        ".git",
+        "vendor/lib/.git",
+        "mod/sub/.git",
+        "deep/a/b/c/.git",
+    }
 
 
 # --- sandboxes: facts, labels, reuse, lifecycle ---------------------------------------------------
@@ -519,7 +628,7 @@ async def test_network_namespace_has_only_loopback(env: Env) -> None:
     facts = {f["name"]: f for f in probe["facts"]}
     assert facts["net_links"]["value"] == ["lo"]
     assert facts["net_routes"]["value"] == []
-    assert facts["net_links"]["source"].startswith("netns:pyroute2")
+    assert facts["net_links"]["source"] == "netns:rtnetlink"
     assert facts["workspace_identity"]["value"] == "{0.st_dev}:{0.st_ino}".format(
         env.ws_path.stat()
     )

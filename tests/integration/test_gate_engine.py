@@ -181,3 +181,56 @@ async def test_a_clean_command_reports_nothing_and_the_next_one_still_checks(env
     assert (await env.sh("cat poetry.lock > /dev/null"))["policy_blocked"] == []
     result = await env.sh("echo x > .env")
     assert blocked(result) == [("project:.env", "create", True)]
+
+
+async def test_names_that_are_not_utf8_are_reported_escaped_and_the_record_ends(
+    env: Env,
+) -> None:
+    # `printf '\377'` makes the byte 0xff: a name no UTF-8 decoder accepts.
+    result = await env.sh(
+        "mkdir -p \"$(printf 'd\\377')\" && echo x > \"$(printf 'd\\377/\\376.lock')\""
+        " && echo y > \"$(printf 'x\\377.lock')\" && echo z > \"$(printf 'ok\\377')\""
+    )
+    assert result["exit_code"] == 0, result
+    assert blocked(result) == [
+        ("project:d\\xff/\\xfe.lock", "create", True),
+        ("project:x\\xff.lock", "create", True),
+    ]
+    top = set(os.listdir(os.fsencode(env.path)))
+    assert b"x\xff.lock" not in top
+    assert b"ok\xff" in top  # allowed: left alone
+    assert os.listdir(os.fsencode(env.path) + b"/d\xff") == []
+    entries = env.blocked_entries()
+    assert sorted(e["path"] for e in entries) == [p for p, _, _ in blocked(result)]
+    status = await env.client.call("proc.status", proc=result["proc"])
+    assert status["state"] == "exited"
+
+
+async def test_require_approval_paths_are_reverted_for_sandboxed_code(env: Env) -> None:
+    project = env.path.parent / "approvals"
+    (project / "conf").mkdir(parents=True)
+    (project / "app.cfg").write_text("mode = safe\n")
+    (project / "conf" / "db.cfg").write_text("host = local\n")
+    for base, dirs, files in os.walk(project):
+        for name in [*dirs, *files]:
+            os.chown(os.path.join(base, name), OWNER, OWNER, follow_symlinks=False)
+    os.chown(project, OWNER, OWNER)
+    ws = await env.client.call(
+        "workspace.adopt", path=str(project), policy={"require_approval": ["*.cfg"]}
+    )
+    result = await env.client.call(
+        "proc.run",
+        workspace=ws["workspace"],
+        profile="tiny",
+        argv=["sh", "-c", "echo 'mode = open' > app.cfg; rm conf/db.cfg; echo n > new.cfg"],
+    )
+    assert result["exit_code"] == 0
+    assert sorted((b["path"], b["change"], b["reverted"]) for b in result["policy_blocked"]) == [
+        ("approvals:app.cfg", "modify", True),
+        ("approvals:conf/db.cfg", "delete", True),
+        ("approvals:new.cfg", "create", True),
+    ]
+    assert {b["rule"] for b in result["policy_blocked"]} == {"require_approval"}
+    assert (project / "app.cfg").read_text() == "mode = safe\n"
+    assert (project / "conf" / "db.cfg").read_text() == "host = local\n"
+    assert not (project / "new.cfg").exists()

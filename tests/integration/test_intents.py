@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import trio
 
 from substrate.client import AsyncClient, RpcError
 from substrate.containers import LABEL_DAEMON, daemon_id_for
@@ -207,3 +208,128 @@ def test_closing_the_connection_never_kills_a_started_process(
         proc = json.loads(s.makefile("rb").readline())["result"]["proc"]
     result = d.client().call("proc.wait", proc=proc)
     assert result["exit_code"] == 0 and result["stdout"]["inline"] == expected_ticks(50).decode()
+
+
+# --- signals, cancellation, records that read the same every time ------------------------
+
+
+@pytest.mark.parametrize("name", ["TERM", "INT", "KILL"])
+async def test_a_signal_right_after_start_reaches_the_command(
+    intent_daemon: DaemonProcess, name: str
+) -> None:
+    d = intent_daemon
+    ws = d.adopt(d.make_workspace())
+    call = {"workspace": ws, "profile": "tiny"}
+    async with d.async_client() as c:
+        await c.call("proc.run", argv=["true"], **call)  # a warm sandbox: the fast path
+        for _ in range(6):
+            proc = (await c.call("proc.start", argv=["sleep", "300"], **call))["proc"]
+            sent = await c.call("proc.signal", proc=proc, signal=name)
+            assert sent["delivered"] >= 1, sent
+            ended = await c.call("proc.wait", proc=proc, timeout_s=60)
+            assert ended.get("signal") == name, ended
+
+
+def _running_in(docker_client: Any, state_dir: Any, needle: str) -> list[str]:
+    """Command lines containing `needle` in this daemon's sandboxes (from the engine)."""
+    label = f"{LABEL_DAEMON}={daemon_id_for(state_dir)}"
+    found = []
+    for ctr in docker_client.api.containers(filters={"label": label}):
+        top = docker_client.api.top(ctr["Id"])
+        found += [" ".join(p) for p in top.get("Processes") or [] if needle in " ".join(p)]
+    return found
+
+
+#: Writes a denied file, then says so, then waits to be cut off.
+SETTLE_SCRIPT = "echo x > {tag}.lock; echo started-{tag}; sleep 300"
+
+
+async def _until_output(c: AsyncClient, ws: str) -> str:
+    """The newest process of `ws` once it has written to stdout (so its lock file too)."""
+    with trio.fail_after(30):
+        while True:
+            listed = (await c.call("proc.list", workspace=ws))["processes"]
+            if listed and listed[0]["stdout_bytes"] > 0:
+                return str(listed[0]["proc"])
+            await trio.sleep(0.05)
+
+
+async def test_a_run_whose_connection_closes_is_killed_gated_and_keeps_its_output(
+    intent_daemon: DaemonProcess, docker_client: Any
+) -> None:
+    d = intent_daemon
+    path = d.make_workspace()
+    ws = d.adopt(path, policy={"write_deny": ["*.lock"]})
+    script = SETTLE_SCRIPT.format(tag="closed")
+    with d.raw() as s:
+        request = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "proc.run",
+            "params": {"workspace": ws, "profile": "tiny", "argv": ["sh", "-c", script]},
+        }
+        s.sendall(json.dumps(request).encode() + b"\n")
+        async with d.async_client() as c:
+            proc = await _until_output(c, ws)
+    # The connection is closed: the run is cancelled, and settled.
+    async with d.async_client() as c:
+        result = await c.call("proc.wait", proc=proc, timeout_s=60)
+    assert result["stdout"]["inline"] == "started-closed\n", result
+    assert result["signal"] in ("TERM", "KILL")
+    assert [(b["path"], b["change"]) for b in result["policy_blocked"]] == [
+        (f"{path.name}:closed.lock", "create")
+    ]
+    assert not (path / "closed.lock").exists()
+    assert result["facts"]
+    assert _running_in(docker_client, d.state_dir, "sleep 300") == []
+
+
+async def test_a_daemon_stop_kills_runs_and_keeps_their_output(
+    intent_daemon: DaemonProcess, docker_client: Any
+) -> None:
+    d = intent_daemon
+    path = d.make_workspace()
+    ws = d.adopt(path, policy={"write_deny": ["*.lock"]})
+    script = SETTLE_SCRIPT.format(tag="stopped")
+    async with d.async_client() as c:
+        started = (
+            await c.call("proc.start", workspace=ws, profile="tiny", argv=["sh", "-c", script])
+        )["proc"]
+        assert await _until_output(c, ws) == started
+    d.restart()
+    async with d.async_client() as c:
+        result = await c.call("proc.wait", proc=started, timeout_s=10)
+        status = await c.call("proc.status", proc=started)
+    assert status["state"] == "exited", status
+    assert result["stdout"]["inline"] == "started-stopped\n", result
+    assert [(b["path"], b["change"]) for b in result["policy_blocked"]] == [
+        (f"{path.name}:stopped.lock", "create")
+    ]
+    assert not (path / "stopped.lock").exists()
+    exited = [e for e in d.journal({"proc.exited"}) if e["data"]["proc"] == started]
+    assert len(exited) == 1 and exited[0]["data"]["cancelled"] is True
+
+
+async def test_a_result_reads_the_same_every_time(intent_daemon: DaemonProcess) -> None:
+    d = intent_daemon
+    path = d.make_workspace()
+    ws = d.adopt(path, policy={"write_deny": ["*.lock"]})
+    argv = ["sh", "-c", "echo hi; echo x > again.lock"]
+    async with d.async_client() as c:
+        first = await c.call("proc.run", workspace=ws, profile="tiny", argv=argv)
+    assert first["facts"] and first["policy_blocked"], first
+
+    async def reads() -> list[dict[str, Any]]:
+        async with d.async_client() as c:
+            waited = await c.call("proc.wait", proc=first["proc"])
+            status = await c.call("proc.status", proc=first["proc"])
+            await c.call("proc.subscribe", proc=first["proc"])
+            _, exit_, _ = await drain(c, first["proc"])
+        assert exit_ is not None
+        return [waited, status, exit_]
+
+    before = await reads()
+    d.restart()  # from the record now, not from memory
+    for read in before + await reads():
+        assert read["facts"] == first["facts"], read
+        assert read["policy_blocked"] == first["policy_blocked"], read

@@ -126,11 +126,13 @@ def test_confined_runc_container_meets_every_fact(containers: Containers, worksp
     assert F.compare(required_for("runc", inspect["Image"]), found) == []
     facts = by_name(found)
     # Each fact from the source that can show it best.
-    assert facts["cap_bnd"].source == f"kernel:/proc/{pid}/status"
-    assert facts["readonly_dirs"].source == f"kernel:/proc/{pid}/mountinfo"
-    assert facts["memory_limit"].source.startswith("cgroup:v")
-    assert facts["net_routes"].source == f"netns:pyroute2:/proc/{pid}/ns/net"
+    # Sources name the kind and a stable id, never a host path or pid.
+    assert facts["cap_bnd"].source == "kernel:proc-status"
+    assert facts["readonly_dirs"].source == "kernel:mountinfo"
+    assert facts["memory_limit"].source in ("cgroup:memory.max", "cgroup:memory.limit_in_bytes")
+    assert facts["net_routes"].source == "netns:rtnetlink"
     assert facts["image_id"].source == "engine:inspect"
+    assert all("/" not in f.source for f in found)
     assert all(f.observed_at > 0 for f in found)
 
 
@@ -230,14 +232,14 @@ def test_confined_runsc_container(
     # The host pid is the Sentry: its own credentials are shown as sandbox_* facts, the
     # command's come from the engine.
     assert facts["sandbox_uid"].value != 1000
-    assert facts["sandbox_seccomp_mode"].source == f"kernel:/proc/{pid}/status"
+    assert facts["sandbox_seccomp_mode"].source == "kernel:proc-status"
     assert facts["uid"].source == "engine:inspect"
-    assert facts["sandbox_network"].source == f"kernel:/proc/{pid}/cmdline"
+    assert facts["sandbox_network"].source == "kernel:proc-cmdline"
     # The gofer opens the container's files on the host: its root is the container's,
     # read-only in the host kernel, with the workspace in it (the Sentry's root is empty).
     gofer = observe.gofer_pid(pid)
     assert gofer is not None and gofer != pid
-    assert facts["rootfs_readonly"].source == f"kernel:/proc/{gofer}/mountinfo (runsc gofer)"
+    assert facts["rootfs_readonly"].source == "kernel:gofer-mountinfo"
     seen = os.stat(f"/proc/{gofer}/root/workspace/.git")
     real = os.stat(workspace / ".git")
     assert (seen.st_dev, seen.st_ino) == (real.st_dev, real.st_ino)

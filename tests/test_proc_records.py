@@ -1,0 +1,129 @@
+"""`substrate.proc_records` without Docker: what the journal keeps of an argv, and a
+finished record that reads back as its first reply (facts, policy_blocked)."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from substrate.facts import make_fact
+from substrate.journal import Journal
+from substrate.proc_records import Outcome, ProcessRecords, argv_summary
+from substrate.schema.artifact import OutputRef
+from substrate.schema.proc import PolicyBlocked
+from substrate.store import Store
+
+SECRET = "sk-live-0f9e8d7c6b5a4938"
+FACTS = [
+    make_fact("uid", 1000, source="kernel:proc-status", observed_at=1.0),
+    make_fact("readonly_dirs", [".git"], source="kernel:mountinfo", observed_at=1.0),
+]
+BLOCKED = [PolicyBlocked(path="p:x.lock", change="create", reverted=True)]
+OUTCOME = Outcome(
+    exit_code=0,
+    signal=None,
+    timed_out=False,
+    oom_killed=False,
+    duration_ms=1.0,
+    reaped=0,
+    killed=0,
+)
+
+
+def output(text: str) -> OutputRef:
+    return OutputRef(
+        bytes=len(text),
+        sha256=hashlib.sha256(text.encode()).hexdigest(),
+        truncated=False,
+        encoding="utf-8",
+        inline=text,
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    made = Store(tmp_path / "substrate.db")
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def run_one(records: ProcessRecords, proc: str, argv: list[str]) -> None:
+    records.started(
+        workspace="w",
+        proc=proc,
+        profile="tiny",
+        argv=argv,
+        cwd=".",
+        container="c" * 64,
+        actor="test",
+        facts=FACTS,
+    )
+    records.exited(
+        workspace="w",
+        proc=proc,
+        outcome=OUTCOME,
+        stdout=output("hi\n"),
+        stderr=output(""),
+        blocked=BLOCKED,
+        actor="test",
+    )
+
+
+def test_argv_summary_keeps_no_argument_text() -> None:
+    argv = ["python3", "-c", f"print('{SECRET}')"]
+    summary = argv_summary(argv)
+    assert summary == {
+        "argv0": "python3",
+        "argc": 3,
+        "argv_sha256": hashlib.sha256(msgspec.json.encode(argv)).hexdigest(),
+    }
+    assert len(argv_summary(["x" * 10_000])["argv0"]) == 256
+
+
+def test_a_finished_record_reads_back_as_its_first_reply(store: Store) -> None:
+    journal = Journal(store)
+    records = ProcessRecords(store, journal)
+    run_one(records, "p_1", ["sh", "-c", f"echo {SECRET}"])
+    run_one(records, "p_2", ["true"])
+    row = records.get("p_1")
+    assert row is not None
+    assert (row.argv, row.facts, row.policy_blocked) == (
+        ["sh", "-c", f"echo {SECRET}"],
+        FACTS,
+        BLOCKED,
+    )
+    assert [r.facts for r in records.recent("w", 10)] == [FACTS, FACTS]
+    with sqlite3.connect(store.path) as db:
+        assert db.execute("SELECT count(*) FROM fact_sets").fetchone() == (1,)  # shared
+        journal_text = [data for (data,) in db.execute("SELECT data FROM journal")]
+    assert journal_text and not [d for d in journal_text if SECRET in d]
+    (started,) = [e for e in journal.read() if e.kind == "proc.started" and e.data["proc"] == "p_1"]
+    assert (started.data["argv0"], started.data["argc"]) == ("sh", 3)
+
+
+def test_a_database_of_the_first_release_gains_the_new_columns(
+    store: Store, tmp_path: Path
+) -> None:
+    # The `processes` table as the first release made it: no facts, no policy_blocked.
+    store.ensure_schema(
+        """CREATE TABLE processes (id TEXT PRIMARY KEY, workspace TEXT NOT NULL,
+        profile TEXT NOT NULL, argv TEXT NOT NULL, cwd TEXT NOT NULL, container TEXT,
+        state TEXT NOT NULL, exit_code INTEGER, signal TEXT, timed_out INTEGER,
+        oom_killed INTEGER, started REAL NOT NULL, ended REAL, duration_ms REAL,
+        stdout TEXT, stderr TEXT, artifacts TEXT, epoch INTEGER NOT NULL);
+        INSERT INTO processes(id, workspace, profile, argv, cwd, state, started, epoch)
+        VALUES ('p_old', 'w', 'tiny', '["true"]', '.', 'exited', 1.0, 1);"""
+    )
+    records = ProcessRecords(store, Journal(store))
+    old = records.get("p_old")
+    assert old is not None and (old.facts, old.policy_blocked) == ([], [])
+    run_one(records, "p_new", ["true"])
+    new = records.get("p_new")
+    assert new is not None and (new.facts, new.policy_blocked) == (FACTS, BLOCKED)
