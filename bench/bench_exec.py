@@ -37,7 +37,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from substrate.client import Client  # noqa: E402
+from substrate.protocol.client import Client  # noqa: E402
 
 GIB = 1 << 30
 

@@ -42,13 +42,13 @@ sys.path.insert(0, str(REPO))
 
 from benchdaemon import BenchDaemon  # noqa: E402
 
-from substrate.client import Client, open_client  # noqa: E402
 from substrate.config import Config  # noqa: E402
-from substrate.journal import Journal  # noqa: E402
+from substrate.protocol.client import Client, open_client  # noqa: E402
 from substrate.schema.fs import WriteParams  # noqa: E402
-from substrate.store import Store  # noqa: E402
-from substrate.workspaces import WorkspaceRegistry  # noqa: E402
-from substrate.writes import Writer  # noqa: E402
+from substrate.store.db import Store  # noqa: E402
+from substrate.store.journal import Journal  # noqa: E402
+from substrate.workspace.registry import WorkspaceRegistry  # noqa: E402
+from substrate.workspace.writes import Writer  # noqa: E402
 
 WORKSPACE_UID = 1000
 PAYLOAD = 4096

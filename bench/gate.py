@@ -34,14 +34,14 @@ import trio
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from substrate.client import open_client  # noqa: E402
 from substrate.config import PROJECT_ROOT, Config  # noqa: E402
 from substrate.daemon import Daemon  # noqa: E402
-from substrate.gate import SnapshotGate  # noqa: E402
-from substrate.journal import Journal  # noqa: E402
+from substrate.protocol.client import open_client  # noqa: E402
 from substrate.schema.workspace import Policy  # noqa: E402
-from substrate.store import Store  # noqa: E402
-from substrate.workspaces import WorkspaceRegistry  # noqa: E402
+from substrate.store.db import Store  # noqa: E402
+from substrate.store.journal import Journal  # noqa: E402
+from substrate.workspace.gate import SnapshotGate  # noqa: E402
+from substrate.workspace.registry import WorkspaceRegistry  # noqa: E402
 
 OWNER = 1000
 DENY = ["*.lock", ".env"]

@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from benchdaemon import BenchDaemon  # noqa: E402
 
-from substrate.client import Client  # noqa: E402
+from substrate.protocol.client import Client  # noqa: E402
 
 WORKSPACE_UID = 1000
 PROFILE = "tiny"

@@ -29,9 +29,9 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from substrate.client import open_client  # noqa: E402
 from substrate.config import PROJECT_ROOT, Config  # noqa: E402
 from substrate.daemon import Daemon  # noqa: E402
+from substrate.protocol.client import open_client  # noqa: E402
 from substrate.pty.client import open_terminal  # noqa: E402
 
 PROFILE = (
@@ -197,7 +197,7 @@ async def main(keys: int, mbytes: int) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 if daemon.execution is None:
-                    from substrate.execution import Execution
+                    from substrate.process.service import Execution
 
                     daemon.execution = Execution(
                         config, daemon.store, daemon.journal, daemon.state_dir

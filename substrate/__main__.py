@@ -1,3 +1,3 @@
-from substrate.cli import main
+from substrate.cli.main import main
 
 raise SystemExit(main())

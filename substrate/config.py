@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 
 from substrate.errors import Refusal
-from substrate.policy import compile_policy
 from substrate.schema.workspace import Policy
+from substrate.workspace.policy import compile_policy
 
 #: Where the shipped profiles and seccomp policies live (a checkout or an sdist).
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

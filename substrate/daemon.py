@@ -19,12 +19,13 @@ from typing import Any
 
 import trio
 
-from substrate import __version__, reads
+from substrate import __version__
 from substrate.config import Config
-from substrate.journal import Journal
-from substrate.store import Store
-from substrate.workspaces import WorkspaceRegistry
-from substrate.writes import Writer
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace import reads
+from substrate.workspace.registry import WorkspaceRegistry
+from substrate.workspace.writes import Writer
 
 log = logging.getLogger("substrate")
 
@@ -84,8 +85,8 @@ class Daemon:
         self.hash_limiter = trio.CapacityLimiter(2)
         self.digests = reads.Digests()
         # --- execution layer (containers, processes, artifacts) -----------------------
-        from substrate.execution import Execution
-        from substrate.profiles import ProfileError
+        from substrate.process.service import Execution
+        from substrate.sandbox.profiles import ProfileError
 
         try:
             self.execution: Any = Execution(
@@ -104,7 +105,7 @@ class Daemon:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on both sockets until a signal; then drain and journal `daemon.stopped`."""
-        from substrate.server import serve_socket
+        from substrate.protocol.server import serve_socket
 
         await trio.to_thread.run_sync(
             self.journal.append, "daemon.started", {"version": __version__, "pid": os.getpid()}

@@ -2,7 +2,7 @@
 
 Every code path that says no raises a `Refusal` subclass. Each subclass carries its stable
 wire name (SPEC §1); the server turns any `Refusal` into a JSON-RPC error in one place
-(`substrate.rpc.refusal_error`). A refusal never changes state: raise it before touching
+(`substrate.protocol.rpc.refusal_error`). A refusal never changes state: raise it before touching
 anything, or undo what was touched.
 
 Names say who is at fault where it matters: most refusals are the caller's (bad input, a

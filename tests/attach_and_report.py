@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from substrate.attach import main
+from substrate.pty.attach import main
 
 if __name__ == "__main__":
     status = main(sys.argv[2:])

@@ -13,7 +13,7 @@
   recursive lchown to uid 1000 for entries a test adds.
 
 Daemons start from a pre-warmed launcher by default: one helper process per session
-imports substrate once, then forks a child per daemon that runs `substrate.cli.main`
+imports substrate once, then forks a child per daemon that runs `substrate.cli.main.main`
 exactly as `python -m substrate` would (same argv, config, sockets, signals), in ~0.1 s
 instead of the ~2 s a fresh interpreter spends importing. `daemon_factory(prewarmed=
 False)` runs the literal `python -m substrate ...` command instead (start-up tests do).
@@ -50,7 +50,7 @@ from typing import Any
 import pytest
 
 import substrate
-from substrate.client import AsyncClient, Client, open_client
+from substrate.protocol.client import AsyncClient, Client, open_client
 
 #: Workspaces in tests belong to this user, as agents' checkouts do (we run as root).
 WORKSPACE_UID = 1000
@@ -215,8 +215,8 @@ class DaemonFailed(Exception):
 
 _LAUNCHER_SRC = r"""
 import json, os, sys, traceback
-import substrate.cli
-for name in ("substrate.daemon", "substrate.api", "substrate.execution", "substrate.pty.service"):
+import substrate.cli.main
+for name in ("substrate.daemon", "substrate.api", "substrate.process.service", "substrate.pty.service"):
     try:
         __import__(name)
     except Exception:
@@ -239,7 +239,7 @@ for raw in sys.stdin.buffer:
                 os.environ.clear()
                 os.environ.update(request["env"])
                 sys.argv = ["substrate", *request["argv"]]
-                code = substrate.cli.main(request["argv"])
+                code = substrate.cli.main.main(request["argv"])
             except SystemExit as exc:
                 if isinstance(exc.code, int) or exc.code is None:
                     code = exc.code or 0

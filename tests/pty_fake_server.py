@@ -13,12 +13,12 @@ from pathlib import Path
 
 import trio
 
-from substrate.grants import Grants
-from substrate.journal import Journal
 from substrate.pty.backend import FakePtys
+from substrate.pty.grants import Grants
 from substrate.pty.http import TerminalHttp
 from substrate.pty.terminals import Terminals
-from substrate.store import Store
+from substrate.store.db import Store
+from substrate.store.journal import Journal
 
 
 async def main() -> None:

@@ -1,4 +1,4 @@
-"""The artifact store (substrate.artifacts) and its wire handlers: pure, no Docker."""
+"""The artifact store (substrate.artifacts.store) and its wire handlers: pure, no Docker."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import trio
 
-from substrate import outputs
 from substrate.api import artifact as api
 from substrate.api.base import Caller
-from substrate.artifacts import INDEX_MIN, ArtifactStore
+from substrate.artifacts import sink as outputs
+from substrate.artifacts.store import INDEX_MIN, ArtifactStore
 from substrate.errors import ArtifactUnknown, InvalidParams, RuntimeUnavailable, TooLarge
 from substrate.schema.artifact import GrepParams, LinesParams, ReadParams, StatParams
-from substrate.store import Store
+from substrate.store.db import Store
 
 MiB = 1 << 20
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from substrate import attach, cli
+from substrate.cli import main as cli
+from substrate.pty import attach
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

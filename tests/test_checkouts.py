@@ -1,4 +1,4 @@
-"""substrate.checkouts: remembered checkout policies over a real store (no daemon)."""
+"""substrate.workspace.checkouts: remembered checkout policies over a real store (no daemon)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from substrate.checkouts import NOTHING, CheckoutPolicies, checkout_key, nested
 from substrate.errors import PolicyLocked
 from substrate.schema.workspace import Policy
-from substrate.store import Store
+from substrate.store.db import Store
+from substrate.workspace.checkouts import NOTHING, CheckoutPolicies, checkout_key, nested
 
 
 @pytest.fixture

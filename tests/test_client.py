@@ -1,4 +1,4 @@
-"""substrate.client: refusals surface by name; a full notification queue never loses an exit.
+"""substrate.protocol.client: refusals surface by name; a full notification queue never loses an exit.
 
 The request-size tests talk to a real daemon; the notification tests feed an
 `AsyncClient` from a socket pair (the server side is the test), so that the queue can be
@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from substrate.client import AsyncClient, Client, RpcError, open_client
+from substrate.protocol.client import AsyncClient, Client, RpcError, open_client
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

@@ -1,4 +1,4 @@
-"""`substrate.containers` without Docker: which paths a sandbox gets read-only, and the
+"""`substrate.sandbox.containers` without Docker: which paths a sandbox gets read-only, and the
 empty resolver file bound over /etc/resolv.conf."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from substrate import containers
-from substrate.containers import empty_resolv_conf, git_paths
 from substrate.errors import ConfinementUnmet, LimitExceeded
+from substrate.sandbox import containers
+from substrate.sandbox.containers import empty_resolv_conf, git_paths
 
 
 @pytest.fixture

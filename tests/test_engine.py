@@ -1,4 +1,4 @@
-"""Pure-ish parts of `substrate.engine`: error mapping and the upgraded exec stream head."""
+"""Pure-ish parts of `substrate.sandbox.engine`: error mapping and the upgraded exec stream head."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import docker.errors
 import pytest
 import requests
 
-from substrate.engine import EngineError, _read_response_head, map_exceptions
 from substrate.errors import ImageMissing, RuntimeUnavailable
+from substrate.sandbox.engine import EngineError, _read_response_head, map_exceptions
 
 
 def api_error(status: int) -> docker.errors.APIError:

@@ -9,9 +9,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from substrate import facts as F
-from substrate import observe, profiles
-from substrate.facts import Fact, Mismatch
+from substrate.sandbox import facts as F
+from substrate.sandbox import observe, profiles
+from substrate.sandbox.facts import Fact, Mismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 CID = "1861239ebab313493267c5b96ef434c3764753482345831e678b0ea2ef797ce3"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import trio
 
-from substrate.client import RpcError
+from substrate.protocol.client import RpcError
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

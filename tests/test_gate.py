@@ -1,4 +1,4 @@
-"""substrate.gate without Docker: the pure diff, the walk, and revert on a real temp tree.
+"""substrate.workspace.gate without Docker: the pure diff, the walk, and revert on a real temp tree.
 
 The "command" here is the test itself changing files between `before` and `after`, as a
 sandboxed process would through the bind mount.
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from substrate import gate
 from substrate.config import Config
-from substrate.gate import Node, SnapshotGate, classify, diff
-from substrate.journal import Journal
-from substrate.policy import compile_policy
 from substrate.schema.proc import PolicyBlocked
 from substrate.schema.workspace import Policy
-from substrate.store import Store
-from substrate.workspaces import Workspace, WorkspaceRegistry
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace import gate
+from substrate.workspace.gate import Node, SnapshotGate, classify, diff
+from substrate.workspace.policy import compile_policy
+from substrate.workspace.registry import Workspace, WorkspaceRegistry
 
 OWNER = 1000
 LOCK = b"# poetry lock\npackage = []\n"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from substrate.errors import GrantConsumed, GrantExpired, GrantInvalid
-from substrate.grants import Grants, parse_duration, token_digest
-from substrate.journal import Journal
-from substrate.store import Store
+from substrate.pty.grants import Grants, parse_duration, token_digest
+from substrate.store.db import Store
+from substrate.store.journal import Journal
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""substrate.imagebuild without Docker: the pure helpers and the shipped build inputs."""
+"""substrate.sandbox.images.build without Docker: the pure helpers and the shipped build inputs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from substrate import imagebuild
+from substrate.sandbox.images import build as imagebuild
 
 
 def _elf64(*p_types: int) -> bytes:
@@ -58,7 +58,7 @@ def test_build_images_rejects_unknown_choice() -> None:
 
 
 def test_tiny_context_files_are_shipped() -> None:
-    images = Path(imagebuild.__file__).parent / "images"
+    images = Path(imagebuild.__file__).parent
     dockerfile = (images / "tiny.Dockerfile").read_text()
     assert dockerfile.splitlines()[-1] == 'CMD ["/bin/sh"]'
     assert "FROM scratch" in dockerfile

@@ -1,4 +1,4 @@
-"""substrate.journal: the hash chain, epochs, tamper detection and the canonical encoding."""
+"""substrate.store.journal: the hash chain, epochs, tamper detection and the canonical encoding."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from substrate.journal import GENESIS, Entry, Journal, canonical, entry_hash
-from substrate.store import Store
+from substrate.store.db import Store
+from substrate.store.journal import GENESIS, Entry, Journal, canonical, entry_hash
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Output spooling and previews (substrate.outputs): pure, on a temp dir, no Docker."""
+"""Output spooling and previews (substrate.artifacts.sink): pure, on a temp dir, no Docker."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from substrate.errors import ArtifactUnknown
-from substrate.outputs import (
+from substrate.artifacts.sink import (
     HASH_THREAD_AFTER,
     PREVIEW_BYTES,
     OutputSink,
@@ -26,6 +25,7 @@ from substrate.outputs import (
     head_preview,
     tail_preview,
 )
+from substrate.errors import ArtifactUnknown
 
 MiB = 1 << 20
 

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from substrate import patching
 from substrate.errors import PatchConflict, TooLarge
-from substrate.patching import apply_edits, apply_unified_diff, unified_preview
+from substrate.workspace import patching
+from substrate.workspace.patching import apply_edits, apply_unified_diff, unified_preview
 
 
 class EditSpec(msgspec.Struct, frozen=True, kw_only=True):

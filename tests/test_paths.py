@@ -1,4 +1,4 @@
-"""substrate.paths: relative-path validation and symlink-refusing opens through dir fds.
+"""substrate.workspace.paths: relative-path validation and symlink-refusing opens through dir fds.
 
 Every open is exercised twice: with `openat2` (where the kernel has it) and with the
 component-by-component `O_NOFOLLOW` walk that is the fallback.
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from substrate import paths
 from substrate.errors import (
     Internal,
     NotADirectory,
@@ -29,6 +28,7 @@ from substrate.errors import (
     Refusal,
     SymlinkRefused,
 )
+from substrate.workspace import paths
 
 # --- wire_name (pure) -----------------------------------------------------------------------
 

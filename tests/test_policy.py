@@ -1,11 +1,12 @@
-"""substrate.policy: gitignore-style globs on workspace-relative paths (pure)."""
+"""substrate.workspace.policy: gitignore-style globs on workspace-relative paths (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
 from substrate.errors import InvalidParams
-from substrate.policy import (
+from substrate.schema.workspace import Policy
+from substrate.workspace.policy import (
     DENY_ALL,
     GIT_DENY,
     GlobSet,
@@ -22,7 +23,6 @@ from substrate.policy import (
     reroot_glob,
     subtract,
 )
-from substrate.schema.workspace import Policy
 
 
 def matches(pattern: str, path: str) -> bool:

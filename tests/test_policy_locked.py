@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import substrate
-from substrate.client import Client, RpcError
 from substrate.config import ConfigError, load_config
 from substrate.errors import all_refusals
+from substrate.protocol.client import Client, RpcError
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

@@ -1,4 +1,4 @@
-"""`substrate.proc_records` without Docker: what the journal keeps of an argv, and a
+"""`substrate.process.records` without Docker: what the journal keeps of an argv, and a
 finished record that reads back as its first reply (facts, policy_blocked)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from substrate.facts import make_fact
-from substrate.journal import Journal
-from substrate.proc_records import Outcome, ProcessRecords, argv_summary
+from substrate.process.records import Outcome, ProcessRecords, argv_summary
+from substrate.sandbox.facts import make_fact
 from substrate.schema.artifact import OutputRef
 from substrate.schema.proc import PolicyBlocked
-from substrate.store import Store
+from substrate.store.db import Store
+from substrate.store.journal import Journal
 
 SECRET = "sk-live-0f9e8d7c6b5a4938"
 FACTS = [

@@ -1,4 +1,4 @@
-"""Pure parts of `substrate.procs`: argv rules, timeouts, workdirs, signals, the demuxer."""
+"""Pure parts of `substrate.process.runner`: argv rules, timeouts, workdirs, signals, the demuxer."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import struct
 import pytest
 
 from substrate.errors import ArgvDenied, LimitExceeded, PathInvalid
-from substrate.exec_stream import Demuxer
-from substrate.procs import (
+from substrate.process.runner import (
     MAX_ARGV_ITEMS,
     effective_timeout,
     exec_env,
@@ -17,8 +16,9 @@ from substrate.procs import (
     validate_argv,
     workdir_for,
 )
-from substrate.profiles import Profile
-from substrate.reaper import MARKER
+from substrate.process.stream import Demuxer
+from substrate.sandbox.profiles import Profile
+from substrate.sandbox.reaper import MARKER
 
 
 def frame(stream: int, payload: bytes) -> bytes:

@@ -10,8 +10,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from substrate import profiles
-from substrate.profiles import Profile, ProfileError, load_profile, load_profiles, parse_size
+from substrate.sandbox import profiles
+from substrate.sandbox.profiles import (
+    Profile,
+    ProfileError,
+    load_profile,
+    load_profiles,
+    parse_size,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "profiles"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from substrate.rpc import MAX_DEPTH
+from substrate.protocol.rpc import MAX_DEPTH
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from substrate.attach import raw_terminal
+from substrate.pty.attach import raw_terminal
 
 ROOT = Path(__file__).resolve().parent.parent
 TMUX = shutil.which("tmux")

@@ -11,12 +11,12 @@ import pytest
 import trio
 from cdp_browser import Cdp, open_browser
 
-from substrate.grants import Grants
-from substrate.journal import Journal
 from substrate.pty.backend import FakePtys
+from substrate.pty.grants import Grants
 from substrate.pty.http import TerminalHttp
 from substrate.pty.terminals import Terminals
-from substrate.store import Store
+from substrate.store.db import Store
+from substrate.store.journal import Journal
 
 SCREEN = "document.querySelector('.xterm-rows').innerText"
 

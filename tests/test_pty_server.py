@@ -17,13 +17,13 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from ws_frames import read_until, send, until_closed
 from ws_frames import recv as _recv
 
-from substrate.grants import Grants
-from substrate.journal import Journal
 from substrate.pty.backend import FakePtys
 from substrate.pty.client import open_terminal
+from substrate.pty.grants import Grants
 from substrate.pty.http import TerminalHttp
 from substrate.pty.terminals import Terminals, TerminalSettings
-from substrate.store import Store
+from substrate.store.db import Store
+from substrate.store.journal import Journal
 
 
 @dataclass

@@ -10,12 +10,12 @@ import pytest
 import trio
 
 from substrate.errors import LimitExceeded
-from substrate.grants import Grants
-from substrate.journal import Journal
 from substrate.pty.backend import FakePty, FakePtys
 from substrate.pty.frames import Error, Open
+from substrate.pty.grants import Grants
 from substrate.pty.terminals import Attached, Terminals, TerminalSettings
-from substrate.store import Store
+from substrate.store.db import Store
+from substrate.store.journal import Journal
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Races against guarded writes (issue 2, "Races and crashes"): tests, not hopes.
 
-Through the socket of a real daemon, and in-process with `substrate.writes.Writer` where
+Through the socket of a real daemon, and in-process with `substrate.workspace.writes.Writer` where
 the race has to be placed exactly (a hook between plan and commit, a chosen temp name):
 
 1. a directory swapped for a symlink to outside while 500 writes run into it;
@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from substrate import paths, writes
-from substrate.client import Client, RpcError
 from substrate.config import Config
 from substrate.errors import Refusal
-from substrate.journal import Journal
+from substrate.protocol.client import Client, RpcError
 from substrate.schema.fs import WriteParams
-from substrate.store import Store
-from substrate.temp_files import TempFiles
-from substrate.workspaces import TEMP_PREFIX, Workspace, WorkspaceRegistry
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace import paths, writes
+from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry
+from substrate.workspace.temp_files import TempFiles
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

@@ -1,4 +1,4 @@
-"""substrate.reads in-process: stat, read, list, walk and search on a real temp workspace."""
+"""substrate.workspace.reads in-process: stat, read, list, walk and search on a real temp workspace."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from substrate import reads
 from substrate.config import Config
 from substrate.errors import (
     InvalidParams,
@@ -30,7 +29,6 @@ from substrate.errors import (
     TooLarge,
     UnknownWorkspace,
 )
-from substrate.journal import Journal
 from substrate.schema.fs import (
     MAX_READ,
     ListEntry,
@@ -44,8 +42,10 @@ from substrate.schema.fs import (
     WalkParams,
 )
 from substrate.schema.workspace import Policy
-from substrate.store import Store
-from substrate.workspaces import TEMP_PREFIX, Workspace, WorkspaceRegistry
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace import reads
+from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry
 
 WS = "ws_test"
 

@@ -1,4 +1,4 @@
-"""Pure parts of `substrate.reaper`: cgroup paths and process attribution."""
+"""Pure parts of `substrate.sandbox.reaper`: cgroup paths and process attribution."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from substrate.reaper import CgroupDirs, ProcInfo, attribute, with_roots
+from substrate.sandbox.reaper import CgroupDirs, ProcInfo, attribute, with_roots
 
 V1 = """9:name=systemd:/docker/abc
 8:pids:/docker/abc

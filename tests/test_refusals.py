@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from substrate.client import Client, RpcError
+from substrate.protocol.client import Client, RpcError
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

@@ -1,4 +1,4 @@
-"""substrate.rootfs without Docker or debootstrap: sources parsing, slimming, the tar stream."""
+"""substrate.sandbox.images.rootfs without Docker or debootstrap: sources parsing, slimming, the tar stream."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from substrate import rootfs
+from substrate.sandbox.images import rootfs
 
 DEB822 = """\
 Types: deb-src

@@ -1,4 +1,4 @@
-"""substrate.rpc: line framing and JSON-RPC 2.0 decoding, sans-IO (no socket here)."""
+"""substrate.protocol.rpc: line framing and JSON-RPC 2.0 decoding, sans-IO (no socket here)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from substrate import rpc
 from substrate.errors import PathInvalid, RequestTooLarge, StaleBase
+from substrate.protocol import rpc
 from substrate.schema.fs import PatchParams, StatParams
 
 SHA = "0" * 64

@@ -1,12 +1,12 @@
-"""`substrate.sandbox_spec` (pure): who runs, and the create request."""
+"""`substrate.sandbox.spec` (pure): who runs, and the create request."""
 
 from __future__ import annotations
 
 import pytest
 
 from substrate.errors import ConfinementUnmet
-from substrate.profiles import Profile
-from substrate.sandbox_spec import (
+from substrate.sandbox.profiles import Profile
+from substrate.sandbox.spec import (
     KEEPALIVE,
     RunAs,
     container_spec,

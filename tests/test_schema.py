@@ -11,7 +11,7 @@ import substrate.api  # noqa: F401  (registers handlers)
 from substrate.api import HANDLERS
 from substrate.config import Config
 from substrate.errors import all_refusals
-from substrate.profiles import Profile
+from substrate.sandbox.profiles import Profile
 from substrate.schema import METHODS, reference, render
 from substrate.schema.artifact import OutputRef
 from substrate.schema.reference import render_protocol

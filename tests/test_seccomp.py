@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from substrate import seccomp
-from substrate.seccomp import SeccompError, Verdict, evaluate, load_seccomp
+from substrate.sandbox import seccomp
+from substrate.sandbox.seccomp import SeccompError, Verdict, evaluate, load_seccomp
 
 ROOT = Path(__file__).resolve().parents[1]
 STRICT = ROOT / "seccomp" / "strict.json"

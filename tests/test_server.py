@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from substrate.client import Client, ConnectionLost, RpcError
+from substrate.protocol.client import Client, ConnectionLost, RpcError
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

@@ -18,11 +18,11 @@ import pytest
 import trio
 import trio.testing
 
-from substrate import rpc, server
 from substrate.api import HANDLERS
 from substrate.config import Config
-from substrate.journal import Journal
-from substrate.store import Store
+from substrate.protocol import rpc, server
+from substrate.store.db import Store
+from substrate.store.journal import Journal
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""Pure parts of `substrate.subscriptions` and one pump over fixed sources (no Docker)."""
+"""Pure parts of `substrate.process.subscriptions` and one pump over fixed sources (no Docker)."""
 
 from __future__ import annotations
 
 import base64
 from typing import Any
 
-from substrate import subscriptions
-from substrate.subscriptions import (
+from substrate.process import subscriptions
+from substrate.process.subscriptions import (
     LAG_BYTES,
     PIECE_BYTES,
     Feed,

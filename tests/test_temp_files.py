@@ -1,4 +1,4 @@
-"""substrate.temp_files: guarded-write temp files are recorded, and only recorded ones cleaned.
+"""substrate.workspace.temp_files: guarded-write temp files are recorded, and only recorded ones cleaned.
 
 In-process tests drive `WorkspaceRegistry.clean_stale_temp_files` and `Writer` over a
 private state dir (a "restart" is a new Journal, hence a new epoch, on the same database);
@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from substrate.client import Client
 from substrate.config import Config
-from substrate.journal import Journal
+from substrate.protocol.client import Client
 from substrate.schema.fs import WriteParams
-from substrate.store import Store
-from substrate.temp_files import TEMP_PREFIX, TempFiles
-from substrate.workspaces import Workspace, WorkspaceRegistry
-from substrate.writes import Writer
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace.registry import Workspace, WorkspaceRegistry
+from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
+from substrate.workspace.writes import Writer
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

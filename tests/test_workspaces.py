@@ -1,4 +1,4 @@
-"""substrate.workspaces in-process: adoption, root ids, VCS heads, persistence, hygiene."""
+"""substrate.workspace.registry in-process: adoption, root ids, VCS heads, persistence, hygiene."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from substrate.errors import (
     SymlinkRefused,
     UnknownWorkspace,
 )
-from substrate.journal import Journal
 from substrate.schema.workspace import MAX_GLOBS, Policy, Vcs
-from substrate.store import Store
-from substrate.workspaces import (
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace.registry import (
     WorkspaceRegistry,
     derive_root_id,
     read_vcs,

@@ -1,4 +1,4 @@
-"""substrate.writes in-process: plans, digests, atomic apply, owners and modes, the journal."""
+"""substrate.workspace.writes in-process: plans, digests, atomic apply, owners and modes, the journal."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from substrate import writes
 from substrate.config import Config
 from substrate.errors import (
     AlreadyExists,
@@ -31,12 +30,13 @@ from substrate.errors import (
     SymlinkRefused,
     UnknownWorkspace,
 )
-from substrate.journal import Journal
 from substrate.schema.fs import DeleteParams, Edit, PatchParams, Plan, WriteParams
 from substrate.schema.workspace import Policy
-from substrate.store import Store
-from substrate.workspaces import TEMP_PREFIX, Workspace, WorkspaceRegistry
-from substrate.writes import Writer
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace import writes
+from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry
+from substrate.workspace.writes import Writer
 
 WS = "ws_test"
 ACTOR = "agent:0"

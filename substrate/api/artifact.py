@@ -25,7 +25,7 @@ from substrate.schema.artifact import (
 )
 
 if TYPE_CHECKING:
-    from substrate.artifacts import ArtifactStore
+    from substrate.artifacts.store import ArtifactStore
     from substrate.daemon import Daemon
 
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from substrate import reads
 from substrate.api.base import Caller, handles
 from substrate.schema.fs import (
     DeleteParams,
@@ -33,6 +32,7 @@ from substrate.schema.fs import (
     WalkResult,
     WriteParams,
 )
+from substrate.workspace import reads
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon

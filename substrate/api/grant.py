@@ -9,7 +9,7 @@ import trio
 
 from substrate.api.base import Caller, handles
 from substrate.errors import GrantInvalid, ProfileUnknown, RuntimeUnavailable
-from substrate.profiles import Profile, load_profiles
+from substrate.sandbox.profiles import Profile, load_profiles
 from substrate.schema.common import Empty
 from substrate.schema.grant import (
     GrantIssueParams,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from substrate import __version__, writes
+from substrate import __version__
 from substrate.api.base import Caller, handles
 from substrate.pty.http import parse_listen
 from substrate.schema.journal import (
@@ -22,6 +22,7 @@ from substrate.schema.journal import (
     StatusParams,
     StatusResult,
 )
+from substrate.workspace import writes
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon

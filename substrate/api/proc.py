@@ -6,9 +6,9 @@ import base64
 import binascii
 from typing import TYPE_CHECKING
 
-from substrate import intents
 from substrate.api.base import Caller, handles
 from substrate.errors import InvalidParams, RuntimeUnavailable
+from substrate.process import intents
 from substrate.schema.proc import (
     ListParams,
     ListResult,
@@ -27,7 +27,7 @@ from substrate.schema.proc import (
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
-    from substrate.execution import Execution
+    from substrate.process.service import Execution
 
 
 def execution_of(daemon: Daemon) -> Execution:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from substrate.api.base import Caller, handles
 from substrate.api.proc import execution_of
-from substrate.profiles import Profile
+from substrate.sandbox.profiles import Profile
 from substrate.schema.common import Empty
 from substrate.schema.profile import (
     ProbeParams,

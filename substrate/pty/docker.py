@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from substrate import reaper
-from substrate.engine import ContainerGone, Engine, ExecStream
 from substrate.errors import GrantInvalid, RuntimeUnavailable
-from substrate.profiles import Profile
+from substrate.sandbox import reaper
+from substrate.sandbox.engine import ContainerGone, Engine, ExecStream
+from substrate.sandbox.profiles import Profile
 
 if TYPE_CHECKING:
-    from substrate.containers import Containers, Sandbox
-    from substrate.workspaces import Workspace
+    from substrate.sandbox.containers import Containers, Sandbox
+    from substrate.workspace.registry import Workspace
 
 log = logging.getLogger("substrate.pty")
 
@@ -41,7 +41,7 @@ DEFAULT_TERM = "xterm-256color"
 
 def shell_argv(profile: Profile) -> list[str]:
     """The session's argv: the profile's `SHELL`, else /bin/sh (checked by `argv_allow`)."""
-    from substrate.procs import validate_argv
+    from substrate.process.runner import validate_argv
 
     argv = [profile.env.get("SHELL", DEFAULT_SHELL)]
     validate_argv(argv, profile.argv_allow)
@@ -151,7 +151,7 @@ class DockerPtys:
         `image_missing`, `runtime_unavailable`, like any command. Costs a container start
         and a fact check when the sandbox is cold, else three engine calls."""
         # Imported here: the daemon builds terminals whether or not the exec layer loads.
-        from substrate.procs import exec_env, workdir_for
+        from substrate.process.runner import exec_env, workdir_for
 
         execution = self._execution()
         if execution is None:

@@ -29,7 +29,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from substrate.rpc import nesting_exceeds
+from substrate.protocol.rpc import nesting_exceeds
 
 #: The largest client frame accepted, in bytes of UTF-8 JSON.
 MAX_FRAME_BYTES = 64 * 1024

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from substrate.grants import Grants
 from substrate.pty.docker import DockerPtys
+from substrate.pty.grants import Grants
 from substrate.pty.http import TerminalHttp
 from substrate.pty.terminals import Terminals
 

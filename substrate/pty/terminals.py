@@ -38,12 +38,12 @@ from substrate.errors import (
     LimitExceeded,
     ProcessUnknown,
 )
-from substrate.grants import Grants
-from substrate.journal import Journal
 from substrate.pty.backend import PtyProcess, PtySpawner
 from substrate.pty.frames import Error, Open
+from substrate.pty.grants import Grants
 from substrate.pty.session import Mode, Session
 from substrate.schema.pty import SelectionResult, SessionInfo, SessionList
+from substrate.store.journal import Journal
 
 log = logging.getLogger("substrate.pty")
 

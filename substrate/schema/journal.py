@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from substrate.journal import Entry
 from substrate.schema.common import NonNegative, Params, Result, WorkspaceId, method
+from substrate.store.journal import Entry
 
 
 class JournalReadParams(Params):

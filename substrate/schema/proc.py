@@ -2,7 +2,7 @@
 
 `argv` is deliberately loose here (any list of strings): an empty argv, a NUL or an
 argv[0] outside the profile's `argv_allow` is the named refusal `argv_denied`, decided in
-`substrate.procs`, not `invalid_params`. Likewise a `timeout_s` above the profile's is
+`substrate.process.runner`, not `invalid_params`. Likewise a `timeout_s` above the profile's is
 `limit_exceeded`.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from substrate.facts import Fact
+from substrate.sandbox.facts import Fact
 from substrate.schema.artifact import OutputRef
 from substrate.schema.common import Params, RelPath, Result, WorkspaceId, method
 

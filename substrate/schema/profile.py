@@ -6,8 +6,8 @@ from typing import Annotated
 
 import msgspec
 
-from substrate.facts import Fact
-from substrate.profiles import Profile
+from substrate.sandbox.facts import Fact
+from substrate.sandbox.profiles import Profile
 from substrate.schema.common import Empty, Params, Result, WorkspaceId, method
 
 ProfileName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]

@@ -28,7 +28,7 @@ import msgspec.inspect as mi
 
 from substrate.config import PROJECT_ROOT, Config
 from substrate.errors import all_refusals
-from substrate.profiles import Profile
+from substrate.sandbox.profiles import Profile
 from substrate.schema import METHODS, MethodSpec
 
 #: A region's markers, each on a line of its own.

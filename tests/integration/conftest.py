@@ -31,7 +31,7 @@ import docker
 import docker.errors
 import pytest
 
-from substrate import imagebuild
+from substrate.sandbox.images import build as imagebuild
 
 #: Labels every container made by a test carries; `remove_test_containers` finds them.
 TEST_LABELS = {"substrate.test": "1", "substrate.test.session": uuid.uuid4().hex}

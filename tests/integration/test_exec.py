@@ -25,11 +25,11 @@ import psutil
 import pytest
 import trio
 
-from substrate import reaper
-from substrate.client import AsyncClient, RpcError, open_client
 from substrate.config import PROJECT_ROOT, Config
-from substrate.containers import LABEL_DAEMON, LABEL_EPOCH, daemon_id_for
 from substrate.daemon import Daemon
+from substrate.protocol.client import AsyncClient, RpcError, open_client
+from substrate.sandbox import reaper
+from substrate.sandbox.containers import LABEL_DAEMON, LABEL_EPOCH, daemon_id_for
 
 OWNER = 1000
 
@@ -588,8 +588,8 @@ async def test_weaker_container_with_our_labels_is_refused_never_reused(
     value: Any,
     fact: str,
 ) -> None:
-    from substrate import profiles as profile_lib
-    from substrate.sandbox_spec import RunAs, container_spec
+    from substrate.sandbox import profiles as profile_lib
+    from substrate.sandbox.spec import RunAs, container_spec
 
     execution = env.daemon.execution
     profile = execution.profile("tiny")

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from substrate import imagebuild
+from substrate.sandbox.images import build as imagebuild
 
 Run = Callable[[str, list[str]], tuple[int, str]]
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import trio
 
-from substrate.client import AsyncClient
-from substrate.containers import LABEL_DAEMON, daemon_id_for
+from substrate.protocol.client import AsyncClient
+from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import trio
 
-from substrate import facts as F
-from substrate import observe, profiles
-from substrate.profiles import Profile
+from substrate.sandbox import facts as F
+from substrate.sandbox import observe, profiles
+from substrate.sandbox.profiles import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import trio
 
-from substrate.client import AsyncClient, open_client
 from substrate.config import PROJECT_ROOT, Config
-from substrate.containers import LABEL_DAEMON, daemon_id_for
 from substrate.daemon import Daemon
+from substrate.protocol.client import AsyncClient, open_client
+from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
 OWNER = 1000
 

@@ -4,7 +4,7 @@ The probe (tests/probes/syscalls.py) runs inside the sandbox image as uid 1000 w
 capability dropped and no-new-privileges, like a `default`-profile command. Under
 `strict` each denied syscall must answer exactly EPERM; without a filter the same probes
 must answer something else, which shows the EPERMs come from the filter. Two more tests
-pin the engine behaviour that `substrate.seccomp` refuses policies over (rule order is
+pin the engine behaviour that `substrate.sandbox.seccomp` refuses policies over (rule order is
 not honoured; `defaultErrnoRet` is ignored), and one pins that runsc enforces no OCI
 policy (why the `gvisor` profile says "engine-default").
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from substrate import profiles, seccomp
+from substrate.sandbox import profiles, seccomp
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = (ROOT / "tests" / "probes" / "syscalls.py").read_text()

@@ -25,11 +25,11 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from ws_frames import read_until as _read_until
 from ws_frames import recv, send, until_closed
 
-from substrate.client import AsyncClient, RpcError, open_client
 from substrate.config import PROJECT_ROOT, Config
-from substrate.containers import LABEL_DAEMON, daemon_id_for
 from substrate.daemon import Daemon
+from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.pty.client import open_terminal
+from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
 OWNER = 1000
 PROFILES = {
@@ -135,7 +135,7 @@ async def env(
     try:
         async with trio.open_nursery() as nursery:
             if daemon.execution is None:
-                from substrate.execution import Execution
+                from substrate.process.service import Execution
 
                 daemon.execution = Execution(config, daemon.store, daemon.journal, daemon.state_dir)
                 await nursery.start(daemon.execution.run)

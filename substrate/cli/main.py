@@ -1,0 +1,299 @@
+"""`substrate` command line (SPEC §9): the daemon, and a client for people at a shell.
+
+Client commands find the daemon through `--state-dir` or `$SUBSTRATE_STATE_DIR`. A
+refusal prints `substrate: <refusal>: <message>` on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from substrate.protocol.client import Client, RpcError, socket_path
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _client(args: argparse.Namespace, *, operator: bool = False) -> Client:
+    path = socket_path(args.state_dir, operator=operator)
+    try:
+        return Client(path)
+    except OSError as exc:
+        raise SystemExit(f"substrate: cannot reach the daemon at {path}: {exc.strerror}") from None
+
+
+def _workspace(client: Client, spec: str | None) -> str:
+    """A handle from `--workspace`: a handle, a root_id, or a host path to adopt (default: cwd)."""
+    if spec is None or spec.startswith("/") or spec == ".":
+        path = os.path.abspath(spec or os.getcwd())
+        return str(client.call("workspace.adopt", path=path)["workspace"])
+    for ws in client.call("workspace.list")["workspaces"]:
+        if spec in (ws["workspace"], ws["root_id"]):
+            return str(ws["workspace"])
+    raise SystemExit(f"substrate: no workspace {spec!r}")
+
+
+# -- serve ----------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from substrate.config import ConfigError, load_config
+    from substrate.daemon import Daemon, StartupError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    overrides: dict[str, Any] = {
+        "state_dir": args.state_dir or os.environ.get("SUBSTRATE_STATE_DIR"),
+        "adopt_roots": [os.path.abspath(p) for p in args.adopt_root],
+        "profiles_dir": args.profiles,
+        "seccomp_dir": args.seccomp,
+        "listen": args.listen,
+    }
+    try:
+        config = load_config(Path(args.config) if args.config else None, overrides)
+        daemon = Daemon(config)
+    except (ConfigError, StartupError) as exc:
+        print(f"substrate: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(daemon.serve)
+    finally:
+        daemon.close()
+    return 0
+
+
+# -- workspace and files ----------------------------------------------------------------------
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        params: dict[str, Any] = {"path": os.path.abspath(args.path)}
+        if args.root_id:
+            params["root_id"] = args.root_id
+        _print_json(c.call("workspace.adopt", **params))
+    return 0
+
+
+def cmd_read(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        ws = _workspace(c, args.workspace)
+        result = c.call(
+            "fs.read", workspace=ws, path=args.path, offset=args.offset, length=args.length
+        )
+    data = result.pop("data")
+    if args.json:
+        result["data"] = data
+        _print_json(result)
+        return 0
+    raw = data.encode() if result["encoding"] == "utf-8" else base64.b64decode(data)
+    sys.stdout.buffer.write(raw)
+    print(f"sha256 {result['sha256']}  size {result['size']}", file=sys.stderr)
+    return 0
+
+
+def cmd_write(args: argparse.Namespace) -> int:
+    content = Path(args.source).read_bytes() if args.source else sys.stdin.buffer.read()
+    with _client(args) as c:
+        ws = _workspace(c, args.workspace)
+        plan = c.call(
+            "fs.write",
+            workspace=ws,
+            path=args.path,
+            content_b64=base64.b64encode(content).decode(),
+            base_sha256=None if args.create else args.base,
+            create_parents=args.parents,
+            dry_run=args.dry_run,
+        )
+    _print_json(plan)
+    return 0
+
+
+def cmd_patch(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {"path": args.path, "base_sha256": args.base, "dry_run": args.dry_run}
+    if args.diff:
+        params["unified_diff"] = Path(args.diff).read_text()
+    else:
+        if not args.edit:
+            raise SystemExit("substrate: give --edit OLD NEW (repeatable) or --diff FILE")
+        params["edits"] = [{"old": old, "new": new} for old, new in args.edit]
+    with _client(args) as c:
+        params["workspace"] = _workspace(c, args.workspace)
+        _print_json(c.call("fs.patch", **params))
+    return 0
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        ws = _workspace(c, args.workspace)
+        params: dict[str, Any] = {
+            "workspace": ws,
+            "pattern": args.pattern,
+            "path": args.path,
+            "fixed": args.fixed,
+            "ignore_case": args.ignore_case,
+            "max_matches": args.max_matches,
+        }
+        if args.glob:
+            params["glob"] = args.glob
+        result = c.call("fs.search", **params)
+    for match in result["matches"]:
+        print(f"{match['path']}:{match['line']}:{match['column']}:{match['text']}")
+    if result["truncated"]:
+        print("(truncated)", file=sys.stderr)
+    return 0 if result["matches"] else 1
+
+
+# -- journal -------------------------------------------------------------------------------
+
+
+def cmd_journal(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        if args.journal_cmd == "read":
+            params: dict[str, Any] = {"since": args.since, "limit": args.limit}
+            if args.workspace:
+                params["workspace"] = _workspace(c, args.workspace)
+            for entry in c.call("journal.read", **params)["entries"]:
+                print(json.dumps(entry, sort_keys=True))
+            return 0
+        if args.journal_cmd == "verify":
+            result = c.call("journal.verify")
+            _print_json(result)
+            return 0 if result["ok"] else 1
+        result = c.call("journal.replay", workspace=_workspace(c, args.workspace))
+    for f in result["files"]:
+        print(f"{f['status']:<10} {f['path']}")
+    print(f"{result['drifted']} of {len(result['files'])} files differ from what substrate wrote")
+    return 0 if result["drifted"] == 0 else 1
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    with _client(args, operator=True) as c:
+        ws = _workspace(c, args.workspace)
+        _print_json(c.call("approval.grant", workspace=ws, plan_digest=args.digest, ttl_s=args.ttl))
+    return 0
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    """`substrate policy set`: the operator's policy of one checkout (replaces the last)."""
+    policy = {
+        "write_allow": args.write_allow,
+        "write_deny": args.write_deny,
+        "read_deny": args.read_deny,
+        "require_approval": args.require_approval,
+    }
+    with _client(args, operator=True) as c:
+        ws = _workspace(c, args.workspace)
+        _print_json(c.call("workspace.set_policy", workspace=ws, policy=policy))
+    return 0
+
+
+# -- parser ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="substrate", description=__doc__)
+    parser.add_argument(
+        "--state-dir",
+        help="daemon state dir (default $SUBSTRATE_STATE_DIR or ~/.local/state/substrate)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the daemon")
+    p.add_argument("--config", help="substrate.toml")
+    p.add_argument("--adopt-root", action="append", default=[], help="dir workspaces may be under")
+    p.add_argument("--profiles", help="profiles dir")
+    p.add_argument("--seccomp", help="seccomp policies dir")
+    p.add_argument("--listen", help="HOST:PORT for terminals")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("adopt", help="adopt a checkout as a workspace")
+    p.add_argument("path")
+    p.add_argument("--root-id")
+    p.set_defaults(func=cmd_adopt)
+
+    ws_help = "workspace handle, root id or path (default: the current directory)"
+    p = sub.add_parser("read", help="read a file")
+    p.add_argument("path")
+    p.add_argument("--workspace", help=ws_help)
+    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--length", type=int, default=4 << 20)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_read)
+
+    p = sub.add_parser("write", help="guarded write of stdin or --from FILE")
+    p.add_argument("path")
+    p.add_argument("--workspace", help=ws_help)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--base", help="sha256 the file must have now")
+    group.add_argument("--create", action="store_true", help="the file must not exist")
+    p.add_argument("--from", dest="source")
+    p.add_argument("--parents", action="store_true")
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=cmd_write)
+
+    p = sub.add_parser("patch", help="guarded edits or unified diff")
+    p.add_argument("path")
+    p.add_argument("--workspace", help=ws_help)
+    p.add_argument("--base", required=True)
+    p.add_argument("--edit", nargs=2, action="append", metavar=("OLD", "NEW"))
+    p.add_argument("--diff", help="a unified diff file")
+    p.add_argument("--dry-run", action="store_true")
+    p.set_defaults(func=cmd_patch)
+
+    p = sub.add_parser("search", help="search the workspace")
+    p.add_argument("pattern")
+    p.add_argument("--workspace", help=ws_help)
+    p.add_argument("--path", default=".")
+    p.add_argument("--glob")
+    p.add_argument("--fixed", action="store_true")
+    p.add_argument("-i", "--ignore-case", action="store_true")
+    p.add_argument("--max-matches", type=int, default=200)
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("approve", help="operator: approve one apply of a plan digest")
+    p.add_argument("digest")
+    p.add_argument("--workspace", help=ws_help)
+    p.add_argument("--ttl", type=float, default=600.0)
+    p.set_defaults(func=cmd_approve)
+
+    p = sub.add_parser("policy", help="operator: set the policy of a checkout")
+    psub = p.add_subparsers(dest="policy_cmd", required=True)
+    ps = psub.add_parser("set", help="replace the checkout's policy (the default still applies)")
+    ps.add_argument("--workspace", help=ws_help)
+    for flag in ("--write-allow", "--write-deny", "--read-deny", "--require-approval"):
+        ps.add_argument(flag, action="append", default=[], metavar="GLOB")
+    p.set_defaults(func=cmd_policy)
+
+    p = sub.add_parser("journal", help="read, verify or replay the journal")
+    jsub = p.add_subparsers(dest="journal_cmd", required=True)
+    jr = jsub.add_parser("read")
+    jr.add_argument("--since", type=int, default=0)
+    jr.add_argument("--limit", type=int, default=1000)
+    jr.add_argument("--workspace")
+    jsub.add_parser("verify")
+    jp = jsub.add_parser("replay")
+    jp.add_argument("--workspace", required=True)
+    p.set_defaults(func=cmd_journal)
+
+    from substrate.cli import exec as cli_exec
+
+    cli_exec.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except RpcError as exc:
+        print(f"substrate: {exc.refusal or exc.code}: {exc.message}", file=sys.stderr)
+        return 2

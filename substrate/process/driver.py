@@ -1,0 +1,473 @@
+"""Driving one exec: its output and stdin pumps, the supervisor, signals, the kill.
+
+`substrate.process.runner.Processes` creates the exec and the record; `ExecDriver` runs it from
+the engine's start until its main process has ended and its stream is drained, then
+`Processes` checks the write gate and finishes the record.
+
+Theory of operation. The exec's multiplexed stream is read by one worker thread,
+demuxed (`exec_stream.Demuxer`, sans-IO) and written to two `OutputSink`s as it arrives;
+stdin, when given, is written by another thread, then the write half is shut so the
+command sees EOF. A supervisor task watches the clock and the command:
+- the stream ends (the usual case) → done;
+- still open after `MAIN_PROBE_S` → ask the engine for the exec's host pid and wait on
+  it (pidfd): once the main process exits, anything still holding the output pipe is a
+  straggler and is reaped;
+- the deadline passes → TERM to every process of the command, KILL after `GRACE_S`.
+The run cut off (its caller went away, the daemon stops, a failure): the supervisor
+kills the command and lets its stream drain (the pump thread is never abandoned, so
+nothing writes to a sink after the run closed it); `settle` then reads its exit code.
+Every such step is bounded (`SETTLE_S`).
+
+Signals (`signal`) go from the host to every process the reaper attributes to the
+command, plus its main process once the engine reported it (even with a scrubbed
+environment). Right after `proc.start` the exec may have no process yet: the engine
+answers the start before runc has run the program. A signal that finds nothing then is
+*held* on the entry, and the run delivers it as soon as the engine reports the main
+process (or answers 0 if the exec ended without one): a caller is never told
+`delivered: 0` for a command that then keeps running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+
+import trio
+
+from substrate.artifacts.sink import OutputSink
+from substrate.process import stream as exec_stream
+from substrate.sandbox import reaper
+from substrate.sandbox.containers import Containers, Sandbox
+from substrate.sandbox.engine import ContainerGone, Engine
+from substrate.schema.proc import ProcResult
+
+log = logging.getLogger("substrate.process.runner")
+
+#: Seconds between TERM and KILL, on timeout and for stragglers.
+GRACE_S = 2.0
+#: The stream still open this long: learn the main pid so its exit is noticed even when
+#: a background child holds the output pipe.
+MAIN_PROBE_S = 0.25
+#: A run cut off after its exec started: at most this long to end the command and read
+#: its exit code (the kill itself takes up to `GRACE_S` plus KILL rounds).
+SETTLE_S = 30.0
+
+
+@dataclass
+class HeldSignal:
+    """A signal sent before the command had a process: delivered by its run."""
+
+    name: str
+    done: trio.Event = field(default_factory=trio.Event)
+    delivered: int = 0
+
+
+@dataclass
+class Entry:
+    """A command of this daemon run, from its exec start until its record is final.
+
+    Held by `Processes` while it runs (intents look it up by id); whoever waits on it
+    or streams it keeps the object after that, and reads the closed sinks.
+    """
+
+    proc: str
+    workspace: str
+    profile: str
+    argv: list[str]
+    started: float  # unix time
+    sandbox: Sandbox
+    sinks: dict[int, OutputSink]
+    done: trio.Event = field(default_factory=trio.Event)
+    result: ProcResult | None = None  # set when it ended with an outcome
+    ended: float | None = None
+    #: (host pid, start ticks) of the main process, once the engine reported it: it is
+    #: the command's even if it scrubbed its environment (no marker).
+    main: tuple[int, int] | None = None
+    #: The engine reported the main process (or the exec's end): a signal that finds
+    #: nothing after this is answered 0, never held.
+    appeared: bool = False
+    held: list[HeldSignal] = field(default_factory=list)
+    held_added: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def state(self) -> str:
+        if not self.done.is_set():
+            return "running"
+        return "exited" if self.result is not None else "lost"
+
+
+@dataclass
+class Run:
+    """The state of one running command, shared by its tasks."""
+
+    entry: Entry
+    proc: str
+    sandbox: Sandbox
+    exec_id: str
+    sock: socket.socket
+    initial: bytes
+    sinks: dict[int, OutputSink]
+    deadline: float
+    pump_done: trio.Event = field(default_factory=trio.Event)
+    main_exited: bool = False
+    timed_out: bool = False
+    reaped: int = 0
+    killed: int = 0
+
+
+class ExecDriver:
+    """Drives the execs of one daemon: pumps, supervision, signals, kills. Used by
+    `substrate.process.runner.Processes` (which records, gates and answers)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        containers: Containers,
+        *,
+        pump_limiter: trio.CapacityLimiter,
+        fs_limiter: trio.CapacityLimiter | None,
+    ) -> None:
+        self._engine = engine
+        self._containers = containers
+        self._pump_limiter = pump_limiter
+        self._fs_limiter = fs_limiter
+
+    async def signal(self, entry: Entry, name: str) -> int:
+        """Send INT/TERM/KILL to every process of `entry`'s running command; how many.
+
+        KILL goes in rounds with the cgroup frozen (a forking command cannot outrun it).
+        A signal that finds no process before the engine reported the main one is held
+        and delivered by the run as soon as it is (this call waits for that); 0 means
+        the command had no process left. Under gVisor the command's processes are not
+        host processes: TERM and KILL remove the whole sandbox (every command in it
+        ends), INT is sent to nothing (0).
+        """
+        sandbox = entry.sandbox
+        if not sandbox.host_visible:
+            if name == "INT":
+                return 0
+            await self._containers.forget(sandbox, "signal")
+            return 1
+        delivered = await self.send(entry, name)
+        if delivered or entry.appeared or entry.done.is_set():
+            return delivered
+        held = HeldSignal(name)
+        entry.held.append(held)
+        entry.held_added.set()
+        await held.done.wait()
+        return held.delivered
+
+    async def send(self, entry: Entry, name: str) -> int:
+        """Signal every process of `entry`'s command now; how many were signalled."""
+        sandbox = entry.sandbox
+        roots = _roots(entry)
+        if name == "KILL":
+            total = 0
+            for _ in range(10):
+                n = await trio.to_thread.run_sync(
+                    functools.partial(
+                        reaper.kill_round,
+                        sandbox.cgroups,
+                        entry.proc,
+                        sandbox.protected,
+                        False,
+                        roots=roots,
+                    )
+                )
+                if n == 0:
+                    break
+                total = max(total, n)
+                await trio.sleep(0.02)
+            return total
+        signum = signal.Signals["SIG" + name]
+
+        def deliver() -> int:
+            found = reaper.targets(
+                sandbox.cgroups, entry.proc, sandbox.protected, False, roots=roots
+            )
+            for pid in found:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            return len(found)
+
+        return await trio.to_thread.run_sync(deliver, limiter=self._fs_limiter)
+
+    async def _release_held(self, run: Run) -> None:
+        """Deliver held signals once the engine reports the main process (run task)."""
+        entry = run.entry
+        while True:
+            await entry.held_added.wait()
+            entry.held_added = trio.Event()
+            await self.learn_main(run, first_sleep=0.005)
+            await self._deliver_held(entry)
+
+    async def learn_main(self, run: Run, *, first_sleep: float) -> int | None:
+        """Wait until the engine reports the exec's main process (or its end); record it
+        on the entry. Returns its host pid, None once the exec ended without one."""
+        pid = await self._started_pid(run.exec_id, first_sleep=first_sleep)
+        entry = run.entry
+        if pid is not None and entry.main is None:
+            info = await trio.to_thread.run_sync(reaper.read_proc, pid)
+            if info is not None:
+                entry.main = (pid, info.start)
+        entry.appeared = True
+        return pid
+
+    async def _release_remaining(self, entry: Entry) -> None:
+        """The stream ended: one last delivery for anything still held."""
+        entry.appeared = True
+        await self._deliver_held(entry)
+
+    async def _deliver_held(self, entry: Entry) -> None:
+        """Send each held signal now and answer its caller. Shielded: once taken off the
+        list, a signal is sent (the run's end cancels the releaser) and answered."""
+        while entry.held:
+            held = entry.held.pop(0)
+            try:
+                with trio.CancelScope(shield=True):
+                    held.delivered = await self.send(entry, held.name)
+            finally:
+                held.done.set()
+
+    async def reap_stragglers(self, run: Run) -> int:
+        """After the main process: reap what it left behind; return the OOM-kill count."""
+        sandbox = run.sandbox
+        alone = sandbox.running <= 1
+        stragglers, oom_after = await trio.to_thread.run_sync(
+            _after_exit, sandbox, run.proc, alone, limiter=self._fs_limiter
+        )
+        if stragglers:
+            termed, killed = await reaper.terminate(
+                sandbox.cgroups,
+                run.proc,
+                sandbox.protected,
+                alone=alone,
+                grace_s=GRACE_S,
+                roots=_roots(run.entry),
+            )
+            run.reaped += termed
+            run.killed += killed
+        return oom_after
+
+    async def settle(self, run: Run, exit_code: int | None) -> tuple[int | None, int]:
+        """A run cut off after its exec started: end whatever of the command is left and
+        read its exit code (bounded by `SETTLE_S`); return (exit code, OOM-kill count).
+        Called shielded."""
+        sandbox = run.sandbox
+        if not run.pump_done.is_set():  # cut off before its stream was driven at all
+            exec_stream.shutdown(run.sock)
+            run.sock.close()
+        with trio.move_on_after(SETTLE_S):
+            if sandbox.host_visible:
+                await self.kill(run)  # targeted: one scan when nothing is left
+            elif exit_code is None:
+                try:
+                    info = await self._engine.exec_inspect(run.exec_id)
+                except ContainerGone:
+                    info = {}
+                if info.get("Running"):
+                    await self.kill_inside(run)
+            if exit_code is None:
+                with trio.move_on_after(GRACE_S):
+                    exit_code = await self.wait_exit(run)
+        oom_after = await trio.to_thread.run_sync(
+            reaper.oom_kills, sandbox.cgroups, limiter=self._fs_limiter
+        )
+        return exit_code, oom_after
+
+    # -- driving one exec -----------------------------------------------------------------
+
+    async def drive(self, run: Run, stdin: bytes | None) -> None:
+        """Pump output (and stdin) until the stream ends; supervise timeout and exit;
+        deliver held signals. Cancelled, it kills the command and drains its stream
+        before it returns (see `_supervise`): the pump thread is never abandoned, so
+        nothing writes to a sink after the run closed it."""
+        try:
+            async with trio.open_nursery() as signals:
+                signals.start_soon(self._release_held, run)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump, run)
+                    if stdin is not None:
+                        nursery.start_soon(
+                            trio.to_thread.run_sync, exec_stream.feed_stdin, run.sock, stdin, True
+                        )
+                    nursery.start_soon(self._supervise, run)
+                signals.cancel_scope.cancel()
+        finally:
+            exec_stream.shutdown(run.sock)
+            run.sock.close()
+            with trio.CancelScope(shield=True):
+                await self._release_remaining(run.entry)
+
+    async def _pump(self, run: Run) -> None:
+        try:
+            # Not abandoned on cancel: the run ends the command (or shuts the socket) and
+            # this returns once every byte it read is in the sinks.
+            await trio.to_thread.run_sync(
+                exec_stream.pump_stream,
+                run.sock,
+                run.initial,
+                run.sinks,
+                limiter=self._pump_limiter,
+            )
+        finally:
+            run.pump_done.set()
+
+    async def _supervise(self, run: Run) -> None:
+        try:
+            await self._watch(run)
+        except BaseException:
+            # Cut off (cancelled, or a failure here): the command must not outlive its
+            # run. End it, let its stream drain, shut the stream; bounded.
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + SETTLE_S
+                if not run.pump_done.is_set():
+                    await self.kill(run)
+                    with trio.move_on_after(GRACE_S):
+                        await run.pump_done.wait()
+            if not run.pump_done.is_set():
+                log.warning("%s: output stream still open after kill; closing it", run.proc)
+                exec_stream.shutdown(run.sock)
+            raise
+
+    async def _watch(self, run: Run) -> None:
+        sandbox = run.sandbox
+        with trio.move_on_at(run.deadline):
+            with trio.move_on_after(MAIN_PROBE_S):
+                await run.pump_done.wait()
+            if run.pump_done.is_set():
+                return
+            if sandbox.host_visible:
+                # Still streaming: watch the main process itself, so a background child
+                # holding the output pipe cannot keep the command "running".
+                pid = await self.learn_main(run, first_sleep=0.05)
+                if pid is not None:
+                    async with trio.open_nursery() as nursery:
+
+                        async def main_exit() -> None:
+                            await reaper.wait_exit(pid)
+                            nursery.cancel_scope.cancel()
+
+                        async def stream_end() -> None:
+                            await run.pump_done.wait()
+                            nursery.cancel_scope.cancel()
+
+                        nursery.start_soon(main_exit)
+                        nursery.start_soon(stream_end)
+                if not run.pump_done.is_set():
+                    # The main process is gone but the stream is open: stragglers hold it.
+                    run.main_exited = True
+                    termed, killed = await reaper.terminate(
+                        sandbox.cgroups,
+                        run.proc,
+                        sandbox.protected,
+                        alone=sandbox.running <= 1,
+                        grace_s=GRACE_S,
+                        roots=_roots(run.entry),
+                    )
+                    run.reaped += termed
+                    run.killed += killed
+            # Under gVisor the engine itself closes the stream soon after the main exits.
+            await run.pump_done.wait()
+        if run.pump_done.is_set():
+            return
+        run.timed_out = not run.main_exited
+        await self.kill(run)
+        with trio.move_on_after(GRACE_S):
+            await run.pump_done.wait()
+        if not run.pump_done.is_set():
+            log.warning("%s: output stream still open after kill; closing it", run.proc)
+            exec_stream.shutdown(run.sock)
+
+    async def kill(self, run: Run) -> None:
+        sandbox = run.sandbox
+        if sandbox.host_visible:
+            termed, killed = await reaper.terminate(
+                sandbox.cgroups,
+                run.proc,
+                sandbox.protected,
+                alone=sandbox.running <= 1,
+                grace_s=GRACE_S,
+                roots=_roots(run.entry),
+            )
+            run.reaped += termed
+            run.killed += killed
+        else:
+            await self.kill_inside(run)
+
+    async def kill_inside(self, run: Run) -> None:
+        """Under gVisor the command's processes are not host processes: the sandbox is
+        stopped instead (its next command gets a fresh, verified one)."""
+        await self._containers.forget(run.sandbox, "timeout")
+
+    async def _started_pid(self, exec_id: str, *, first_sleep: float = 0.05) -> int | None:
+        """The exec's host pid once it runs; None once it has exited (or vanished).
+
+        An exec the engine has not started yet also reads `Running: false`, but with no
+        exit code: that one is asked again, after `first_sleep`, then twice as long each
+        time up to 1 s (a slow engine can take longer than `MAIN_PROBE_S` to start a
+        process). The engine reports the pid once runc has exec'd the program.
+        """
+        for attempt in itertools.count():
+            try:
+                info = await self._engine.exec_inspect(exec_id)
+            except ContainerGone:
+                return None
+            pid = int(info.get("Pid") or 0)
+            if info.get("Running") and pid > 0:
+                return pid
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return None
+            await trio.sleep(min(first_sleep * 2**attempt, 1.0))
+        raise AssertionError("unreachable")
+
+    async def exit_code(self, run: Run) -> int | None:
+        """The exit code once the main process has ended; None if the engine lost it.
+
+        The stream usually closes as the process exits, and the first inspect has the
+        code. A command can also close its output and go on running: then it is waited
+        for until the deadline, and killed there (`timed_out`).
+        """
+        with trio.move_on_at(run.deadline):
+            return await self.wait_exit(run)
+        run.timed_out = True
+        await self.kill(run)
+        with trio.move_on_after(GRACE_S):
+            return await self.wait_exit(run)
+        return None
+
+    async def wait_exit(self, run: Run) -> int | None:
+        for attempt in itertools.count():
+            try:
+                info = await self._engine.exec_inspect(run.exec_id)
+            except ContainerGone:
+                return None
+            if not info.get("Running"):
+                code = info.get("ExitCode")
+                # Not running and no code yet: the engine is still recording the exit.
+                if code is not None or attempt >= 8:
+                    return int(code) if code is not None else None
+            elif run.sandbox.host_visible and int(info.get("Pid") or 0) > 0:
+                await reaper.wait_exit(int(info["Pid"]))  # it closed its output: wait on it
+                continue
+            await trio.sleep(min(0.005 * 2**attempt, 0.5))
+        raise AssertionError("unreachable")
+
+
+def _roots(entry: Entry) -> dict[int, int]:
+    """The main process as the reaper's extra root (pid → start ticks), once known."""
+    return dict([entry.main]) if entry.main is not None else {}
+
+
+def _after_exit(sandbox: Sandbox, proc: str, alone: bool) -> tuple[bool, int]:
+    """After the main process: does anything of the command remain? And the OOM count."""
+    left = sandbox.host_visible and bool(
+        reaper.targets(sandbox.cgroups, proc, sandbox.protected, alone)
+    )
+    return left, reaper.oom_kills(sandbox.cgroups)

@@ -1,0 +1,150 @@
+"""The execution layer of one daemon: engine, profiles, sandboxes, processes, artifacts.
+
+`Execution(...)` is built by the daemon at start (profiles and seccomp policies are
+loaded and validated then: a bad file stops the daemon with its name and key). `run`
+is a service task started in the daemon's nursery: it removes what a previous run of
+this daemon left in the engine, marks its unfinished process records `lost`, then
+removes idle sandboxes now and then. `shutdown` removes this run's sandboxes.
+
+An engine that does not answer at start is not fatal: `daemon.status` says so, and
+every command is refused `runtime_unavailable` until it answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import trio
+
+from substrate.artifacts.store import ArtifactStore
+from substrate.config import Config
+from substrate.errors import ProfileUnknown, Refusal
+from substrate.process.runner import Processes
+from substrate.sandbox.containers import Containers, daemon_id_for
+from substrate.sandbox.engine import Engine
+from substrate.sandbox.profiles import Profile, load_profiles
+from substrate.schema.journal import EngineStatus
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace.registry import Workspace
+
+log = logging.getLogger("substrate.process.service")
+
+#: How often idle sandboxes are looked for, at most (seconds).
+IDLE_SWEEP_S = 30.0
+
+
+class Execution:
+    """Everything that runs commands. Handlers reach it as `daemon.execution`."""
+
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        journal: Journal,
+        state_dir: Path,
+        *,
+        fs_limiter: trio.CapacityLimiter | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        self.config = config
+        self.journal = journal
+        self.profiles: dict[str, Profile] = load_profiles(
+            Path(config.profiles_dir), Path(config.seccomp_dir)
+        )
+        self.engine = engine if engine is not None else Engine()
+        self.daemon_id = daemon_id_for(state_dir)
+        self.artifacts = ArtifactStore(
+            store,
+            state_dir / "artifacts",
+            quota_bytes=config.artifact_quota_bytes,
+            max_age_s=config.artifact_max_age_s,
+        )
+        self.containers = Containers(
+            self.engine,
+            journal,
+            daemon_id=self.daemon_id,
+            epoch=journal.epoch,
+            seccomp_dir=Path(config.seccomp_dir),
+            idle_s=config.container_idle_s,
+            fs_limiter=fs_limiter,
+            files_dir=state_dir / "sandbox-files",
+        )
+        self.processes = Processes(
+            engine=self.engine,
+            containers=self.containers,
+            artifacts=self.artifacts,
+            store=store,
+            journal=journal,
+            config=config,
+            profiles=self.profiles,
+            fs_limiter=fs_limiter,
+        )
+        # Before any socket accepts: a previous run's spools and running records are
+        # settled first, so nothing new can be confused with them.
+        repaired = self.artifacts.repair()
+        if any(msgspec.structs.astuple(repaired)):
+            journal.append("artifact.repaired", msgspec.to_builtins(repaired))
+        lost = self.processes.mark_lost(journal.epoch)
+        if lost:
+            log.info("%d process record(s) of a previous run marked lost", lost)
+
+    def profile(self, name: str) -> Profile:
+        """The named profile. Refuses `profile_unknown`."""
+        found = self.profiles.get(name)
+        if found is None:
+            raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(self.profiles))
+        return found
+
+    async def engine_status(self) -> EngineStatus:
+        return await self.engine.status()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Service task: reap a previous run's containers, then sweep idle sandboxes and
+        collect artifacts until cancelled; on the way out, remove this run's sandboxes."""
+        try:
+            async with trio.open_nursery() as nursery:
+                # Started processes (proc.start) and subscriptions live here.
+                await nursery.start(self.processes.serve)
+                task_status.started()
+                try:
+                    await self.containers.reap_previous()
+                except Refusal as exc:
+                    log.warning("could not reap a previous run's containers: %s", exc.message)
+                period = max(1.0, min(IDLE_SWEEP_S, self.config.container_idle_s / 4))
+                while True:
+                    await trio.sleep(period)
+                    try:
+                        await self.containers.reap_idle()
+                    except Refusal as exc:
+                        log.warning("idle sweep: %s", exc.message)
+                    try:
+                        await trio.to_thread.run_sync(self._collect_artifacts)
+                    except Exception:  # one bad sweep must not end the service task
+                        log.exception("artifact collection failed")
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.shutdown()
+
+    def _collect_artifacts(self) -> None:
+        """Collect by age and quota; journal what went (counts only), warn when still over."""
+        report = self.artifacts.collect()
+        if report.removed:
+            self.journal.append("artifact.collected", msgspec.to_builtins(report))
+        if report.over_quota:
+            log.warning("artifacts over quota after collection: %d bytes in use", report.bytes_used)
+
+    async def release_workspace(self, ws: Workspace) -> None:
+        """`workspace.release`: remove the workspace's sandboxes (their commands end)."""
+        await self.containers.release_workspace(ws.id)
+
+    async def shutdown(self) -> None:
+        """Remove this run's sandboxes (bounded: an unanswering engine is left alone)."""
+        with trio.move_on_after(30):
+            try:
+                await self.containers.remove_all("shutdown")
+            except Refusal as exc:
+                log.warning("shutdown: %s", exc.message)
+        self.engine.close()

@@ -1,0 +1,377 @@
+"""Operator process profiles: `profiles/<name>.toml` → a validated, frozen `Profile`.
+
+A profile is the whole of what a sandboxed command may get; requests never add to it
+(SPEC §5). Every field has an explicit default and a one-line comment with its unit.
+
+Loading happens once, at daemon start: `load_profiles` reads every `*.toml` in the
+profiles directory, decodes it strictly (TOML → msgspec, no coercion, unknown keys
+refused), then checks what a type cannot say (sizes parse, limits are sane, capabilities
+exist, the seccomp policy file loads). Any problem is a `ProfileError` naming the file and
+the key; it is a configuration error that stops the start, not a wire refusal.
+
+The helpers below (`memory_bytes`, `tmpfs_bytes`, `nano_cpus`, `cpu_quota_us`,
+`user_ids`, `capability_mask`, `security_opts`) turn a profile into the numbers the engine
+takes and the kernel reports, so containers and confinement facts agree on one reading.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, NoReturn
+
+import msgspec
+
+from substrate.sandbox import seccomp
+
+
+class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One operator-declared process profile. `name` is the file stem, not a TOML key."""
+
+    name: str = ""  # filled from the file stem at load
+    description: str = ""  # one line for `profile.list`
+    image: str = "substrate-sandbox:bookworm"  # local image reference; never pulled
+    runtime: Literal["runc", "runsc"] = "runc"  # OCI runtime registered in the engine
+    user: str = "owner"  # "owner" (uid:gid of the workspace root) or "UID:GID"
+    allow_root: bool = False  # may a root-owned workspace run as root
+    workspace: Literal["rw", "ro", "none"] = "rw"  # bind mount mode at /workspace
+    network: Literal["none"] = "none"  # only "none" is supported: lo only, no routes
+    read_only_rootfs: bool = True  # container root filesystem mounted read-only
+    tmpfs: dict[str, str] = msgspec.field(default_factory=lambda: {"/tmp": "256m"})  # path → size
+    memory: str = "1g"  # memory limit, docker size syntax (k/m/g)
+    cpus: float = 2.0  # CPU quota in cores
+    pids: int = 256  # max tasks in the container's cgroup
+    timeout_s: float = 600.0  # wall-clock limit per command, seconds
+    max_output_bytes: int = 1 << 30  # per stream; past it the rest is discarded
+    seccomp: str = "strict"  # seccomp/<name>.json, or "engine-default"
+    capabilities: list[str] = msgspec.field(default_factory=list)  # kept caps, e.g. "CHOWN"
+    no_new_privileges: bool = True  # PR_SET_NO_NEW_PRIVS for every process
+    env: dict[str, str] = msgspec.field(
+        default_factory=lambda: {
+            "LANG": "C.UTF-8",
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/tmp",
+        }
+    )  # the whole environment of a command
+    argv_allow: list[str] = msgspec.field(default_factory=list)  # allowed argv[0]; empty = any
+    interactive: bool = False  # may back a PTY session (with a grant)
+
+
+class ProfileError(Exception):
+    """A profile file cannot be used as written.
+
+    Raised by `load_profile`/`load_profiles` at daemon start, never on the wire (an unknown
+    profile *name* in a request is a refusal, not this). The message names the file and the
+    key: `profiles/x.toml: unknown key 'netwrok'`, `profiles/x.toml: $.memory: invalid
+    size '1q' ...`.
+    """
+
+
+#: Profile names (file stems): what `profile.get {name}` and `proc.run {profile}` take.
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+#: The `seccomp` value that means "the engine's own default policy, no file".
+ENGINE_DEFAULT = "engine-default"
+
+#: Linux capabilities (linux/capability.h), without the CAP_ prefix → bit in CapEff etc.
+CAPABILITIES: dict[str, int] = {
+    name: bit
+    for bit, name in enumerate(
+        [
+            "CHOWN",
+            "DAC_OVERRIDE",
+            "DAC_READ_SEARCH",
+            "FOWNER",
+            "FSETID",
+            "KILL",
+            "SETGID",
+            "SETUID",
+            "SETPCAP",
+            "LINUX_IMMUTABLE",
+            "NET_BIND_SERVICE",
+            "NET_BROADCAST",
+            "NET_ADMIN",
+            "NET_RAW",
+            "IPC_LOCK",
+            "IPC_OWNER",
+            "SYS_MODULE",
+            "SYS_RAWIO",
+            "SYS_CHROOT",
+            "SYS_PTRACE",
+            "SYS_PACCT",
+            "SYS_ADMIN",
+            "SYS_BOOT",
+            "SYS_NICE",
+            "SYS_RESOURCE",
+            "SYS_TIME",
+            "SYS_TTY_CONFIG",
+            "MKNOD",
+            "LEASE",
+            "AUDIT_WRITE",
+            "AUDIT_CONTROL",
+            "SETFCAP",
+            "MAC_OVERRIDE",
+            "MAC_ADMIN",
+            "SYSLOG",
+            "WAKE_ALARM",
+            "BLOCK_SUSPEND",
+            "AUDIT_READ",
+            "PERFMON",
+            "BPF",
+            "CHECKPOINT_RESTORE",
+        ]
+    )
+}
+
+#: Smallest memory limit the engine accepts (dockerd refuses less than 6 MiB).
+MIN_MEMORY_BYTES = 6 << 20
+#: Upper bounds that catch typos rather than express policy.
+MAX_CPUS = 64.0
+MAX_PIDS = 4_194_304  # the kernel's PID_MAX_LIMIT
+MAX_ID = 4_294_967_294  # (uid_t)-1 is "no id"
+#: Largest profile file read.
+MAX_PROFILE_BYTES = 64 << 10
+
+#: How check_profile's helpers report: `fail(key, why)` raises ProfileError.
+_Fail = Callable[[str, str], NoReturn]
+
+_SIZE_RE = re.compile(r"(?P<n>[0-9]{1,19})(?P<unit>[bkmgBKMG]?)")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_USER_RE = re.compile(r"(?P<uid>[0-9]{1,10}):(?P<gid>[0-9]{1,10})")
+_ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_TMPFS_PATH_RE = re.compile(r"(/[A-Za-z0-9._-]{1,255}){1,32}")
+_IMAGE_RE = re.compile(r"[a-z0-9][A-Za-z0-9._:/@+-]{0,254}")
+#: Mount points a tmpfs may not cover: the root, the workspace, kernel interfaces.
+_TMPFS_FORBIDDEN = ("/workspace", "/proc", "/sys", "/dev")
+
+
+def parse_size(s: str) -> int:
+    """Bytes in a docker-style size: digits and an optional b, k, m or g (binary units).
+
+    "256m" → 268435456, "1g" → 1073741824, "4096" → 4096. Raises ValueError otherwise
+    (fractions, "mb", "1 g", negative numbers, more than 2**63-1 bytes).
+    """
+    m = _SIZE_RE.fullmatch(s)
+    if m is None:
+        raise ValueError(f"invalid size {s!r} (digits with an optional b, k, m or g suffix)")
+    n = int(m.group("n")) * _UNITS[m.group("unit").lower()]
+    if n >= 1 << 63:
+        raise ValueError(f"invalid size {s!r} (too large)")
+    return n
+
+
+def memory_bytes(p: Profile) -> int:
+    """The memory limit in bytes (the engine's `mem_limit`, the cgroup's limit)."""
+    return parse_size(p.memory)
+
+
+def tmpfs_bytes(p: Profile) -> dict[str, int]:
+    """Each tmpfs mount point → its size limit in bytes."""
+    return {path: parse_size(size) for path, size in p.tmpfs.items()}
+
+
+def nano_cpus(p: Profile) -> int:
+    """The CPU limit as the engine takes it (`nano_cpus`: billionths of a core)."""
+    return round(p.cpus * 1e9)
+
+
+def cpu_quota_us(p: Profile, period_us: int = 100_000) -> int:
+    """The CFS quota the engine derives from `cpus` for a `period_us` period (cgroup v1/v2)."""
+    return nano_cpus(p) * period_us // 1_000_000_000
+
+
+def user_ids(p: Profile) -> tuple[int, int] | None:
+    """(uid, gid) for a fixed `user = "UID:GID"`; None for "owner" (decided per workspace)."""
+    if p.user == "owner":
+        return None
+    m = _USER_RE.fullmatch(p.user)
+    if m is None:  # load_profile refuses this; a hand-built Profile may still carry it
+        raise ValueError(f"invalid user {p.user!r}")
+    return int(m.group("uid")), int(m.group("gid"))
+
+
+def capability_mask(names: list[str] | tuple[str, ...]) -> int:
+    """The CapEff/CapBnd bit mask (as in /proc/<pid>/status, hex) of capability names."""
+    return sum(1 << CAPABILITIES[n] for n in set(names))
+
+
+def security_opts(p: Profile, seccomp_dir: Path) -> list[str]:
+    """The engine's `security_opt` list for `p`: no-new-privileges and the seccomp policy.
+
+    Reads and validates `seccomp/<p.seccomp>.json` (SeccompError if it went bad since the
+    profile was loaded); nothing for "engine-default". Cost: one small file read.
+    """
+    opts = ["no-new-privileges"] if p.no_new_privileges else []
+    if p.seccomp != ENGINE_DEFAULT:
+        opts.append(seccomp.security_opt(seccomp.load_seccomp(seccomp_dir / f"{p.seccomp}.json")))
+    return opts
+
+
+def profile_public(p: Profile) -> dict[str, Any]:
+    """`p` as `profile.get` returns it: every field, JSON-safe."""
+    out: dict[str, Any] = msgspec.to_builtins(p)
+    return out
+
+
+def load_profiles(profiles_dir: Path, seccomp_dir: Path) -> dict[str, Profile]:
+    """Load every `*.toml` in `profiles_dir` (not recursive), keyed by name.
+
+    Raises ProfileError for a missing directory or any bad file (the first, in name
+    order). Other files are ignored. Cost: one read and parse per profile and one per
+    distinct seccomp policy they name.
+    """
+    try:
+        paths = sorted(e for e in profiles_dir.iterdir() if e.suffix == ".toml")
+    except OSError as exc:
+        raise ProfileError(f"{profiles_dir}: cannot list: {exc.strerror or exc}") from None
+    return {p.name: p for p in (load_profile(path, seccomp_dir) for path in paths)}
+
+
+def load_profile(path: Path, seccomp_dir: Path) -> Profile:
+    """Read, decode and validate one profile file; its name is the file stem.
+
+    Raises ProfileError naming the file and the key for: a stem that is not a valid name,
+    unreadable or non-TOML content, unknown keys (and `name`, which is the stem), wrong
+    types, and every semantic check in `check_profile`, including a seccomp policy that is
+    missing or invalid. Cost: one read of at most 64 KiB, plus the seccomp file's.
+    """
+    source = str(path)
+    name = path.name.removesuffix(".toml")
+    if not NAME_RE.fullmatch(name):
+        raise ProfileError(f"{source}: profile name {name!r} must match {NAME_RE.pattern}")
+    raw = seccomp.read_bounded(path, MAX_PROFILE_BYTES, ProfileError)
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ProfileError(f"{source}: not valid TOML: {exc}") from None
+    if "name" in data:
+        raise ProfileError(f"{source}: unknown key 'name' (a profile's name is its file stem)")
+    try:
+        profile = msgspec.convert({**data, "name": name}, Profile, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProfileError(_describe(source, exc)) from None
+    check_profile(profile, seccomp_dir, source=source)
+    return profile
+
+
+def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
+    """The checks a type cannot express; raises ProfileError(`source: $.key: why`).
+
+    Reads `seccomp_dir/<p.seccomp>.json` unless it is "engine-default".
+    """
+
+    def fail(key: str, why: str) -> NoReturn:
+        raise ProfileError(f"{source}: $.{key}: {why}")
+
+    if not NAME_RE.fullmatch(p.name):
+        fail("name", f"must match {NAME_RE.pattern}")
+    if "\n" in p.description or "\x00" in p.description or len(p.description) > 200:
+        fail("description", "one line of at most 200 characters")
+    if not _IMAGE_RE.fullmatch(p.image):
+        fail("image", f"not a local image reference: {p.image!r}")
+    _check_user(p, fail)
+    try:
+        if memory_bytes(p) < MIN_MEMORY_BYTES:
+            fail("memory", f"below the engine's minimum of 6m: {p.memory!r}")
+    except ValueError as exc:
+        fail("memory", str(exc))
+    _check_tmpfs(p, fail)
+    if not (math.isfinite(p.cpus) and 0 < p.cpus <= MAX_CPUS):
+        fail("cpus", f"must be more than 0 and at most {MAX_CPUS:g}")
+    if not 1 <= p.pids <= MAX_PIDS:
+        fail("pids", f"must be 1..{MAX_PIDS}")
+    if not (math.isfinite(p.timeout_s) and p.timeout_s > 0):
+        fail("timeout_s", "must be a positive number of seconds")
+    if p.max_output_bytes < 0:
+        fail("max_output_bytes", "must be 0 or more")
+    _check_capabilities(p, fail)
+    for key, value in p.env.items():
+        if not _ENV_KEY_RE.fullmatch(key):
+            fail(f"env.{key}", "not a valid environment variable name")
+        if "\x00" in value:
+            fail(f"env.{key}", "NUL in value")
+    for i, arg0 in enumerate(p.argv_allow):
+        if not arg0 or "\x00" in arg0:
+            fail(f"argv_allow[{i}]", "empty or containing NUL")
+    _check_seccomp(p, seccomp_dir, fail)
+
+
+def _check_user(p: Profile, fail: _Fail) -> None:
+    if p.user == "owner":
+        return
+    m = _USER_RE.fullmatch(p.user)
+    if m is None:
+        fail("user", f'must be "owner" or "UID:GID" with numeric ids, not {p.user!r}')
+    uid, gid = int(m.group("uid")), int(m.group("gid"))
+    if uid > MAX_ID or gid > MAX_ID:
+        fail("user", f"ids must be 0..{MAX_ID}")
+    if uid == 0 and not p.allow_root:
+        fail("user", "runs as root; set allow_root = true to mean it")
+
+
+def _check_tmpfs(p: Profile, fail: _Fail) -> None:
+    for path, size in p.tmpfs.items():
+        key = f"tmpfs.{path!r}"
+        parts = path.split("/")[1:]
+        if not _TMPFS_PATH_RE.fullmatch(path) or any(c in (".", "..") for c in parts):
+            fail(key, "must be an absolute, normalised path of [A-Za-z0-9._-] components")
+        if path != "/dev/shm" and any(
+            path == f or path.startswith(f + "/") for f in _TMPFS_FORBIDDEN
+        ):
+            fail(key, "may not cover /workspace, /proc, /sys or /dev (except /dev/shm)")
+        try:
+            if parse_size(size) == 0:
+                fail(key, "size 0 would mean unlimited")
+        except ValueError as exc:
+            fail(key, str(exc))
+
+
+def _check_capabilities(p: Profile, fail: _Fail) -> None:
+    seen: set[str] = set()
+    for i, cap in enumerate(p.capabilities):
+        if cap in seen:
+            fail(f"capabilities[{i}]", f"{cap!r} listed twice")
+        seen.add(cap)
+        if cap in CAPABILITIES:
+            continue
+        hint = cap.upper().removeprefix("CAP_")
+        extra = f" (write {hint!r})" if hint in CAPABILITIES else ""
+        fail(f"capabilities[{i}]", f"unknown capability {cap!r}{extra}")
+
+
+def _check_seccomp(p: Profile, seccomp_dir: Path, fail: _Fail) -> None:
+    if p.seccomp == ENGINE_DEFAULT:
+        return
+    if not seccomp.NAME_RE.fullmatch(p.seccomp):
+        fail("seccomp", f'"{ENGINE_DEFAULT}" or a policy name in {seccomp_dir}, not {p.seccomp!r}')
+    if p.runtime == "runsc":
+        # runsc applies no OCI seccomp policy unless started with --oci-seccomp, and the
+        # packaged one then ignores errnoRet (clone3 → EPERM breaks glibc's threads).
+        fail(
+            "seccomp", f'runtime "runsc" does not enforce seccomp policies; use "{ENGINE_DEFAULT}"'
+        )
+    policy = seccomp_dir / f"{p.seccomp}.json"
+    if not policy.is_file():
+        fail("seccomp", f"no policy file {policy}")
+    try:
+        seccomp.load_seccomp(policy)
+    except seccomp.SeccompError as exc:
+        fail("seccomp", f"policy {p.seccomp!r} is invalid: {exc}")
+
+
+_UNKNOWN_RE = re.compile(r"Object contains unknown field `(?P<field>[^`]*)`.*")
+_AT_RE = re.compile(r"(?P<msg>.*?) - at `(?P<at>[^`]*)`")
+
+
+def _describe(source: str, exc: msgspec.ValidationError) -> str:
+    """msgspec's message, reworded: `source: unknown key 'x'` / `source: $.key: message`."""
+    text = str(exc)
+    m = _UNKNOWN_RE.fullmatch(text)
+    if m:
+        return f"{source}: unknown key '{m.group('field')}'"
+    m = _AT_RE.fullmatch(text)
+    if m:
+        return f"{source}: {m.group('at')}: {m.group('msg')}"
+    return f"{source}: {text}"

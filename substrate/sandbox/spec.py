@@ -1,0 +1,149 @@
+"""The create request of a sandbox container, from a profile alone (pure).
+
+Everything a sandbox gets comes from its profile (SPEC §5: a request never weakens a
+profile): `container_spec` turns a profile, who runs, the workspace's bind source and its
+read-only paths into the engine's create arguments; `run_as` decides who runs and refuses
+root; the labels name the daemon, its run (epoch), the workspace, the profile and the
+digest of the request. No I/O here: `substrate.sandbox.containers` creates, starts and verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from substrate.errors import ConfinementUnmet
+from substrate.sandbox import profiles
+from substrate.sandbox.profiles import Profile
+
+LABEL_DAEMON = "substrate.daemon"
+LABEL_EPOCH = "substrate.epoch"
+LABEL_WORKSPACE = "substrate.workspace"
+LABEL_PROFILE = "substrate.profile"
+LABEL_CONFIG = "substrate.config"
+#: Where the workspace is mounted inside every sandbox.
+WORKSPACE_TARGET = "/workspace"
+#: The keep-alive command under the engine's init; both images' `sleep` take `infinity`.
+KEEPALIVE = ("sleep", "infinity")
+#: Runtimes whose sandboxed processes are host processes (so `reaper` may signal them).
+HOST_VISIBLE_RUNTIMES = frozenset({"runc"})
+#: The engine copies the host's resolver file here (even with no network); substrate
+#: binds an empty read-only file over it, so a sandbox learns no name server address.
+RESOLV_CONF_TARGET = "/etc/resolv.conf"
+
+
+@dataclass(frozen=True)
+class RunAs:
+    uid: int
+    gid: int
+
+    def __str__(self) -> str:
+        return f"{self.uid}:{self.gid}"
+
+
+def run_as(profile: Profile, owner_uid: int, owner_gid: int) -> RunAs:
+    """Who commands run as under `profile` in a workspace owned by owner_uid:owner_gid.
+
+    Refuses `confinement_unmet` when that is root and the profile lacks `allow_root`.
+    """
+    if profile.user == "owner":
+        who = RunAs(owner_uid, owner_gid)
+    else:
+        uid_text, _, gid_text = profile.user.partition(":")
+        who = RunAs(int(uid_text), int(gid_text or uid_text))
+    if who.uid == 0 and not profile.allow_root:
+        if profile.user == "owner":
+            raise ConfinementUnmet(
+                "the workspace root is owned by root and profile "
+                f"{profile.name!r} does not allow running as root: chown the checkout to "
+                "its (non-root) user, e.g. `chown -R 1000:1000 <checkout>`",
+                required={"uid": "non-root"},
+                observed={"uid": 0},
+            )
+        raise ConfinementUnmet(
+            f"profile {profile.name!r} runs as root without allow_root",
+            required={"uid": "non-root"},
+            observed={"uid": 0},
+        )
+    return who
+
+
+def tmpfs_options(size: str) -> str:
+    # Executable on purpose: the workspace is writable and executable anyway, so
+    # `noexec` here would only break compilers and test runners that run from /tmp.
+    return f"rw,nosuid,nodev,exec,mode=1777,size={size}"
+
+
+def container_spec(
+    profile: Profile,
+    *,
+    who: RunAs,
+    workspace_source: str | None,
+    readonly_dirs: Sequence[str],
+    security_opt: Sequence[str],
+    resolv_conf: str | None = None,
+) -> dict[str, Any]:
+    """The engine's create request for `profile` (pure): everything comes from the profile.
+
+    `workspace_source` is the host path to bind at /workspace (None for `workspace =
+    "none"`); `readonly_dirs` are workspace-relative directories (or `.git` files) bound
+    read-only over it; `security_opt` is `profiles.security_opts(profile, ...)`
+    (no-new-privileges, seccomp); `resolv_conf` is the host path of an empty file bound
+    read-only at /etc/resolv.conf (the engine then leaves the host's resolver out).
+    """
+    mounts: list[dict[str, Any]] = []
+    if workspace_source is not None and profile.workspace != "none":
+        mounts.append(_bind(workspace_source, WORKSPACE_TARGET, profile.workspace == "ro"))
+        for rel in readonly_dirs:
+            mounts.append(_bind(f"{workspace_source}/{rel}", f"{WORKSPACE_TARGET}/{rel}", True))
+    if resolv_conf is not None:
+        mounts.append(_bind(resolv_conf, RESOLV_CONF_TARGET, True))
+    host_config: dict[str, Any] = {
+        "mounts": mounts,
+        "tmpfs": {path: tmpfs_options(size) for path, size in profile.tmpfs.items()},
+        "read_only": profile.read_only_rootfs,
+        "network_mode": "none",
+        "mem_limit": profile.memory,
+        "memswap_limit": profile.memory,  # no swap beyond the memory limit
+        "nano_cpus": profiles.nano_cpus(profile),
+        "pids_limit": profile.pids,
+        "cap_drop": ["ALL"],
+        "cap_add": list(profile.capabilities),
+        "security_opt": list(security_opt),
+        "init": True,  # the engine's init reaps orphans, so zombies never pile up
+        "privileged": False,
+        "ipc_mode": "private",
+        "log_config": {"type": "none"},  # the keep-alive prints nothing; no log files
+        "restart_policy": {"Name": "no"},
+        # The engine reads the runtime from HostConfig only (docker-py's top-level
+        # `runtime` argument is silently ignored by it).
+        "runtime": profile.runtime,
+    }
+    return {
+        "image": profile.image,
+        "command": list(KEEPALIVE),
+        "user": str(who),
+        "environment": dict(profile.env),
+        "working_dir": WORKSPACE_TARGET if profile.workspace != "none" else "/",
+        "host_config": host_config,
+    }
+
+
+def _bind(source: str, target: str, read_only: bool) -> dict[str, Any]:
+    return {
+        "Type": "bind",
+        "Source": source,
+        "Target": target,
+        "ReadOnly": read_only,
+        "BindOptions": {"Propagation": "rprivate"},
+    }
+
+
+def spec_digest(spec: Mapping[str, Any]) -> str:
+    """SHA-256 of a create request, canonical JSON (the `substrate.config` label)."""
+    return hashlib.sha256(
+        json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()

@@ -1,0 +1,229 @@
+"""The hash-chained journal (SPEC §8).
+
+Theory of operation: every entry is `(seq, epoch, ts, kind, workspace, actor, data,
+prev)`; its `hash = sha256(prev || canonical(entry))`, where `canonical` is JSON with
+sorted keys and no whitespace, and `prev` is the previous entry's hash (64 zeros for the
+first). Changing, inserting or removing any entry breaks every later hash, which
+`verify` finds. `data` holds paths, digests, sizes, argv, outcomes and refusals, never
+file contents, command output, tokens or secrets: callers pass only those.
+
+Appends are blocking and durable (the store runs with `synchronous=FULL`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgspec
+
+from substrate.store.db import Store
+
+GENESIS = "0" * 64
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS journal (
+    seq INTEGER PRIMARY KEY,
+    epoch INTEGER NOT NULL,
+    ts REAL NOT NULL,
+    kind TEXT NOT NULL,
+    workspace TEXT,
+    actor TEXT NOT NULL,
+    data TEXT NOT NULL,
+    prev TEXT NOT NULL,
+    hash TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS journal_workspace ON journal(workspace, seq);
+CREATE INDEX IF NOT EXISTS journal_kind ON journal(kind, seq);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True):
+    """One journal entry as stored and as returned by `journal.read`."""
+
+    seq: int
+    epoch: int
+    ts: float
+    kind: str
+    workspace: str | None
+    actor: str
+    data: dict[str, Any]
+    prev: str
+    hash: str
+
+
+_canonical_encoder = msgspec.json.Encoder(order="sorted")
+
+
+def canonical(value: Any) -> bytes:
+    """The canonical encoding used for hashing: sorted keys, compact, UTF-8."""
+    return _canonical_encoder.encode(value)
+
+
+def entry_hash(
+    *,
+    seq: int,
+    epoch: int,
+    ts: float,
+    kind: str,
+    workspace: str | None,
+    actor: str,
+    data: Mapping[str, Any],
+    prev: str,
+) -> str:
+    body = {
+        "seq": seq,
+        "epoch": epoch,
+        "ts": ts,
+        "kind": kind,
+        "workspace": workspace,
+        "actor": actor,
+        "data": data,
+        "prev": prev,
+    }
+    return hashlib.sha256(prev.encode() + canonical(body)).hexdigest()
+
+
+class Journal:
+    """Append-only, hash-chained log in the state database."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        store.ensure_schema(SCHEMA)
+        with store.transaction() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
+            self.epoch = (int(row[0]) if row else 0) + 1
+            db.execute(
+                "INSERT INTO meta(key, value) VALUES ('epoch', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                (str(self.epoch),),
+            )
+
+    def append(
+        self,
+        kind: str,
+        data: Mapping[str, Any],
+        *,
+        workspace: str | None = None,
+        actor: str = "daemon",
+    ) -> Entry:
+        """Append one entry and commit it. Blocking: call from a worker thread."""
+        plain = msgspec.to_builtins(dict(data))
+        with self._store.transaction() as db:
+            return self._append_in(db, kind, plain, workspace, actor)
+
+    def append_in(
+        self,
+        db: Any,
+        kind: str,
+        data: Mapping[str, Any],
+        *,
+        workspace: str | None = None,
+        actor: str = "daemon",
+    ) -> Entry:
+        """Append inside a caller's `Store.transaction`, so the entry commits with its change."""
+        return self._append_in(db, kind, msgspec.to_builtins(dict(data)), workspace, actor)
+
+    def _append_in(
+        self, db: Any, kind: str, data: dict[str, Any], workspace: str | None, actor: str
+    ) -> Entry:
+        row = db.execute("SELECT seq, hash FROM journal ORDER BY seq DESC LIMIT 1").fetchone()
+        seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS)
+        ts = round(time.time(), 6)
+        digest = entry_hash(
+            seq=seq,
+            epoch=self.epoch,
+            ts=ts,
+            kind=kind,
+            workspace=workspace,
+            actor=actor,
+            data=data,
+            prev=prev,
+        )
+        db.execute(
+            "INSERT INTO journal(seq, epoch, ts, kind, workspace, actor, data, prev, hash)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (seq, self.epoch, ts, kind, workspace, actor, canonical(data).decode(), prev, digest),
+        )
+        return Entry(
+            seq=seq,
+            epoch=self.epoch,
+            ts=ts,
+            kind=kind,
+            workspace=workspace,
+            actor=actor,
+            data=data,
+            prev=prev,
+            hash=digest,
+        )
+
+    def read(
+        self,
+        since: int = 0,
+        limit: int = 1000,
+        workspace: str | None = None,
+        kinds: Iterable[str] | None = None,
+    ) -> list[Entry]:
+        """Entries with `seq > since`, oldest first, at most `limit`."""
+        sql = "SELECT * FROM journal WHERE seq > ?"
+        args: list[object] = [since]
+        if workspace is not None:
+            sql += " AND workspace = ?"
+            args.append(workspace)
+        if kinds is not None:
+            kind_list = list(kinds)
+            sql += f" AND kind IN ({','.join('?' * len(kind_list))})"
+            args.extend(kind_list)
+        sql += " ORDER BY seq LIMIT ?"
+        args.append(limit)
+        return [_row_entry(r) for r in self._store.query(sql, tuple(args))]
+
+    def verify(self) -> int | None:
+        """Walk the whole chain; return the first bad seq, or None when intact."""
+        expected_prev = GENESIS
+        expected_seq = 1
+        last = 0
+        while True:
+            rows = self._store.query(
+                "SELECT * FROM journal WHERE seq > ? ORDER BY seq LIMIT 5000", (last,)
+            )
+            if not rows:
+                return None
+            for row in rows:
+                entry = _row_entry(row)
+                recomputed = entry_hash(
+                    seq=entry.seq,
+                    epoch=entry.epoch,
+                    ts=entry.ts,
+                    kind=entry.kind,
+                    workspace=entry.workspace,
+                    actor=entry.actor,
+                    data=entry.data,
+                    prev=entry.prev,
+                )
+                if (
+                    entry.seq != expected_seq
+                    or entry.prev != expected_prev
+                    or recomputed != entry.hash
+                ):
+                    return entry.seq
+                expected_prev = entry.hash
+                expected_seq += 1
+                last = entry.seq
+
+
+def _row_entry(row: Any) -> Entry:
+    return Entry(
+        seq=row["seq"],
+        epoch=row["epoch"],
+        ts=row["ts"],
+        kind=row["kind"],
+        workspace=row["workspace"],
+        actor=row["actor"],
+        data=msgspec.json.decode(row["data"]),
+        prev=row["prev"],
+        hash=row["hash"],
+    )

@@ -1,0 +1,117 @@
+"""Guarded-write temp files: recorded before they exist, so only ours are ever cleaned.
+
+Theory of operation. A guarded write puts its new bytes in `.substrate-tmp-<16 hex>` in
+the target's directory, then renames it over the target. Before creating that file it
+commits a row `(workspace, dir, name, epoch)` to the state database; the row is deleted
+in the transaction that journals the applied write, or after the temp file is unlinked
+when the write fails. A crash therefore leaves, at worst, rows naming files that may
+exist. At the next start `clean_recorded` visits exactly the rows of earlier runs
+(epochs): it opens the recorded directory beneath the workspace root fd without following
+a symlink and unlinks the name only if it is still a regular file.
+
+A file with the prefix that substrate never recorded - a user's, or a sandbox's - is never
+touched, whatever its age; guarded writes refuse names with the prefix, so an agent cannot
+make one through substrate either.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+from collections.abc import Sequence
+
+from substrate.errors import Refusal
+from substrate.store.db import Store
+from substrate.workspace import paths
+
+TEMP_PREFIX = ".substrate-tmp-"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS temp_files (
+    workspace TEXT NOT NULL,
+    dir TEXT NOT NULL,
+    name TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    PRIMARY KEY (workspace, dir, name)
+);
+"""
+
+#: A recorded temp file: workspace id, directory components beneath its root, name.
+Record = tuple[str, tuple[str, ...], str]
+
+
+class TempFiles:
+    """The temp files of guarded writes, as recorded in the state database by run (epoch).
+
+    Every method is blocking (one SQLite transaction, fsynced); call it from a thread.
+    """
+
+    def __init__(self, store: Store, epoch: int) -> None:
+        self._store = store
+        self._epoch = epoch
+        store.ensure_schema(SCHEMA)
+
+    def record(self, workspace: str, dirs: Sequence[str], name: str) -> None:
+        """Commit the row for a temp file about to be created (before creating it)."""
+        with self._store.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO temp_files(workspace, dir, name, epoch)"
+                " VALUES (?, ?, ?, ?)",
+                (workspace, "/".join(dirs), name, self._epoch),
+            )
+
+    def forget(self, workspace: str, dirs: Sequence[str], name: str) -> None:
+        """Delete the row of a temp file that is gone (renamed or unlinked)."""
+        with self._store.transaction() as db:
+            self.forget_in(db, workspace, dirs, name)
+
+    @staticmethod
+    def forget_in(db: sqlite3.Connection, workspace: str, dirs: Sequence[str], name: str) -> None:
+        """`forget` inside the caller's transaction (the one journaling the write)."""
+        db.execute(
+            "DELETE FROM temp_files WHERE workspace = ? AND dir = ? AND name = ?",
+            (workspace, "/".join(dirs), name),
+        )
+
+    def stale(self) -> list[Record]:
+        """Rows left by earlier runs: their writes can no longer be in flight."""
+        rows = self._store.query(
+            "SELECT workspace, dir, name FROM temp_files WHERE epoch < ?"
+            " ORDER BY workspace, dir, name",
+            (self._epoch,),
+        )
+        return [
+            (str(row["workspace"]), tuple(filter(None, str(row["dir"]).split("/"))), row["name"])
+            for row in rows
+        ]
+
+
+def remove_recorded(root_fd: int, dirs: Sequence[str], name: str) -> bool | None:
+    """Unlink a recorded temp file if it is still there as a regular file.
+
+    Returns True when it was removed, False when nothing is to be done (absent, not a
+    regular file, its directory gone or reached only through a symlink), None when it
+    could not be decided now (keep the record and try at the next start). Never follows
+    a symlink: the directory is opened beneath `root_fd` as every read and write does.
+    """
+    if not name.startswith(TEMP_PREFIX) or "/" in name:
+        return False  # not a name substrate makes: never touched
+    try:
+        parent = paths.open_dir(root_fd, dirs, "temp file")
+    except Refusal as refusal:
+        return None if refusal.name in ("internal", "path_denied") else False
+    except OSError:
+        return None
+    try:
+        found = paths.lstat_at(parent, name)
+        if found is None or not stat.S_ISREG(found.st_mode):
+            return False
+        os.unlink(name, dir_fd=parent)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(parent)

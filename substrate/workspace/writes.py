@@ -1,0 +1,524 @@
+"""Guarded writes: the only way substrate changes a file (SPEC §4).
+
+Theory of operation. A write is first *planned*, touching nothing: validate the path,
+check the policy, read the current bytes through the held parent directory fd, check
+them against `base_sha256`, compute the new bytes, their digest and the plan digest,
+check a given `plan_digest` and the operator approval. A dry run returns that plan. To
+*apply*, the new bytes go to a temp file created in the same directory (`O_CREAT |
+O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and owner;
+then, under the workspace's commit lock, the base is checked once more, the temp file is
+renamed over the target through the same dir fd, the directory is fsynced, and the
+approval (if any) is consumed in the same database transaction as the journal entry.
+
+A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
+next start removes: each temp file is recorded in the database before it is created
+(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with the temp
+prefix are refused as targets, so no agent can make a file that looks like ours.
+
+Every operation holds the workspace's root fd (`Workspace.use`) while it runs, so a
+release waits for it instead of closing the fd under it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import errno
+import hashlib
+import os
+import secrets
+import stat
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from substrate.errors import (
+    AlreadyExists,
+    ApprovalRequired,
+    InvalidParams,
+    NotAFile,
+    NotFound,
+    PathDenied,
+    PlanMismatch,
+    StaleBase,
+    TooLarge,
+)
+from substrate.schema.fs import DeleteParams, PatchParams, Plan, WriteParams
+from substrate.store.db import Store
+from substrate.store.journal import Journal, canonical
+from substrate.workspace import patching, paths
+from substrate.workspace.registry import Workspace
+from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
+
+#: Files bigger than this are not loaded for patching, nor made by a patch.
+MAX_PATCH_FILE = patching.MAX_RESULT_BYTES
+#: Mode of a created file when the caller gives none.
+DEFAULT_FILE_MODE = 0o644
+DEFAULT_DIR_MODE = 0o755
+
+Op = Literal["create", "replace", "delete"]
+
+
+def plan_digest(
+    root_id: str, path: str, op: Op, base: str | None, new: str | None, mode: int | None
+) -> str:
+    """SHA-256 of the canonical JSON array `[root_id, path, op, base, new, mode]`."""
+    return hashlib.sha256(canonical([root_id, path, op, base, new, mode])).hexdigest()
+
+
+@dataclass
+class _Current:
+    """What the target is now: absent, or a regular file's bytes, digest and metadata."""
+
+    exists: bool
+    data: bytes = b""
+    sha256: str | None = None
+    mode: int = DEFAULT_FILE_MODE
+    uid: int = -1
+    gid: int = -1
+
+
+@dataclass
+class _Prepared:
+    parts: tuple[str, ...]
+    rel: str
+    missing_parents: tuple[str, ...]  # components to create before the apply
+    current: _Current
+    new: bytes | None
+    plan: Plan
+
+
+def _read_current(parent_fd: int, name: str, where: str, limit: int) -> _Current:
+    st = paths.lstat_at(parent_fd, name)
+    if st is None:
+        return _Current(exists=False)
+    if not stat.S_ISREG(st.st_mode):
+        kind = paths.kind_of(st.st_mode)
+        if kind == "symlink":
+            raise paths.refusal_for(OSError(errno.ELOOP, "symlink"), where)
+        raise NotAFile(f"{where}: is a {kind}, not a regular file")
+    if st.st_size > limit:
+        raise TooLarge(f"{where}: {st.st_size} bytes is over the {limit} byte bound", limit=limit)
+    try:
+        fd = paths.open_regular(parent_fd, name, where)
+    except NotFound:
+        return _Current(exists=False)  # removed since the lstat: it is absent now
+    try:
+        fst = os.fstat(fd)
+        chunks = []
+        offset = 0
+        while True:
+            block = os.pread(fd, 1 << 20, offset)
+            if not block:
+                break
+            chunks.append(block)
+            offset += len(block)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    return _Current(
+        exists=True,
+        data=data,
+        sha256=hashlib.sha256(data).hexdigest(),
+        mode=stat.S_IMODE(fst.st_mode),
+        uid=fst.st_uid,
+        gid=fst.st_gid,
+    )
+
+
+def _check_not_reserved(parts: tuple[str, ...], where: str) -> None:
+    """Refuse a name substrate uses for its temp files: it must never write or delete one."""
+    if any(part.startswith(TEMP_PREFIX) for part in parts):
+        raise PathDenied(
+            f"{where}: names starting with {TEMP_PREFIX!r} are reserved for substrate's temp files",
+            reserved_prefix=TEMP_PREFIX,
+        )
+
+
+def _open_parent(
+    ws: Workspace, parts: tuple[str, ...], where: str, create_parents: bool
+) -> tuple[int | None, tuple[str, ...]]:
+    """Open the deepest existing ancestor. Returns (fd of the parent or None, missing dirs)."""
+    dirs = parts[:-1]
+    try:
+        return paths.open_dir(ws.root_fd, dirs, where), ()
+    except NotFound:
+        if not create_parents:
+            raise
+    # Find how much exists, refusing symlinks on the way like any open.
+    for cut in range(len(dirs) - 1, -1, -1):
+        try:
+            fd = paths.open_dir(ws.root_fd, dirs[:cut], where)
+        except NotFound:
+            continue
+        os.close(fd)
+        return None, dirs[cut:]
+    return None, dirs
+
+
+def _plan(
+    ws: Workspace,
+    path: str,
+    op_of: Op | None,
+    base: str | None,
+    new_of: object,
+    mode: int | None,
+    create_parents: bool,
+    given_digest: str | None,
+) -> tuple[_Prepared, int | None]:
+    parts = paths.split_relpath(path)
+    rel = "/".join(parts)
+    where = ws.provenance(rel)
+    _check_not_reserved(parts, where)
+    if not ws.policy.may_write(rel):
+        raise PathDenied(f"{where}: denied by the workspace write policy")
+    parent_fd, missing = _open_parent(ws, parts, where, create_parents)
+    try:
+        if parent_fd is None:
+            current = _Current(exists=False)
+        else:
+            current = _read_current(parent_fd, parts[-1], where, MAX_PATCH_FILE)
+        if (op_of == "delete" or callable(new_of)) and not current.exists:
+            raise NotFound(f"{where}: not found")
+        if base != current.sha256:
+            if base is None:
+                raise AlreadyExists(f"{where}: exists; bind the write to its sha256 to replace it")
+            raise StaleBase(
+                f"{where}: the file is not at the given base", current_sha256=current.sha256
+            )
+        new: bytes | None
+        op: Op
+        if op_of == "delete":
+            new, op = None, "delete"
+        else:
+            new = new_of(current.data) if callable(new_of) else new_of  # type: ignore[assignment]
+            op = "replace" if current.exists else "create"
+        assert op_of == "delete" or new is not None
+        new_sha = None if new is None else hashlib.sha256(new).hexdigest()
+        if op == "delete":
+            new_mode = None
+        elif mode is not None:
+            new_mode = mode
+        else:
+            new_mode = current.mode if current.exists else DEFAULT_FILE_MODE
+        if new_mode is not None:
+            # Never make or keep a set-id file: we write as root, the bytes are the agent's
+            # (a write by its owner would clear these bits too).
+            new_mode &= ~(stat.S_ISUID | stat.S_ISGID)
+        diff, truncated = patching.unified_preview(current.data, new or b"", rel)
+        digest = plan_digest(ws.root_id, rel, op, current.sha256, new_sha, new_mode)
+        if given_digest is not None and given_digest != digest:
+            raise PlanMismatch(f"{where}: plan digest does not match", plan_digest=digest)
+        plan = Plan(
+            path=where,
+            op=op,
+            base_sha256=current.sha256,
+            new_sha256=new_sha,
+            size=0 if new is None else len(new),
+            mode=new_mode,
+            diff=diff,
+            diff_truncated=truncated,
+            plan_digest=digest,
+            applied=False,
+        )
+        return _Prepared(parts, rel, missing, current, new, plan), parent_fd
+    except BaseException:
+        if parent_fd is not None:
+            os.close(parent_fd)
+        raise
+
+
+class Writer:
+    """Plans and applies guarded writes for every workspace."""
+
+    def __init__(self, store: Store, journal: Journal) -> None:
+        self._store = store
+        self._journal = journal
+        self._temps = TempFiles(store, journal.epoch)
+
+    # -- the three wire operations --------------------------------------------------------
+
+    def write(self, ws: Workspace, p: WriteParams, actor: str) -> Plan:
+        """`fs.write`. Refuses path/policy problems, `already_exists`, `stale_base`, ..."""
+        if (p.content is None) == (p.content_b64 is None):
+            raise InvalidParams("give exactly one of content, content_b64", path="$.content")
+        if p.content is not None:
+            data = p.content.encode("utf-8", "surrogatepass")
+        else:
+            try:
+                data = base64.b64decode(p.content_b64 or "", validate=True)
+            except binascii.Error:
+                raise InvalidParams("content_b64 is not base64", path="$.content_b64") from None
+        with ws.use():
+            prepared, parent_fd = _plan(
+                ws, p.path, None, p.base_sha256, data, p.mode, p.create_parents, p.plan_digest
+            )
+            return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.write")
+
+    def patch(self, ws: Workspace, p: PatchParams, actor: str) -> Plan:
+        """`fs.patch`: edits or a strict unified diff. Refuses `patch_conflict` and the rest."""
+        if (p.edits is None) == (p.unified_diff is None):
+            raise InvalidParams("give exactly one of edits, unified_diff", path="$.edits")
+        edits: Sequence[patching.EditLike] | None = p.edits
+        diff = p.unified_diff
+
+        def transform(old: bytes) -> bytes:
+            if edits is not None:
+                return patching.apply_edits(old, edits, MAX_PATCH_FILE)
+            return patching.apply_unified_diff(old, diff or "", MAX_PATCH_FILE)
+
+        with ws.use():
+            prepared, parent_fd = _plan(
+                ws, p.path, None, p.base_sha256, transform, None, False, p.plan_digest
+            )
+            return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.patch")
+
+    def delete(self, ws: Workspace, p: DeleteParams, actor: str) -> Plan:
+        """`fs.delete`, bound to the base like any write."""
+        with ws.use():
+            prepared, parent_fd = _plan(
+                ws, p.path, "delete", p.base_sha256, None, None, False, p.plan_digest
+            )
+            return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.delete")
+
+    # -- apply ----------------------------------------------------------------------------
+
+    def _finish(
+        self,
+        ws: Workspace,
+        prep: _Prepared,
+        parent_fd: int | None,
+        dry_run: bool,
+        actor: str,
+        kind: str,
+    ) -> Plan:
+        try:
+            needs_approval = ws.policy.needs_approval(prep.rel)
+            if needs_approval and not self._approval_exists(ws, prep.plan.plan_digest):
+                if dry_run:
+                    return prep.plan
+                raise ApprovalRequired(
+                    f"{prep.plan.path}: needs an operator approval of this plan",
+                    plan_digest=prep.plan.plan_digest,
+                )
+            if dry_run:
+                return prep.plan
+            if parent_fd is None:
+                parent_fd = self._make_parents(ws, prep)
+            temp = None
+            if prep.new is not None:
+                temp = self._write_temp(ws, parent_fd, prep)
+            try:
+                self._commit(ws, parent_fd, prep, temp, needs_approval, actor, kind)
+            except BaseException:
+                if temp is not None:
+                    self._discard_temp(ws, parent_fd, prep, temp)
+                raise
+            return _applied(prep.plan)
+        finally:
+            if parent_fd is not None:
+                os.close(parent_fd)
+
+    def _make_parents(self, ws: Workspace, prep: _Prepared) -> int:
+        dirs = prep.parts[:-1]
+        have = len(dirs) - len(prep.missing_parents)
+        fd = paths.open_dir(ws.root_fd, dirs[:have], ws.provenance(prep.rel))
+        try:
+            for name in prep.missing_parents:
+                try:
+                    os.mkdir(name, DEFAULT_DIR_MODE, dir_fd=fd)
+                    if os.geteuid() == 0:
+                        os.chown(name, ws.owner_uid, ws.owner_gid, dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+                nxt = paths.open_dir(fd, (name,), ws.provenance(prep.rel))
+                os.close(fd)
+                fd = nxt
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _discard_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared, temp: str) -> None:
+        _unlink_quietly(parent_fd, temp)
+        self._temps.forget(ws.id, prep.parts[:-1], temp)
+
+    def _create_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared) -> tuple[str, int]:
+        """Record, then create (`O_EXCL`) a temp file in the target's directory."""
+        dirs = prep.parts[:-1]
+        for _ in range(8):
+            name = TEMP_PREFIX + secrets.token_hex(8)
+            if paths.lstat_at(parent_fd, name) is not None:
+                continue  # something (maybe planted) holds that name: take another
+            # Recorded first, so a crash at any later point leaves a record to clean by.
+            self._temps.record(ws.id, dirs, name)
+            try:
+                fd = os.open(
+                    name,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                    dir_fd=parent_fd,
+                )
+            except BaseException as exc:
+                # Not ours (planted since the lstat) or not made: the record must go.
+                self._temps.forget(ws.id, dirs, name)
+                if isinstance(exc, FileExistsError):
+                    continue
+                raise
+            return name, fd
+        raise PathDenied(f"{prep.plan.path}: could not create a temp file")
+
+    def _write_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared) -> str:
+        assert prep.new is not None and prep.plan.mode is not None
+        name, fd = self._create_temp(ws, parent_fd, prep)
+        try:
+            view = memoryview(prep.new)
+            while view:
+                view = view[os.write(fd, view) :]
+            if os.geteuid() == 0:
+                uid, gid = (
+                    (prep.current.uid, prep.current.gid)
+                    if prep.current.exists
+                    else (ws.owner_uid, ws.owner_gid)
+                )
+                os.fchown(fd, uid, gid)
+            os.fchmod(fd, prep.plan.mode)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            self._discard_temp(ws, parent_fd, prep, name)
+            raise
+        os.close(fd)
+        return name
+
+    def _commit(
+        self,
+        ws: Workspace,
+        parent_fd: int,
+        prep: _Prepared,
+        temp: str | None,
+        needs_approval: bool,
+        actor: str,
+        kind: str,
+    ) -> None:
+        name = prep.parts[-1]
+        where = prep.plan.path
+        with ws.commit_lock:
+            now = _read_current(parent_fd, name, where, MAX_PATCH_FILE)
+            if now.sha256 != prep.current.sha256:
+                raise StaleBase(
+                    f"{where}: changed while the write was prepared", current_sha256=now.sha256
+                )
+            approval = None
+            if needs_approval:
+                approval = self._approval_exists(ws, prep.plan.plan_digest)
+                if approval is None:
+                    raise ApprovalRequired(
+                        f"{where}: needs an operator approval of this plan",
+                        plan_digest=prep.plan.plan_digest,
+                    )
+            if temp is None:
+                os.unlink(name, dir_fd=parent_fd)
+            else:
+                os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+            os.fsync(parent_fd)
+            with self._store.transaction() as db:
+                if temp is not None:
+                    self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
+                if approval is not None:
+                    db.execute(
+                        "UPDATE approvals SET used = ? WHERE id = ?", (time.time(), approval)
+                    )
+                plan = prep.plan
+                self._journal.append_in(
+                    db,
+                    kind,
+                    {
+                        "path": plan.path,
+                        "op": plan.op,
+                        "base_sha256": plan.base_sha256,
+                        "new_sha256": plan.new_sha256,
+                        "size": plan.size,
+                        "mode": plan.mode,
+                        "plan_digest": plan.plan_digest,
+                        "approval_id": approval,
+                    },
+                    workspace=ws.id,
+                    actor=actor,
+                )
+
+    def _approval_exists(self, ws: Workspace, digest: str) -> str | None:
+        rows = self._store.query(
+            "SELECT id FROM approvals WHERE workspace = ? AND plan_digest = ?"
+            " AND used IS NULL AND expires > ? ORDER BY expires LIMIT 1",
+            (ws.id, digest, time.time()),
+        )
+        return str(rows[0]["id"]) if rows else None
+
+
+def _applied(plan: Plan) -> Plan:
+    return Plan(
+        path=plan.path,
+        op=plan.op,
+        base_sha256=plan.base_sha256,
+        new_sha256=plan.new_sha256,
+        size=plan.size,
+        mode=plan.mode,
+        diff=plan.diff,
+        diff_truncated=plan.diff_truncated,
+        plan_digest=plan.plan_digest,
+        applied=True,
+    )
+
+
+def _unlink_quietly(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)
+
+
+WRITE_KINDS = ("fs.write", "fs.patch", "fs.delete")
+
+
+def drift_report(
+    ws: Workspace, journal: Journal
+) -> list[tuple[str, int, str | None, str | None, str]]:
+    """For every file substrate wrote in `ws`: (path, last seq, last digest, current, status).
+
+    Status is `match`, `drift` (other bytes now, or present after our delete), `missing`
+    (we wrote it, it is gone) or `unreadable` (a symlink or non-file stands there now).
+    Costs one pass over the journal of this workspace and one hash per file.
+    """
+    last: dict[str, tuple[int, str | None]] = {}
+    since = 0
+    while True:
+        batch = journal.read(since=since, limit=5000, workspace=ws.id, kinds=WRITE_KINDS)
+        if not batch:
+            break
+        for entry in batch:
+            last[str(entry.data["path"])] = (entry.seq, entry.data.get("new_sha256"))
+        since = batch[-1].seq
+    prefix = ws.root_id + ":"
+    report: list[tuple[str, int, str | None, str | None, str]] = []
+    with ws.use():
+        for path in sorted(last):
+            seq, digest = last[path]
+            rel = path[len(prefix) :] if path.startswith(prefix) else path
+            try:
+                parts = paths.split_relpath(rel)
+                with paths.opened_dir(ws.root_fd, parts[:-1], path) as parent:
+                    current = _read_current(parent, parts[-1], path, 1 << 62).sha256
+            except NotFound:
+                current = None
+            except Exception:
+                report.append((path, seq, digest, None, "unreadable"))
+                continue
+            if current == digest:
+                status = "match"
+            elif current is None:
+                status = "missing"
+            else:
+                status = "drift"
+            report.append((path, seq, digest, current, status))
+    return report
