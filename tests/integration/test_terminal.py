@@ -172,6 +172,8 @@ async def opened(ws: WebSocketConnection, token: str, **extra: Any) -> dict[str,
 
 async def expect_refusal(ws: WebSocketConnection, refusal: str, code: int) -> None:
     frame = await recv(ws)
+    while frame["type"] == "output":  # an observer may still be shown the prompt first
+        frame = await recv(ws)
     assert (frame["type"], frame["refusal"]) == ("error", refusal), frame
     with pytest.raises(ConnectionClosed) as info, trio.fail_after(10):
         await ws.get_message()
