@@ -154,9 +154,14 @@ class ExecDriver:
                 return 0
             await self._containers.forget(sandbox, "signal")
             return 1
+        # Whether the main process was known must be read *before* sending: if the engine
+        # reports it while `send` looks, that look may have come too early to find it.
+        known = entry.appeared or entry.done.is_set()
         delivered = await self.send(entry, name)
-        if delivered or entry.appeared or entry.done.is_set():
+        if delivered or known:
             return delivered
+        if entry.appeared or entry.done.is_set():
+            return await self.send(entry, name)  # it appeared meanwhile: look again
         held = HeldSignal(name)
         entry.held.append(held)
         entry.held_added.set()
