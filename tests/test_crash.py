@@ -28,7 +28,7 @@ import pytest
 from substrate.protocol.client import Client, ConnectionLost, RpcError
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 MiB = 1 << 20
 PATIENCE_S = 30.0

@@ -21,7 +21,7 @@ import trio
 from substrate.protocol.client import RpcError
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 GiB = 1 << 30
 MiB = 1 << 20

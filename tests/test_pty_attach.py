@@ -48,7 +48,7 @@ def test_raw_mode_skips_non_terminals() -> None:
 @pytest.fixture
 def server() -> Iterator[dict[str, object]]:
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "pty_fake_server.py")],
+        [sys.executable, "-m", "tests.harness.pty_fake_server"],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -109,7 +109,7 @@ def start_attach(
         "-e", f"SUBSTRATE_TOKEN={server['token']}",
         "-e", f"PYTHONPATH={ROOT}",
         "--",
-        sys.executable, str(ROOT / "tests" / "attach_and_report.py"), str(status_file),
+        sys.executable, "-m", "tests.harness.attach_and_report", str(status_file),
         "--url", f"http://127.0.0.1:{server['port']}/",
     )  # fmt: skip
     tmux("set-option", "-t", session, "remain-on-exit", "on")

@@ -14,8 +14,6 @@ import trio
 import wsproto
 import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
-from ws_frames import read_until, send, until_closed
-from ws_frames import recv as _recv
 
 from substrate.pty.backend import FakePtys
 from substrate.pty.client import open_terminal
@@ -24,6 +22,8 @@ from substrate.pty.http import TerminalHttp
 from substrate.pty.terminals import Terminals, TerminalSettings
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+from tests.harness.ws_frames import read_until, send, until_closed
+from tests.harness.ws_frames import recv as _recv
 
 
 @dataclass

@@ -41,7 +41,7 @@ from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegist
 from substrate.workspace.temp_files import TempFiles
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 PATIENCE_S = 30.0
 Snapshot = Callable[[Path], dict[str, tuple[Any, ...]]]

@@ -28,7 +28,7 @@ from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
 from substrate.workspace.writes import Writer
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 PATIENCE_S = 30.0
 OLD = (1_000_000_000, 1_000_000_000)  # a time long before any run

@@ -33,7 +33,7 @@ from substrate.protocol.client import AsyncClient, RpcError
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 SEQ_LINES = 3_000_000
 #: `seq 1 N` as the command prints it.

@@ -21,7 +21,7 @@ from substrate.protocol.client import AsyncClient, RpcError
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 TICKS = 'i=0; while [ $i -lt {n} ]; do echo "line $i"; i=$((i+1)); sleep {s}; done'
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 LOOP = "echo started; while true; do echo tick; sleep 0.1; done"
 

@@ -22,14 +22,14 @@ import trio
 import wsproto
 import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
-from ws_frames import read_until as _read_until
-from ws_frames import recv, send, until_closed
 
 from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.pty.client import open_terminal
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from tests.harness.ws_frames import read_until as _read_until
+from tests.harness.ws_frames import recv, send, until_closed
 
 OWNER = 1000
 PROFILES = {
