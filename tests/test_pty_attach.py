@@ -9,13 +9,13 @@ import shutil
 import subprocess
 import sys
 import termios
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from substrate.pty.attach import raw_terminal
+from tests.harness import WaitTimeout, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TMUX = shutil.which("tmux")
@@ -82,22 +82,27 @@ def tmux() -> Iterator[Callable[..., str]]:
 def wait_for(
     tmux: Callable[..., str], needle: str, timeout: float = 10.0, session: str = "att"
 ) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
+    screen = ""
+
+    def shown() -> bool:
+        nonlocal screen
         screen = tmux("capture-pane", "-p", "-t", session)
-        if needle in screen:
-            return screen
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{needle!r} not on screen:\n{screen}")
-        time.sleep(0.05)
+        return needle in screen
+
+    try:
+        wait_until(shown, timeout, interval=0.05)
+    except WaitTimeout:
+        raise AssertionError(f"{needle!r} not on screen:\n{screen}") from None
+    return screen
 
 
 def exit_status(status_file: Path, timeout: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout
-    while not status_file.exists() or not status_file.read_text().endswith("\n"):
-        if time.monotonic() > deadline:
-            raise AssertionError("attach did not exit")
-        time.sleep(0.05)
+    wait_until(
+        lambda: status_file.exists() and status_file.read_text().endswith("\n"),
+        timeout,
+        interval=0.05,
+        message="attach did not exit",
+    )
     return int(status_file.read_text())
 
 
