@@ -11,8 +11,8 @@ need more than the core does:
 - `tests.harness.launcher`, `.pty_fake_server`, `.attach_and_report`: programs, run as
   `python -m tests.harness.<name>`.
 
-Tests run from the worktree root (`python -m pytest`), which puts it on `sys.path`: the
-`tests` directory is then a namespace package, and `substrate` the worktree's own.
+pytest puts the worktree root on `sys.path` (`pythonpath` in pyproject.toml): `tests` is
+then a namespace package, and `substrate` the worktree's own, as in every daemon started.
 """
 
 from tests.harness.daemon import (
