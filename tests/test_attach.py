@@ -15,7 +15,7 @@ from substrate.cli import main as cli
 from substrate.pty import attach
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 
 def listen_of(d: DaemonProcess) -> str:

@@ -19,7 +19,7 @@ import trio.testing
 from substrate.protocol.client import AsyncClient, Client, RpcError, open_client
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 LIMIT = 4096
 MiB = 1 << 20

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 import pytest
 
 from substrate.protocol.client import Client, ConnectionLost, RpcError
+from tests.harness import wait_until
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 MiB = 1 << 20
 PATIENCE_S = 30.0
@@ -126,10 +127,11 @@ def settle(root: Path, stream: Stream) -> None:
 
 
 def wait_temp_cleaned(d: DaemonProcess, epoch: int) -> None:
-    deadline = time.monotonic() + PATIENCE_S
-    while not [e for e in d.journal(kinds={"workspace.temp_cleaned"}) if e["epoch"] == epoch]:
-        assert time.monotonic() < deadline, "the start-up cleaner never reported"
-        time.sleep(0.02)
+    wait_until(
+        lambda: [e for e in d.journal(kinds={"workspace.temp_cleaned"}) if e["epoch"] == epoch],
+        PATIENCE_S,
+        message="the start-up cleaner never reported",
+    )
 
 
 @pytest.mark.slow
@@ -156,7 +158,7 @@ def test_kill_9_during_large_writes(daemon_factory: Callable[..., DaemonProcess]
         ]
         for t in writers:
             t.start()
-        time.sleep(rng.uniform(0.05, 0.5))
+        time.sleep(rng.uniform(0.05, 0.5))  # kept: the crash lands at a random point
         d.kill()
         for t in writers:
             t.join(PATIENCE_S)

@@ -15,13 +15,13 @@ import socket
 import sqlite3
 import stat
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from substrate.protocol.client import Client, ConnectionLost, RpcError
+from tests.harness import wait_until
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess
@@ -256,11 +256,13 @@ def test_sigterm_lets_an_in_flight_write_finish(
 
     writer = threading.Thread(target=write)
     writer.start()
+
     # The write is in flight once its temp file exists in the target's directory.
-    deadline = time.monotonic() + PATIENCE_S
-    while not any(n.startswith(".substrate-tmp-") for n in os.listdir(root)):
-        assert writer.is_alive() and time.monotonic() < deadline, outcome
-        time.sleep(0.001)
+    def in_flight() -> bool:
+        assert writer.is_alive(), outcome
+        return any(n.startswith(".substrate-tmp-") for n in os.listdir(root))
+
+    wait_until(in_flight, PATIENCE_S, interval=0.001, message="the write never started")
     assert d.proc is not None
     d.proc.send_signal(signal.SIGTERM)
     code = wait_exit(d)

@@ -19,9 +19,10 @@ import pytest
 import trio
 
 from substrate.protocol.client import RpcError
+from tests.harness import wait_until_async
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -100,8 +101,9 @@ async def test_small_reads_are_served_while_big_hashes_run(
                 for i in range(4):
                     nursery.start_soon(hash_one, f"huge{i}.img")
                 # The hashes are running once the daemon has read a good part of a file.
-                while bytes_read(d.pid) < before + 256 * MiB:  # noqa: ASYNC110 - /proc, no event
-                    await trio.sleep(0.01)
+                await wait_until_async(
+                    lambda: bytes_read(d.pid) >= before + 256 * MiB, PATIENCE_S, interval=0.01
+                )
                 for _ in range(20):
                     got = await reader.call("fs.read", workspace=ws, path="a.txt")
                     assert got["sha256"] == sha("alpha\n")

@@ -25,7 +25,7 @@ from substrate.errors import all_refusals
 from substrate.protocol.client import Client, RpcError
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 LOCKED = {"read_deny": ["*.pem"], "write_deny": ["dist/"], "require_approval": ["ci/**"]}
 

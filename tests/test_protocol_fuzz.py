@@ -22,7 +22,7 @@ import pytest
 from substrate.protocol.rpc import MAX_DEPTH
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 PATIENCE_S = 30.0
 SOCKETS = ["agent", "operator"]

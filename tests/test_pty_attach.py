@@ -9,13 +9,13 @@ import shutil
 import subprocess
 import sys
 import termios
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from substrate.pty.attach import raw_terminal
+from tests.harness import WaitTimeout, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TMUX = shutil.which("tmux")
@@ -48,7 +48,7 @@ def test_raw_mode_skips_non_terminals() -> None:
 @pytest.fixture
 def server() -> Iterator[dict[str, object]]:
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "pty_fake_server.py")],
+        [sys.executable, "-m", "tests.harness.pty_fake_server"],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -82,22 +82,27 @@ def tmux() -> Iterator[Callable[..., str]]:
 def wait_for(
     tmux: Callable[..., str], needle: str, timeout: float = 10.0, session: str = "att"
 ) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
+    screen = ""
+
+    def shown() -> bool:
+        nonlocal screen
         screen = tmux("capture-pane", "-p", "-t", session)
-        if needle in screen:
-            return screen
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{needle!r} not on screen:\n{screen}")
-        time.sleep(0.05)
+        return needle in screen
+
+    try:
+        wait_until(shown, timeout, interval=0.05)
+    except WaitTimeout:
+        raise AssertionError(f"{needle!r} not on screen:\n{screen}") from None
+    return screen
 
 
 def exit_status(status_file: Path, timeout: float = 10.0) -> int:
-    deadline = time.monotonic() + timeout
-    while not status_file.exists() or not status_file.read_text().endswith("\n"):
-        if time.monotonic() > deadline:
-            raise AssertionError("attach did not exit")
-        time.sleep(0.05)
+    wait_until(
+        lambda: status_file.exists() and status_file.read_text().endswith("\n"),
+        timeout,
+        interval=0.05,
+        message="attach did not exit",
+    )
     return int(status_file.read_text())
 
 
@@ -109,7 +114,7 @@ def start_attach(
         "-e", f"SUBSTRATE_TOKEN={server['token']}",
         "-e", f"PYTHONPATH={ROOT}",
         "--",
-        sys.executable, str(ROOT / "tests" / "attach_and_report.py"), str(status_file),
+        sys.executable, "-m", "tests.harness.attach_and_report", str(status_file),
         "--url", f"http://127.0.0.1:{server['port']}/",
     )  # fmt: skip
     tmux("set-option", "-t", session, "remain-on-exit", "on")

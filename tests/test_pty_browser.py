@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from cdp_browser import Cdp, open_browser
 
 from substrate.pty.backend import FakePtys
 from substrate.pty.grants import Grants
@@ -17,6 +16,7 @@ from substrate.pty.http import TerminalHttp
 from substrate.pty.terminals import Terminals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+from tests.harness.cdp_browser import Cdp, open_browser
 
 SCREEN = "document.querySelector('.xterm-rows').innerText"
 

@@ -14,8 +14,6 @@ import trio
 import wsproto
 import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
-from ws_frames import read_until, send, until_closed
-from ws_frames import recv as _recv
 
 from substrate.pty.backend import FakePtys
 from substrate.pty.client import open_terminal
@@ -24,6 +22,9 @@ from substrate.pty.http import TerminalHttp
 from substrate.pty.terminals import Terminals, TerminalSettings
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+from tests.harness import wait_until_async
+from tests.harness.ws_frames import read_until, send, until_closed
+from tests.harness.ws_frames import recv as _recv
 
 
 @dataclass
@@ -185,8 +186,9 @@ async def test_resync_after_ring_overflow(env: Env) -> None:
     async with connect(env) as ws:
         opened = await open_control(env, ws, token)
         _, seq = await read_until(ws, "$ ")
+    before = env.terminals.list().sessions[0].end
     env.ptys.spawned[-1]._emit(b"z" * 10000)  # the ring holds 4096
-    await trio.sleep(0.1)
+    await wait_until_async(lambda: env.terminals.list().sessions[0].end >= before + 10000)
     async with connect(env) as ws:
         await send(ws, type="open", token=token, session=opened["session"], since=seq)
         assert (await recv(ws))["type"] == "opened"
@@ -203,10 +205,11 @@ async def test_multibyte_split_and_invalid_bytes(env: Env) -> None:
         pty = env.ptys.spawned[-1]
         euro = "\u20ac".encode()
         pty._emit(b"A" + euro[:1])
-        await trio.sleep(0.05)
+        # The split must reach the client as two reads: send the rest once "A" arrived.
+        first, _ = await read_until(ws, "A")
         pty._emit(euro[1:] + b"\xff" + b"B")
-        text, _ = await read_until(ws, "B")
-        assert text == "A\u20ac\ufffdB"
+        rest, _ = await read_until(ws, "B")
+        assert first + rest == "A\u20ac\ufffdB"
 
 
 @pytest.mark.parametrize(
@@ -228,7 +231,7 @@ async def test_bad_tokens(env: Env, tokens: str, refusal: str) -> None:
 
 async def test_expired_revoked_consumed_non_interactive(env: Env) -> None:
     expired = env.token(ttl=0.01)
-    await trio.sleep(0.05)
+    await trio.sleep(0.05)  # kept: time must pass for the grant to expire (nothing to poll)
     revoked_id, revoked = env.grants.issue(
         workspace="w1", profile="interactive", ttl_s=60, uses=1, actor="op"
     )
@@ -422,14 +425,15 @@ async def test_never_reading_client_is_bounded_then_dropped(env: Env) -> None:
                 f = await recv(obs)
                 if f["type"] == "output":
                     seen = seen[-10:] + f["data"]
-    await env.terminals.settle()
-    with trio.fail_after(10):
-        while not any(
+
+    async def silent_one_detached() -> bool:
+        await env.terminals.settle()
+        return any(
             e.kind == "pty.detached" and e.data["reason"] in ("too_slow", "ping_timeout")
             for e in env.journal.read()
-        ):
-            await trio.sleep(0.1)
-            await env.terminals.settle()
+        )
+
+    await wait_until_async(silent_one_detached, 10, interval=0.1)
     await stream.aclose()
     assert env.terminals.list().sessions[0].state == "running"
 
@@ -442,11 +446,15 @@ async def test_close_frame_ends_session_and_idle_timeout(env: Env) -> None:
     env.terminals.settings.idle_timeout_s = 0.3
     async with connect(env) as ws:
         await open_control(env, ws, env.token())
-    with trio.fail_after(5):
-        while any(s.state == "running" for s in env.terminals.list().sessions):  # noqa: ASYNC110
-            await trio.sleep(0.05)
-    await env.terminals.settle()
-    reasons = [e.data["reason"] for e in env.journal.read() if e.kind == "pty.closed"]
+
+    # A session is marked ended before its process is gone and its `pty.closed` queued:
+    # wait for the second entry itself, not for the state (that raced under load).
+    async def closed_reasons() -> list[str]:
+        await env.terminals.settle()
+        reasons = [e.data["reason"] for e in env.journal.read() if e.kind == "pty.closed"]
+        return reasons if len(reasons) >= 2 else []
+
+    reasons = await wait_until_async(closed_reasons, 30, message="no second pty.closed")
     assert reasons == ["close", "idle"]
 
 

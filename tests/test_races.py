@@ -41,7 +41,7 @@ from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegist
 from substrate.workspace.temp_files import TempFiles
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 PATIENCE_S = 30.0
 Snapshot = Callable[[Path], dict[str, tuple[Any, ...]]]
@@ -102,15 +102,15 @@ class Swapper(threading.Thread):
                 if can_exchange:
                     can_exchange = exchange(self.real, self.link)  # now: a symlink
                     if can_exchange:
-                        time.sleep(0.0005)
+                        time.sleep(0.0005)  # kept: the race itself, each shape lasts a moment
                         exchange(self.real, self.link)  # the real dir again
                 self.real.rename(self.away)
                 self.link.rename(self.real)  # a symlink, by plain rename
-                time.sleep(0.0005)
+                time.sleep(0.0005)  # kept: as above
                 self.real.rename(self.link)
                 self.away.rename(self.real)
                 self.swaps += 1
-                time.sleep(0.0005)
+                time.sleep(0.0005)  # kept: as above
         except BaseException as exc:
             self.error = exc
 

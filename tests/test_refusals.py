@@ -32,7 +32,7 @@ import pytest
 from substrate.protocol.client import Client, RpcError
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 MiB = 1 << 20
 WRITE_KINDS = {"fs.write", "fs.patch", "fs.delete"}

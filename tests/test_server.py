@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from substrate.protocol.client import Client, ConnectionLost, RpcError
+from tests.harness import wait_until
 
 if TYPE_CHECKING:
     from conftest import DaemonProcess
@@ -460,14 +461,15 @@ def test_connection_cap(daemon_factory: Callable[..., DaemonProcess]) -> None:
         extra.close()
         # A freed slot is usable again (the daemon notices the close asynchronously).
         held.pop().close()
-        deadline = time.monotonic() + PATIENCE_S
-        while True:
+
+        def served() -> bool:
             try:
                 assert_served(d)
-                break
             except (RpcError, ConnectionLost, ConnectionResetError, BrokenPipeError):
-                assert time.monotonic() < deadline, "a freed connection slot was never reused"
-                time.sleep(0.05)
+                return False
+            return True
+
+        wait_until(served, PATIENCE_S, interval=0.05, message="a freed slot was never reused")
     finally:
         for w in held:
             w.close()
@@ -510,7 +512,7 @@ def test_slowloris_is_disconnected_while_others_are_served(
         with d.client() as c:
             while not disconnected.is_set() and dripper.is_alive():
                 assert c.call("daemon.status")["version"]
-                time.sleep(0.1)
+                disconnected.wait(0.1)  # paces the calls; ends the pause once cut off
     finally:
         dripper.join()
         slow.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sqlite3
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,10 @@ from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
 from substrate.workspace.writes import Writer
+from tests.harness import wait_until
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 PATIENCE_S = 30.0
 OLD = (1_000_000_000, 1_000_000_000)  # a time long before any run
@@ -214,10 +214,11 @@ def test_a_users_prefixed_file_survives_a_daemon_restart(
     db.close()
 
     d.start()
-    deadline = time.monotonic() + PATIENCE_S
-    while not d.journal(kinds={"workspace.temp_cleaned"}):
-        assert time.monotonic() < deadline, "the start-up cleaner never reported"
-        time.sleep(0.02)
+    wait_until(
+        lambda: d.journal(kinds={"workspace.temp_cleaned"}),
+        PATIENCE_S,
+        message="the start-up cleaner never reported",
+    )
     assert not ours.exists()
     assert users.read_text() == "the user's own file\n"
     with Client(d.agent_path) as c:

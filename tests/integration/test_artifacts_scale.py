@@ -19,7 +19,7 @@ by `trio.fail_after`, no timing assertions).
 from __future__ import annotations
 
 import hashlib
-import itertools
+import math
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -31,9 +31,10 @@ import trio
 
 from substrate.protocol.client import AsyncClient, RpcError
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from tests.harness import wait_until_async
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 SEQ_LINES = 3_000_000
 #: `seq 1 N` as the command prints it.
@@ -101,19 +102,17 @@ async def gone(c: AsyncClient, artifact: str) -> bool:
 
 async def until_gone(c: AsyncClient, artifact: str) -> None:
     """Poll until a sweep collected `artifact` (callers bound it with `fail_after`)."""
-    for _ in itertools.count():
-        if await gone(c, artifact):
-            return
-        await trio.sleep(0.2)
+    await wait_until_async(lambda: gone(c, artifact), math.inf, interval=0.2)
 
 
 async def until_written(c: AsyncClient, proc: str, size: int) -> None:
     """Poll `proc.status` until `proc`'s stdout reached `size` bytes (bounded by callers)."""
-    for _ in itertools.count():
+
+    async def written() -> bool:
         status = await c.call("proc.status", proc=proc)
-        if status["stdout_bytes"] >= size:
-            return
-        await trio.sleep(0.05)
+        return bool(status["stdout_bytes"] >= size)
+
+    await wait_until_async(written, math.inf, interval=0.05)
 
 
 # --- lines and grep on a big artifact -----------------------------------------------------
@@ -191,7 +190,7 @@ async def test_quota_collection_spares_the_running_writer(
         older = (await run(c, ws, ["sh", "-c", FILL, "a", str(3 * mb)]))["stdout"]["artifact"]
         newer = (await run(c, ws, ["sh", "-c", FILL, "b", str(3 * mb)]))["stdout"]["artifact"]
         # 6 MB stored, under the quota: a sweep or two leaves both alone.
-        await trio.sleep(2.5)
+        await trio.sleep(2.5)  # kept: the sweeps must get a chance to (wrongly) act
         assert not await gone(c, older) and not await gone(c, newer)
 
         started = await c.call(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import LABEL_DAEMON, LABEL_EPOCH, daemon_id_for
+from tests.harness import wait_until_async
 
 OWNER = 1000
 
@@ -295,9 +295,13 @@ async def test_fork_bomb_is_contained(env: Env) -> None:
     async def bomb() -> Any:
         return await env.run(["sh", "-c", "f() { f | f & }; f; sleep 3"], "fewpids", timeout_s=10)
 
+    def bomb_running() -> bool:
+        sandbox = env.daemon.execution.containers.cached(env.ws, "fewpids")
+        return sandbox is not None and bool(env.sandbox_pids("fewpids"))
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(bomb)
-        await trio.sleep(1)
+        await wait_until_async(bomb_running, 30, message="the fork bomb never started")
         status = await env.client.call("daemon.status")  # still answering
         assert status["engine"]["reachable"] is True
     assert env.sandbox_pids("fewpids") == []
@@ -545,11 +549,7 @@ def labelled(docker_client: Any, daemon_id: str) -> list[str]:
 
 async def gone(docker_client: Any, daemon_id: str) -> None:
     """Wait (polling the engine, at most 30 s) until no container carries `daemon_id`."""
-    with trio.fail_after(30):
-        for _ in itertools.count():
-            if not labelled(docker_client, daemon_id):
-                return
-            await trio.sleep(0.1)
+    await wait_until_async(lambda: not labelled(docker_client, daemon_id), 30, interval=0.1)
 
 
 async def test_profiles_are_listed_and_shown(env: Env) -> None:
@@ -702,7 +702,12 @@ async def test_running_processes_are_capped(
                 call = {"workspace": ws["workspace"], "profile": "tiny"}
                 async with trio.open_nursery() as inner:
                     inner.start_soon(lambda: client.call("proc.run", argv=["sleep", "3"], **call))
-                    await trio.sleep(1)
+
+                    async def sleep_running() -> bool:
+                        listed = (await client.call("proc.list"))["processes"]
+                        return any(p["state"] == "running" for p in listed)
+
+                    await wait_until_async(sleep_running, 30)
                     with pytest.raises(RpcError) as caught:
                         await client.call("proc.run", argv=["true"], **call)
                     assert caught.value.refusal == "limit_exceeded"

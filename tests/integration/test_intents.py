@@ -10,18 +10,17 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import trio
 
 from substrate.protocol.client import AsyncClient, RpcError
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from tests.harness import wait_until, wait_until_async
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 TICKS = 'i=0; while [ $i -lt {n} ]; do echo "line $i"; i=$((i+1)); sleep {s}; done'
 
@@ -168,10 +167,15 @@ def test_slow_subscriber_is_told_what_it_skipped(intent_daemon: DaemonProcess) -
     slow = d.raw(timeout=120)
     request = {"jsonrpc": "2.0", "id": 1, "method": "proc.subscribe", "params": {"proc": proc}}
     slow.sendall(json.dumps(request).encode() + b"\n")
+
     # The slow client reads nothing while the command floods; the daemon still answers.
-    while other.call("proc.status", proc=proc)["state"] == "running":
+    def flood_over() -> bool:
+        if other.call("proc.status", proc=proc)["state"] != "running":
+            return True
         assert other.call("fs.stat", workspace=ws, path="README.md")
-        time.sleep(0.2)
+        return False
+
+    wait_until(flood_over, 300, interval=0.2, message="the flood never ended")
     skipped: list[dict[str, Any]] = []
     got_exit = None
     reader = slow.makefile("rb")
@@ -246,12 +250,12 @@ SETTLE_SCRIPT = "echo x > {tag}.lock; echo started-{tag}; sleep 300"
 
 async def _until_output(c: AsyncClient, ws: str) -> str:
     """The newest process of `ws` once it has written to stdout (so its lock file too)."""
-    with trio.fail_after(30):
-        while True:
-            listed = (await c.call("proc.list", workspace=ws))["processes"]
-            if listed and listed[0]["stdout_bytes"] > 0:
-                return str(listed[0]["proc"])
-            await trio.sleep(0.05)
+
+    async def newest_with_output() -> str:
+        listed = (await c.call("proc.list", workspace=ws))["processes"]
+        return str(listed[0]["proc"]) if listed and listed[0]["stdout_bytes"] > 0 else ""
+
+    return await wait_until_async(newest_with_output, 30, interval=0.05)
 
 
 async def test_a_run_whose_connection_closes_is_killed_gated_and_keeps_its_output(

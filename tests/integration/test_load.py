@@ -26,7 +26,7 @@ from substrate.protocol.client import AsyncClient
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 WORKSPACES = 4
 PER_WORKSPACE = 4

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import trio
 from substrate.sandbox import facts as F
 from substrate.sandbox import observe, profiles
 from substrate.sandbox.profiles import Profile
+from tests.harness import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,12 +142,8 @@ def test_exec_pid_is_observed_like_the_init(
     pid, inspect = containers.confined(workspace, "runc")
     exec_id = docker_client.api.exec_create(inspect["Id"], ["sleep", "600"], user="1000:1000")["Id"]
     docker_client.api.exec_start(exec_id, detach=True)
-    exec_pid = 0
-    for _ in range(200):  # the engine reports the pid once the exec has started
-        exec_pid = int(docker_client.api.exec_inspect(exec_id)["Pid"] or 0)
-        if exec_pid:
-            break
-        time.sleep(0.01)
+    # The engine reports the pid once the exec has started.
+    exec_pid = wait_until(lambda: int(docker_client.api.exec_inspect(exec_id)["Pid"] or 0), 30)
     assert exec_pid and exec_pid != pid
     assert (
         F.compare(required_for("runc", inspect["Image"]), observe.observe(exec_pid, inspect)) == []

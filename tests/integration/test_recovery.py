@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from tests.harness import wait_until
 
 if TYPE_CHECKING:
-    from conftest import DaemonProcess
+    from tests.harness import DaemonProcess
 
 LOOP = "echo started; while true; do echo tick; sleep 0.1; done"
 
@@ -46,19 +46,23 @@ def test_kill_9_with_five_running_leaks_nothing(
             c.call("proc.start", workspace=ws, profile="tiny", argv=["sh", "-c", LOOP])["proc"]
             for _ in range(5)
         ]
-        deadline = time.monotonic() + 60
-        while not all(c.call("proc.status", proc=p)["stdout_bytes"] > 0 for p in procs):
-            assert time.monotonic() < deadline, "processes produced no output"
-            time.sleep(0.1)
+        wait_until(
+            lambda: all(c.call("proc.status", proc=p)["stdout_bytes"] > 0 for p in procs),
+            60,
+            interval=0.1,
+            message="processes produced no output",
+        )
         assert labelled(docker_client, daemon_id)
 
         d.kill()
         d.start()
 
-        deadline = time.monotonic() + 60
-        while labelled(docker_client, daemon_id):
-            assert time.monotonic() < deadline, "the dead daemon's containers were not reaped"
-            time.sleep(0.2)
+        wait_until(
+            lambda: not labelled(docker_client, daemon_id),
+            60,
+            interval=0.2,
+            message="the dead daemon's containers were not reaped",
+        )
 
         c = d.client()
         for p in procs:

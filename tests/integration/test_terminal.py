@@ -22,14 +22,15 @@ import trio
 import wsproto
 import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
-from ws_frames import read_until as _read_until
-from ws_frames import recv, send, until_closed
 
 from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.pty.client import open_terminal
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from tests.harness import wait_until_async
+from tests.harness.ws_frames import read_until as _read_until
+from tests.harness.ws_frames import recv, send, until_closed
 
 OWNER = 1000
 PROFILES = {
@@ -242,11 +243,12 @@ async def test_disconnect_resume_and_resync(env: Env) -> None:
         assert "first" not in text
         # Overflow the 1 MiB ring while nobody is attached.
         await send(ws, type="input", data="yes | head -c 3000000; echo; echo do$((2+2))ne\r")
-    with trio.fail_after(30):
-        while (await env.agent.call("pty.selection", session=o["session"], max_bytes=16))[  # noqa: ASYNC110
-            "end"
-        ] < seq2 + 3_000_000:
-            await trio.sleep(0.1)
+
+    async def overflowed() -> bool:
+        sel = await env.agent.call("pty.selection", session=o["session"], max_bytes=16)
+        return bool(sel["end"] >= seq2 + 3_000_000)
+
+    await wait_until_async(overflowed, 30, interval=0.1)
     async with open_terminal(env.url) as ws:
         await opened(ws, token, session=o["session"], since=seq2)
         f = await recv(ws)
@@ -272,7 +274,7 @@ async def test_refusals_start_nothing(env: Env) -> None:
         "grant.issue", kind="interactive_terminal", workspace=env.ws, profile="term-tiny"
     )
     await env.operator.call("grant.revoke", grant=revoked_issue["grant"])
-    await trio.sleep(0.1)
+    await trio.sleep(0.1)  # kept: time must pass for the 0.05 s grant to expire
     wrong = (await env.grant())[:-3] + "abc"
     cases = [
         ({"type": "open"}, "invalid_params", 4400),
@@ -396,12 +398,14 @@ async def test_slow_and_silent_clients_never_stall_the_pty(env: Env) -> None:
         )
         await send(ctl, type="input", data="yes | head -c 2000000; echo; echo fin$((1+1))shed\r")
         await read_until(ctl, "fin2shed\r\n")  # the controller got everything, or a resync
-        with trio.fail_after(20):
-            while not any(  # noqa: ASYNC110
+
+        async def silent_one_detached() -> bool:
+            return any(
                 e["kind"] == "pty.detached" and e["data"]["reason"] in ("too_slow", "ping_timeout")
                 for e in await env.journal()
-            ):
-                await trio.sleep(0.2)
+            )
+
+        await wait_until_async(silent_one_detached, 20, interval=0.2)
         await stream.aclose()
         await send(ctl, type="input", data="echo still-$((1+2))\r")
         await read_until(ctl, "still-3\r\n")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from cdp_browser import open_browser
-
 # The daemon fixtures are test_terminal's (imported so pytest finds them here).
 from test_terminal import Env, dirs, env, leftovers  # noqa: F401
+
+from tests.harness.cdp_browser import open_browser
 
 SCREEN = "document.querySelector('.xterm-rows').innerText"
 

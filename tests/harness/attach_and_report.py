@@ -1,6 +1,6 @@
 """Run `substrate attach` and write its exit status to a file (tmux does not always keep it).
 
-Usage: attach_and_report.py STATUS_FILE ATTACH_ARGS... Not a test module.
+Usage: python -m tests.harness.attach_and_report STATUS_FILE ATTACH_ARGS...
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Headless Chromium over the DevTools protocol, for the terminal page tests.
 
-Not a test module. `open_browser()` starts Debian's `chromium` (skips when it is not
-installed: `apt-get install chromium`) on a private profile and yields a `Cdp` client
-attached to one page; it kills the browser and removes the profile afterwards.
+`open_browser()` starts Debian's `chromium` (skips when it is not installed: `apt-get
+install chromium`) on a private profile and yields a `Cdp` client attached to one page;
+it kills the browser and removes the profile afterwards.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
+
+from tests.harness.waiting import wait_until_async
 
 CHROMIUM = shutil.which("chromium")
 FLAGS = [
@@ -61,11 +63,10 @@ class Cdp:
         return result["result"].get("value")
 
     async def wait_js(self, expression: str) -> Any:
-        """Poll a page expression until it is truthy (30 s at most)."""
-        with trio.fail_after(30):
-            while not (value := await self.js(expression)):  # noqa: ASYNC110
-                await trio.sleep(0.1)
-        return value
+        """Poll a page expression until it is truthy (30 s at most); return its value."""
+        return await wait_until_async(
+            lambda: self.js(expression), 30, interval=0.1, message=f"never true: {expression}"
+        )
 
     async def type_line(self, text: str) -> None:
         """Type into the focused element key by key (as a person does), then Enter."""
@@ -91,10 +92,13 @@ async def open_browser() -> AsyncIterator[Cdp]:
     )
     try:
         port_file = profile / "DevToolsActivePort"
-        with trio.fail_after(30):
-            # Chromium reports its port only in this file: poll it.
-            while not port_file.exists() or len(port_file.read_text().splitlines()) < 2:  # noqa: ASYNC110
-                await trio.sleep(0.05)
+        # Chromium reports its port only in this file: poll it.
+        await wait_until_async(
+            lambda: port_file.exists() and len(port_file.read_text().splitlines()) >= 2,
+            30,
+            interval=0.05,
+            message="chromium never wrote its DevTools port",
+        )
         port, path = port_file.read_text().splitlines()[:2]
         async with open_websocket_url(
             f"ws://127.0.0.1:{port}{path}", max_message_size=64 << 20
