@@ -40,6 +40,8 @@ def json_schema() -> dict[str, Any]:
             "params": schemas[2 * i],
             "result": schemas[2 * i + 1],
             "operator_only": spec.operator_only,
+            "mutating": spec.mutating,
+            "shielded": spec.shielded,
             "description": spec.doc,
         }
     return {
