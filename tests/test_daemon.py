@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import pytest
 
 from substrate.protocol.client import Client, ConnectionLost, RpcError
@@ -189,6 +190,20 @@ def test_each_start_is_a_new_epoch(daemon: DaemonProcess) -> None:
     assert epochs == [1, 2, 3]
     starts = [r for r in journal_rows(daemon) if r["kind"] == "daemon.started"]
     assert [r["epoch"] for r in starts] == [1, 2, 3, 4]
+
+
+def test_status_reports_the_daemons_own_memory_fds_and_threads(daemon: DaemonProcess) -> None:
+    assert daemon.proc is not None
+    with daemon.client() as c:
+        status = c.call("daemon.status")
+        me = psutil.Process(daemon.proc.pid)
+        rss, fds = me.memory_info().rss, me.num_fds()
+    # The figures are the daemon process's (not its launcher's, not ours): they change as
+    # it runs, so compare loosely.
+    assert 0.5 * rss < status["rss_bytes"] < 2 * rss
+    # At least both listening sockets, this connection and the database.
+    assert 4 <= status["open_fds"] <= fds + 16
+    assert status["threads"] >= 1
 
 
 def test_workspace_containing_the_state_dir_is_refused(
