@@ -4,7 +4,7 @@ Every method is declared once with `method(...)`: its params Struct (the validat
 result Struct (the shape) and its properties (who may call it, whether it changes state,
 whether it completes across a shutdown). The server reads those properties from here and
 nowhere else. `docs/api.schema.json` is generated from this table
-(`substrate.schema.json_schema`).
+(`substrate.schema.document`).
 """
 
 from __future__ import annotations
