@@ -1,8 +1,8 @@
 """The running daemon: state dir, database, services, sockets, shutdown.
 
 `async with open_daemon(config) as daemon:` prepares everything that can fail at start
-(state dir 0700, no symlinked socket paths, database, profiles) and closes the database
-and workspaces on exit. `daemon.serve()` listens until SIGTERM/SIGINT, then stops
+(state dir 0700, no symlinked socket paths, database, profiles) and closes what it
+opened on exit. `daemon.serve()` listens until SIGTERM/SIGINT, then stops
 accepting, lets in-flight writes finish (they run in threads that are never abandoned),
 journals `daemon.stopped` and returns.
 """
@@ -125,8 +125,8 @@ class Daemon:
 
 @contextlib.asynccontextmanager
 async def open_daemon(config: Config) -> AsyncIterator[Daemon]:
-    """Open the daemon's state and services for `config`; close the workspaces and the
-    database on exit.
+    """Open the daemon's state and services for `config`; close the engine client, the
+    workspaces and the database on exit.
 
     Raises `StartupError` (the message says why) for a state dir that is a symlink or
     not ours, a socket path holding anything but a stale socket, or a bad profile or
@@ -154,6 +154,8 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         execution = Execution(config, store, journal, state_dir, fs_limiter=fs_limiter)
     except ProfileError as exc:
         raise StartupError(str(exc)) from None
+    # `execution.run` closes it too on its way out; here for a daemon that never served.
+    closing.callback(execution.engine.close)
     return Daemon(
         config=config,
         state_dir=state_dir,

@@ -17,11 +17,15 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
 
+from substrate.config import Config
+from substrate.daemon import open_daemon
+from substrate.errors import StartupError
 from substrate.protocol.client import Client, ConnectionLost, RpcError
 
 if TYPE_CHECKING:
@@ -94,6 +98,29 @@ def test_state_dir_owned_by_someone_else_is_refused(
     assert wait_exit(d) != 0
     assert "uid 1000" in d.stderr()
     assert list(d.state_dir.iterdir()) == []
+
+
+# --- open_daemon, in process -------------------------------------------------------------------
+
+
+async def test_open_daemon_opens_the_services_and_closes_them_on_exit(tmp_path: Path) -> None:
+    config = Config(state_dir=str(tmp_path / "state"), listen="127.0.0.1:0")
+    async with open_daemon(config) as daemon:
+        assert daemon.journal.epoch == 1
+        assert daemon.journal.count() == 0
+        assert daemon.execution.profiles and daemon.terminals.grants is not None
+        store = daemon.store
+    with pytest.raises(sqlite3.ProgrammingError):
+        store.query("SELECT 1")
+
+
+async def test_open_daemon_refuses_a_symlinked_state_dir(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "state").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(StartupError, match="not a plain directory"):
+        async with open_daemon(Config(state_dir=str(tmp_path / "state"))):
+            raise AssertionError("opened on a symlink")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 # --- sockets ---------------------------------------------------------------------------------
