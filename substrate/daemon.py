@@ -1,37 +1,48 @@
 """The running daemon: state dir, database, services, sockets, shutdown.
 
-`Daemon.open(config)` prepares everything that can fail at start (state dir 0700, no
-symlinked socket paths, database, profiles); `serve()` listens until SIGTERM/SIGINT, then
-stops accepting, lets in-flight writes finish (they run in threads that are never
-abandoned), journals `daemon.stopped` and returns.
+`async with open_daemon(config) as daemon:` prepares everything that can fail at start
+(state dir 0700, no symlinked socket paths, database, profiles) and closes what it
+opened on exit. `daemon.serve()` listens until SIGTERM/SIGINT, then stops
+accepting, lets in-flight writes finish (they run in threads that are never abandoned),
+journals `daemon.stopped` and returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import signal
 import stat
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import trio
 
 from substrate import __version__
+from substrate.api import dispatcher
 from substrate.config import Config
+from substrate.errors import StartupError
+from substrate.process.service import Execution
+from substrate.protocol.server import Backend, serve_socket
+from substrate.pty.service import TerminalService
+from substrate.sandbox.profiles import ProfileError
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import reads
 from substrate.workspace.registry import WorkspaceRegistry
 from substrate.workspace.writes import Writer
 
+__all__ = ["Daemon", "StartupError", "open_daemon"]
+
 log = logging.getLogger("substrate")
 
-
-class StartupError(Exception):
-    """The daemon cannot start safely; the message says why."""
+#: The agent socket (0660) and the operator socket (0600), in the state dir.
+AGENT_SOCKET = "substrate.sock"
+OPERATOR_SOCKET = "operator.sock"
 
 
 def prepare_state_dir(path: Path) -> Path:
@@ -62,42 +73,29 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+@dataclass(eq=False, kw_only=True)
 class Daemon:
-    """All services of one daemon run. Handlers receive it as their first argument."""
+    """All services of one daemon run. Handlers receive it as their first argument.
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.started = time.monotonic()
-        self.state_dir = prepare_state_dir(config.state_path())
-        # Checked here too (bind_unix checks again) so a refusal is a message, not a traceback.
-        for name in ("substrate.sock", "operator.sock"):
-            check_socket_path(self.state_dir / name)
-        _raise_fd_limit()
-        self.store = Store(self.state_dir / "substrate.db")
-        self.journal = Journal(self.store)
-        self.workspaces = WorkspaceRegistry(config, self.store, self.journal, self.state_dir)
-        self.writer = Writer(self.store, self.journal)
-        # Blocking file work shares one limiter so a flood of reads cannot starve writes
-        # of threads forever; writes are never abandoned once started.
-        self.fs_limiter = trio.CapacityLimiter(16)
-        # Whole-file digests over `inline_hash_bytes`, asked for explicitly, take minutes on
-        # huge files: they get threads of their own, so reads never wait behind them.
-        self.hash_limiter = trio.CapacityLimiter(2)
-        self.digests = reads.Digests()
-        # --- execution layer (containers, processes, artifacts) -----------------------
-        from substrate.process.service import Execution
-        from substrate.sandbox.profiles import ProfileError
+    Made by `open_daemon`, which owns the lifetime of the store and the workspaces.
+    """
 
-        try:
-            self.execution: Any = Execution(
-                config, self.store, self.journal, self.state_dir, fs_limiter=self.fs_limiter
-            )
-        except ProfileError as exc:
-            raise StartupError(str(exc)) from None
-        # --- terminals (grants, PTY sessions) -----------------------------------------
-        from substrate.pty.service import TerminalService
-
-        self.terminals: Any = TerminalService(self)
+    config: Config
+    state_dir: Path
+    store: Store
+    journal: Journal
+    workspaces: WorkspaceRegistry
+    writer: Writer
+    execution: Execution
+    terminals: TerminalService
+    #: Blocking file work shares one limiter so a flood of reads cannot starve writes of
+    #: threads forever; writes are never abandoned once started.
+    fs_limiter: trio.CapacityLimiter
+    #: Whole-file digests over `inline_hash_bytes`, asked for explicitly, take minutes on
+    #: huge files: they get threads of their own, so reads never wait behind them.
+    hash_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(2))
+    digests: reads.Digests = field(default_factory=reads.Digests)
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def epoch(self) -> int:
@@ -105,21 +103,17 @@ class Daemon:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on both sockets until a signal; then drain and journal `daemon.stopped`."""
-        from substrate.protocol.server import serve_socket
-
         await trio.to_thread.run_sync(
             self.journal.append, "daemon.started", {"version": __version__, "pid": os.getpid()}
         )
+        backend = Backend(config=self.config, dispatch=dispatcher(self), record=self.journal.append)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                await nursery.start(
-                    serve_socket, self, self.state_dir / "substrate.sock", 0o660, "agent"
-                )
-                await nursery.start(
-                    serve_socket, self, self.state_dir / "operator.sock", 0o600, "operator"
-                )
+                agent, operator = self.state_dir / AGENT_SOCKET, self.state_dir / OPERATOR_SOCKET
+                await nursery.start(serve_socket, backend, agent, 0o660, "agent")
+                await nursery.start(serve_socket, backend, operator, 0o600, "operator")
                 nursery.start_soon(trio.to_thread.run_sync, self.workspaces.clean_stale_temp_files)
-                await nursery.start(self.execution.run)  # execution layer: reaps, sweeps, stops
+                await nursery.start(self.execution.run)  # reaps, sweeps, stops sandboxes
                 await nursery.start(self.terminals.serve)
                 task_status.started()
                 async for signum in signals:
@@ -128,6 +122,48 @@ class Daemon:
                     break
         await trio.to_thread.run_sync(self.journal.append, "daemon.stopped", {"reason": "signal"})
 
-    def close(self) -> None:
-        self.workspaces.close()
-        self.store.close()
+
+@contextlib.asynccontextmanager
+async def open_daemon(config: Config) -> AsyncIterator[Daemon]:
+    """Open the daemon's state and services for `config`; close the engine client, the
+    workspaces and the database on exit.
+
+    Raises `StartupError` (the message says why) for a state dir that is a symlink or
+    not ours, a socket path holding anything but a stale socket, or a bad profile or
+    seccomp file. Costs the database's open and the artifact and process-record repair
+    of a previous run (blocking: nothing else runs yet at start).
+    """
+    with contextlib.ExitStack() as closing:
+        yield _open(config, closing)
+
+
+def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
+    """Build every service in order; each one that holds resources is closed by `closing`."""
+    state_dir = prepare_state_dir(config.state_path())
+    # Checked here too (bind_unix checks again) so a refusal is a message, not a traceback.
+    for name in (AGENT_SOCKET, OPERATOR_SOCKET):
+        check_socket_path(state_dir / name)
+    _raise_fd_limit()
+    store = Store(state_dir / "substrate.db")
+    closing.callback(store.close)
+    journal = Journal(store)
+    workspaces = WorkspaceRegistry(config, store, journal, state_dir)
+    closing.callback(workspaces.close)
+    fs_limiter = trio.CapacityLimiter(16)
+    try:
+        execution = Execution(config, store, journal, state_dir, fs_limiter=fs_limiter)
+    except ProfileError as exc:
+        raise StartupError(str(exc)) from None
+    # `execution.run` closes it too on its way out; here for a daemon that never served.
+    closing.callback(execution.engine.close)
+    return Daemon(
+        config=config,
+        state_dir=state_dir,
+        store=store,
+        journal=journal,
+        workspaces=workspaces,
+        writer=Writer(store, journal),
+        execution=execution,
+        terminals=TerminalService(config, store, journal, execution, workspaces),
+        fs_limiter=fs_limiter,
+    )

@@ -246,3 +246,8 @@ def all_refusals() -> dict[str, type[Refusal]]:
         found[cls.name] = cls
         stack.extend(cls.__subclasses__())
     return found
+
+
+class StartupError(Exception):
+    """The daemon cannot start safely; the message says why. Not a refusal: no client is
+    there to answer, the command line prints it and exits 2."""

@@ -20,7 +20,7 @@ from substrate.api import artifact as api
 from substrate.api.base import Caller
 from substrate.artifacts import sink as outputs
 from substrate.artifacts.store import INDEX_MIN, ArtifactStore
-from substrate.errors import ArtifactUnknown, InvalidParams, RuntimeUnavailable, TooLarge
+from substrate.errors import ArtifactUnknown, InvalidParams, TooLarge
 from substrate.schema.artifact import GrepParams, LinesParams, ReadParams, StatParams
 from substrate.store.db import Store
 
@@ -484,6 +484,3 @@ async def test_handlers(arts: ArtifactStore) -> None:
         await api.read(d, CALLER, ReadParams(artifact=aid, length=MiB + 1))
     with pytest.raises(ArtifactUnknown):
         await api.stat(d, CALLER, StatParams(artifact="art_0"))
-    stopped: Any = FakeDaemon(None)
-    with pytest.raises(RuntimeUnavailable):
-        await api.stat(stopped, CALLER, StatParams(artifact=aid))

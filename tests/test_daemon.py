@@ -16,10 +16,15 @@ import sqlite3
 import stat
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import pytest
 
+from substrate.config import Config
+from substrate.daemon import open_daemon
+from substrate.errors import StartupError
 from substrate.protocol.client import Client, ConnectionLost, RpcError
 from tests.harness import wait_until
 
@@ -93,6 +98,29 @@ def test_state_dir_owned_by_someone_else_is_refused(
     assert wait_exit(d) != 0
     assert "uid 1000" in d.stderr()
     assert list(d.state_dir.iterdir()) == []
+
+
+# --- open_daemon, in process -------------------------------------------------------------------
+
+
+async def test_open_daemon_opens_the_services_and_closes_them_on_exit(tmp_path: Path) -> None:
+    config = Config(state_dir=str(tmp_path / "state"), listen="127.0.0.1:0")
+    async with open_daemon(config) as daemon:
+        assert daemon.journal.epoch == 1
+        assert daemon.journal.count() == 0
+        assert daemon.execution.profiles and daemon.terminals.grants is not None
+        store = daemon.store
+    with pytest.raises(sqlite3.ProgrammingError):
+        store.query("SELECT 1")
+
+
+async def test_open_daemon_refuses_a_symlinked_state_dir(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "state").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(StartupError, match="not a plain directory"):
+        async with open_daemon(Config(state_dir=str(tmp_path / "state"))):
+            raise AssertionError("opened on a symlink")
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 # --- sockets ---------------------------------------------------------------------------------
@@ -189,6 +217,20 @@ def test_each_start_is_a_new_epoch(daemon: DaemonProcess) -> None:
     assert epochs == [1, 2, 3]
     starts = [r for r in journal_rows(daemon) if r["kind"] == "daemon.started"]
     assert [r["epoch"] for r in starts] == [1, 2, 3, 4]
+
+
+def test_status_reports_the_daemons_own_memory_fds_and_threads(daemon: DaemonProcess) -> None:
+    assert daemon.proc is not None
+    with daemon.client() as c:
+        status = c.call("daemon.status")
+        me = psutil.Process(daemon.proc.pid)
+        rss, fds = me.memory_info().rss, me.num_fds()
+    # The figures are the daemon process's (not its launcher's, not ours): they change as
+    # it runs, so compare loosely.
+    assert 0.5 * rss < status["rss_bytes"] < 2 * rss
+    # At least both listening sockets, this connection and the database.
+    assert 4 <= status["open_fds"] <= fds + 16
+    assert status["threads"] >= 1
 
 
 def test_workspace_containing_the_state_dir_is_refused(

@@ -12,7 +12,7 @@ from substrate.api import HANDLERS
 from substrate.config import Config
 from substrate.errors import all_refusals
 from substrate.sandbox.profiles import Profile
-from substrate.schema import METHODS, reference, render
+from substrate.schema import METHODS, common, reference, render
 from substrate.schema.artifact import OutputRef
 from substrate.schema.reference import render_protocol
 
@@ -60,6 +60,34 @@ def test_checked_in_schema_is_current() -> None:
 
 def test_every_declared_method_has_a_handler() -> None:
     assert sorted(METHODS) == sorted(HANDLERS)
+
+
+def test_method_properties_are_declared_with_each_method() -> None:
+    """The server reads these from the table: refusals of mutating methods are journaled,
+    shielded ones finish across a shutdown, operator-only ones are refused to agents."""
+    mutating = {name for name, spec in METHODS.items() if spec.mutating}
+    shielded = {name for name, spec in METHODS.items() if spec.shielded}
+    operator_only = {name for name, spec in METHODS.items() if spec.operator_only}
+    assert mutating == {"fs.write", "fs.patch", "fs.delete", "proc.run", "proc.start"}
+    assert shielded == {"fs.write", "fs.patch", "fs.delete"}
+    assert operator_only == {
+        "approval.grant",
+        "grant.issue",
+        "grant.list",
+        "grant.revoke",
+        "workspace.set_policy",
+    }
+    published = msgspec.json.decode(render())["methods"]
+    for name, spec in METHODS.items():
+        flags = (spec.operator_only, spec.mutating, spec.shielded)
+        entry = published[name]
+        assert (entry["operator_only"], entry["mutating"], entry["shielded"]) == flags
+
+
+def test_a_shielded_method_must_be_mutating() -> None:
+    with pytest.raises(RuntimeError, match="shielded but not mutating"):
+        common.method("x.never", common.Empty, common.Empty, shielded=True)
+    assert "x.never" not in METHODS
 
 
 def test_every_spec_refusal_exists_with_its_stable_name() -> None:

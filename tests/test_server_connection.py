@@ -8,8 +8,8 @@ an `internal` entry with exception type names only, and nothing propagates.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +18,33 @@ import pytest
 import trio
 import trio.testing
 
-from substrate.api import HANDLERS
 from substrate.config import Config
 from substrate.protocol import rpc, server
+from substrate.protocol.caller import Caller
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+
+Handler = Callable[[Caller, Any], Awaitable[Any]]
 
 
 @dataclass
 class FakeDaemon:
-    """What a `Connection` uses of the daemon: its config and journal."""
+    """What a `Connection` is given (a `server.Backend`): config, dispatcher, journal.
+
+    `handlers` maps a method name to `async (caller, params) -> result`.
+    """
 
     config: Config
     journal: Journal
+    handlers: dict[str, Handler] = field(default_factory=dict)
+
+    async def dispatch(self, method: str, caller: Caller, params: Any) -> Any:
+        return await self.handlers[method](caller, params)
+
+    def backend(self) -> server.Backend:
+        return server.Backend(
+            config=self.config, dispatch=self.dispatch, record=self.journal.append
+        )
 
 
 @pytest.fixture
@@ -38,6 +52,10 @@ def fake_daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
     store = Store(tmp_path / "db")
     yield FakeDaemon(Config(state_dir=str(tmp_path / "state")), Journal(store))
     store.close()
+
+
+def connection(daemon: FakeDaemon, stream: trio.SocketStream) -> server.Connection:
+    return server.Connection(daemon.backend(), stream, "agent", server.Admission(daemon.config))
 
 
 class Peer:
@@ -57,12 +75,7 @@ class Peer:
 async def serve_one(daemon: FakeDaemon, lines: list[bytes]) -> list[dict[str, Any]]:
     """Run one connection for `lines` (then half-close); return every message it sent."""
     ours, theirs = trio.socket.socketpair()
-    conn = server.Connection(
-        daemon,  # type: ignore[arg-type]
-        trio.SocketStream(ours),
-        "agent",
-        server._Connections(),
-    )
+    conn = connection(daemon, trio.SocketStream(ours))
     peer = Peer(trio.SocketStream(theirs))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(conn.run)  # raises into this nursery if anything escapes
@@ -95,13 +108,11 @@ async def test_a_fault_in_the_connection_task_is_contained(
     assert "hunter2" not in str(fake_daemon.journal.read())
 
 
-async def test_a_fault_in_a_handler_is_answered_and_journaled(
-    fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    async def broken_handler(daemon: Any, caller: Any, params: Any) -> Any:
+async def test_a_fault_in_a_handler_is_answered_and_journaled(fake_daemon: FakeDaemon) -> None:
+    async def broken_handler(caller: Any, params: Any) -> Any:
         raise KeyError("hunter2")
 
-    monkeypatch.setitem(HANDLERS, "daemon.status", broken_handler)
+    fake_daemon.handlers["daemon.status"] = broken_handler
     messages = await serve_one(
         fake_daemon,
         [
@@ -120,23 +131,16 @@ async def test_a_fault_in_a_handler_is_answered_and_journaled(
     assert "hunter2" not in str(fake_daemon.journal.read())
 
 
-async def test_a_half_closed_peer_gets_the_reply_of_a_slow_call(
-    fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_half_closed_peer_gets_the_reply_of_a_slow_call(fake_daemon: FakeDaemon) -> None:
     release = trio.Event()
 
-    async def slow_handler(daemon: Any, caller: Any, params: Any) -> Any:
+    async def slow_handler(caller: Any, params: Any) -> Any:
         await release.wait()
         return {"ok": True}
 
-    monkeypatch.setitem(HANDLERS, "daemon.status", slow_handler)
+    fake_daemon.handlers["daemon.status"] = slow_handler
     ours, theirs = trio.socket.socketpair()
-    conn = server.Connection(
-        fake_daemon,  # type: ignore[arg-type]
-        trio.SocketStream(ours),
-        "agent",
-        server._Connections(),
-    )
+    conn = connection(fake_daemon, trio.SocketStream(ours))
     peer = Peer(trio.SocketStream(theirs))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(conn.run)
@@ -145,7 +149,7 @@ async def test_a_half_closed_peer_gets_the_reply_of_a_slow_call(
         await peer.stream.send_eof()
         # Once every task is blocked, the server has read the EOF; the call still runs.
         await trio.testing.wait_all_tasks_blocked()
-        assert conn._busy == 1
+        assert conn.state.in_flight == 1
         release.set()
         messages = await peer.messages_until_eof()
     await peer.stream.aclose()

@@ -1,18 +1,28 @@
-"""Wire method handlers. Importing this package registers every handler in `HANDLERS`."""
+"""The wire method handlers: one async function per method of `substrate.schema`.
+
+Importing this package imports every handler module, which registers its handlers in
+`HANDLERS`; `dispatcher(daemon)` is what the daemon gives the server to run them.
+"""
 
 from __future__ import annotations
 
-import importlib
+# Imported for their registrations (`@handles`), in no particular order.
+from substrate.api import artifact, fs, grant, journal, proc, profile, pty, workspace
+from substrate.api.base import HANDLERS, Actor, Caller, Handler, dispatcher, handles
 
-from substrate.api import fs, journal, workspace
-from substrate.api.base import HANDLERS, Caller, handles
-
-__all__ = ["HANDLERS", "Caller", "fs", "handles", "journal", "workspace"]
-
-# Handlers owned by later layers; each registers when imported.
-for _optional in ("proc", "profile", "artifact", "grant", "pty"):
-    try:
-        importlib.import_module(f"substrate.api.{_optional}")
-    except ModuleNotFoundError as _exc:
-        if _exc.name != f"substrate.api.{_optional}":
-            raise
+__all__ = [
+    "HANDLERS",
+    "Actor",
+    "Caller",
+    "Handler",
+    "artifact",
+    "dispatcher",
+    "fs",
+    "grant",
+    "handles",
+    "journal",
+    "proc",
+    "profile",
+    "pty",
+    "workspace",
+]

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from substrate.api.base import Caller, handles
-from substrate.errors import RuntimeUnavailable
 from substrate.schema.artifact import (
     GrepParams,
     GrepResult,
@@ -30,11 +29,7 @@ if TYPE_CHECKING:
 
 
 def _store(daemon: Daemon) -> ArtifactStore:
-    execution = daemon.execution
-    if execution is None:
-        raise RuntimeUnavailable("the execution layer is not running")
-    store: ArtifactStore = execution.artifacts
-    return store
+    return daemon.execution.artifacts
 
 
 @handles("artifact.stat")

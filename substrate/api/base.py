@@ -2,39 +2,24 @@
 
 A handler takes the running `Daemon`, the `Caller` and the method's validated params
 Struct, and returns the method's result Struct (or raises a `Refusal`). Handlers live in
-`substrate/api/<domain>.py` and register with `@handles("name")`; the server dispatches.
+`substrate/api/<domain>.py` and register with `@handles("name")`; `dispatcher(daemon)`
+is what the daemon gives the server to run them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from substrate.errors import Internal
+from substrate.protocol.caller import Actor, Caller
+from substrate.protocol.server import Dispatcher
 from substrate.schema import METHODS
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
 
-Actor = Literal["agent", "operator"]
-
-
-@dataclass
-class Caller:
-    """Who called, on which connection. `notify` sends a notification on that connection."""
-
-    actor: Actor
-    uid: int
-    connection: int
-    notify: Callable[[str, Any], Awaitable[None]]
-    #: Cleanups to run when the connection closes (e.g. cancel subscriptions).
-    on_close: list[Callable[[], None]] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        """The journal's `actor` string."""
-        return f"{self.actor}:{self.uid}"
-
+__all__ = ["HANDLERS", "Actor", "Caller", "Handler", "dispatcher", "handles"]
 
 Handler = Callable[["Daemon", Caller, Any], Awaitable[Any]]
 HANDLERS: dict[str, Handler] = {}
@@ -54,3 +39,19 @@ def handles(name: str) -> Callable[[F], F]:
         return fn
 
     return register
+
+
+def dispatcher(daemon: Daemon) -> Dispatcher:
+    """The server's dispatcher for `daemon`: runs the registered handler of a method.
+
+    A declared method without a handler is `internal` (tests/test_schema.py keeps the
+    table and the handlers in step).
+    """
+
+    async def dispatch(method: str, caller: Caller, params: Any) -> Any:
+        handler = HANDLERS.get(method)
+        if handler is None:
+            raise Internal(f"{method} has no handler")
+        return await handler(daemon, caller, params)
+
+    return dispatch

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
 from substrate.api.base import Caller, handles
-from substrate.errors import GrantInvalid, ProfileUnknown, RuntimeUnavailable
-from substrate.sandbox.profiles import Profile, load_profiles
+from substrate.errors import GrantInvalid
 from substrate.schema.common import Empty
 from substrate.schema.grant import (
     GrantIssueParams,
@@ -23,31 +21,12 @@ if TYPE_CHECKING:
     from substrate.daemon import Daemon
 
 
-async def _profile(daemon: Daemon, name: str) -> Profile:
-    if daemon.execution is not None:
-        found: Profile = daemon.execution.profile(name)
-        return found
-    profiles = await trio.to_thread.run_sync(
-        load_profiles, Path(daemon.config.profiles_dir), Path(daemon.config.seccomp_dir)
-    )
-    if name not in profiles:
-        raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(profiles))
-    return profiles[name]
-
-
-def _service(daemon: Daemon) -> object:
-    if daemon.terminals is None:
-        raise RuntimeUnavailable("the terminal service is not running")
-    return daemon.terminals
-
-
 @handles("grant.issue")
 async def issue(daemon: Daemon, caller: Caller, p: GrantIssueParams) -> GrantIssueResult:
     """Refuses `unknown_workspace`, `profile_unknown`, and `grant_invalid` when the profile
     is not `interactive = true`."""
-    _service(daemon)
     ws = daemon.workspaces.get(p.workspace)
-    profile = await _profile(daemon, p.profile)
+    profile = daemon.execution.profile(p.profile)
     if not profile.interactive:
         raise GrantInvalid(
             f"profile {p.profile!r} is not interactive (interactive = false)", profile=p.profile
@@ -63,7 +42,6 @@ async def issue(daemon: Daemon, caller: Caller, p: GrantIssueParams) -> GrantIss
 @handles("grant.revoke")
 async def revoke(daemon: Daemon, caller: Caller, p: GrantRef) -> GrantRevokeResult:
     """Refuses `grant_invalid` for an unknown grant. Ends the sessions it started."""
-    _service(daemon)
     revoked = await trio.to_thread.run_sync(daemon.terminals.grants.revoke, p.grant, caller.name)
     await daemon.terminals.sessions.revoke_grant(p.grant)
     return GrantRevokeResult(grant=p.grant, revoked=revoked)
@@ -71,5 +49,4 @@ async def revoke(daemon: Daemon, caller: Caller, p: GrantRef) -> GrantRevokeResu
 
 @handles("grant.list")
 async def list_(daemon: Daemon, caller: Caller, p: Empty) -> GrantList:
-    _service(daemon)
     return GrantList(grants=await trio.to_thread.run_sync(daemon.terminals.grants.list))

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import psutil
 import trio
 
 from substrate import __version__
 from substrate.api.base import Caller, handles
 from substrate.pty.http import parse_listen
 from substrate.schema.journal import (
-    EngineStatus,
     JournalReadParams,
     JournalReadResult,
     JournalVerifyParams,
@@ -40,8 +41,9 @@ async def read(daemon: Daemon, caller: Caller, p: JournalReadParams) -> JournalR
 async def verify(daemon: Daemon, caller: Caller, p: JournalVerifyParams) -> JournalVerifyResult:
     def run() -> JournalVerifyResult:
         bad = daemon.journal.verify()
-        count = daemon.store.query("SELECT COUNT(*) AS n FROM journal")[0]["n"]
-        return JournalVerifyResult(ok=bad is None, entries=int(count), first_bad_seq=bad)
+        return JournalVerifyResult(
+            ok=bad is None, entries=daemon.journal.count(), first_bad_seq=bad
+        )
 
     return await trio.to_thread.run_sync(run)
 
@@ -59,16 +61,27 @@ async def replay(daemon: Daemon, caller: Caller, p: ReplayParams) -> ReplayResul
 
 @handles("daemon.status")
 async def status(daemon: Daemon, caller: Caller, p: StatusParams) -> StatusResult:
-    engine = EngineStatus(reachable=False)
-    if daemon.execution is not None:
-        engine = await daemon.execution.engine_status()
+    """Never refuses: an engine that does not answer is `engine.reachable = false`. Costs
+    one engine round trip (bounded by the engine client's timeout) and three /proc reads."""
+    me = psutil.Process()
     return StatusResult(
         version=__version__,
         epoch=daemon.epoch,
         uptime_s=round(time.monotonic() - daemon.started, 3),
-        engine=engine,
+        engine=await daemon.execution.engine_status(),
         listen=terminal_listen(daemon),
+        rss_bytes=_measured(lambda: me.memory_info().rss),
+        open_fds=_measured(me.num_fds),
+        threads=_measured(me.num_threads),
     )
+
+
+def _measured(read: Callable[[], int]) -> int | None:
+    """A figure about this process, or None when the system will not give it."""
+    try:
+        return int(read())
+    except (psutil.Error, OSError):
+        return None
 
 
 def terminal_listen(daemon: Daemon) -> str | None:
@@ -77,8 +90,7 @@ def terminal_listen(daemon: Daemon) -> str | None:
     Clients build their terminal URL from this, never from a default port: a token sent
     to whatever else listens on 7681 would be a leak.
     """
-    terminals = getattr(daemon, "terminals", None)
-    port = getattr(getattr(terminals, "http", None), "port", 0)
+    port = daemon.terminals.http.port
     if not port:
         return None
     host, _ = parse_listen(daemon.config.listen)

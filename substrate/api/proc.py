@@ -7,7 +7,7 @@ import binascii
 from typing import TYPE_CHECKING
 
 from substrate.api.base import Caller, handles
-from substrate.errors import InvalidParams, RuntimeUnavailable
+from substrate.errors import InvalidParams
 from substrate.process import intents
 from substrate.schema.proc import (
     ListParams,
@@ -31,11 +31,8 @@ if TYPE_CHECKING:
 
 
 def execution_of(daemon: Daemon) -> Execution:
-    """The daemon's execution layer; `runtime_unavailable` when it was not set up."""
-    if daemon.execution is None:
-        raise RuntimeUnavailable("this daemon runs no execution layer")
-    found: Execution = daemon.execution
-    return found
+    """The daemon's execution layer."""
+    return daemon.execution
 
 
 def stdin_bytes(p: RunParams) -> bytes | None:

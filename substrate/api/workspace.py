@@ -31,8 +31,6 @@ async def _restart_sandboxes(daemon: Daemon, before: dict[str, list[str]]) -> No
     """A sandbox binds the policy's read-only dirs when it is made: one whose set changed
     (a policy changed, here or in a checkout nested in or enclosing it) is removed, and
     made again with the new mounts on next use. Its running commands end."""
-    if daemon.execution is None:
-        return
     for ws in daemon.workspaces.all():
         if ws.id in before and before[ws.id] != ws.policy.readonly_dirs():
             await daemon.execution.release_workspace(ws)
@@ -75,8 +73,7 @@ async def info(daemon: Daemon, caller: Caller, p: WorkspaceRef) -> WorkspaceInfo
 @handles("workspace.release")
 async def release(daemon: Daemon, caller: Caller, p: WorkspaceRef) -> ReleaseResult:
     ws = daemon.workspaces.get(p.workspace)
-    if daemon.execution is not None:
-        await daemon.execution.release_workspace(ws)
+    await daemon.execution.release_workspace(ws)
     await trio.to_thread.run_sync(daemon.workspaces.release, ws.id, caller.name)
     return ReleaseResult(workspace=ws.id, released=True)
 

@@ -47,8 +47,9 @@ def _workspace(client: Client, spec: str | None) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from substrate.config import ConfigError, load_config
-    from substrate.daemon import Daemon, StartupError
+    from substrate.config import Config, ConfigError, load_config
+    from substrate.daemon import open_daemon
+    from substrate.errors import StartupError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides: dict[str, Any] = {
@@ -58,16 +59,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "seccomp_dir": args.seccomp,
         "listen": args.listen,
     }
+
+    async def serve(config: Config) -> None:
+        async with open_daemon(config) as daemon:
+            await daemon.serve()
+
     try:
         config = load_config(Path(args.config) if args.config else None, overrides)
-        daemon = Daemon(config)
+        trio.run(serve, config)
     except (ConfigError, StartupError) as exc:
         print(f"substrate: {exc}", file=sys.stderr)
         return 2
-    try:
-        trio.run(daemon.serve)
-    finally:
-        daemon.close()
     return 0
 
 

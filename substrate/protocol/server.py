@@ -12,6 +12,10 @@ End of input: a peer that only shut its writing side (`shutdown(SHUT_WR)`) still
 every reply (and subscription) it asked for, then the connection closes; a peer that
 closed entirely has its calls cancelled (shielded writes still finish).
 
+The deadline, idle and cap rules live sans-IO in `substrate.protocol.connection`; this
+module is the Trio loop that feeds them. The server knows nothing of handlers or the
+daemon: it is given a `Backend` (the config, a dispatcher, the journal's append).
+
 The connection task is where anything unexpected stops: it is logged, journaled as
 `internal` (exception type names only, never data), answered with one `internal` error
 when the connection can still take it, and the connection closes. Nothing a client sends
@@ -28,31 +32,54 @@ import select
 import socket
 import stat
 import struct
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
-from substrate.api import HANDLERS
-from substrate.api.base import Actor, Caller
 from substrate.config import Config
-from substrate.errors import Internal, LimitExceeded, Refusal, Unauthorized
+from substrate.errors import Internal, Refusal, StartupError
 from substrate.protocol import rpc
-
-if TYPE_CHECKING:
-    from substrate.daemon import Daemon
+from substrate.protocol.caller import Actor, Caller
+from substrate.protocol.connection import Admission, ConnectionState, call_refusal
 
 log = logging.getLogger("substrate.protocol.server")
 
 SEND_TIMEOUT_S = 30.0
 #: After a half-close, how often to look whether the peer has gone entirely, seconds.
 PEER_CHECK_S = 1.0
+#: The most bytes one read takes from a socket.
+RECEIVE_BYTES = 65536
 _connection_ids = itertools.count(1)
 
-#: Methods whose refusals are journaled (they would have changed state).
-MUTATING = frozenset({"fs.write", "fs.patch", "fs.delete", "proc.run", "proc.start"})
-#: Methods that run to completion (reply included) even when the daemon is stopping.
-WRITES = frozenset({"fs.write", "fs.patch", "fs.delete"})
+#: Runs one validated call: (method name, caller, params Struct) → the result to send.
+#: Raises a `Refusal` to answer with it; anything else is answered `internal`.
+Dispatcher = Callable[[str, Caller, Any], Awaitable[Any]]
+
+
+class Recorder(Protocol):
+    """Appends one journal entry, durably; blocking (the server calls it in a thread)."""
+
+    def __call__(
+        self,
+        kind: str,
+        data: Mapping[str, Any],
+        *,
+        workspace: str | None = ...,
+        actor: str = ...,
+    ) -> object: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the server needs from the daemon behind it."""
+
+    config: Config
+    dispatch: Dispatcher
+    #: Journals refusals of mutating methods and internal errors (never their data).
+    record: Recorder
 
 
 def bind_unix(path: Path, mode: int) -> socket.socket:
@@ -61,8 +88,6 @@ def bind_unix(path: Path, mode: int) -> socket.socket:
     A stale socket from a previous run is replaced; anything else at the path (a symlink,
     a file) is refused with `StartupError`.
     """
-    from substrate.daemon import StartupError
-
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -91,54 +116,21 @@ def peer_uid(sock: trio.socket.SocketType) -> int:
     return int(uid)
 
 
-class _Connections:
-    """The live connections of one socket, in total and per peer uid."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.by_uid: dict[int, int] = {}
-
-    def admit(self, uid: int, config: Config) -> LimitExceeded | None:
-        """Count a new connection of `uid`, or say which cap it would pass."""
-        if self.count >= config.max_connections:
-            return LimitExceeded(
-                "too many connections", limit=config.max_connections, scope="socket"
-            )
-        held = self.by_uid.get(uid, 0)
-        if held >= config.max_connections_per_uid:
-            return LimitExceeded(
-                f"too many connections from uid {uid}",
-                limit=config.max_connections_per_uid,
-                scope="uid",
-            )
-        self.count += 1
-        self.by_uid[uid] = held + 1
-        return None
-
-    def release(self, uid: int) -> None:
-        self.count -= 1
-        left = self.by_uid[uid] - 1
-        if left:
-            self.by_uid[uid] = left
-        else:
-            del self.by_uid[uid]
-
-
 async def serve_socket(
-    daemon: Daemon,
+    backend: Backend,
     path: Path,
     mode: int,
     actor: Actor,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve one socket until cancelled."""
+    """Serve one socket until cancelled; the socket file is removed on the way out."""
     raw = bind_unix(path, mode)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(raw))
-    live = _Connections()
+    admission = Admission(backend.config)
 
     async def handle(stream: trio.SocketStream) -> None:
-        conn = Connection(daemon, stream, actor, live)
+        conn = Connection(backend, stream, actor, admission)
         await conn.run()
 
     try:
@@ -151,27 +143,34 @@ async def serve_socket(
 
 
 class Connection:
-    """One client connection on one socket."""
+    """One client connection on one socket: the Trio loop around a `ConnectionState`."""
 
     def __init__(
-        self, daemon: Daemon, stream: trio.SocketStream, actor: Actor, live: _Connections
+        self, backend: Backend, stream: trio.SocketStream, actor: Actor, admission: Admission
     ) -> None:
-        self.daemon = daemon
+        self.backend = backend
         self.stream = stream
         self.actor = actor
-        self.live = live
+        self.admission = admission
         self.id = next(_connection_ids)
         self.uid: int | None = None
+        self.state = ConnectionState(backend.config, trio.current_time())
         self._send_lock = trio.Lock()
-        self._in_flight = trio.Semaphore(daemon.config.max_in_flight)
-        self._busy = 0
+        self._in_flight = trio.Semaphore(backend.config.max_in_flight)
         self._quiet = trio.Event()  # set when the last call in flight ends
+        #: The read in progress, whose deadline moves when a call finishes.
+        self._receive_scope: trio.CancelScope | None = None
+        self._caller: Caller | None = None
         self._closed = False
 
     @property
     def actor_name(self) -> str:
         """The journal's `actor` string (the uid once known)."""
         return f"{self.actor}:{'?' if self.uid is None else self.uid}"
+
+    def _held(self) -> bool:
+        """Subscriptions hold the connection open (their cleanups are registered)."""
+        return self._caller is not None and bool(self._caller.on_close)
 
     async def send(self, data: bytes) -> None:
         if self._closed:
@@ -203,63 +202,52 @@ class Connection:
             await trio.aclose_forcefully(self.stream)
 
     async def _serve(self) -> None:
-        config = self.daemon.config
         uid = peer_uid(self.stream.socket)
         self.uid = uid
-        if uid not in config.effective_uids():
-            await self.send(rpc.refusal_error(None, Unauthorized("peer uid is not allowed")))
-            return
-        refused = self.live.admit(uid, config)
+        refused = self.admission.admit(uid)
         if refused is not None:
             await self.send(rpc.refusal_error(None, refused))
             return
         caller = Caller(actor=self.actor, uid=uid, connection=self.id, notify=self.notify)
+        self._caller = caller
         try:
             async with trio.open_nursery() as nursery:
                 ended_by_peer = await self._read_loop(nursery, caller)
                 if ended_by_peer:
-                    await self._finish_after_eof(caller)
+                    await self._finish_after_eof()
                 nursery.cancel_scope.cancel()
         finally:
-            self.live.release(uid)
+            self.admission.release(uid)
             for cleanup in caller.on_close:
                 cleanup()
 
     async def _read_loop(self, nursery: trio.Nursery, caller: Caller) -> bool:
         """Read and dispatch lines; True when the peer ended its input (EOF)."""
-        config = self.daemon.config
-        splitter = rpc.LineSplitter(config.max_request_bytes)
-        line_started: float | None = None
-        idle_since = trio.current_time()
+        state = self.state
         while not self._closed:
-            now = trio.current_time()
-            if line_started is not None:
-                deadline = line_started + config.line_timeout_s
-            elif self._busy == 0 and not caller.on_close:
-                deadline = idle_since + config.idle_timeout_s
-            else:
-                deadline = now + config.idle_timeout_s
-            with trio.move_on_at(deadline) as scope:
+            deadline = state.deadline(trio.current_time(), held=self._held())
+            with trio.CancelScope(deadline=deadline) as scope:
+                self._receive_scope = scope
                 try:
-                    data = await self.stream.receive_some(65536)
+                    data = await self.stream.receive_some(RECEIVE_BYTES)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return False
+                finally:
+                    self._receive_scope = None
             if scope.cancelled_caught:
-                if line_started is not None or (self._busy == 0 and not caller.on_close):
+                if state.expired(trio.current_time(), held=self._held()):
                     return False  # a request that never ends, or an idle connection
                 continue
             if not data:
                 # A last line without its newline is still a line.
-                for line in splitter.finish():
+                for line in state.end_of_input():
                     await self._dispatch(nursery, caller, line)
                 return True
-            idle_since = trio.current_time()
             try:
-                lines = splitter.feed(data)
+                lines = state.received(data, trio.current_time())
             except Refusal as refusal:
                 await self.send(rpc.refusal_error(None, refusal))
                 return False
-            line_started = (line_started or idle_since) if splitter.pending else None
             for line in lines:
                 await self._dispatch(nursery, caller, line)
         return False
@@ -270,9 +258,9 @@ class Connection:
         poller.register(self.stream.socket.fileno(), select.POLLIN)
         return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
 
-    async def _finish_after_eof(self, caller: Caller) -> None:
+    async def _finish_after_eof(self) -> None:
         """Half-closed: let calls in flight and subscriptions finish (their output is sent)."""
-        while (self._busy or caller.on_close) and not self._closed:
+        while not self.state.drained(held=self._held()) and not self._closed:
             if self._peer_gone():
                 return
             self._quiet = trio.Event()
@@ -285,42 +273,38 @@ class Connection:
             if decoded.reply is not None:
                 await self.send(decoded.reply)
             return
-        if decoded.spec.operator_only and self.actor != "operator":
+        refused = call_refusal(decoded.spec, self.actor)
+        if refused is not None:
             if not decoded.is_notification:
-                await self.send(
-                    rpc.refusal_error(
-                        decoded.id,
-                        Unauthorized(f"{decoded.spec.name} is an operator method"),
-                    )
-                )
+                await self.send(rpc.refusal_error(decoded.id, refused))
             return
         await self._in_flight.acquire()
-        self._busy += 1
+        self.state.call_started()
         nursery.start_soon(self._run_call, caller, decoded)
 
     async def _run_call(self, caller: Caller, call: rpc.Call) -> None:
         try:
-            # A shutdown lets a started write finish; shielded, its reply is sent too
+            # A shutdown lets a started change finish; shielded, its reply is sent too
             # (bounded by the send timeout), so a write that landed never looks lost.
-            with trio.CancelScope(shield=call.spec.name in WRITES):
+            with trio.CancelScope(shield=call.spec.shielded):
                 reply = await self._invoke(caller, call)
                 if not call.is_notification:
                     await self.send(reply)
         finally:
-            self._busy -= 1
+            now = trio.current_time()
+            self.state.call_finished(now)
             self._in_flight.release()
-            if self._busy == 0:
+            if self._receive_scope is not None:
+                self._receive_scope.deadline = self.state.deadline(now, held=self._held())
+            if not self.state.in_flight:
                 self._quiet.set()
 
     async def _invoke(self, caller: Caller, call: rpc.Call) -> bytes:
-        handler = HANDLERS.get(call.spec.name)
         try:
-            if handler is None:
-                raise Internal(f"{call.spec.name} has no handler")
-            result = await handler(self.daemon, caller, call.params)
+            result = await self.backend.dispatch(call.spec.name, caller, call.params)
             return rpc.reply_result(call.id, result)
         except Refusal as refusal:
-            if call.spec.name in MUTATING:
+            if call.spec.mutating:
                 await self._journal_refusal(caller, call, refusal)
             return rpc.refusal_error(call.id, refusal)
         except Exception as exc:
@@ -335,32 +319,34 @@ class Connection:
             data["method"] = method
         try:
             await trio.to_thread.run_sync(
-                lambda: self.daemon.journal.append("internal", data, actor=self.actor_name)
+                lambda: self.backend.record("internal", data, actor=self.actor_name)
             )
         except Exception:
             log.exception("could not journal an internal error")
 
     async def _journal_refusal(self, caller: Caller, call: rpc.Call, refusal: Refusal) -> None:
-        params = call.params
-        data: dict[str, Any] = {"method": call.spec.name, "refusal": refusal.name}
-        path = getattr(params, "path", None)
-        if isinstance(path, str) and len(path) <= 4096 and "\x00" not in path:
-            data["path"] = path
-        argv = getattr(params, "argv", None)
-        if isinstance(argv, list):
-            data["argv"] = argv[:64]
-        workspace = getattr(params, "workspace", None)
+        data, workspace = refusal_record(call, refusal)
         try:
             await trio.to_thread.run_sync(
-                lambda: self.daemon.journal.append(
-                    "refusal",
-                    data,
-                    workspace=workspace if isinstance(workspace, str) else None,
-                    actor=caller.name,
-                )
+                lambda: self.backend.record("refusal", data, workspace=workspace, actor=caller.name)
             )
         except Exception:
             log.exception("could not journal a refusal")
+
+
+def refusal_record(call: rpc.Call, refusal: Refusal) -> tuple[dict[str, Any], str | None]:
+    """The journal data of a refused mutating call, and its workspace: the method, the
+    refusal's name, the path and argv when sane (bounded; never file bytes)."""
+    params = call.params
+    data: dict[str, Any] = {"method": call.spec.name, "refusal": refusal.name}
+    path = getattr(params, "path", None)
+    if isinstance(path, str) and len(path) <= 4096 and "\x00" not in path:
+        data["path"] = path
+    argv = getattr(params, "argv", None)
+    if isinstance(argv, list):
+        data["argv"] = argv[:64]
+    workspace = getattr(params, "workspace", None)
+    return data, workspace if isinstance(workspace, str) else None
 
 
 def _type_names(exc: BaseException, limit: int = 8) -> list[str]:

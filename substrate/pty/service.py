@@ -1,23 +1,25 @@
 """The terminal service of a daemon: grants, sessions and the HTTP endpoint, wired.
 
-`TerminalService.for_daemon(daemon)` is built in `Daemon.__init__` (it creates the grants
+`TerminalService(...)` is built by `substrate.daemon.open_daemon` (it creates the grants
 table); `serve` runs the sessions and the HTTP listener in the daemon's nursery.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
+from substrate.config import Config
+from substrate.process.service import Execution
 from substrate.pty.docker import DockerPtys
 from substrate.pty.grants import Grants
 from substrate.pty.http import TerminalHttp
 from substrate.pty.terminals import Terminals
-
-if TYPE_CHECKING:
-    from substrate.daemon import Daemon
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace.registry import WorkspaceRegistry
 
 log = logging.getLogger("substrate.pty")
 
@@ -25,14 +27,21 @@ log = logging.getLogger("substrate.pty")
 class TerminalService:
     """Everything terminals need, reachable as `daemon.terminals`."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.listen = daemon.config.listen
-        self.grants = Grants(daemon.store, daemon.journal)
+    def __init__(
+        self,
+        config: Config,
+        store: Store,
+        journal: Journal,
+        execution: Execution,
+        workspaces: WorkspaceRegistry,
+    ) -> None:
+        self.listen = config.listen
+        self.grants = Grants(store, journal)
         self.sessions = Terminals(
             grants=self.grants,
-            journal=daemon.journal,
-            spawner=DockerPtys(lambda: daemon.execution, daemon.workspaces.get),
-            check_workspace=daemon.workspaces.get,
+            journal=journal,
+            spawner=DockerPtys(lambda: execution, workspaces.get),
+            check_workspace=workspaces.get,
         )
 
         def refused(refusal: str, data: dict[str, Any]) -> None:
@@ -41,13 +50,9 @@ class TerminalService:
 
         self.http = TerminalHttp(
             self.sessions,
-            allowed_origins=list(daemon.config.allowed_origins),
+            allowed_origins=list(config.allowed_origins),
             on_refusal=refused,
         )
-
-    @classmethod
-    def for_daemon(cls, daemon: Daemon) -> TerminalService:
-        return cls(daemon)
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Run sessions and the HTTP endpoint until cancelled; `started` gets the port."""

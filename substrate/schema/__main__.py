@@ -10,7 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import substrate.api  # noqa: F401  (every layer declares its methods on import)
 from substrate.schema import METHODS, render
 from substrate.schema.reference import render_protocol
 

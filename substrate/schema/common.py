@@ -1,8 +1,10 @@
 """Shared bases of the wire schema and the method table.
 
 Every method is declared once with `method(...)`: its params Struct (the validation), its
-result Struct (the shape) and whether only operators may call it. `docs/api.schema.json`
-is generated from this table (`substrate.schema.json_schema`).
+result Struct (the shape) and its properties (who may call it, whether it changes state,
+whether it completes across a shutdown). The server reads those properties from here and
+nowhere else. `docs/api.schema.json` is generated from this table
+(`substrate.schema.document`).
 """
 
 from __future__ import annotations
@@ -31,10 +33,18 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 @dataclass(frozen=True)
 class MethodSpec:
+    """One wire method and its properties."""
+
     name: str
     params: type[Params]
     result: type[msgspec.Struct]
+    #: Only the operator socket may call it; the agent socket answers `unauthorized`.
     operator_only: bool
+    #: It changes workspace state: its refusals are journaled (what was refused, where).
+    mutating: bool
+    #: Once started it runs to completion, reply included, even while the daemon stops,
+    #: so a change that landed is never reported lost.
+    shielded: bool
     doc: str
 
 
@@ -47,12 +57,25 @@ def method(
     result: type[msgspec.Struct],
     *,
     operator_only: bool = False,
+    mutating: bool = False,
+    shielded: bool = False,
     doc: str = "",
 ) -> None:
-    """Declare a wire method. Declaring a name twice is a programming error."""
+    """Declare a wire method. Declaring a name twice, or a shielded method that is not
+    mutating (only a change needs protecting from a shutdown), is a programming error."""
     if name in METHODS:
         raise RuntimeError(f"method {name} declared twice")
-    METHODS[name] = MethodSpec(name, params, result, operator_only, doc)
+    if shielded and not mutating:
+        raise RuntimeError(f"method {name} is shielded but not mutating")
+    METHODS[name] = MethodSpec(
+        name,
+        params,
+        result,
+        operator_only=operator_only,
+        mutating=mutating,
+        shielded=shielded,
+        doc=doc,
+    )
 
 
 class Empty(Params):

@@ -186,6 +186,28 @@ method("fs.read", ReadParams, ReadResult)
 method("fs.list", ListParams, ListResult)
 method("fs.walk", WalkParams, WalkResult)
 method("fs.search", SearchParams, SearchResult)
-method("fs.write", WriteParams, Plan, doc="Guarded create or replace, bound to base_sha256.")
-method("fs.patch", PatchParams, Plan, doc="Guarded search/replace edits or a strict unified diff.")
-method("fs.delete", DeleteParams, Plan, doc="Guarded delete, bound to base_sha256.")
+# Writes are shielded: a started write finishes (and is answered) across a shutdown.
+method(
+    "fs.write",
+    WriteParams,
+    Plan,
+    mutating=True,
+    shielded=True,
+    doc="Guarded create or replace, bound to base_sha256.",
+)
+method(
+    "fs.patch",
+    PatchParams,
+    Plan,
+    mutating=True,
+    shielded=True,
+    doc="Guarded search/replace edits or a strict unified diff.",
+)
+method(
+    "fs.delete",
+    DeleteParams,
+    Plan,
+    mutating=True,
+    shielded=True,
+    doc="Guarded delete, bound to base_sha256.",
+)

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from substrate.schema.common import NonNegative, Params, Result, WorkspaceId, method
-from substrate.store.journal import Entry
+
+
+class Entry(msgspec.Struct, frozen=True, kw_only=True):
+    """One journal entry as stored and as returned by `journal.read`."""
+
+    seq: int
+    epoch: int
+    ts: float
+    kind: str
+    workspace: str | None
+    actor: str
+    data: dict[str, Any]
+    prev: str
+    hash: str
 
 
 class JournalReadParams(Params):
@@ -65,6 +78,12 @@ class StatusResult(Result):
     #: HOST:PORT the terminal endpoint is bound to (the real port, also for `:0`);
     #: absent when terminals could not listen.
     listen: str | None = None
+    #: The daemon process's resident memory, bytes; absent when the system does not say.
+    rss_bytes: int | None = None
+    #: File descriptors the daemon process holds open; absent when the system does not say.
+    open_fds: int | None = None
+    #: Threads of the daemon process; absent when the system does not say.
+    threads: int | None = None
 
 
 method("journal.read", JournalReadParams, JournalReadResult)

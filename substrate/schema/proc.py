@@ -63,6 +63,7 @@ method(
     "proc.run",
     RunParams,
     ProcResult,
+    mutating=True,
     doc="Run argv (no shell) in the workspace's verified sandbox; wait for it to end.",
 )
 
@@ -186,6 +187,7 @@ method(
     "proc.start",
     RunParams,
     StartResult,
+    mutating=True,
     doc="Start argv like proc.run; answer {proc} once it runs (refusals as proc.run).",
 )
 method(

@@ -13,13 +13,17 @@ Appends are blocking and durable (the store runs with `synchronous=FULL`).
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
 
+from substrate.schema.journal import Entry
 from substrate.store.db import Store
+
+__all__ = ["GENESIS", "Entry", "Journal", "canonical", "entry_hash"]
 
 GENESIS = "0" * 64
 
@@ -39,20 +43,6 @@ CREATE INDEX IF NOT EXISTS journal_workspace ON journal(workspace, seq);
 CREATE INDEX IF NOT EXISTS journal_kind ON journal(kind, seq);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-
-
-class Entry(msgspec.Struct, frozen=True, kw_only=True):
-    """One journal entry as stored and as returned by `journal.read`."""
-
-    seq: int
-    epoch: int
-    ts: float
-    kind: str
-    workspace: str | None
-    actor: str
-    data: dict[str, Any]
-    prev: str
-    hash: str
 
 
 _canonical_encoder = msgspec.json.Encoder(order="sorted")
@@ -132,33 +122,23 @@ class Journal:
     ) -> Entry:
         row = db.execute("SELECT seq, hash FROM journal ORDER BY seq DESC LIMIT 1").fetchone()
         seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS)
-        ts = round(time.time(), 6)
-        digest = entry_hash(
-            seq=seq,
-            epoch=self.epoch,
-            ts=ts,
-            kind=kind,
-            workspace=workspace,
-            actor=actor,
-            data=data,
-            prev=prev,
-        )
+        body: dict[str, Any] = {
+            "seq": seq,
+            "epoch": self.epoch,
+            "ts": round(time.time(), 6),
+            "kind": kind,
+            "workspace": workspace,
+            "actor": actor,
+            "data": data,
+            "prev": prev,
+        }
+        digest = entry_hash(**body)
         db.execute(
             "INSERT INTO journal(seq, epoch, ts, kind, workspace, actor, data, prev, hash)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (seq, self.epoch, ts, kind, workspace, actor, canonical(data).decode(), prev, digest),
+            " VALUES (:seq, :epoch, :ts, :kind, :workspace, :actor, :data, :prev, :hash)",
+            {**body, "data": canonical(data).decode(), "hash": digest},
         )
-        return Entry(
-            seq=seq,
-            epoch=self.epoch,
-            ts=ts,
-            kind=kind,
-            workspace=workspace,
-            actor=actor,
-            data=data,
-            prev=prev,
-            hash=digest,
-        )
+        return Entry(**body, hash=digest)
 
     def read(
         self,
@@ -181,6 +161,10 @@ class Journal:
         args.append(limit)
         return [_row_entry(r) for r in self._store.query(sql, tuple(args))]
 
+    def count(self) -> int:
+        """How many entries the journal holds."""
+        return int(self._store.query("SELECT COUNT(*) AS n FROM journal")[0]["n"])
+
     def verify(self) -> int | None:
         """Walk the whole chain; return the first bad seq, or None when intact."""
         expected_prev = GENESIS
@@ -194,20 +178,12 @@ class Journal:
                 return None
             for row in rows:
                 entry = _row_entry(row)
-                recomputed = entry_hash(
-                    seq=entry.seq,
-                    epoch=entry.epoch,
-                    ts=entry.ts,
-                    kind=entry.kind,
-                    workspace=entry.workspace,
-                    actor=entry.actor,
-                    data=entry.data,
-                    prev=entry.prev,
-                )
+                body = msgspec.structs.asdict(entry)
+                del body["hash"]
                 if (
                     entry.seq != expected_seq
                     or entry.prev != expected_prev
-                    or recomputed != entry.hash
+                    or entry_hash(**body) != entry.hash
                 ):
                     return entry.seq
                 expected_prev = entry.hash
@@ -215,15 +191,5 @@ class Journal:
                 last = entry.seq
 
 
-def _row_entry(row: Any) -> Entry:
-    return Entry(
-        seq=row["seq"],
-        epoch=row["epoch"],
-        ts=row["ts"],
-        kind=row["kind"],
-        workspace=row["workspace"],
-        actor=row["actor"],
-        data=msgspec.json.decode(row["data"]),
-        prev=row["prev"],
-        hash=row["hash"],
-    )
+def _row_entry(row: sqlite3.Row) -> Entry:
+    return Entry(**{**dict(row), "data": msgspec.json.decode(row["data"])})

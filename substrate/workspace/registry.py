@@ -37,6 +37,7 @@ from substrate.errors import (
     UnknownWorkspace,
 )
 from substrate.schema.workspace import MAX_GLOBS, Policy, Vcs, WorkspaceInfo
+from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import paths
@@ -66,13 +67,6 @@ CREATE TABLE IF NOT EXISTS workspaces (
     path TEXT NOT NULL,
     policy TEXT NOT NULL,
     adopted REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS approvals (
-    id TEXT PRIMARY KEY,
-    workspace TEXT NOT NULL,
-    plan_digest TEXT NOT NULL,
-    expires REAL NOT NULL,
-    used REAL
 );
 """
 
@@ -258,6 +252,7 @@ class WorkspaceRegistry:
         self._lock = threading.Lock()
         self._by_id: dict[str, Workspace] = {}
         store.ensure_schema(SCHEMA)
+        self._approvals = Approvals(store)
         self._checkouts = CheckoutPolicies(store, config.policy)
         self._reload()
 
@@ -588,13 +583,9 @@ class WorkspaceRegistry:
     def grant_approval(
         self, ws: Workspace, plan_digest: str, ttl_s: float, actor: str
     ) -> tuple[str, float]:
-        approval_id = "apr_" + secrets.token_hex(8)
         expires = round(time.time() + ttl_s, 6)
         with self._store.transaction() as db:
-            db.execute(
-                "INSERT INTO approvals(id, workspace, plan_digest, expires) VALUES (?, ?, ?, ?)",
-                (approval_id, ws.id, plan_digest, expires),
-            )
+            approval_id = self._approvals.grant_in(db, ws.id, plan_digest, expires)
             self._journal.append_in(
                 db,
                 "approval.granted",

@@ -46,6 +46,7 @@ from substrate.errors import (
     TooLarge,
 )
 from substrate.schema.fs import DeleteParams, PatchParams, Plan, WriteParams
+from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal, canonical
 from substrate.workspace import patching, paths
@@ -237,6 +238,7 @@ class Writer:
         self._store = store
         self._journal = journal
         self._temps = TempFiles(store, journal.epoch)
+        self._approvals = Approvals(store)
 
     # -- the three wire operations --------------------------------------------------------
 
@@ -296,7 +298,9 @@ class Writer:
     ) -> Plan:
         try:
             needs_approval = ws.policy.needs_approval(prep.rel)
-            if needs_approval and not self._approval_exists(ws, prep.plan.plan_digest):
+            if needs_approval and not self._approvals.find(
+                ws.id, prep.plan.plan_digest, time.time()
+            ):
                 if dry_run:
                     return prep.plan
                 raise ApprovalRequired(
@@ -413,7 +417,7 @@ class Writer:
                 )
             approval = None
             if needs_approval:
-                approval = self._approval_exists(ws, prep.plan.plan_digest)
+                approval = self._approvals.find(ws.id, prep.plan.plan_digest, time.time())
                 if approval is None:
                     raise ApprovalRequired(
                         f"{where}: needs an operator approval of this plan",
@@ -428,9 +432,7 @@ class Writer:
                 if temp is not None:
                     self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
                 if approval is not None:
-                    db.execute(
-                        "UPDATE approvals SET used = ? WHERE id = ?", (time.time(), approval)
-                    )
+                    self._approvals.consume_in(db, approval, time.time())
                 plan = prep.plan
                 self._journal.append_in(
                     db,
@@ -448,14 +450,6 @@ class Writer:
                     workspace=ws.id,
                     actor=actor,
                 )
-
-    def _approval_exists(self, ws: Workspace, digest: str) -> str | None:
-        rows = self._store.query(
-            "SELECT id FROM approvals WHERE workspace = ? AND plan_digest = ?"
-            " AND used IS NULL AND expires > ? ORDER BY expires LIMIT 1",
-            (ws.id, digest, time.time()),
-        )
-        return str(rows[0]["id"]) if rows else None
 
 
 def _applied(plan: Plan) -> Plan:

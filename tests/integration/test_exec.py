@@ -25,7 +25,7 @@ import pytest
 import trio
 
 from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon
+from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import LABEL_DAEMON, LABEL_EPOCH, daemon_id_for
@@ -143,16 +143,13 @@ async def env(
 ) -> AsyncIterator[Env]:
     # The daemon's own engine address must never reach a sandbox.
     monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
-    daemon = Daemon(make_config(state_dir, adopt_root, profiles_dir))
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            async with open_client(state_dir / "substrate.sock") as client:
-                ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
-                yield Env(daemon, client, adopt_root, ws["workspace"], adopt_root / "project")
-            nursery.cancel_scope.cancel()
-    finally:
-        daemon.close()
+    config = make_config(state_dir, adopt_root, profiles_dir)
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(daemon.serve)
+        async with open_client(state_dir / "substrate.sock") as client:
+            ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+            yield Env(daemon, client, adopt_root, ws["workspace"], adopt_root / "project")
+        nursery.cancel_scope.cancel()
 
 
 # --- argv, exit codes, stdin, cwd ------------------------------------------------------------
@@ -679,43 +676,39 @@ async def test_restart_reaps_what_a_previous_run_left(
         labels={**test_labels, LABEL_DAEMON: leftovers, LABEL_EPOCH: "0"},
         network_mode="none",
     )
-    daemon = Daemon(make_config(state_dir, adopt_root, profiles_dir))
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            await gone(docker_client, leftovers)
-            nursery.cancel_scope.cancel()
-    finally:
-        daemon.close()
+    config = make_config(state_dir, adopt_root, profiles_dir)
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(daemon.serve)
+        await gone(docker_client, leftovers)
+        nursery.cancel_scope.cancel()
     assert stale.id not in labelled(docker_client, leftovers)
 
 
 async def test_running_processes_are_capped(
     tiny_image: str, leftovers: str, state_dir: Path, adopt_root: Path, profiles_dir: Path
 ) -> None:
-    daemon = Daemon(make_config(state_dir, adopt_root, profiles_dir, max_processes=1))
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            async with open_client(state_dir / "substrate.sock") as client:
-                ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
-                call = {"workspace": ws["workspace"], "profile": "tiny"}
-                async with trio.open_nursery() as inner:
-                    inner.start_soon(lambda: client.call("proc.run", argv=["sleep", "3"], **call))
+    async with (
+        open_daemon(make_config(state_dir, adopt_root, profiles_dir, max_processes=1)) as daemon,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(daemon.serve)
+        async with open_client(state_dir / "substrate.sock") as client:
+            ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+            call = {"workspace": ws["workspace"], "profile": "tiny"}
+            async with trio.open_nursery() as inner:
+                inner.start_soon(lambda: client.call("proc.run", argv=["sleep", "3"], **call))
 
-                    async def sleep_running() -> bool:
-                        listed = (await client.call("proc.list"))["processes"]
-                        return any(p["state"] == "running" for p in listed)
+                async def sleep_running() -> bool:
+                    listed = (await client.call("proc.list"))["processes"]
+                    return any(p["state"] == "running" for p in listed)
 
-                    await wait_until_async(sleep_running, 30)
-                    with pytest.raises(RpcError) as caught:
-                        await client.call("proc.run", argv=["true"], **call)
-                    assert caught.value.refusal == "limit_exceeded"
-                after = await client.call("proc.run", argv=["true"], **call)
-                assert after["exit_code"] == 0
-            nursery.cancel_scope.cancel()
-    finally:
-        daemon.close()
+                await wait_until_async(sleep_running, 30)
+                with pytest.raises(RpcError) as caught:
+                    await client.call("proc.run", argv=["true"], **call)
+                assert caught.value.refusal == "limit_exceeded"
+            after = await client.call("proc.run", argv=["true"], **call)
+            assert after["exit_code"] == 0
+        nursery.cancel_scope.cancel()
 
 
 async def test_idle_sandbox_is_removed(
@@ -727,21 +720,15 @@ async def test_idle_sandbox_is_removed(
     docker_client: Any,
 ) -> None:
     config = make_config(state_dir, adopt_root, profiles_dir, container_idle_s=0.5)
-    daemon = Daemon(config)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            async with open_client(state_dir / "substrate.sock") as client:
-                ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
-                await client.call(
-                    "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
-                )
-                assert len(labelled(docker_client, leftovers)) == 1
-                await gone(docker_client, leftovers)
-                again = await client.call(
-                    "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
-                )
-                assert again["exit_code"] == 0
-            nursery.cancel_scope.cancel()
-    finally:
-        daemon.close()
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(daemon.serve)
+        async with open_client(state_dir / "substrate.sock") as client:
+            ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+            await client.call("proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"])
+            assert len(labelled(docker_client, leftovers)) == 1
+            await gone(docker_client, leftovers)
+            again = await client.call(
+                "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
+            )
+            assert again["exit_code"] == 0
+        nursery.cancel_scope.cancel()

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon
+from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, open_client
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
@@ -84,20 +84,16 @@ async def env(
             os.chown(os.path.join(base, name), OWNER, OWNER, follow_symlinks=False)
     os.chown(project, OWNER, OWNER)
     config = Config(state_dir=str(leftovers), adopt_roots=[str(root)], profiles_dir=str(profiles))
-    daemon = Daemon(config)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            async with open_client(leftovers / "substrate.sock") as client:
-                ws = await client.call(
-                    "workspace.adopt",
-                    path=str(project),
-                    policy={"write_deny": ["*.lock", ".env"]},
-                )
-                yield Env(daemon, client, ws["workspace"], project)
-            nursery.cancel_scope.cancel()
-    finally:
-        daemon.close()
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(daemon.serve)
+        async with open_client(leftovers / "substrate.sock") as client:
+            ws = await client.call(
+                "workspace.adopt",
+                path=str(project),
+                policy={"write_deny": ["*.lock", ".env"]},
+            )
+            yield Env(daemon, client, ws["workspace"], project)
+        nursery.cancel_scope.cancel()
 
 
 async def test_created_denied_files_are_removed_allowed_ones_stay(env: Env) -> None:

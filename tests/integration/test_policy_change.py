@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon
+from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, open_client
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
@@ -71,19 +71,15 @@ async def env(
     config = Config(
         state_dir=str(state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
     )
-    daemon = Daemon(config)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            async with (
-                open_client(state / "substrate.sock") as agent,
-                open_client(state / "operator.sock") as operator,
-            ):
-                ws = await agent.call("workspace.adopt", path=str(project))
-                yield Env(daemon, agent, operator, ws["workspace"], project)
-            nursery.cancel_scope.cancel()
-    finally:
-        daemon.close()
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(daemon.serve)
+        async with (
+            open_client(state / "substrate.sock") as agent,
+            open_client(state / "operator.sock") as operator,
+        ):
+            ws = await agent.call("workspace.adopt", path=str(project))
+            yield Env(daemon, agent, operator, ws["workspace"], project)
+        nursery.cancel_scope.cancel()
 
 
 async def test_set_policy_reaches_a_warm_sandbox(env: Env) -> None:

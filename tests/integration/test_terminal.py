@@ -24,7 +24,7 @@ import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon
+from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.pty.client import open_terminal
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
@@ -127,19 +127,13 @@ async def env(
         profiles_dir=str(profiles),
         listen="127.0.0.1:0",
     )
-    daemon = Daemon(config)
-    settings = daemon.terminals.sessions.settings
-    settings.ping_interval_s = 0.5
-    settings.ping_timeout_s = 1.0
-    settings.send_timeout_s = 1.0
-    settings.first_frame_timeout_s = 1.0
-    try:
+    async with open_daemon(config) as daemon:
+        settings = daemon.terminals.sessions.settings
+        settings.ping_interval_s = 0.5
+        settings.ping_timeout_s = 1.0
+        settings.send_timeout_s = 1.0
+        settings.first_frame_timeout_s = 1.0
         async with trio.open_nursery() as nursery:
-            if daemon.execution is None:
-                from substrate.process.service import Execution
-
-                daemon.execution = Execution(config, daemon.store, daemon.journal, daemon.state_dir)
-                await nursery.start(daemon.execution.run)
             await nursery.start(daemon.serve)
             async with (
                 open_client(state / "substrate.sock") as agent,
@@ -156,8 +150,6 @@ async def env(
                     leftovers,
                 )
             nursery.cancel_scope.cancel()
-    finally:
-        daemon.close()
 
 
 async def read_until(ws: WebSocketConnection, needle: str) -> tuple[str, int]:

@@ -1,0 +1,152 @@
+"""What a connection may do and when it ends, sans-IO (h11 style).
+
+`ConnectionState` holds one connection's framing and clocks. The socket loop in
+`substrate.protocol.server` feeds it events — bytes received (`received`), end of input
+(`end_of_input`), a call started or finished (`call_started`, `call_finished`) — with the
+current time, and asks it when to stop waiting (`deadline`) and whether a wait that ran
+out closes the connection (`expired`). Nothing here touches a socket or a clock, so
+every deadline is tested with plain numbers (tests/test_connection_state.py).
+
+The rules:
+- A started line must end within `line_timeout_s` of the chunk that began it (a client
+  dripping one byte at a time is cut off), and be at most `max_request_bytes` long
+  (`request_too_large`; the connection then closes).
+- A connection with nothing in flight and nothing held open (subscriptions) closes
+  `idle_timeout_s` after its last activity: bytes received or a call finished.
+- After end of input the connection drains: calls in flight and subscriptions finish,
+  then it closes (`drained`).
+
+`Admission` counts one socket's live connections in total and per peer uid, and refuses
+a peer uid not allowed. `call_refusal` says whether this socket may call a method.
+"""
+
+from __future__ import annotations
+
+import math
+
+from substrate.config import Config
+from substrate.errors import LimitExceeded, Refusal, Unauthorized
+from substrate.protocol.caller import Actor
+from substrate.protocol.rpc import LineSplitter
+from substrate.schema import MethodSpec
+
+
+class ConnectionState:
+    """Framing, in-flight count and deadlines of one connection. Times are seconds on
+    any monotonic clock (the server uses Trio's)."""
+
+    def __init__(self, config: Config, now: float) -> None:
+        self._splitter = LineSplitter(config.max_request_bytes)
+        self._line_timeout = config.line_timeout_s
+        self._idle_timeout = config.idle_timeout_s
+        #: When the pending (unterminated) line began, or None when there is none.
+        self.line_started: float | None = None
+        #: The last time bytes arrived or a call finished.
+        self.last_activity = now
+        #: Calls started and not finished.
+        self.in_flight = 0
+        #: The peer ended its input (EOF): no more lines will come.
+        self.input_ended = False
+
+    # -- events ------------------------------------------------------------------------------
+
+    def received(self, data: bytes, now: float) -> list[bytes]:
+        """Bytes arrived: the complete lines they end, in order.
+
+        Raises `RequestTooLarge` (before buffering past the cap) for a line over
+        `max_request_bytes`; the connection must then close. Costs O(len(data)).
+        """
+        self.last_activity = now
+        lines = self._splitter.feed(data)
+        if not self._splitter.pending:
+            self.line_started = None
+        elif self.line_started is None or b"\n" in data:
+            # The pending line began in this chunk (a newline ended the one before).
+            self.line_started = now
+        return lines
+
+    def end_of_input(self) -> list[bytes]:
+        """The peer ended its input: the last line, if it lacked its newline."""
+        self.input_ended = True
+        self.line_started = None
+        return self._splitter.finish()
+
+    def call_started(self) -> None:
+        self.in_flight += 1
+
+    def call_finished(self, now: float) -> None:
+        self.in_flight -= 1
+        self.last_activity = now
+
+    # -- questions -----------------------------------------------------------------------------
+
+    def deadline(self, now: float, *, held: bool) -> float:
+        """When the reader stops waiting for bytes (`math.inf`: not before an event).
+
+        `held`: subscriptions keep the connection open. They end without an event here,
+        so while held the reader looks again every `idle_timeout_s`.
+        """
+        if self.line_started is not None:
+            return self.line_started + self._line_timeout
+        if self.in_flight:
+            return math.inf  # `call_finished` moves the deadline
+        if held:
+            return now + self._idle_timeout
+        return self.last_activity + self._idle_timeout
+
+    def expired(self, now: float, *, held: bool) -> bool:
+        """After a wait ended at its deadline: does the connection close (a line that never
+        ends, or an idle connection)? False when the wait was only a look again."""
+        if self.line_started is not None:
+            return now >= self.line_started + self._line_timeout
+        if self.in_flight or held:
+            return False
+        return now >= self.last_activity + self._idle_timeout
+
+    def drained(self, *, held: bool) -> bool:
+        """After end of input: nothing in flight and nothing held, the connection may close."""
+        return self.input_ended and not self.in_flight and not held
+
+
+class Admission:
+    """The live connections of one socket, in total and per peer uid; who may connect."""
+
+    def __init__(self, config: Config) -> None:
+        self._allowed = config.effective_uids()
+        self._max = config.max_connections
+        self._max_per_uid = config.max_connections_per_uid
+        self.count = 0
+        self.by_uid: dict[int, int] = {}
+
+    def admit(self, uid: int) -> Refusal | None:
+        """Count a new connection of `uid`, or say why not: `unauthorized` for a uid not
+        allowed, `limit_exceeded` (`scope` socket or uid) past a cap. A refused
+        connection is not counted (and must not be released)."""
+        if uid not in self._allowed:
+            return Unauthorized("peer uid is not allowed")
+        if self.count >= self._max:
+            return LimitExceeded("too many connections", limit=self._max, scope="socket")
+        held = self.by_uid.get(uid, 0)
+        if held >= self._max_per_uid:
+            return LimitExceeded(
+                f"too many connections from uid {uid}", limit=self._max_per_uid, scope="uid"
+            )
+        self.count += 1
+        self.by_uid[uid] = held + 1
+        return None
+
+    def release(self, uid: int) -> None:
+        """An admitted connection of `uid` closed."""
+        self.count -= 1
+        left = self.by_uid[uid] - 1
+        if left:
+            self.by_uid[uid] = left
+        else:
+            del self.by_uid[uid]
+
+
+def call_refusal(spec: MethodSpec, actor: Actor) -> Refusal | None:
+    """Why a connection on `actor`'s socket may not call `spec`, or None when it may."""
+    if spec.operator_only and actor != "operator":
+        return Unauthorized(f"{spec.name} is an operator method")
+    return None
