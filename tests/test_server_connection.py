@@ -8,6 +8,7 @@ an `internal` entry with exception type names only, and nothing propagates.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ import trio
 import trio.testing
 
 from substrate.config import Config
+from substrate.errors import ArgvDenied
 from substrate.protocol import rpc, server
 from substrate.protocol.caller import Caller
 from substrate.store.db import Store
@@ -154,3 +156,28 @@ async def test_a_half_closed_peer_gets_the_reply_of_a_slow_call(fake_daemon: Fak
         messages = await peer.messages_until_eof()
     await peer.stream.aclose()
     assert messages == [{"jsonrpc": "2.0", "id": 3, "result": {"ok": True}}]
+
+
+def test_a_refused_run_journals_its_argv_only_as_a_summary() -> None:
+    secret = "sk-live-inline-prompt-0f9e8d7c"
+    argv = ["python3", "-c", f"print('{secret}')"]
+    line = msgspec.json.encode(
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "proc.run",
+            "params": {"workspace": "ws_0123456789abcdef", "profile": "default", "argv": argv},
+        }
+    )
+    call = rpc.decode_call(line)
+    assert isinstance(call, rpc.Call)
+    data, workspace = server.refusal_record(call, ArgvDenied("python3 is not allowed"))
+    assert workspace == "ws_0123456789abcdef"
+    assert data == {
+        "method": "proc.run",
+        "refusal": "argv_denied",
+        "argv0": "python3",
+        "argc": 3,
+        "argv_sha256": hashlib.sha256(msgspec.json.encode(argv)).hexdigest(),
+    }
+    assert secret not in msgspec.json.encode(data).decode()

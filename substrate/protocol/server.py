@@ -44,6 +44,7 @@ from substrate.errors import Internal, Refusal, StartupError
 from substrate.protocol import rpc
 from substrate.protocol.caller import Actor, Caller
 from substrate.protocol.connection import Admission, ConnectionState, call_refusal
+from substrate.schema.journal import argv_summary
 
 log = logging.getLogger("substrate.protocol.server")
 
@@ -336,7 +337,8 @@ class Connection:
 
 def refusal_record(call: rpc.Call, refusal: Refusal) -> tuple[dict[str, Any], str | None]:
     """The journal data of a refused mutating call, and its workspace: the method, the
-    refusal's name, the path and argv when sane (bounded; never file bytes)."""
+    refusal's name, the path when sane, and an argv only as its summary (never file bytes
+    or argv text)."""
     params = call.params
     data: dict[str, Any] = {"method": call.spec.name, "refusal": refusal.name}
     path = getattr(params, "path", None)
@@ -344,7 +346,7 @@ def refusal_record(call: rpc.Call, refusal: Refusal) -> tuple[dict[str, Any], st
         data["path"] = path
     argv = getattr(params, "argv", None)
     if isinstance(argv, list):
-        data["argv"] = argv[:64]
+        data.update(argv_summary(argv))
     workspace = getattr(params, "workspace", None)
     return data, workspace if isinstance(workspace, str) else None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -21,6 +23,22 @@ class Entry(msgspec.Struct, frozen=True, kw_only=True):
     data: dict[str, Any]
     prev: str
     hash: str
+
+
+#: The longest `argv0` the journal keeps, in characters.
+MAX_ARGV0_CHARS = 256
+
+
+def argv_summary(argv: Sequence[str]) -> dict[str, Any]:
+    """What the journal keeps of an argv, which can hold a prompt or an inline script:
+    `argv0` (at most 256 characters), `argc`, and `argv_sha256`, the SHA-256 of the argv
+    as a compact JSON array in UTF-8 (msgspec's encoding). Pure; the whole argv lives
+    only in the process record."""
+    return {
+        "argv0": argv[0][:MAX_ARGV0_CHARS] if argv else "",
+        "argc": len(argv),
+        "argv_sha256": hashlib.sha256(msgspec.json.encode(list(argv))).hexdigest(),
+    }
 
 
 class JournalReadParams(Params):
