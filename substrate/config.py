@@ -14,25 +14,12 @@ from typing import Any
 import msgspec
 
 from substrate.errors import Refusal
+from substrate.protocol.client import default_state_dir
 from substrate.schema.workspace import Policy
 from substrate.workspace.policy import compile_policy
 
 #: Where the shipped profiles and seccomp policies live (a checkout or an sdist).
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-def default_state_dir() -> Path:
-    """`$SUBSTRATE_STATE_DIR`, else `$XDG_STATE_HOME/substrate`, else `~/.local/state/substrate`.
-
-    Never inside the checkout: a workspace must not contain the daemon's state.
-    """
-    explicit = os.environ.get("SUBSTRATE_STATE_DIR")
-    if explicit:
-        return Path(explicit).absolute()
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".local", "state"
-    )
-    return Path(base).absolute() / "substrate"
 
 
 class ConfigError(Exception):

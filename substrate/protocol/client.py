@@ -36,10 +36,22 @@ AGENT_SOCKET = "substrate.sock"
 OPERATOR_SOCKET = "operator.sock"
 
 
-def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """`--state-dir`, else the daemon's default (`substrate.config.default_state_dir`)."""
-    from substrate.config import default_state_dir
+def default_state_dir() -> Path:
+    """`$SUBSTRATE_STATE_DIR`, else `$XDG_STATE_HOME/substrate`, else `~/.local/state/substrate`.
 
+    Never inside the checkout: a workspace must not contain the daemon's state.
+    """
+    explicit = os.environ.get("SUBSTRATE_STATE_DIR")
+    if explicit:
+        return Path(explicit).absolute()
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
+    return Path(base).absolute() / "substrate"
+
+
+def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """`--state-dir`, else the daemon's default (`default_state_dir`)."""
     return Path(explicit).absolute() if explicit else default_state_dir()
 
 

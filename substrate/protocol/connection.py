@@ -23,19 +23,38 @@ a peer uid not allowed. `call_refusal` says whether this socket may call a metho
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
-from substrate.config import Config
 from substrate.errors import LimitExceeded, Refusal, Unauthorized
 from substrate.protocol.caller import Actor
 from substrate.protocol.rpc import LineSplitter
 from substrate.schema import MethodSpec
 
 
+class Limits(Protocol):
+    """The caps a connection is held to: `substrate.config.Config` has them (the daemon's
+    configuration sits above this layer, so it is described, not imported)."""
+
+    @property
+    def max_request_bytes(self) -> int: ...
+    @property
+    def line_timeout_s(self) -> float: ...
+    @property
+    def idle_timeout_s(self) -> float: ...
+    @property
+    def max_in_flight(self) -> int: ...
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def max_connections_per_uid(self) -> int: ...
+    def effective_uids(self) -> frozenset[int]: ...
+
+
 class ConnectionState:
     """Framing, in-flight count and deadlines of one connection. Times are seconds on
     any monotonic clock (the server uses Trio's)."""
 
-    def __init__(self, config: Config, now: float) -> None:
+    def __init__(self, config: Limits, now: float) -> None:
         self._splitter = LineSplitter(config.max_request_bytes)
         self._line_timeout = config.line_timeout_s
         self._idle_timeout = config.idle_timeout_s
@@ -111,7 +130,7 @@ class ConnectionState:
 class Admission:
     """The live connections of one socket, in total and per peer uid; who may connect."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Limits) -> None:
         self._allowed = config.effective_uids()
         self._max = config.max_connections
         self._max_per_uid = config.max_connections_per_uid

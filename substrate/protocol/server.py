@@ -39,11 +39,10 @@ from typing import Any, Protocol
 
 import trio
 
-from substrate.config import Config
 from substrate.errors import Internal, Refusal, StartupError
 from substrate.protocol import rpc
 from substrate.protocol.caller import Actor, Caller
-from substrate.protocol.connection import Admission, ConnectionState, call_refusal
+from substrate.protocol.connection import Admission, ConnectionState, Limits, call_refusal
 from substrate.schema.journal import argv_summary
 
 log = logging.getLogger("substrate.protocol.server")
@@ -77,7 +76,7 @@ class Recorder(Protocol):
 class Backend:
     """What the server needs from the daemon behind it."""
 
-    config: Config
+    config: Limits
     dispatch: Dispatcher
     #: Journals refusals of mutating methods and internal errors (never their data).
     record: Recorder
