@@ -49,6 +49,7 @@ from substrate.schema.fs import DeleteParams, PatchParams, Plan, WriteParams
 from substrate.store.db import Store
 from substrate.store.journal import Journal, canonical
 from substrate.workspace import patching, paths
+from substrate.workspace.preview import unified_preview
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
 
@@ -207,7 +208,7 @@ def _plan(
             # Never make or keep a set-id file: we write as root, the bytes are the agent's
             # (a write by its owner would clear these bits too).
             new_mode &= ~(stat.S_ISUID | stat.S_ISGID)
-        diff, truncated = patching.unified_preview(current.data, new or b"", rel)
+        diff, truncated = unified_preview(current.data, new or b"", rel)
         digest = plan_digest(ws.root_id, rel, op, current.sha256, new_sha, new_mode)
         if given_digest is not None and given_digest != digest:
             raise PlanMismatch(f"{where}: plan digest does not match", plan_digest=digest)
