@@ -31,6 +31,8 @@ from substrate.schema.fs import (
     WalkParams,
     WalkResult,
     WriteParams,
+    patch_request,
+    write_request,
 )
 from substrate.workspace import reads
 
@@ -99,13 +101,22 @@ async def search(daemon: Daemon, caller: Caller, p: SearchParams) -> SearchResul
 @handles("fs.write")
 async def write(daemon: Daemon, caller: Caller, p: WriteParams) -> Plan:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(daemon.writer.write, ws, p, caller.name)
+
+    def run() -> Plan:
+        # Decoded here, at the edge (and off the event loop: a base64 decode).
+        return daemon.writer.write(ws, write_request(p), caller.name)
+
+    return await trio.to_thread.run_sync(run)
 
 
 @handles("fs.patch")
 async def patch(daemon: Daemon, caller: Caller, p: PatchParams) -> Plan:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(daemon.writer.patch, ws, p, caller.name)
+
+    def run() -> Plan:
+        return daemon.writer.patch(ws, patch_request(p), caller.name)
+
+    return await trio.to_thread.run_sync(run)
 
 
 @handles("fs.delete")
