@@ -34,7 +34,7 @@ from substrate.schema.fs import (
     patch_request,
     write_request,
 )
-from substrate.workspace import reads
+from substrate.workspace import reads, search
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
@@ -93,9 +93,9 @@ async def walk(daemon: Daemon, caller: Caller, p: WalkParams) -> WalkResult:
 
 
 @handles("fs.search")
-async def search(daemon: Daemon, caller: Caller, p: SearchParams) -> SearchResult:
+async def search_(daemon: Daemon, caller: Caller, p: SearchParams) -> SearchResult:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(reads.search, ws, p, limiter=daemon.fs_limiter)
+    return await trio.to_thread.run_sync(search.search, ws, p, limiter=daemon.fs_limiter)
 
 
 @handles("fs.write")
