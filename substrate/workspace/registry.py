@@ -23,10 +23,10 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from substrate.config import Config
 from substrate.errors import (
     AlreadyExists,
     LimitExceeded,
@@ -62,6 +62,10 @@ from substrate.workspace.temp_files import TEMP_PREFIX as TEMP_PREFIX
 from substrate.workspace.temp_files import TempFiles, remove_recorded
 from substrate.workspace.vcs import is_git_dir
 from substrate.workspace.vcs import read_vcs as read_vcs
+
+if TYPE_CHECKING:
+    # Only the type: substrate.config imports substrate.workspace.policy at its top.
+    from substrate.config import Config
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS workspaces (
