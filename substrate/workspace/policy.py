@@ -23,9 +23,9 @@ Decision: matching does not go through `pathspec` (evaluated with pathspec 1.1.1
 2. `reroot_glob` and `prefixed` rewrite globs component by component, matching one
    component against one segment (`_component_matches`, built on `_translate`).
    pathspec has no such operation, so we would keep this translator anyway and then
-   run two glob engines whose meanings must agree exactly (escapes: pathspec reads `\`
-   as one, we refuse it; classes: ours never match `/`), or a re-rooted rule could
-   mean something other than the rule it came from.
+   run two glob engines whose meanings must agree exactly (escapes: pathspec reads a
+   backslash as one, we refuse it; classes: ours never match `/`), or a re-rooted rule
+   could mean something other than the rule it came from.
 3. The write gate joins every gated glob into one regex alternation matched once per
    path (`gate.snapshot.Matcher`); pathspec's regexes each hold the same named group
    and cannot be joined, so its walk would run one match per glob per path.
