@@ -9,11 +9,14 @@ O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and
 then, under the workspace's commit lock, the base is checked once more, the temp file is
 renamed over the target through the same dir fd, the directory is fsynced, and the
 approval (if any) is consumed in the same database transaction as the journal entry.
+The file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.write` and
+`fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
+"exactly one of" pairs arrive as one tagged Struct it `match`es on.
 
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
 next start removes: each temp file is recorded in the database before it is created
-(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with the temp
-prefix are refused as targets, so no agent can make a file that looks like ours.
+(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with
+the temp prefix are refused as targets, so no agent can make a file that looks like ours.
 
 Every operation holds the workspace's root fd (`Workspace.use`) while it runs, so a
 release waits for it instead of closing the fd under it.
