@@ -44,7 +44,7 @@ from benchdaemon import BenchDaemon  # noqa: E402
 
 from substrate.config import Config  # noqa: E402
 from substrate.protocol.client import Client, open_client  # noqa: E402
-from substrate.schema.fs import WriteParams  # noqa: E402
+from substrate.schema.fs import WriteParams, write_request  # noqa: E402
 from substrate.store.db import Store  # noqa: E402
 from substrate.store.journal import Journal  # noqa: E402
 from substrate.workspace.registry import WorkspaceRegistry  # noqa: E402
@@ -190,7 +190,7 @@ def inprocess_writes(state: Path, roots: Path, n: int) -> Callable[[], float]:
             workspace=ws.id, path="target.txt", content=payload(i).decode(), base_sha256=base
         )
 
-    base = writer.write(ws, params(0, None), "bench").new_sha256
+    base = writer.write(ws, write_request(params(0, None)), "bench").new_sha256
     i = 0
 
     def run() -> float:
@@ -198,7 +198,7 @@ def inprocess_writes(state: Path, roots: Path, n: int) -> Callable[[], float]:
         start = time.perf_counter()
         for _ in range(n):
             i += 1
-            base = writer.write(ws, params(i, base), "bench").new_sha256
+            base = writer.write(ws, write_request(params(i, base)), "bench").new_sha256
         return n / (time.perf_counter() - start)
 
     return run

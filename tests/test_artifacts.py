@@ -18,7 +18,7 @@ import trio
 
 from substrate.api import artifact as api
 from substrate.api.base import Caller
-from substrate.artifacts import sink as outputs
+from substrate.artifacts import lines as artifact_lines
 from substrate.artifacts.store import INDEX_MIN, ArtifactStore
 from substrate.errors import ArtifactUnknown, InvalidParams, TooLarge
 from substrate.schema.artifact import GrepParams, LinesParams, ReadParams, StatParams
@@ -206,7 +206,7 @@ def test_long_lines_are_cut_at_64k_on_a_character_boundary(arts: ArtifactStore) 
     assert r.lines[1] == "short"
     cut = r.lines[0].encode()
     assert long.startswith(cut)
-    assert outputs.MAX_LINE_BYTES - 3 <= len(cut) <= outputs.MAX_LINE_BYTES
+    assert artifact_lines.MAX_LINE_BYTES - 3 <= len(cut) <= artifact_lines.MAX_LINE_BYTES
 
 
 def test_lines_stop_at_the_reply_budget(arts: ArtifactStore) -> None:
@@ -246,7 +246,7 @@ def test_lines_at_every_block_boundary(arts: ArtifactStore) -> None:
     # Lines whose newlines sit exactly at, before and after 1 MiB block edges.
     size = INDEX_MIN + 2 * MiB
     data = bytearray(b"a" * size)
-    for edge in range(outputs.BLOCK, size, outputs.BLOCK):
+    for edge in range(artifact_lines.BLOCK, size, artifact_lines.BLOCK):
         for d in (-1, 0, 1):
             data[edge + d] = 0x0A
     data[-1] = 0x0A
@@ -254,7 +254,7 @@ def test_lines_at_every_block_boundary(arts: ArtifactStore) -> None:
     expected = naive_lines(bytes(data))
     for start in range(1, len(expected) + 1):
         r = arts.lines(aid, start, 2)
-        want = [x[: outputs.MAX_LINE_BYTES] for x in expected[start - 1 : start + 1]]
+        want = [x[: artifact_lines.MAX_LINE_BYTES] for x in expected[start - 1 : start + 1]]
         assert [x.encode() for x in r.lines] == want, start
 
 
@@ -273,14 +273,14 @@ def test_grep_matches_with_line_numbers_across_blocks(arts: ArtifactStore) -> No
         for i in range(6000)
     ]
     data = b"\n".join(lines) + b"\n"
-    assert len(data) > 2 * outputs.BLOCK
+    assert len(data) > 2 * artifact_lines.BLOCK
     aid = put(arts, data)
     got = arts.grep(aid, r"ERROR", max_matches=10_000)
     want = naive_grep(data, rb"ERROR")
     assert [m.line for m in got.matches] == [n for n, _ in want]
     for m, (_, text) in zip(got.matches, want, strict=True):
         assert text.startswith(m.text.encode())
-        assert len(m.text.encode()) <= outputs.GREP_TEXT_BYTES
+        assert len(m.text.encode()) <= artifact_lines.GREP_TEXT_BYTES
     assert not got.truncated
 
 
@@ -319,7 +319,7 @@ def test_grep_searches_only_the_head_of_a_huge_line(arts: ArtifactStore) -> None
     assert [m.line for m in arts.grep(aid, "late").matches] == [3]
     assert [m.line for m in arts.grep(aid, "last").matches] == [4]
     text = arts.grep(aid, "early").matches[0].text
-    assert len(text.encode()) <= outputs.GREP_TEXT_BYTES
+    assert len(text.encode()) <= artifact_lines.GREP_TEXT_BYTES
 
 
 def test_grep_binary_text_is_replaced(arts: ArtifactStore) -> None:

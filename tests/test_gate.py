@@ -1,4 +1,6 @@
-"""substrate.workspace.gate without Docker: the pure diff, the walk, and revert on a real temp tree.
+"""substrate.workspace.gate without Docker: the walk, the kept bytes and revert on a real tree.
+
+The pure diff is tested in test_gate_diff.py.
 
 The "command" here is the test itself changing files between `before` and `after`, as a
 sandboxed process would through the bind mount.
@@ -9,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,71 +25,14 @@ from substrate.schema.proc import PolicyBlocked
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import gate
-from substrate.workspace.gate import Node, SnapshotGate, classify, diff
-from substrate.workspace.policy import compile_policy
+from substrate.workspace import fsops, gate
+from substrate.workspace.gate import SnapshotGate, snapshot
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
+from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
 
 OWNER = 1000
 LOCK = b"# poetry lock\npackage = []\n"
 DENY = ["*.lock", ".env", "secrets/*.pem", "build/"]
-
-
-def node(kind: str = "file", mode: int = 0o644, sha: str | None = "a", ino: int = 1) -> Node:
-    return Node(
-        kind=kind,  # type: ignore[arg-type]
-        mode=mode,
-        uid=OWNER,
-        gid=OWNER,
-        size=1,
-        mtime_ns=1,
-        ctime_ns=1,
-        dev=1,
-        ino=ino,
-        sha256=sha,
-    )
-
-
-# --- pure: classify, diff, the matcher -------------------------------------------------------
-
-
-def test_classify() -> None:
-    assert classify(None, None) is None
-    assert classify(None, node()) == "create"
-    assert classify(node(), None) == "delete"
-    assert classify(node(), node(ino=2)) is None  # same bytes and mode: no change
-    assert classify(node(), node(sha="b")) == "modify"
-    assert classify(node(), node(mode=0o755)) == "chmod"
-    assert classify(node(), node("symlink")) == "modify"
-    assert classify(node("dir", sha=None), node("dir", 0o700, sha=None)) == "chmod"
-    assert classify(node("symlink", 0o777), node("symlink", 0o777, sha="b")) == "modify"
-
-
-def test_diff_folds_beneath_created_and_deleted_dirs() -> None:
-    before = {"old": node("dir", sha=None), "old/a.pem": node(), "x.lock": node()}
-    after = {"new": node("dir", sha=None), "new/b": node(), "new/c/d": node(), "x.lock": node()}
-    assert diff(before, after) == [("new", "create"), ("old", "delete")]
-    assert diff(before, before) == []
-
-
-@pytest.mark.parametrize(
-    ("rel", "denied"),
-    [
-        ("poetry.lock", True),
-        ("a/b/Cargo.lock", True),
-        (".env", True),
-        ("sub/.env", True),
-        (".envrc", False),
-        ("secrets/k.pem", True),
-        ("other/secrets/k.pem", False),
-        ("secrets/k.txt", False),
-        ("build", True),
-        ("src/main.py", False),
-    ],
-)
-def test_matcher(rel: str, denied: bool) -> None:
-    assert gate.Matcher.of(DENY).denied(rel) is denied
-    assert compile_policy(Policy(write_deny=DENY)).write_deny.matches(rel) is denied
 
 
 # --- the gate on a real tree -----------------------------------------------------------------
@@ -98,6 +45,8 @@ class Env:
     ws: Workspace
     gate: SnapshotGate
     journal: Journal
+    registry: WorkspaceRegistry
+    config: Config
 
     async def around(self, command: Callable[[Path], object]) -> list[PolicyBlocked]:
         ticket = await self.gate.before(self.ws)
@@ -125,7 +74,7 @@ def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -
     registry = WorkspaceRegistry(config, store, journal, state)
     ws = registry.adopt(str(root), None, Policy(write_deny=DENY), "test")
     try:
-        yield Env(root, state, ws, SnapshotGate(state / "gate", journal), journal)
+        yield Env(root, state, ws, SnapshotGate(state / "gate", journal), journal, registry, config)
     finally:
         registry.close()
         store.close()
@@ -273,7 +222,7 @@ async def test_git_dir_is_left_to_the_read_only_mount_but_a_new_one_is_removed(
 async def test_too_large_to_keep_is_reported_not_reverted(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(gate, "MAX_KEPT_FILE", 4)
+    monkeypatch.setattr(snapshot, "MAX_KEPT_FILE", 4)
     blocked = await env.around(lambda root: (root / "poetry.lock").write_text("tampered\n"))
     assert changes(blocked) == [("gated:poetry.lock", "modify", False)]
     (entry,) = env.blocked_entries()
@@ -338,11 +287,6 @@ async def test_default_policy_needs_no_snapshot_while_git_is_a_mounted_dir(
 
 
 # --- names that are not UTF-8, require_approval, the sandbox's read-only mounts --------------
-
-
-def test_display_rel_escapes_only_what_is_not_utf8() -> None:
-    assert gate.display_rel("src/é.lock") == "src/é.lock"
-    assert gate.display_rel(os.fsdecode(b"d\xff/\xfe.lock")) == "d\\xff/\\xfe.lock"
 
 
 async def test_names_that_are_not_utf8_are_reported_escaped(env: Env) -> None:
@@ -418,3 +362,103 @@ async def test_paths_the_sandbox_mounted_read_only_are_not_walked(env: Env) -> N
     assert changes(await env.gate.after(env.ws, ticket)) == [
         ("gated:vendor/.git/y.lock", "create", True)
     ]
+
+
+# --- deep and wide trees, temp files of restores ---------------------------------------------
+
+
+async def test_a_tree_deeper_than_the_recursion_limit_is_removed(env: Env) -> None:
+    depth = sys.getrecursionlimit() + 1000
+
+    def command(root: Path) -> None:
+        # Made through dir fds: the path is longer than PATH_MAX.
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for name in ["build", *["d"] * depth]:
+                os.mkdir(name, dir_fd=fd)
+                nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            with open(os.open("out.lock", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "w") as f:
+                f.write("x")
+        finally:
+            os.close(fd)
+
+    blocked = await env.around(command)
+    assert changes(blocked) == [("gated:build", "create", True)]
+    assert not (env.root / "build").exists()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_the_walk_holds_one_dir_fd_however_wide_the_tree(env: Env) -> None:
+    """150 sibling directories under an fd limit with 60 to spare: every one is walked."""
+    wide = [env.root / "wide" / f"d{i:03}" for i in range(150)]
+    for d in wide:
+        d.mkdir(parents=True)
+        (d / "f.lock").write_text("locked\n")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (_open_fds() + 60, hard))
+    try:
+        blocked = await env.around(
+            lambda root: [(d / "f.lock").write_text("tampered\n") for d in wide]
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(blocked) == 150 and all(b.reverted for b in blocked)
+    assert {(d / "f.lock").read_text() for d in wide} == {"locked\n"}
+
+
+def _put(path: bytes, data: bytes, mode: str = "wb") -> None:
+    with open(path, mode) as f:
+        f.write(data)
+
+
+class Crash(BaseException):
+    """The daemon dies here: nothing after it runs, no cleanup either."""
+
+
+@pytest.mark.parametrize("where", [b"poetry.lock", b"d\xff/k.lock"])
+async def test_a_restore_cut_by_a_crash_leaves_a_recorded_temp_file_cleaned_at_start(
+    env: Env, monkeypatch: pytest.MonkeyPatch, where: bytes
+) -> None:
+    target = os.fsencode(env.root) + b"/" + where
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    _put(target, LOCK)
+    store = env.journal.store
+
+    def rows() -> list[tuple[object, ...]]:
+        return [tuple(r) for r in store.query("SELECT workspace, dir, name FROM temp_files")]
+
+    def temps() -> list[bytes]:
+        return [
+            n for n in os.listdir(os.path.dirname(target)) if n.startswith(TEMP_PREFIX.encode())
+        ]
+
+    def tamper(_: Path) -> None:
+        _put(target, b"tampered", "ab")
+
+    # A restore that finishes leaves neither a temp file nor its record.
+    assert [b.reverted for b in await env.around(tamper)] == [True]
+    assert rows() == [] and temps() == []
+
+    def crash(*args: object) -> None:
+        raise Crash
+
+    monkeypatch.setattr(fsops, "rename_into", crash)
+    monkeypatch.setattr(fsops, "unlink_quietly", lambda *args: None)
+    monkeypatch.setattr(TempFiles, "forget", lambda *args: None)
+    with pytest.raises(Crash):
+        await env.around(tamper)
+    monkeypatch.undo()
+    assert len(temps()) == 1 and len(rows()) == 1
+
+    # The next start (a new epoch on the same database) removes exactly that file.
+    registry = WorkspaceRegistry(env.config, store, Journal(store), env.state)
+    try:
+        assert registry.clean_stale_temp_files() == 1
+    finally:
+        registry.close()
+    assert temps() == [] and rows() == []

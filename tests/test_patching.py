@@ -1,4 +1,4 @@
-"""Tests for the pure patch core: exact edits, strict unified diffs, bounded previews."""
+"""substrate.workspace.patching: exact edits and strict unified diffs (pure)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import subprocess
 import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import msgspec
 import pytest
@@ -17,7 +16,7 @@ from hypothesis import strategies as st
 
 from substrate.errors import PatchConflict, TooLarge
 from substrate.workspace import patching
-from substrate.workspace.patching import apply_edits, apply_unified_diff, unified_preview
+from substrate.workspace.patching import apply_edits, apply_unified_diff
 
 
 class EditSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,7 +41,7 @@ def conflict(excinfo: pytest.ExceptionInfo[PatchConflict]) -> dict[str, object]:
 
 def split(text: str) -> list[str]:
     """Lines split on "\\n" only, ends kept (what the appliers use)."""
-    return patching._split_lines(text)
+    return patching.split_lines(text)
 
 
 def difflib_diff(old: str, new: str, context: int = 3) -> str:
@@ -256,28 +255,6 @@ def test_round_trip_property_difflib(old: str, new: str, context: int) -> None:
         assert diff == ""
         return
     assert apply_unified_diff(old.encode(), diff) == new.encode()
-
-
-@settings(max_examples=300, deadline=None)
-@given(old=texts(), new=texts())
-def test_round_trip_property_preview(old: str, new: str) -> None:
-    text, truncated = unified_preview(old.encode(), new.encode(), "f", max_bytes=1 << 20)
-    assert not truncated
-    if old == new:
-        assert text == ""
-        return
-    assert apply_unified_diff(old.encode(), text) == new.encode()
-
-
-@settings(max_examples=200, deadline=None)
-@given(old=texts(), new=texts())
-def test_round_trip_property_preview_coarse_and_anchored(old: str, new: str) -> None:
-    # Tiny match limits force the patience anchors and the coarse replace paths.
-    for limit in (0, 2, 5):
-        with mock.patch.object(patching, "PREVIEW_MATCH_LINES", limit):
-            text, _ = unified_preview(old.encode(), new.encode(), "f", max_bytes=1 << 20)
-        if old != new:
-            assert apply_unified_diff(old.encode(), text) == new.encode()
 
 
 def test_git_style_diff_with_headers_and_section_heading() -> None:
@@ -565,84 +542,3 @@ def test_diff_on_non_utf8_file_conflicts() -> None:
 def test_diff_adding_lone_surrogate_conflicts() -> None:
     with pytest.raises(PatchConflict, match="not valid Unicode"):
         apply_unified_diff(b"a\n", "@@ -1 +1 @@\n-a\n+\ud800\n")
-
-
-# --------------------------------------------------------------------------------------
-# unified_preview
-
-
-def test_preview_shape() -> None:
-    text, truncated = unified_preview(b"a\nb\nc\n", b"a\nB\nc\n", "src/f.py")
-    assert not truncated
-    assert text == "--- a/src/f.py\n+++ b/src/f.py\n@@ -1,3 +1,3 @@\n a\n-b\n+B\n c\n"
-
-
-def test_preview_of_equal_content_is_empty() -> None:
-    assert unified_preview(b"same\n", b"same\n", "f") == ("", False)
-
-
-def test_preview_matches_difflib_on_small_input() -> None:
-    old = "".join(f"{i}\n" for i in range(30))
-    new = old.replace("4\n", "four\n").replace("20\n", "").replace("29\n", "29")
-    expected = "".join(
-        difflib.unified_diff(split(old), split(new), "a/f", "b/f", lineterm="\n")
-    ).replace("+29", "+29\n\\ No newline at end of file\n", 1)
-    assert unified_preview(old.encode(), new.encode(), "f")[0] == expected
-
-
-def test_preview_marks_missing_newline() -> None:
-    text, _ = unified_preview(b"a\n", b"a", "f")
-    assert text.endswith("-a\n+a\n\\ No newline at end of file\n")
-
-
-def test_preview_is_cut_on_a_line_boundary() -> None:
-    old = "".join(f"old line {i}\n" for i in range(2000)).encode()
-    new = "".join(f"new line {i}\n" for i in range(2000)).encode()
-    full, full_truncated = unified_preview(old, new, "f", max_bytes=1 << 20)
-    text, truncated = unified_preview(old, new, "f", max_bytes=1000)
-    assert not full_truncated
-    assert truncated
-    assert 0 < len(text.encode()) <= 1000
-    assert text.endswith("\n")
-    assert full.startswith(text)
-    # The next line would not have fit.
-    next_line = full[len(text) :].split("\n", 1)[0] + "\n"
-    assert len(text.encode()) + len(next_line.encode()) > 1000
-
-
-def test_preview_bound_counts_utf8_bytes() -> None:
-    text, truncated = unified_preview("é\n".encode() * 50, "ü\n".encode() * 50, "f", 100)
-    assert truncated
-    assert len(text.encode()) <= 100
-
-
-def test_binary_preview_is_one_summary_line() -> None:
-    assert unified_preview(b"\x00\xff\x01", b"text\n", "f") == (
-        "Binary files differ (3 -> 5 bytes)\n",
-        False,
-    )
-    assert unified_preview(b"ok\n", b"\xc3", "f")[0] == "Binary files differ (3 -> 1 bytes)\n"
-
-
-def test_huge_side_is_summarized_not_diffed() -> None:
-    big = b"x\n" * (patching.PREVIEW_DIFF_LIMIT // 2 + 1)
-    assert unified_preview(b"small\n", big, "f") == (
-        f"Files differ (6 -> {len(big)} bytes; too large to diff)\n",
-        True,
-    )
-
-
-def test_big_file_with_far_apart_changes_gets_a_minimal_preview() -> None:
-    # Edits near both ends leave no common tail and a big middle: the patience anchors
-    # must still find the unchanged lines between them.
-    lines = [f"line {i}\n" for i in range(patching.PREVIEW_MATCH_LINES * 3)]
-    changed = ["first\n", *lines[1:-1], "last\n"]
-    text, truncated = unified_preview("".join(lines).encode(), "".join(changed).encode(), "f")
-    assert not truncated
-    assert text.count("@@ -") == 2
-    assert sum(1 for line in text.splitlines() if line.startswith(("-", "+"))) == 6
-
-
-def test_preview_quotes_paths_with_control_characters() -> None:
-    text, _ = unified_preview(b"a\n", b"b\n", 'we"ird\nname')
-    assert text.startswith('--- "a/we\\"ird\\nname"\n+++ "b/we\\"ird\\nname"\n')

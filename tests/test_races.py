@@ -19,6 +19,7 @@ import errno
 import hashlib
 import itertools
 import os
+import secrets
 import subprocess
 import threading
 import time
@@ -33,7 +34,7 @@ import pytest
 from substrate.config import Config
 from substrate.errors import Refusal
 from substrate.protocol.client import Client, RpcError
-from substrate.schema.fs import WriteParams
+from substrate.schema.fs import WriteParams, write_request
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import paths, writes
@@ -232,7 +233,7 @@ class Local:
         else:
             kw["content"] = content
         params = WriteParams(workspace=self.ws.id, path=path, base_sha256=base, **kw)
-        return self.writer.write(self.ws, params, "test")
+        return self.writer.write(self.ws, write_request(params), "test")
 
 
 @pytest.fixture(params=["openat2", "walk"])
@@ -420,7 +421,7 @@ def test_delete_and_replace_from_the_same_base(daemon: DaemonProcess) -> None:
 
 def _fixed_names(monkeypatch: pytest.MonkeyPatch, names: list[str]) -> None:
     it = itertools.chain(names, (f"{i:016x}" for i in itertools.count(1 << 60)))
-    monkeypatch.setattr(writes.secrets, "token_hex", lambda n=None: next(it))
+    monkeypatch.setattr(secrets, "token_hex", lambda n=None: next(it))
 
 
 def test_symlink_planted_at_the_temp_name(

@@ -1,12 +1,12 @@
-"""substrate.workspace.reads in-process: stat, read, list, walk and search on a real temp workspace."""
+"""substrate.workspace.reads in-process: stat, read (with digests), list and walk on a real temp workspace.
+
+Search is tested in test_search.py."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import os
-import random
-import re
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -19,7 +19,6 @@ import pytest
 
 from substrate.config import Config
 from substrate.errors import (
-    InvalidParams,
     NotADirectory,
     NotAFile,
     NotFound,
@@ -34,7 +33,6 @@ from substrate.schema.fs import (
     ListEntry,
     ListParams,
     ReadParams,
-    SearchMatch,
     SearchParams,
     StatParams,
     StatResult,
@@ -44,7 +42,9 @@ from substrate.schema.fs import (
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+from substrate.workspace import digests as digests_module
 from substrate.workspace import reads
+from substrate.workspace import search as search_module
 from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry
 
 WS = "ws_test"
@@ -101,11 +101,6 @@ def stat_path(ws: Workspace, p: StatParams) -> StatResult:
     return reads.stat_path(ws, p, reads.Digests())
 
 
-def search(ws: Workspace, pattern: str, **kw: Any) -> list[tuple[str, int, int, str]]:
-    result = reads.search(ws, SearchParams(workspace=WS, pattern=pattern, **kw))
-    return [(m.path, m.line, m.column, m.text) for m in result.matches]
-
-
 # --- stat -----------------------------------------------------------------------------------
 
 
@@ -121,7 +116,7 @@ def test_stat_file(ws: Workspace, root: Path) -> None:
 
 
 def test_stat_large_file_hash(ws: Workspace, root: Path) -> None:
-    data = os.urandom(3 * reads.CHUNK + 17)
+    data = os.urandom(3 * digests_module.CHUNK + 17)
     (root / "big.bin").write_bytes(data)
     assert stat_path(ws, StatParams(workspace=WS, path="big.bin")).sha256 == sha(data)
 
@@ -212,11 +207,11 @@ def test_a_slice_cutting_a_multibyte_character_is_base64(ws: Workspace, root: Pa
 
 
 def test_read_slice_across_chunk_boundaries(ws: Workspace, root: Path) -> None:
-    data = os.urandom(2 * reads.CHUNK + 1000)
+    data = os.urandom(2 * digests_module.CHUNK + 1000)
     (root / "big.bin").write_bytes(data)
-    start = reads.CHUNK - 10
-    result = read(ws, "big.bin", offset=start, length=reads.CHUNK + 50)
-    assert base64.b64decode(result.data) == data[start : start + reads.CHUNK + 50]
+    start = digests_module.CHUNK - 10
+    result = read(ws, "big.bin", offset=start, length=digests_module.CHUNK + 50)
+    assert base64.b64decode(result.data) == data[start : start + digests_module.CHUNK + 50]
     assert result.sha256 == sha(data) and not result.eof
 
 
@@ -271,7 +266,7 @@ def _no_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(fd: int) -> str:
         raise AssertionError("a whole file was hashed")
 
-    monkeypatch.setattr(reads, "hash_fd", refuse)
+    monkeypatch.setattr(digests_module, "hash_fd", refuse)
 
 
 def test_a_huge_file_is_stated_and_read_without_hashing_it(
@@ -302,41 +297,41 @@ def test_a_huge_file_is_stated_and_read_without_hashing_it(
 def test_a_digest_over_the_bound_comes_when_asked_and_is_then_kept(
     ws: Workspace, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = os.urandom(3 * reads.CHUNK + 5)
+    data = os.urandom(3 * digests_module.CHUNK + 5)
     (root / "mid.bin").write_bytes(data)
     digests = reads.Digests(racy_ns=0)
     p = StatParams(workspace=WS, path="mid.bin")
-    assert reads.stat_path(ws, p, digests, reads.CHUNK).sha256_deferred
+    assert reads.stat_path(ws, p, digests, digests_module.CHUNK).sha256_deferred
     asked = reads.stat_path(ws, p, digests, None)
     assert (asked.sha256, asked.sha256_deferred) == (sha(data), False)
     _no_hashing(monkeypatch)
     # Known now: given within the bound, by stat and read alike, without another pass.
-    assert reads.stat_path(ws, p, digests, reads.CHUNK).sha256 == sha(data)
+    assert reads.stat_path(ws, p, digests, digests_module.CHUNK).sha256 == sha(data)
     r = ReadParams(workspace=WS, path="mid.bin", length=4)
-    assert reads.read_file(ws, r, digests, reads.CHUNK).sha256 == sha(data)
+    assert reads.read_file(ws, r, digests, digests_module.CHUNK).sha256 == sha(data)
     # Another version (here: another size) is another digest, not the kept one.
     with open(root / "mid.bin", "ab") as f:
         f.write(b"more")
-    assert reads.stat_path(ws, p, digests, reads.CHUNK).sha256_deferred
+    assert reads.stat_path(ws, p, digests, digests_module.CHUNK).sha256_deferred
 
 
 def test_a_digest_of_a_file_changed_just_now_is_not_kept(
     ws: Workspace, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Within the racy window a same-size change could keep the times: recompute instead."""
-    (root / "fresh.bin").write_bytes(os.urandom(2 * reads.CHUNK))
+    (root / "fresh.bin").write_bytes(os.urandom(2 * digests_module.CHUNK))
     digests = reads.Digests(racy_ns=3600 * 10**9)
     p = StatParams(workspace=WS, path="fresh.bin")
     assert reads.stat_path(ws, p, digests, None).sha256 is not None
-    assert reads.stat_path(ws, p, digests, reads.CHUNK).sha256_deferred
+    assert reads.stat_path(ws, p, digests, digests_module.CHUNK).sha256_deferred
 
 
 def test_concurrent_askers_share_one_hash(
     ws: Workspace, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = os.urandom(2 * reads.CHUNK)
+    data = os.urandom(2 * digests_module.CHUNK)
     (root / "shared.bin").write_bytes(data)
-    real_hash = reads.hash_fd
+    real_hash = digests_module.hash_fd
     hashing, release, waiting = threading.Event(), threading.Event(), threading.Event()
     calls: list[int] = []
 
@@ -351,8 +346,8 @@ def test_concurrent_askers_share_one_hash(
             waiting.set()
             return super().result(timeout)
 
-    monkeypatch.setattr(reads, "hash_fd", slow_hash)
-    monkeypatch.setattr(reads, "Future", WatchedFuture)
+    monkeypatch.setattr(digests_module, "hash_fd", slow_hash)
+    monkeypatch.setattr(digests_module, "Future", WatchedFuture)
     digests = reads.Digests()
     p = StatParams(workspace=WS, path="shared.bin")
     results: list[str | None] = []
@@ -644,7 +639,7 @@ def test_walk_and_search_show_paths_that_are_not_utf8_escaped(
         ("d\\xff/hello.txt", "file", b64(odd_names["inner"])),
     ]
     msgspec.json.encode(found)
-    result = reads.search(ws, SearchParams(workspace=WS, pattern="hello (odd|inner)"))
+    result = search_module.search(ws, SearchParams(workspace=WS, pattern="hello (odd|inner)"))
     assert [(m.path, m.path_b64, m.text) for m in result.matches] == [
         ("bad\\xff\\xfename", b64(odd_names["stray"]), "hello odd"),
         ("caf\\xe9.txt", b64(odd_names["latin1"]), "hello odd"),
@@ -658,269 +653,5 @@ def test_read_deny_still_applies_to_names_that_are_not_utf8(
 ) -> None:
     with open(os.fsencode(root) + b"/keys/k\xff.pem", "wb") as f:
         f.write(b"hello secret\n")
-    result = reads.search(ws, SearchParams(workspace=WS, pattern="hello secret"))
+    result = search_module.search(ws, SearchParams(workspace=WS, pattern="hello secret"))
     assert result.matches == []
-
-
-# --- search ---------------------------------------------------------------------------------
-
-
-def test_search_regex_lines_and_columns(ws: Workspace) -> None:
-    assert search(ws, r"^def \w+") == [
-        ("src/main.py", 3, 1, "def main() -> None:"),
-        ("src/main.py", 7, 1, "def helper():"),
-        ("src/pkg/deep.py", 1, 1, "def deep():"),
-    ]
-    assert search(ws, "gamma") == [("docs/a.txt", 3, 1, "gamma")]  # last line, no newline
-    assert search(ws, "print") == [("src/main.py", 4, 5, "    print('hello')")]
-
-
-def test_search_one_match_per_line_and_counts(ws: Workspace, root: Path) -> None:
-    (root / "twice.txt").write_text("x hello hello\nhello\n")
-    assert search(ws, "hello", glob="twice.txt") == [
-        ("twice.txt", 1, 3, "x hello hello"),
-        ("twice.txt", 2, 1, "hello"),
-    ]
-    result = reads.search(ws, SearchParams(workspace=WS, pattern="hello", glob="twice.txt"))
-    assert (result.files_scanned, result.bytes_scanned, result.truncated) == (1, 20, False)
-
-
-def test_search_fixed_and_ignore_case(ws: Workspace) -> None:
-    assert search(ws, "main() -> None", fixed=True) == [
-        ("src/main.py", 3, 5, "def main() -> None:")
-    ]
-    assert search(ws, "main() -> None") == []  # as a regex, `()` is a group
-    assert [m[:2] for m in search(ws, "HELLO =")] == [("src/util.py", 2)]
-    insensitive = search(ws, "hello", ignore_case=True, glob="util.py")
-    assert insensitive == [("src/util.py", 2, 1, "HELLO = 'Hello'")]
-
-
-def test_search_glob(ws: Workspace) -> None:
-    every_py = {m[0] for m in search(ws, "def", glob="*.py")}
-    assert every_py == {"src/main.py", "src/pkg/deep.py"}
-    top_py = {m[0] for m in search(ws, "def", glob="src/*.py")}
-    assert top_py == {"src/main.py"}
-    assert {m[0] for m in search(ws, "hello", glob="docs/")} == set()
-    assert {m[0] for m in search(ws, "hello", path="src")} == {"src/main.py", "src/pkg/deep.py"}
-
-
-def test_search_bad_glob_names_the_glob_field(ws: Workspace) -> None:
-    with pytest.raises(InvalidParams) as info:
-        reads.search(ws, SearchParams(workspace=WS, pattern="x", glob="!x"))
-    assert info.value.data["path"] == "$.glob"
-
-
-def test_search_bad_regex(ws: Workspace) -> None:
-    with pytest.raises(InvalidParams) as info:
-        reads.search(ws, SearchParams(workspace=WS, pattern="(unclosed"))
-    assert info.value.data["path"] == "$.pattern"
-    assert search(ws, "(unclosed", fixed=True) == []
-
-
-def test_search_max_matches(ws: Workspace) -> None:
-    full = reads.search(ws, SearchParams(workspace=WS, pattern="e"))
-    assert not full.truncated and len(full.matches) > 3
-    cut = reads.search(ws, SearchParams(workspace=WS, pattern="e", max_matches=3))
-    assert cut.truncated and cut.matches == full.matches[:3]
-
-
-def test_search_max_line_bytes(ws: Workspace, root: Path) -> None:
-    (root / "long.txt").write_text("needle " + "x" * 100 + "\n" + "é" * 20 + "needle\n")
-    found = search(ws, "needle", glob="long.txt", max_line_bytes=16)
-    assert found[0] == ("long.txt", 1, 1, "needle xxxxxxxxx")
-    # A cut inside a multi-byte character is replaced, never an invalid string.
-    assert found[1][:3] == ("long.txt", 2, 41)
-    assert found[1][3] == "é" * 8
-
-
-def test_search_skips_binary_denied_symlinked_and_git(ws: Workspace, root: Path) -> None:
-    found = {m[0] for m in search(ws, "hello")}
-    assert "data/blob.bin" not in found  # binary: a NUL in the first 8 KiB
-    assert "keys/id.pem" not in found  # read_deny
-    assert "link-file" not in found  # a symlink to README.md
-    assert not any(p.startswith("link-out") for p in found)  # a symlink to outside
-    assert "data/latin1.txt" in found  # not UTF-8, but text
-    assert "README.md" in found
-    (root / ".git" / "notes").write_text("hello\n")
-    assert not any(p.startswith(".git") for p in {m[0] for m in search(ws, "hello")})
-
-
-def test_search_late_nul_is_still_text(ws: Workspace, root: Path) -> None:
-    (root / "late.txt").write_bytes(b"a" * 9000 + b"\x00\nhello\n")
-    assert search(ws, "hello", glob="late.txt") == [("late.txt", 2, 1, "hello")]
-
-
-def test_search_skips_fifos_without_blocking(ws: Workspace, root: Path) -> None:
-    os.mkfifo(root / "src" / "fifo")
-    assert [m[0] for m in search(ws, "VALUE")] == ["src/util.py"]
-
-
-def test_search_counts_scanned_files(ws: Workspace) -> None:
-    result = reads.search(ws, SearchParams(workspace=WS, pattern="zzz-nothing"))
-    texts = ["README.md", "src/main.py", "src/util.py", "src/pkg/deep.py", "docs/a.txt"]
-    texts += ["data/latin1.txt", "empty"]
-    assert result.files_scanned == len(texts)
-    assert result.bytes_scanned == sum(
-        len(v if isinstance(v, bytes) else v.encode()) for k, v in FILES.items() if k in texts
-    )
-    assert result.matches == [] and not result.truncated
-
-
-def test_search_crlf_and_anchors(ws: Workspace, root: Path) -> None:
-    (root / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
-    assert search(ws, "^two", glob="crlf.txt") == [("crlf.txt", 2, 1, "two\r")]
-    assert search(ws, "one$", glob="crlf.txt") == []  # `$` is before "\n", the "\r" is in the way
-
-
-def test_search_empty_matches_terminate(ws: Workspace) -> None:
-    found = search(ws, "^", glob="docs/a.txt")
-    assert found == [
-        ("docs/a.txt", 1, 1, "alpha"),
-        ("docs/a.txt", 2, 1, "beta"),
-        ("docs/a.txt", 3, 1, "gamma"),
-    ]
-
-
-# --- the search prefilter keeps results identical --------------------------------------------
-
-
-def _reference_collect(
-    regex: re.Pattern[bytes], data: bytes, rel: str, max_line_bytes: int, limit: int
-) -> list[SearchMatch]:
-    """The plain algorithm: regex over the whole file, one match per line."""
-    out: list[SearchMatch] = []
-    line_no, counted_to, pos = 1, 0, 0
-    while pos <= len(data):
-        m = regex.search(data, pos)
-        if m is None:
-            break
-        start = data.rfind(b"\n", 0, m.start()) + 1
-        end = data.find(b"\n", m.start())
-        end = len(data) if end < 0 else end
-        line_no += data.count(b"\n", counted_to, start)
-        counted_to = start
-        text = data[start:end][:max_line_bytes].decode("utf-8", "replace")
-        out.append(SearchMatch(path=rel, line=line_no, column=m.start() - start + 1, text=text))
-        if len(out) >= limit:
-            break
-        pos = end + 1
-    return out
-
-
-_ATOMS = [
-    "a",
-    "b",
-    "ab",
-    "abc",
-    "A",
-    "_x",
-    "x(",
-    "\\(",
-    "1",
-    " ",
-    "\\n",
-    "\\.",
-    ".",
-    "\\w",
-    "\\d",
-    "\\s",
-    "\\S",
-    "\\W",
-    "\\D",
-    "[a-c]",
-    "[^a]",
-    "[^\\n]",
-    "[\\s\\S]",
-    "[A-Z]",
-    "(ab)",
-    "(?:a|b)",
-    "(a|\\n)",
-    "^",
-    "$",
-    "\\b",
-    "\\B",
-    "\\A",
-    "\\Z",
-    "(?=a)",
-    "(?!b)",
-    "(?<=a)",
-    "(?s:.)",
-    "(?i:ab)",
-    "(?>ab)",
-    "(a)\\1",
-    "é",
-]
-_QUANTS = ["", "", "", "*", "+", "?", "{1,3}", "*?", "+?", "{2}", "*+"]
-
-
-def _random_pattern(rng: random.Random) -> str:
-    parts = []
-    for _ in range(rng.randint(1, 5)):
-        atom = rng.choice(_ATOMS)
-        quant = rng.choice(_QUANTS)
-        if quant and atom in ("^", "$", "\\b", "\\B", "\\A", "\\Z"):
-            quant = ""
-        parts.append(atom + quant)
-    pattern = "".join(parts)
-    if rng.random() < 0.15:
-        pattern = pattern + "|" + rng.choice(_ATOMS)
-    if rng.random() < 0.1:
-        pattern = rng.choice(["(?i)", "(?s)", "(?m)", "(?x)"]) + pattern
-    return pattern
-
-
-def _random_text(rng: random.Random) -> bytes:
-    alphabet = ["a", "b", "c", "A", "B", "x", "(", " ", "\n", "\n", "\r\n", "1", "_", "é", "."]
-    return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 120))).encode()
-
-
-def test_prefilter_never_changes_search_results() -> None:
-    rng = random.Random(1234)
-    checked = 0
-    shortcut = 0
-    for _ in range(4000):
-        pattern = _random_pattern(rng)
-        ignore_case = rng.random() < 0.3
-        fixed = rng.random() < 0.1
-        params = SearchParams(workspace=WS, pattern=pattern, fixed=fixed, ignore_case=ignore_case)
-        try:
-            regex = reads._compile_search(params)
-        except InvalidParams:
-            continue
-        prefilter = reads._Prefilter.of(regex)
-        shortcut += bool(prefilter.literal)
-        for _ in range(5):
-            data = _random_text(rng)
-            limit = rng.choice([1, 3, 1000])
-            got: list[SearchMatch] = []
-            reads._collect(regex, prefilter, data, "f", 16, got, limit)
-            assert got == _reference_collect(regex, data, "f", 16, limit), (pattern, data)
-            checked += 1
-    assert checked > 10000 and shortcut > 1000  # the shortcut was exercised, often
-
-
-@pytest.mark.parametrize(
-    ("pattern", "flags", "literal", "line_bound"),
-    [
-        (rb"def \w+_handler\(", 0, b"_handler(", True),
-        (rb"[A-Z][a-z]+Error\(\w+", 0, b"Error(", True),
-        (rb"abc", re.IGNORECASE, b"abc", True),
-        (rb"ABC", re.IGNORECASE, b"abc", True),
-        (rb"a\nb", 0, b"a\nb", False),  # the literal holds a newline
-        (rb"foo\s+bar", 0, b"foo", False),  # \s matches a newline
-        (rb"foo[^x]bar", 0, b"foo", False),
-        (rb"foo(?=bar)", 0, b"foo", False),  # a lookahead may look past the line
-        (rb"foo\Z", 0, b"foo", False),
-        (rb"foo.bar", 0, b"foo", True),
-        (rb"foo.bar", re.DOTALL, b"foo", False),  # files are still filtered, lines not
-        (rb"(?s)foo.bar", 0, b"foo", False),
-        (rb"(?i:foo)bar", 0, b"", False),  # scoped flags: no shortcut at all
-        (rb"foo|bar", 0, b"", False),  # no single literal is required
-        (rb"(?:foo)+x*", 0, b"foo", True),
-        (rb"(?:foo)*x", 0, b"x", True),
-        (rb"\d+", 0, b"", False),
-    ],
-)
-def test_prefilter_analysis(pattern: bytes, flags: int, literal: bytes, line_bound: bool) -> None:
-    prefilter = reads._Prefilter.of(re.compile(pattern, re.MULTILINE | flags))
-    assert (prefilter.literal, prefilter.line_bound) == (literal, line_bound)

@@ -19,7 +19,7 @@ import pytest
 
 from substrate.config import Config
 from substrate.protocol.client import Client
-from substrate.schema.fs import WriteParams
+from substrate.schema.fs import WriteParams, write_request
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
@@ -148,7 +148,9 @@ def test_a_temp_file_is_recorded_before_it_exists_and_forgotten_after(
     monkeypatch.setattr(os, "open", watching_open)
     plan = writer.write(
         env.ws,
-        WriteParams(workspace=env.ws.id, path="src/new.txt", content="x\n", base_sha256=None),
+        write_request(
+            WriteParams(workspace=env.ws.id, path="src/new.txt", content="x\n", base_sha256=None)
+        ),
         "agent:0",
     )
     assert plan.applied
@@ -177,8 +179,10 @@ def test_a_crashed_write_is_cleaned_at_a_fast_restart(
     with pytest.raises(Crash):
         writer.write(
             env.ws,
-            WriteParams(
-                workspace=env.ws.id, path="a.txt", content="new\n", base_sha256=sha(b"alpha\n")
+            write_request(
+                WriteParams(
+                    workspace=env.ws.id, path="a.txt", content="new\n", base_sha256=sha(b"alpha\n")
+                )
             ),
             "agent:0",
         )

@@ -27,6 +27,7 @@ from substrate.errors import (
 from substrate.schema.workspace import MAX_GLOBS, Policy, Vcs
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+from substrate.workspace import adopted
 from substrate.workspace.registry import (
     WorkspaceRegistry,
     derive_root_id,
@@ -458,6 +459,40 @@ def test_release(env: Env, workspace_dir: Path) -> None:
             os.fstat(fd)
     env.reopen()
     assert [w.id for w in env.registry.all()] == [again.id]
+
+
+def test_info_holds_the_root_fd_while_a_release_races_it(
+    env: Env, workspace_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release that stops waiting (drain 0) while `info` reads `.git`: the fd stays
+    open until `info` is done with it, and later calls are refused."""
+    ws = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    real = adopted.read_vcs
+    seen: list[int] = []
+
+    def released_meanwhile(root_fd: int) -> Vcs | None:
+        env.registry.release(ws.id, "operator:0", drain_s=0)
+        seen.append(os.fstat(root_fd).st_ino)  # EBADF had the release closed it
+        return real(root_fd)
+
+    monkeypatch.setattr(adopted, "read_vcs", released_meanwhile)
+    assert ws.info().workspace == ws.id
+    assert seen == [workspace_dir.stat().st_ino]
+    with pytest.raises(UnknownWorkspace):
+        ws.info()
+
+
+def test_list_leaves_out_a_workspace_released_meanwhile(
+    env: Env, workspace_dir: Path, adopt_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = adopt_root / "other"
+    other.mkdir()
+    gone = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    kept = env.registry.adopt(str(other), None, None, "agent:0")
+    listed = env.registry.all()
+    env.registry.release(gone.id, "agent:0")
+    monkeypatch.setattr(env.registry, "all", lambda: listed)  # listed before the release
+    assert [i.workspace for i in env.registry.infos()] == [kept.id]
 
 
 def test_unknown_workspace(env: Env) -> None:

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import json
 import os
+import secrets
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -30,7 +31,19 @@ from substrate.errors import (
     SymlinkRefused,
     UnknownWorkspace,
 )
-from substrate.schema.fs import DeleteParams, Edit, PatchParams, Plan, WriteParams
+from substrate.schema.fs import (
+    BytesContent,
+    DeleteParams,
+    Edit,
+    Edits,
+    PatchParams,
+    Plan,
+    TextContent,
+    UnifiedDiff,
+    WriteParams,
+    patch_request,
+    write_request,
+)
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
@@ -59,11 +72,11 @@ class Env:
 
     def write(self, path: str, content: str | None, base: str | None, **kw: Any) -> Plan:
         p = WriteParams(workspace=WS, path=path, content=content, base_sha256=base, **kw)
-        return self.writer.write(self.ws, p, ACTOR)
+        return self.writer.write(self.ws, write_request(p), ACTOR)
 
     def patch(self, path: str, base: str, **kw: Any) -> Plan:
         p = PatchParams(workspace=WS, path=path, base_sha256=base, **kw)
-        return self.writer.patch(self.ws, p, ACTOR)
+        return self.writer.patch(self.ws, patch_request(p), ACTOR)
 
     def delete(self, path: str, base: str, **kw: Any) -> Plan:
         p = DeleteParams(workspace=WS, path=path, base_sha256=base, **kw)
@@ -338,7 +351,7 @@ def test_content_b64(env: Env) -> None:
     data = bytes(range(256))
     b64 = base64.b64encode(data).decode()
     p = WriteParams(workspace=WS, path="blob.bin", base_sha256=None, content_b64=b64)
-    plan = env.writer.write(env.ws, p, ACTOR)
+    plan = env.writer.write(env.ws, write_request(p), ACTOR)
     assert plan.new_sha256 == sha(data)
     assert (env.root / "blob.bin").read_bytes() == data
 
@@ -354,7 +367,7 @@ def test_content_b64(env: Env) -> None:
 def test_content_fields(env: Env, fields: dict[str, Any], path: str) -> None:
     p = WriteParams(workspace=WS, path="x.txt", base_sha256=None, **fields)
     with pytest.raises(InvalidParams) as info:
-        env.writer.write(env.ws, p, ACTOR)
+        env.writer.write(env.ws, write_request(p), ACTOR)
     assert info.value.data["path"] == path
     assert not (env.root / "x.txt").exists()
 
@@ -488,7 +501,7 @@ def test_temp_file_removed_when_writing_it_fails(env: Env, monkeypatch: pytest.M
         raise OSError(28, "No space left on device")
 
     base = env.sha("src/util.py")
-    monkeypatch.setattr(writes.os, "fsync", no_space)
+    monkeypatch.setattr(os, "fsync", no_space)
     with pytest.raises(OSError):
         env.write("src/util.py", "MINE = 1\n", base)
     monkeypatch.undo()
@@ -503,7 +516,7 @@ def test_a_planted_temp_name_is_skipped_not_followed(
     victim.write_text("untouched\n")
     names = iter(["planted", "fresh"])
     (env.root / "src" / f"{TEMP_PREFIX}planted").symlink_to(victim)
-    monkeypatch.setattr(writes.secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(secrets, "token_hex", lambda n: next(names))
     env.write("src/util.py", "MINE = 1\n", env.sha("src/util.py"))
     assert victim.read_text() == "untouched\n"
     assert (env.root / "src" / "util.py").read_text() == "MINE = 1\n"
@@ -519,7 +532,7 @@ def test_journal_entry_per_applied_write_without_bytes(env: Env) -> None:
     deleted = env.delete("notes.txt", replaced.new_sha256 or "")
     b64 = base64.b64encode(b"\x00\x01" + secret.encode()).decode()
     p = WriteParams(workspace=WS, path="b.bin", base_sha256=None, content_b64=b64)
-    binary = env.writer.write(env.ws, p, ACTOR)
+    binary = env.writer.write(env.ws, write_request(p), ACTOR)
     entries = env.write_entries()
     assert [(e.kind, e.data["op"]) for e in entries] == [
         ("fs.write", "create"),
@@ -621,3 +634,24 @@ def test_drift_report(env: Env, tmp_path: Path) -> None:
     assert report["demo:gone.txt"][3:] == (None, "missing")
     assert report["demo:linked.txt"][4] == "unreadable"
     assert report["demo:deleted.txt"][2:] == (None, sha(b"back\n"), "drift")
+
+
+def test_the_exactly_one_of_pairs_decode_to_tagged_unions() -> None:
+    """The wire's optional pairs are checked once, at the edge, into one of two Structs."""
+    text = write_request(WriteParams(workspace=WS, path="a", base_sha256=None, content="é"))
+    assert text.content == TextContent("é")
+    b64 = base64.b64encode(b"\xff\x00").decode()
+    raw = write_request(WriteParams(workspace=WS, path="a", base_sha256=None, content_b64=b64))
+    assert raw.content == BytesContent(b"\xff\x00")
+    base = "0" * 64
+    edits = [Edit(old="a", new="b")]
+    by_edits = patch_request(PatchParams(workspace=WS, path="a", base_sha256=base, edits=edits))
+    assert by_edits.change == Edits(edits)
+    by_diff = patch_request(
+        PatchParams(workspace=WS, path="a", base_sha256=base, unified_diff="@@ -1 +1 @@\n")
+    )
+    assert by_diff.change == UnifiedDiff("@@ -1 +1 @@\n")
+    for neither_or_both in ({}, {"edits": edits, "unified_diff": "@@"}):
+        with pytest.raises(InvalidParams) as info:
+            patch_request(PatchParams(workspace=WS, path="a", base_sha256=base, **neither_or_both))
+        assert info.value.data["path"] == "$.edits"

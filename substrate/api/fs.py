@@ -31,8 +31,10 @@ from substrate.schema.fs import (
     WalkParams,
     WalkResult,
     WriteParams,
+    patch_request,
+    write_request,
 )
-from substrate.workspace import reads
+from substrate.workspace import reads, search
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
@@ -91,21 +93,30 @@ async def walk(daemon: Daemon, caller: Caller, p: WalkParams) -> WalkResult:
 
 
 @handles("fs.search")
-async def search(daemon: Daemon, caller: Caller, p: SearchParams) -> SearchResult:
+async def search_(daemon: Daemon, caller: Caller, p: SearchParams) -> SearchResult:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(reads.search, ws, p, limiter=daemon.fs_limiter)
+    return await trio.to_thread.run_sync(search.search, ws, p, limiter=daemon.fs_limiter)
 
 
 @handles("fs.write")
 async def write(daemon: Daemon, caller: Caller, p: WriteParams) -> Plan:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(daemon.writer.write, ws, p, caller.name)
+
+    def run() -> Plan:
+        # Decoded here, at the edge (and off the event loop: a base64 decode).
+        return daemon.writer.write(ws, write_request(p), caller.name)
+
+    return await trio.to_thread.run_sync(run)
 
 
 @handles("fs.patch")
 async def patch(daemon: Daemon, caller: Caller, p: PatchParams) -> Plan:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(daemon.writer.patch, ws, p, caller.name)
+
+    def run() -> Plan:
+        return daemon.writer.patch(ws, patch_request(p), caller.name)
+
+    return await trio.to_thread.run_sync(run)
 
 
 @handles("fs.delete")

@@ -58,10 +58,7 @@ async def set_policy(daemon: Daemon, caller: Caller, p: SetPolicyParams) -> Work
 
 @handles("workspace.list")
 async def list_(daemon: Daemon, caller: Caller, p: WorkspaceListParams) -> WorkspaceList:
-    spaces = daemon.workspaces.all()
-    return WorkspaceList(
-        workspaces=await trio.to_thread.run_sync(lambda: [ws.info() for ws in spaces])
-    )
+    return WorkspaceList(workspaces=await trio.to_thread.run_sync(daemon.workspaces.infos))
 
 
 @handles("workspace.info")

@@ -42,23 +42,18 @@ import stat
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import msgspec
 
-from substrate.artifacts.sink import (
-    BLOCK,
-    OutputSink,
-    count_blocks,
-    grep_fd,
-    line_offset,
-    pread_exact,
-    read_lines,
-)
+from substrate.artifacts.lines import BLOCK, count_blocks, grep_fd, line_offset, read_lines
+from substrate.artifacts.sink import OutputSink, pread_exact
 from substrate.errors import ArtifactUnknown, InvalidParams, TooLarge
 from substrate.schema.artifact import GrepResult, LinesResult, ReadResult, StatResult
 from substrate.store.db import Store
+from substrate.workspace import fsops
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -145,14 +140,10 @@ class ArtifactStore:
             raise ValueError("inline_limit and max_bytes must be non-negative")
         artifact = "art_" + secrets.token_hex(16)
         created = time.time()
-        spool = self.root / "spool"
         meta = msgspec.json.encode(_Meta(proc, stream, created))
-        mfd = os.open(spool / f"{artifact}.meta", _CREATE | os.O_WRONLY, 0o600)
-        try:
-            os.write(mfd, meta)
-        finally:
-            os.close(mfd)
-        fd = os.open(spool / artifact, _CREATE | os.O_RDWR, 0o600)
+        with _opened_dir(self.root / "spool") as spool:
+            fsops.write_new(spool, f"{artifact}.meta", meta, mode=0o600, fsync=False)
+            fd = fsops.create_exclusive(spool, artifact, read=True)
         sink = OutputSink(
             self,
             artifact,
@@ -311,13 +302,9 @@ class ArtifactStore:
             if len(counts) == want:
                 return counts
         counts = count_blocks(fd, size)
-        tmp = path.with_name(f"{sha256}.tmp-{secrets.token_hex(4)}")
-        wfd = os.open(tmp, _CREATE | os.O_WRONLY, 0o600)
-        try:
-            os.write(wfd, counts.tobytes())
-        finally:
-            os.close(wfd)
-        os.replace(tmp, path)
+        with _opened_dir(self.root / "index") as index:
+            # A cache: rebuilt when lost, so never fsynced.
+            fsops.atomic_write(index, sha256, counts.tobytes(), mode=0o600, fsync=False)
         return counts
 
     def grep(
@@ -496,7 +483,14 @@ class ArtifactStore:
         return removed
 
 
-_CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+@contextlib.contextmanager
+def _opened_dir(path: Path) -> Iterator[int]:
+    """A directory of the store (under the state dir: trusted) as an fd, for `fsops`."""
+    fd = os.open(path, fsops.DIR_FLAGS)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _rel(sha256: str) -> str:

@@ -1,11 +1,21 @@
-"""Wire schema of reads (SPEC §3) and guarded writes (SPEC §4)."""
+"""Wire schema of reads (SPEC §3) and guarded writes (SPEC §4).
+
+Two guarded writes take "exactly one of" two fields: `fs.write` its bytes as `content`
+(text) or `content_b64`, `fs.patch` its change as `edits` or a `unified_diff`. The wire
+keeps that shape (clients depend on it); `write_request` and `patch_request` check the
+pair once, at the edge, and turn it into one of two tagged Structs (`TextContent |
+BytesContent`, `Edits | UnifiedDiff`) inside a request the writer `match`es on.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Annotated, Literal
 
 import msgspec
 
+from substrate.errors import InvalidParams
 from substrate.schema.common import (
     NonNegative,
     Params,
@@ -179,6 +189,99 @@ class Plan(Result, omit_defaults=False):
     diff_truncated: bool
     plan_digest: str
     applied: bool
+
+
+# --- decoded forms of guarded writes (internal: never on the wire) ------------------------
+
+
+class TextContent(msgspec.Struct, frozen=True, tag=True):
+    """`fs.write`'s `content`: text, written as UTF-8 (lone surrogates kept as given)."""
+
+    text: str
+
+
+class BytesContent(msgspec.Struct, frozen=True, tag=True):
+    """`fs.write`'s `content_b64`, decoded."""
+
+    data: bytes
+
+
+class Edits(msgspec.Struct, frozen=True, tag=True):
+    """`fs.patch`'s `edits`: exact string replacements, applied in order."""
+
+    edits: list[Edit]
+
+
+class UnifiedDiff(msgspec.Struct, frozen=True, tag=True):
+    """`fs.patch`'s `unified_diff`: a strict unified diff of one file."""
+
+    text: str
+
+
+class WriteRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """`fs.write` as the writer takes it: `WriteParams` with its content decoded."""
+
+    path: str
+    base_sha256: str | None
+    content: TextContent | BytesContent
+    mode: int | None = None
+    create_parents: bool = False
+    dry_run: bool = False
+    plan_digest: str | None = None
+
+
+class PatchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """`fs.patch` as the writer takes it: `PatchParams` with its change as one union."""
+
+    path: str
+    base_sha256: str
+    change: Edits | UnifiedDiff
+    dry_run: bool = False
+    plan_digest: str | None = None
+
+
+def write_request(p: WriteParams) -> WriteRequest:
+    """Decode `fs.write`'s params. Refuses `invalid_params` unless exactly one of
+    `content` and `content_b64` is given, or when `content_b64` is not base64. Costs a
+    base64 decode: call it off the event loop."""
+    content: TextContent | BytesContent
+    if (p.content is None) == (p.content_b64 is None):
+        raise InvalidParams("give exactly one of content, content_b64", path="$.content")
+    if p.content is not None:
+        content = TextContent(p.content)
+    else:
+        try:
+            content = BytesContent(base64.b64decode(p.content_b64 or "", validate=True))
+        except binascii.Error:
+            raise InvalidParams("content_b64 is not base64", path="$.content_b64") from None
+    return WriteRequest(
+        path=p.path,
+        base_sha256=p.base_sha256,
+        content=content,
+        mode=p.mode,
+        create_parents=p.create_parents,
+        dry_run=p.dry_run,
+        plan_digest=p.plan_digest,
+    )
+
+
+def patch_request(p: PatchParams) -> PatchRequest:
+    """Decode `fs.patch`'s params. Refuses `invalid_params` unless exactly one of
+    `edits` and `unified_diff` is given."""
+    change: Edits | UnifiedDiff
+    if p.edits is not None and p.unified_diff is None:
+        change = Edits(p.edits)
+    elif p.unified_diff is not None and p.edits is None:
+        change = UnifiedDiff(p.unified_diff)
+    else:
+        raise InvalidParams("give exactly one of edits, unified_diff", path="$.edits")
+    return PatchRequest(
+        path=p.path,
+        base_sha256=p.base_sha256,
+        change=change,
+        dry_run=p.dry_run,
+        plan_digest=p.plan_digest,
+    )
 
 
 method("fs.stat", StatParams, StatResult)

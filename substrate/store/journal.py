@@ -92,6 +92,12 @@ class Journal:
                 (str(self.epoch),),
             )
 
+    @property
+    def store(self) -> Store:
+        """The database this journal appends to: rows that must commit with its entries
+        (temp-file records, approvals) live there too."""
+        return self._store
+
     def append(
         self,
         kind: str,

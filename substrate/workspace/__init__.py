@@ -1,1 +1,33 @@
-"""substrate.workspace."""
+"""Workspaces: adopted checkouts held as directory fds, their policy, bounded reads,
+guarded writes, and the write gate for sandboxed code.
+
+Where things are: `registry` adopts and releases (`adopted`: one workspace and the guard
+of its root fd; `checkouts`: the policies remembered per checkout; `vcs`: git state read
+as plain files); `policy` is the glob language; `paths` resolves a path beneath a root
+without following a symlink and `fsops` does the file-system steps beneath a dir fd;
+`reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (SPEC §3);
+`writes` applies guarded writes (SPEC §4) with `patching`, `preview` and `temp_files`;
+`gate` checks what sandboxed code changed (SPEC §5).
+"""
+
+from substrate.workspace.adopted import Workspace
+from substrate.workspace.digests import Digests
+from substrate.workspace.gate import SnapshotGate
+from substrate.workspace.policy import CompiledPolicy, compile_policy, is_git_path
+from substrate.workspace.registry import WorkspaceRegistry
+from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
+from substrate.workspace.writes import Writer, drift_report
+
+__all__ = [
+    "TEMP_PREFIX",
+    "CompiledPolicy",
+    "Digests",
+    "SnapshotGate",
+    "TempFiles",
+    "Workspace",
+    "WorkspaceRegistry",
+    "Writer",
+    "compile_policy",
+    "drift_report",
+    "is_git_path",
+]

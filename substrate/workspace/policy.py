@@ -13,6 +13,22 @@ lists and intersects the allow lists; `loosening` says what an asked policy woul
 `reroot` and `prefixed` carry the rules of one checkout onto a checkout nested in it or
 enclosing it, so adopting a subdirectory or a parent never dodges a rule. Every `.git`
 at any depth is write-denied whatever the lists say (`is_git_path`).
+
+Decision: matching does not go through `pathspec` (evaluated with pathspec 1.1.1, whose
+`gitignore` patterns are the closest). Three things keep this matcher hand-written:
+1. The meaning differs where a deny list needs ours. In gitignore a trailing `/` matches
+   directories only, and pathspec, given a path string, cannot know the kind: `build/`
+   does not match the path `build`, nor `.git/**` the path `.git`. Here both match
+   whatever the kind, so a file cannot stand in for a denied directory.
+2. `reroot_glob` and `prefixed` rewrite globs component by component, matching one
+   component against one segment (`_component_matches`, built on `_translate`).
+   pathspec has no such operation, so we would keep this translator anyway and then
+   run two glob engines whose meanings must agree exactly (escapes: pathspec reads a
+   backslash as one, we refuse it; classes: ours never match `/`), or a re-rooted rule
+   could mean something other than the rule it came from.
+3. The write gate joins every gated glob into one regex alternation matched once per
+   path (`gate.snapshot.Matcher`); pathspec's regexes each hold the same named group
+   and cannot be joined, so its walk would run one match per glob per path.
 """
 
 from __future__ import annotations
@@ -20,6 +36,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import msgspec
 
 from substrate.errors import InvalidParams
 from substrate.schema.workspace import Policy
@@ -178,12 +196,7 @@ def compile_policy(policy: Policy | None) -> CompiledPolicy:
     deny = list(policy.write_deny)
     if GIT_DENY not in deny:
         deny.insert(0, GIT_DENY)
-    policy = Policy(
-        write_allow=list(policy.write_allow),
-        write_deny=deny,
-        read_deny=list(policy.read_deny),
-        require_approval=list(policy.require_approval),
-    )
+    policy = msgspec.structs.replace(policy, write_deny=deny)
     return CompiledPolicy(
         policy=policy,
         write_allow=GlobSet.of(policy.write_allow),

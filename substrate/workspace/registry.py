@@ -5,8 +5,9 @@ one `O_NOFOLLOW` component at a time, so a symlink on the way is refused. From t
 the daemon uses the held root fd, never the path string; the path is kept only to
 re-adopt after a restart and to bind-mount into sandboxes, and never leaves the daemon.
 
-VCS state is read from `.git/HEAD` and refs as plain files: git itself is never run on a
-workspace, so no hook, fsmonitor, filter or diff driver the checkout configures can run.
+VCS state is read from `.git/HEAD` and refs as plain files (`substrate.workspace.vcs`):
+git itself is never run on a workspace. One adopted workspace and the guard of its root
+fd are `substrate.workspace.adopted`.
 
 A workspace's policy is its checkout's, remembered across release and restarts, with the
 rules of the checkouts nested in it or enclosing it (`substrate.workspace.checkouts`); it is
@@ -21,12 +22,11 @@ import secrets
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from substrate.config import Config
 from substrate.errors import (
     AlreadyExists,
     LimitExceeded,
@@ -36,11 +36,13 @@ from substrate.errors import (
     Refusal,
     UnknownWorkspace,
 )
-from substrate.schema.workspace import MAX_GLOBS, Policy, Vcs, WorkspaceInfo
+from substrate.schema.workspace import MAX_GLOBS, Policy, WorkspaceInfo
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import paths
+from substrate.workspace.adopted import FdUsers as FdUsers
+from substrate.workspace.adopted import Workspace as Workspace
 from substrate.workspace.checkouts import (
     NOTHING,
     CheckoutPolicies,
@@ -59,6 +61,12 @@ from substrate.workspace.policy import (
 )
 from substrate.workspace.temp_files import TEMP_PREFIX as TEMP_PREFIX
 from substrate.workspace.temp_files import TempFiles, remove_recorded
+from substrate.workspace.vcs import is_git_dir
+from substrate.workspace.vcs import read_vcs as read_vcs
+
+if TYPE_CHECKING:
+    # Only the type: substrate.config imports substrate.workspace.policy at its top.
+    from substrate.config import Config
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS workspaces (
@@ -73,96 +81,6 @@ CREATE TABLE IF NOT EXISTS workspaces (
 #: How long `release` waits for operations using the root fd before returning anyway
 #: (the fd is then closed by the last of them to finish, never under one).
 RELEASE_DRAIN_S = 30.0
-_SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
-_REF_RE = re.compile(r"^refs/[A-Za-z0-9._/-]{1,200}$")
-
-
-class FdUsers:
-    """The operations using a workspace's root fd, so that release never closes it under one.
-
-    The fd number is reused by the next `open` once closed: a read still holding it would
-    then reach whatever file got that number. So each user enters this (one context
-    manager shared by all of them); `drain` refuses new ones (`unknown_workspace`) and
-    waits, bounded, for the count to reach zero; `close` closes the fd then, or leaves it
-    to whichever user leaves last.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._count = 0
-        self._closing: int | None = None
-        self._closed = False
-
-    def __enter__(self) -> None:
-        with self._cond:
-            if self._closed:
-                raise UnknownWorkspace("the workspace was released")
-            self._count += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._cond:
-            self._count -= 1
-            if self._count == 0:
-                self._cond.notify_all()
-                if self._closing is not None:
-                    os.close(self._closing)
-                    self._closing = None
-
-    def drain(self, timeout: float) -> bool:
-        """Refuse new users from now on; wait up to `timeout` s for the current ones.
-
-        Returns whether none is left.
-        """
-        with self._cond:
-            self._closed = True
-            return self._cond.wait_for(lambda: self._count == 0, timeout)
-
-    def close(self, fd: int) -> None:
-        """Close `fd` now if no user is left, else when the last one leaves."""
-        with self._cond:
-            self._closed = True
-            if self._count == 0:
-                os.close(fd)
-            else:
-                self._closing = fd
-
-
-@dataclass
-class Workspace:
-    """One adopted checkout. `host_path` is internal: never put it in a result."""
-
-    id: str
-    root_id: str
-    host_path: str
-    root_fd: int
-    policy: CompiledPolicy
-    owner_uid: int
-    owner_gid: int
-    adopted: float
-    dev_ino: tuple[int, int]
-    #: The root's resolved host path (internal): how nested checkouts are found.
-    checkout_path: str
-    #: Serialises the check-then-rename of guarded writes in this workspace.
-    commit_lock: threading.Lock = field(default_factory=threading.Lock)
-    #: Who is using `root_fd` now; reads and writes hold it (`use`) while they do.
-    fd_users: FdUsers = field(default_factory=FdUsers)
-
-    def use(self) -> FdUsers:
-        """`with ws.use():` holds `root_fd` open for the block; refuses `unknown_workspace`
-        once the workspace is released."""
-        return self.fd_users
-
-    def provenance(self, rel: str) -> str:
-        return f"{self.root_id}:{rel}"
-
-    def info(self) -> WorkspaceInfo:
-        return WorkspaceInfo(
-            workspace=self.id,
-            root_id=self.root_id,
-            vcs=read_vcs(self.root_fd),
-            policy=self.policy.policy,
-            adopted=self.adopted,
-        )
 
 
 def derive_root_id(name: str) -> str:
@@ -170,75 +88,6 @@ def derive_root_id(name: str) -> str:
     slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
     slug = re.sub(r"-{2,}", "-", slug)[:64].strip("-")
     return slug or "workspace"
-
-
-def _read_small(dir_fd: int, name: str, limit: int = 1 << 20) -> bytes | None:
-    try:
-        fd = paths.open_regular(dir_fd, name, name)
-    except Refusal:
-        return None
-    try:
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
-
-
-def read_vcs(root_fd: int) -> Vcs | None:
-    """Read `.git/HEAD` (and the ref it names) as plain files; None when not a git checkout."""
-    try:
-        git_fd = paths.open_dir(root_fd, (".git",))
-    except Refusal:
-        return None
-    try:
-        head = _read_small(git_fd, "HEAD")
-        if head is None:
-            return None
-        text = head.decode("utf-8", "replace").strip()
-        if _SHA_RE.match(text):
-            return Vcs(kind="git", head=text)
-        if not text.startswith("ref:"):
-            return Vcs(kind="git", head=None)
-        ref = text[4:].strip()
-        if not _REF_RE.match(ref) or ".." in ref.split("/"):
-            return Vcs(kind="git", head=None)
-        return Vcs(kind="git", head=_resolve_ref(git_fd, ref))
-    finally:
-        os.close(git_fd)
-
-
-def _resolve_ref(git_fd: int, ref: str) -> str | None:
-    *dirs, name = ref.split("/")
-    try:
-        with paths.opened_dir(git_fd, dirs) as ref_dir:
-            loose = _read_small(ref_dir, name)
-    except Refusal:
-        loose = None
-    if loose is not None:
-        sha = loose.decode("ascii", "replace").strip()
-        return sha if _SHA_RE.match(sha) else None
-    packed = _read_small(git_fd, "packed-refs", 64 << 20)
-    for line in (packed or b"").decode("utf-8", "replace").splitlines():
-        parts = line.split(" ", 1)
-        if len(parts) == 2 and parts[1] == ref and _SHA_RE.match(parts[0]):
-            return parts[0]
-    return None
-
-
-def _is_git_dir(dir_fd: int) -> bool:
-    """True for a git directory by content, as git itself decides: a HEAD naming a ref or
-    a commit, and `objects` and `refs` directories (a bare repository, a `.git`, a
-    submodule's git dir under another name)."""
-    head = _read_small(dir_fd, "HEAD", 256)
-    if head is None:
-        return False
-    text = head.decode("utf-8", "replace").strip()
-    if not (text.startswith("ref:") or _SHA_RE.match(text)):
-        return False
-    for name in ("objects", "refs"):
-        st = paths.lstat_at(dir_fd, name)
-        if st is None or not stat.S_ISDIR(st.st_mode):
-            return False
-    return True
 
 
 class WorkspaceRegistry:
@@ -292,7 +141,7 @@ class WorkspaceRegistry:
                     nxt = paths.open_dir(fd, (name,), "workspace path")
                     os.close(fd)
                     fd = nxt
-                    if _is_git_dir(fd):
+                    if is_git_dir(fd):
                         raise PathDenied(
                             "a git directory, or anything inside one, is never a workspace"
                         )
@@ -546,7 +395,19 @@ class WorkspaceRegistry:
         return found
 
     def all(self) -> list[Workspace]:
+        """The adopted workspaces, oldest first."""
         return sorted(self._by_id.values(), key=lambda w: w.adopted)
+
+    def infos(self) -> list[WorkspaceInfo]:
+        """`workspace.list`: the `info` of each adopted workspace, oldest first; one
+        released meanwhile is left out. Blocking (reads `.git` of each)."""
+        found: list[WorkspaceInfo] = []
+        for ws in self.all():
+            try:
+                found.append(ws.info())
+            except UnknownWorkspace:
+                continue
+        return found
 
     def release(self, workspace: str, actor: str, drain_s: float = RELEASE_DRAIN_S) -> None:
         """Forget the workspace and close its root fd once no operation uses it.

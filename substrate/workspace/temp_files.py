@@ -1,10 +1,11 @@
-"""Guarded-write temp files: recorded before they exist, so only ours are ever cleaned.
+"""Temp files in workspaces: recorded before they exist, so only ours are ever cleaned.
 
-Theory of operation. A guarded write puts its new bytes in `.substrate-tmp-<16 hex>` in
-the target's directory, then renames it over the target. Before creating that file it
-commits a row `(workspace, dir, name, epoch)` to the state database; the row is deleted
-in the transaction that journals the applied write, or after the temp file is unlinked
-when the write fails. A crash therefore leaves, at worst, rows naming files that may
+Theory of operation. A guarded write (and the write gate restoring a file) puts its new
+bytes in `.substrate-tmp-<16 hex>` in the target's directory, then renames it over the
+target. Before creating that file (`TempFiles.create`) it commits a row `(workspace,
+dir, name, epoch)` to the state database; the row is deleted in the transaction that
+journals the applied write (or once the restore's rename is done), or after the temp
+file is unlinked when the write fails (`TempFiles.discard`). A crash therefore leaves, at worst, rows naming files that may
 exist. At the next start `clean_recorded` visits exactly the rows of earlier runs
 (epochs): it opens the recorded directory beneath the workspace root fd without following
 a symlink and unlinks the name only if it is still a regular file.
@@ -17,13 +18,14 @@ make one through substrate either.
 from __future__ import annotations
 
 import os
+import secrets
 import sqlite3
 import stat
 from collections.abc import Sequence
 
-from substrate.errors import Refusal
+from substrate.errors import PathDenied, Refusal
 from substrate.store.db import Store
-from substrate.workspace import paths
+from substrate.workspace import fsops, paths
 
 TEMP_PREFIX = ".substrate-tmp-"
 
@@ -41,8 +43,19 @@ CREATE TABLE IF NOT EXISTS temp_files (
 Record = tuple[str, tuple[str, ...], str]
 
 
+def _dir_key(dirs: Sequence[str]) -> str | bytes:
+    """The `dir` column: the components joined by `/`, as bytes (a BLOB) when a name is
+    not UTF-8 (a sandbox may make any name; SQLite text cannot hold its bytes)."""
+    joined = "/".join(dirs)
+    try:
+        joined.encode("utf-8")
+    except UnicodeEncodeError:
+        return os.fsencode(joined)
+    return joined
+
+
 class TempFiles:
-    """The temp files of guarded writes, as recorded in the state database by run (epoch).
+    """The temp files in workspaces, as recorded in the state database by run (epoch).
 
     Every method is blocking (one SQLite transaction, fsynced); call it from a thread.
     """
@@ -58,8 +71,41 @@ class TempFiles:
             db.execute(
                 "INSERT OR REPLACE INTO temp_files(workspace, dir, name, epoch)"
                 " VALUES (?, ?, ?, ?)",
-                (workspace, "/".join(dirs), name, self._epoch),
+                (workspace, _dir_key(dirs), name, self._epoch),
             )
+
+    def create(
+        self, workspace: str, dir_fd: int, dirs: Sequence[str], where: str
+    ) -> tuple[str, int]:
+        """Record, then create (`O_CREAT | O_EXCL | O_NOFOLLOW`, 0600) a new temp file in
+        `dir_fd`, the directory `dirs` beneath the workspace's root. Returns its name and
+        an fd open for writing; the caller renames it or `discard`s it.
+
+        Recorded first, so a crash at any later point leaves a record to clean by. A name
+        that something already holds (maybe planted) is passed over for another. Refuses
+        `path_denied` when eight random names in a row are taken. Costs one commit (two
+        when the creation fails).
+        """
+        for _ in range(8):
+            name = TEMP_PREFIX + secrets.token_hex(8)
+            if paths.lstat_at(dir_fd, name) is not None:
+                continue
+            self.record(workspace, dirs, name)
+            try:
+                fd = fsops.create_exclusive(dir_fd, name)
+            except BaseException as exc:
+                # Not ours (planted since the lstat) or not made: the record must go.
+                self.forget(workspace, dirs, name)
+                if isinstance(exc, FileExistsError):
+                    continue
+                raise
+            return name, fd
+        raise PathDenied(f"{where}: could not create a temp file")
+
+    def discard(self, workspace: str, dir_fd: int, dirs: Sequence[str], name: str) -> None:
+        """Unlink a temp file that will not be renamed, then forget its record."""
+        fsops.unlink_quietly(dir_fd, name)
+        self.forget(workspace, dirs, name)
 
     def forget(self, workspace: str, dirs: Sequence[str], name: str) -> None:
         """Delete the row of a temp file that is gone (renamed or unlinked)."""
@@ -71,7 +117,7 @@ class TempFiles:
         """`forget` inside the caller's transaction (the one journaling the write)."""
         db.execute(
             "DELETE FROM temp_files WHERE workspace = ? AND dir = ? AND name = ?",
-            (workspace, "/".join(dirs), name),
+            (workspace, _dir_key(dirs), name),
         )
 
     def stale(self) -> list[Record]:
@@ -81,10 +127,12 @@ class TempFiles:
             " ORDER BY workspace, dir, name",
             (self._epoch,),
         )
-        return [
-            (str(row["workspace"]), tuple(filter(None, str(row["dir"]).split("/"))), row["name"])
-            for row in rows
-        ]
+        out: list[Record] = []
+        for row in rows:
+            raw = row["dir"]
+            joined = os.fsdecode(raw) if isinstance(raw, bytes) else str(raw)
+            out.append((str(row["workspace"]), tuple(filter(None, joined.split("/"))), row["name"]))
+        return out
 
 
 def remove_recorded(root_fd: int, dirs: Sequence[str], name: str) -> bool | None:

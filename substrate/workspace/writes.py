@@ -9,11 +9,14 @@ O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and
 then, under the workspace's commit lock, the base is checked once more, the temp file is
 renamed over the target through the same dir fd, the directory is fsynced, and the
 approval (if any) is consumed in the same database transaction as the journal entry.
+The file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.write` and
+`fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
+"exactly one of" pairs arrive as one tagged Struct it `match`es on.
 
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
 next start removes: each temp file is recorded in the database before it is created
-(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with the temp
-prefix are refused as targets, so no agent can make a file that looks like ours.
+(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with
+the temp prefix are refused as targets, so no agent can make a file that looks like ours.
 
 Every operation holds the workspace's root fd (`Workspace.use`) while it runs, so a
 release waits for it instead of closing the fd under it.
@@ -21,23 +24,20 @@ release waits for it instead of closing the fd under it.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import contextlib
 import errno
 import hashlib
 import os
-import secrets
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from substrate.errors import (
     AlreadyExists,
     ApprovalRequired,
-    InvalidParams,
     NotAFile,
     NotFound,
     PathDenied,
@@ -45,11 +45,21 @@ from substrate.errors import (
     StaleBase,
     TooLarge,
 )
-from substrate.schema.fs import DeleteParams, PatchParams, Plan, WriteParams
+from substrate.schema.fs import (
+    BytesContent,
+    DeleteParams,
+    Edits,
+    PatchRequest,
+    Plan,
+    TextContent,
+    UnifiedDiff,
+    WriteRequest,
+)
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal, canonical
-from substrate.workspace import patching, paths
+from substrate.workspace import fsops, patching, paths
+from substrate.workspace.preview import unified_preview
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
 
@@ -103,22 +113,9 @@ def _read_current(parent_fd: int, name: str, where: str, limit: int) -> _Current
     if st.st_size > limit:
         raise TooLarge(f"{where}: {st.st_size} bytes is over the {limit} byte bound", limit=limit)
     try:
-        fd = paths.open_regular(parent_fd, name, where)
+        fst, data = fsops.read_regular(parent_fd, name, limit, where)
     except NotFound:
         return _Current(exists=False)  # removed since the lstat: it is absent now
-    try:
-        fst = os.fstat(fd)
-        chunks = []
-        offset = 0
-        while True:
-            block = os.pread(fd, 1 << 20, offset)
-            if not block:
-                break
-            chunks.append(block)
-            offset += len(block)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
     return _Current(
         exists=True,
         data=data,
@@ -159,12 +156,16 @@ def _open_parent(
     return None, dirs
 
 
+#: What a write makes of the target: these bytes, a function of its current bytes (a
+#: patch), or None (a delete).
+NewBytes = bytes | Callable[[bytes], bytes] | None
+
+
 def _plan(
     ws: Workspace,
     path: str,
-    op_of: Op | None,
     base: str | None,
-    new_of: object,
+    new_of: NewBytes,
     mode: int | None,
     create_parents: bool,
     given_digest: str | None,
@@ -181,7 +182,7 @@ def _plan(
             current = _Current(exists=False)
         else:
             current = _read_current(parent_fd, parts[-1], where, MAX_PATCH_FILE)
-        if (op_of == "delete" or callable(new_of)) and not current.exists:
+        if (new_of is None or callable(new_of)) and not current.exists:
             raise NotFound(f"{where}: not found")
         if base != current.sha256:
             if base is None:
@@ -191,12 +192,11 @@ def _plan(
             )
         new: bytes | None
         op: Op
-        if op_of == "delete":
+        if new_of is None:
             new, op = None, "delete"
         else:
-            new = new_of(current.data) if callable(new_of) else new_of  # type: ignore[assignment]
+            new = new_of(current.data) if callable(new_of) else new_of
             op = "replace" if current.exists else "create"
-        assert op_of == "delete" or new is not None
         new_sha = None if new is None else hashlib.sha256(new).hexdigest()
         if op == "delete":
             new_mode = None
@@ -208,7 +208,7 @@ def _plan(
             # Never make or keep a set-id file: we write as root, the bytes are the agent's
             # (a write by its owner would clear these bits too).
             new_mode &= ~(stat.S_ISUID | stat.S_ISGID)
-        diff, truncated = patching.unified_preview(current.data, new or b"", rel)
+        diff, truncated = unified_preview(current.data, new or b"", rel)
         digest = plan_digest(ws.root_id, rel, op, current.sha256, new_sha, new_mode)
         if given_digest is not None and given_digest != digest:
             raise PlanMismatch(f"{where}: plan digest does not match", plan_digest=digest)
@@ -242,47 +242,45 @@ class Writer:
 
     # -- the three wire operations --------------------------------------------------------
 
-    def write(self, ws: Workspace, p: WriteParams, actor: str) -> Plan:
-        """`fs.write`. Refuses path/policy problems, `already_exists`, `stale_base`, ..."""
-        if (p.content is None) == (p.content_b64 is None):
-            raise InvalidParams("give exactly one of content, content_b64", path="$.content")
-        if p.content is not None:
-            data = p.content.encode("utf-8", "surrogatepass")
-        else:
-            try:
-                data = base64.b64decode(p.content_b64 or "", validate=True)
-            except binascii.Error:
-                raise InvalidParams("content_b64 is not base64", path="$.content_b64") from None
+    def write(self, ws: Workspace, req: WriteRequest, actor: str) -> Plan:
+        """`fs.write` (decoded by `schema.fs.write_request`). Refuses path/policy
+        problems, `already_exists`, `stale_base`, ..."""
+        match req.content:
+            case TextContent(text=text):
+                data = text.encode("utf-8", "surrogatepass")
+            case BytesContent(data=data):
+                pass
         with ws.use():
             prepared, parent_fd = _plan(
-                ws, p.path, None, p.base_sha256, data, p.mode, p.create_parents, p.plan_digest
+                ws, req.path, req.base_sha256, data, req.mode, req.create_parents, req.plan_digest
             )
-            return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.write")
+            return self._finish(ws, prepared, parent_fd, req.dry_run, actor, "fs.write")
 
-    def patch(self, ws: Workspace, p: PatchParams, actor: str) -> Plan:
-        """`fs.patch`: edits or a strict unified diff. Refuses `patch_conflict` and the rest."""
-        if (p.edits is None) == (p.unified_diff is None):
-            raise InvalidParams("give exactly one of edits, unified_diff", path="$.edits")
-        edits: Sequence[patching.EditLike] | None = p.edits
-        diff = p.unified_diff
+    def patch(self, ws: Workspace, req: PatchRequest, actor: str) -> Plan:
+        """`fs.patch` (decoded by `schema.fs.patch_request`): edits or a strict unified
+        diff. Refuses `patch_conflict` and the rest."""
+        transform: Callable[[bytes], bytes]
+        match req.change:
+            case Edits(edits=edits):
 
-        def transform(old: bytes) -> bytes:
-            if edits is not None:
-                return patching.apply_edits(old, edits, MAX_PATCH_FILE)
-            return patching.apply_unified_diff(old, diff or "", MAX_PATCH_FILE)
+                def transform(old: bytes) -> bytes:
+                    return patching.apply_edits(old, edits, MAX_PATCH_FILE)
+
+            case UnifiedDiff(text=diff):
+
+                def transform(old: bytes) -> bytes:
+                    return patching.apply_unified_diff(old, diff, MAX_PATCH_FILE)
 
         with ws.use():
             prepared, parent_fd = _plan(
-                ws, p.path, None, p.base_sha256, transform, None, False, p.plan_digest
+                ws, req.path, req.base_sha256, transform, None, False, req.plan_digest
             )
-            return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.patch")
+            return self._finish(ws, prepared, parent_fd, req.dry_run, actor, "fs.patch")
 
     def delete(self, ws: Workspace, p: DeleteParams, actor: str) -> Plan:
         """`fs.delete`, bound to the base like any write."""
         with ws.use():
-            prepared, parent_fd = _plan(
-                ws, p.path, "delete", p.base_sha256, None, None, False, p.plan_digest
-            )
+            prepared, parent_fd = _plan(ws, p.path, p.base_sha256, None, None, False, p.plan_digest)
             return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.delete")
 
     # -- apply ----------------------------------------------------------------------------
@@ -320,76 +318,37 @@ class Writer:
                 if temp is not None:
                     self._discard_temp(ws, parent_fd, prep, temp)
                 raise
-            return _applied(prep.plan)
+            return msgspec.structs.replace(prep.plan, applied=True)
         finally:
             if parent_fd is not None:
                 os.close(parent_fd)
 
     def _make_parents(self, ws: Workspace, prep: _Prepared) -> int:
+        """The target's parent, its missing directories made (the workspace owner's, 0755)."""
         dirs = prep.parts[:-1]
         have = len(dirs) - len(prep.missing_parents)
-        fd = paths.open_dir(ws.root_fd, dirs[:have], ws.provenance(prep.rel))
-        try:
-            for name in prep.missing_parents:
-                try:
-                    os.mkdir(name, DEFAULT_DIR_MODE, dir_fd=fd)
-                    if os.geteuid() == 0:
-                        os.chown(name, ws.owner_uid, ws.owner_gid, dir_fd=fd, follow_symlinks=False)
-                except FileExistsError:
-                    pass
-                nxt = paths.open_dir(fd, (name,), ws.provenance(prep.rel))
-                os.close(fd)
-                fd = nxt
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        where = ws.provenance(prep.rel)
+        owner = (ws.owner_uid, ws.owner_gid)
+        with paths.opened_dir(ws.root_fd, dirs[:have], where) as deepest:
+            return fsops.make_dirs(
+                deepest, prep.missing_parents, where, lambda _: (DEFAULT_DIR_MODE, owner)
+            )
 
     def _discard_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared, temp: str) -> None:
-        _unlink_quietly(parent_fd, temp)
-        self._temps.forget(ws.id, prep.parts[:-1], temp)
-
-    def _create_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared) -> tuple[str, int]:
-        """Record, then create (`O_EXCL`) a temp file in the target's directory."""
-        dirs = prep.parts[:-1]
-        for _ in range(8):
-            name = TEMP_PREFIX + secrets.token_hex(8)
-            if paths.lstat_at(parent_fd, name) is not None:
-                continue  # something (maybe planted) holds that name: take another
-            # Recorded first, so a crash at any later point leaves a record to clean by.
-            self._temps.record(ws.id, dirs, name)
-            try:
-                fd = os.open(
-                    name,
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    0o600,
-                    dir_fd=parent_fd,
-                )
-            except BaseException as exc:
-                # Not ours (planted since the lstat) or not made: the record must go.
-                self._temps.forget(ws.id, dirs, name)
-                if isinstance(exc, FileExistsError):
-                    continue
-                raise
-            return name, fd
-        raise PathDenied(f"{prep.plan.path}: could not create a temp file")
+        self._temps.discard(ws.id, parent_fd, prep.parts[:-1], temp)
 
     def _write_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared) -> str:
+        """The new bytes in a recorded temp file beside the target, with the old owner and
+        the plan's mode, fsynced."""
         assert prep.new is not None and prep.plan.mode is not None
-        name, fd = self._create_temp(ws, parent_fd, prep)
+        name, fd = self._temps.create(ws.id, parent_fd, prep.parts[:-1], prep.plan.path)
+        owner = (
+            (prep.current.uid, prep.current.gid)
+            if prep.current.exists
+            else (ws.owner_uid, ws.owner_gid)
+        )
         try:
-            view = memoryview(prep.new)
-            while view:
-                view = view[os.write(fd, view) :]
-            if os.geteuid() == 0:
-                uid, gid = (
-                    (prep.current.uid, prep.current.gid)
-                    if prep.current.exists
-                    else (ws.owner_uid, ws.owner_gid)
-                )
-                os.fchown(fd, uid, gid)
-            os.fchmod(fd, prep.plan.mode)
-            os.fsync(fd)
+            fsops.fill(fd, prep.new, mode=prep.plan.mode, owner=owner)
         except BaseException:
             os.close(fd)
             self._discard_temp(ws, parent_fd, prep, name)
@@ -425,9 +384,9 @@ class Writer:
                     )
             if temp is None:
                 os.unlink(name, dir_fd=parent_fd)
+                os.fsync(parent_fd)
             else:
-                os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
-            os.fsync(parent_fd)
+                fsops.rename_into(parent_fd, temp, name)
             with self._store.transaction() as db:
                 if temp is not None:
                     self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
@@ -450,26 +409,6 @@ class Writer:
                     workspace=ws.id,
                     actor=actor,
                 )
-
-
-def _applied(plan: Plan) -> Plan:
-    return Plan(
-        path=plan.path,
-        op=plan.op,
-        base_sha256=plan.base_sha256,
-        new_sha256=plan.new_sha256,
-        size=plan.size,
-        mode=plan.mode,
-        diff=plan.diff,
-        diff_truncated=plan.diff_truncated,
-        plan_digest=plan.plan_digest,
-        applied=True,
-    )
-
-
-def _unlink_quietly(dir_fd: int, name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(name, dir_fd=dir_fd)
 
 
 WRITE_KINDS = ("fs.write", "fs.patch", "fs.delete")

@@ -1,0 +1,77 @@
+"""The write gate for sandboxed code: file-level `write_deny` globs (SPEC §5, issue 4).
+
+Theory of operation. Directories denied whole (`.git/**`) and every `.git` at any depth
+are bound read-only into the sandbox (`substrate.sandbox.containers`); everything else a deny
+glob names (`*.lock`, `.env`, `secrets/*.pem`) is checked around each command. So is
+every `require_approval` glob: sandboxed code cannot ask an operator for an approval, so
+until such changes can wait as pending plans (the working layer, SPEC §11) they are
+reverted like denied ones and reported with `rule: "require_approval"`.
+
+- `before` walks the workspace once through directory fds (`os.scandir`, `O_NOFOLLOW`,
+  never following a symlink, not descending into the read-only-mounted dirs) and records
+  every path a deny glob matches: kind, mode, owner, size, times, inode, and for a file
+  its SHA-256 with its bytes kept aside in a private store under the state dir (never in
+  the journal), so it can be put back. Only matching files are read; a file whose
+  inode, size, mtime and ctime are those of the previous snapshot is not read again.
+- `after` walks again, compares (`diff`, pure) and reverts each offending change:
+  a creation is removed (a directory with everything beneath it; a symlink itself, never
+  what it points at), a modification or deletion is restored from the kept bytes through
+  a same-directory temp file and `rename` (old owner, mode and mtime), a mode change is
+  undone. Each one becomes a `policy_blocked` entry of the result and a `policy.blocked`
+  journal entry (paths, kinds, modes, sizes and digests: no bytes). Names are whatever
+  bytes the command chose: the bytes of one that are not UTF-8 are reported as `\\xNN`
+  (`display_rel`), so the result and the journal can always be encoded.
+
+Commands that overlap in one workspace share one baseline: it is taken when the first
+starts and kept until the last ends, so a command never "restores" another's offending
+write. The seams this leaves (changes are reverted after the fact, background writers
+between commands, interactive terminals, `write_allow`) are in docs/write-gate.md.
+
+Modules: `diff` (pure: nodes, `classify`, `diff`, `display_rel`), `snapshot` (the
+walk and what it records), `keep` (the kept bytes), `revert` (undoing changes) and
+`hook` (`SnapshotGate`, the per-workspace baseline). Costs: two walks of the tree (about
+10 ms per 10,000 entries each; see bench/gate.py) plus reading the denied files whose
+stat changed.
+"""
+
+from substrate.workspace.gate.diff import Change, Node, classify, diff, display_rel
+from substrate.workspace.gate.hook import Rule, SnapshotGate
+from substrate.workspace.gate.keep import MAX_KEPT_FILE, MAX_KEPT_TOTAL, Keep
+from substrate.workspace.gate.revert import NotReverted, revert
+from substrate.workspace.gate.snapshot import (
+    RACY_NS,
+    Matcher,
+    Snapshot,
+    gated_globs,
+    matcher_for,
+    mounts_cover_policy,
+    readonly_identities,
+    scan_after,
+    take_snapshot,
+    walk,
+)
+
+__all__ = [
+    "MAX_KEPT_FILE",
+    "MAX_KEPT_TOTAL",
+    "RACY_NS",
+    "Change",
+    "Keep",
+    "Matcher",
+    "Node",
+    "NotReverted",
+    "Rule",
+    "Snapshot",
+    "SnapshotGate",
+    "classify",
+    "diff",
+    "display_rel",
+    "gated_globs",
+    "matcher_for",
+    "mounts_cover_policy",
+    "readonly_identities",
+    "revert",
+    "scan_after",
+    "take_snapshot",
+    "walk",
+]
