@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from substrate.api.base import Caller, handles
-from substrate.errors import GrantInvalid, ProfileUnknown, RuntimeUnavailable
-from substrate.sandbox.profiles import Profile, load_profiles
+from substrate.errors import GrantInvalid, RuntimeUnavailable
+from substrate.sandbox.profiles import Profile, find_profile, load_profiles
 from substrate.schema.common import Empty
 from substrate.schema.grant import (
     GrantIssueParams,
@@ -30,9 +30,7 @@ async def _profile(daemon: Daemon, name: str) -> Profile:
     profiles = await trio.to_thread.run_sync(
         load_profiles, Path(daemon.config.profiles_dir), Path(daemon.config.seccomp_dir)
     )
-    if name not in profiles:
-        raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(profiles))
-    return profiles[name]
+    return find_profile(profiles, name)
 
 
 def _service(daemon: Daemon) -> object:
