@@ -1,4 +1,4 @@
-"""`substrate.sandbox.containers` without Docker: which paths a sandbox gets read-only, and the
+"""`substrate.sandbox.mounts` without Docker: which paths a sandbox gets read-only, and the
 empty resolver file bound over /etc/resolv.conf."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from substrate.errors import ConfinementUnmet, LimitExceeded
-from substrate.sandbox import containers
-from substrate.sandbox.containers import empty_resolv_conf, git_paths
+from substrate.sandbox import mounts
+from substrate.sandbox.mounts import empty_resolv_conf, git_paths
 
 
 @pytest.fixture
@@ -63,16 +63,16 @@ def test_the_search_is_bounded_with_a_named_refusal(
 ) -> None:
     for i in range(3):
         (root / f"r{i}" / ".git").mkdir(parents=True)
-    monkeypatch.setattr(containers, "MAX_GIT_PATHS", 2)
+    monkeypatch.setattr(mounts, "MAX_GIT_PATHS", 2)
     with pytest.raises(LimitExceeded):
         git_paths(root_fd)
-    monkeypatch.setattr(containers, "MAX_GIT_PATHS", 10)
-    monkeypatch.setattr(containers, "MAX_GIT_WALK_ENTRIES", 4)
+    monkeypatch.setattr(mounts, "MAX_GIT_PATHS", 10)
+    monkeypatch.setattr(mounts, "MAX_GIT_WALK_ENTRIES", 4)
     with pytest.raises(LimitExceeded):
         git_paths(root_fd)
-    monkeypatch.setattr(containers, "MAX_GIT_WALK_ENTRIES", 1000)
+    monkeypatch.setattr(mounts, "MAX_GIT_WALK_ENTRIES", 1000)
     (root / "a" / "b" / "c").mkdir(parents=True)
-    monkeypatch.setattr(containers, "MAX_GIT_WALK_DEPTH", 2)
+    monkeypatch.setattr(mounts, "MAX_GIT_WALK_DEPTH", 2)
     with pytest.raises(LimitExceeded):
         git_paths(root_fd)
 
