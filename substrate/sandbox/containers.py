@@ -26,8 +26,8 @@ shows of a started container comes through a `SandboxHost` (`substrate.sandbox.h
 tests of this logic give it `substrate.sandbox.fake_engine`'s fakes.
 
 On a cache hit the only check is that the container's init is still the same process
-(pid and start time from procfs, microseconds): a restarted or replaced container is
-verified again from scratch. Settings changed on a running container through the
+(its pid and start time, from procfs: tens of microseconds): a restarted or replaced
+container is verified again from scratch. Settings changed on a running container through the
 engine (`docker update`) are not re-observed per command; that needs engine access,
 which is root-equivalent anyway (docs/execution.md).
 
@@ -44,7 +44,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,7 @@ class Sandbox:
     profile: Profile
     who: RunAs
     init_pid: int
-    init_start: float  # (init_pid, init_start) name the init despite pid reuse
+    init: Hashable  # the init's identity (`reaper.ProcInfo.ident`): pid reuse aside
     protected: frozenset[int]
     cgroups: reaper.CgroupDirs
     facts: list[Fact]
@@ -179,7 +179,7 @@ class Containers:
 
     def _alive(self, sandbox: Sandbox) -> bool:
         """Is the container's init still the process we verified? (procfs, microseconds)"""
-        return self._host.process_start(sandbox.init_pid) == sandbox.init_start
+        return self._host.identity(sandbox.init_pid) == sandbox.init
 
     async def forget(self, sandbox: Sandbox, reason: str) -> None:
         """Remove a sandbox that stopped working (its container went away under us)."""
@@ -273,8 +273,8 @@ class Containers:
             raise ContainerGone(container)
         observed = await self._observe(init_pid, inspect, profile, list(readonly))
         await self._check(container, ws, profile, required, observed)
-        init_start = self._host.process_start(init_pid)
-        if init_start is None:
+        init = self._host.identity(init_pid)
+        if init is None:
             raise ContainerGone(container)
         host_visible = profile.runtime in HOST_VISIBLE_RUNTIMES
         cgroups = await trio.to_thread.run_sync(self._host.cgroups, init_pid)
@@ -287,7 +287,7 @@ class Containers:
             profile=profile,
             who=who,
             init_pid=init_pid,
-            init_start=init_start,
+            init=init,
             protected=frozenset(protected),
             cgroups=cgroups,
             facts=observed,

@@ -1,18 +1,18 @@
 """What the daemon reads from the host kernel about a started sandbox container.
 
 `Containers` verifies a container through a `SandboxHost`: its confinement facts (from
-`substrate.sandbox.observe`), the start time of its init (a restarted container is a
+`substrate.sandbox.observe`), the identity of its init (a restarted container is a
 different process), its cgroup directories and the init's keep-alive child (both for
 `substrate.sandbox.reaper`). `HostKernel` reads the real kernel; the in-memory
 `substrate.sandbox.fake_engine.FakeHost` answers for tests of the container logic.
 
 Every method blocks (procfs, cgroupfs, netlink): callers use worker threads, except for
-`process_start`, one small procfs read.
+`identity`, a few small procfs reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 from substrate.sandbox import observe, reaper
@@ -35,9 +35,9 @@ class SandboxHost(Protocol):
         identities of its workspace mounts. Raises ProcessLookupError when it is gone."""
         ...
 
-    def process_start(self, pid: int) -> float | None:
-        """When host process `pid` started (None if it is gone): (pid, start) names one
-        process despite pid reuse."""
+    def identity(self, pid: int) -> Hashable | None:
+        """The identity of host process `pid` (None if it is gone): equal for one process
+        only, whatever reuses its pid (`reaper.ProcInfo.ident`)."""
         ...
 
     def cgroups(self, pid: int) -> reaper.CgroupDirs:
@@ -67,9 +67,8 @@ class HostKernel:
             )
         return found
 
-    def process_start(self, pid: int) -> float | None:
-        info = reaper.read_proc(pid)
-        return None if info is None else info.start
+    def identity(self, pid: int) -> Hashable | None:
+        return reaper.identity(pid)
 
     def cgroups(self, pid: int) -> reaper.CgroupDirs:
         return reaper.CgroupDirs.of_pid(pid)
