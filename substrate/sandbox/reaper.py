@@ -153,7 +153,8 @@ def identity(pid: int) -> Hashable | None:
                 return None
     except psutil.Error:
         return None
-    return proc
+    found: Hashable = proc
+    return found
 
 
 def attribute(procs: Iterable[ProcInfo], protected: frozenset[int]) -> dict[int, str | None]:
