@@ -92,9 +92,8 @@ async def test_a_signal_before_the_command_has_a_process_is_held_then_answered(
 
         nursery.start_soon(send)
         await held.wait()
-        assert answers == [] and [h.name for h in entry.held] == [
-            "TERM"
-        ]  # held, not answered "0" while the command may still start
+        # Held, not answered "0" while the command may still start.
+        assert answers == [] and [h.name for h in entry.held] == ["TERM"]
         layer.exec_of(entry.proc).exit(0)
     assert answers == [0]
     await entry.done.wait()
