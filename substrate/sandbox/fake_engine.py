@@ -30,9 +30,8 @@ import struct
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
 import trio
 
 from substrate.errors import ImageMissing
@@ -44,6 +43,9 @@ from substrate.sandbox.parsers import workspace_view
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import WORKSPACE_TARGET
 from substrate.schema.journal import EngineStatus
+
+if TYPE_CHECKING:
+    import docker
 
 __all__ = ["FakeContainer", "FakeEngine", "FakeExec", "FakeHost", "builtin_program"]
 
