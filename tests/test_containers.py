@@ -133,7 +133,7 @@ async def test_a_fact_that_does_not_hold_removes_the_container(layer: Layer) -> 
         layer.journal,
         daemon_id="e" * 16,
         epoch=layer.journal.epoch,
-        seccomp_dir=layer.containers._seccomp_dir,
+        seccomp_dir=ROOT / "seccomp",
         idle_s=60.0,
         host=TamperedHost(layer.engine),
     )
