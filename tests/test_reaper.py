@@ -1,12 +1,23 @@
-"""Pure parts of `substrate.sandbox.reaper`: cgroup paths and process attribution."""
+"""`substrate.sandbox.reaper` without Docker: cgroup paths, process attribution (pure), and
+reading a host process (a child of the test)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from substrate.sandbox.reaper import CgroupDirs, ProcInfo, attribute, with_roots
+from substrate.sandbox.reaper import (
+    MARKER,
+    CgroupDirs,
+    ProcInfo,
+    attribute,
+    identity,
+    read_proc,
+    with_roots,
+)
 
 V1 = """9:name=systemd:/docker/abc
 8:pids:/docker/abc
@@ -35,7 +46,7 @@ def test_cgroup_v2() -> None:
 
 
 def info(pid: int, ppid: int, marker: str | None) -> ProcInfo:
-    return ProcInfo(pid=pid, ppid=ppid, start=0, marker=marker)
+    return ProcInfo(pid=pid, ppid=ppid, ident=pid, marker=marker)
 
 
 def test_attribution_follows_markers_then_ancestors() -> None:
@@ -62,10 +73,29 @@ def test_the_main_process_is_a_root_even_without_a_marker() -> None:
     # The engine reported pid 10 (started at tick 7) as the command's main process; it
     # scrubbed its environment, and so did its child. Pid 40 reuses a root's number.
     procs = [
-        ProcInfo(pid=10, ppid=0, start=7, marker=None),
-        ProcInfo(pid=11, ppid=10, start=8, marker=None),
-        ProcInfo(pid=40, ppid=0, start=9, marker=None),
+        ProcInfo(pid=10, ppid=0, ident=(10, 7), marker=None),
+        ProcInfo(pid=11, ppid=10, ident=(11, 8), marker=None),
+        ProcInfo(pid=40, ppid=0, ident=(40, 9), marker=None),
     ]
-    rooted = with_roots(procs, "a", {10: 7, 40: 1})
+    rooted = with_roots(procs, "a", {(10, 7), (40, 1)})
     assert attribute(rooted, frozenset()) == {10: "a", 11: "a", 40: None}
-    assert with_roots(procs, "a", {}) == procs
+    assert with_roots(procs, "a", set()) == procs
+
+
+def test_a_host_process_is_read_with_its_marker_and_identity() -> None:
+    child = subprocess.Popen(["sleep", "60"], env={MARKER: "p_feed", "PATH": os.defpath})
+    try:
+        info = read_proc(child.pid)
+        assert info is not None
+        assert (info.pid, info.ppid, info.marker) == (child.pid, os.getpid(), "p_feed")
+        assert identity(child.pid) == info.ident  # the same process, read again
+        mine = read_proc(os.getpid())
+        assert mine is not None and mine.ident != info.ident
+        child.kill()
+        # Exited, not yet reaped: a zombie is nobody's process any more.
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+        assert read_proc(child.pid) is None and identity(child.pid) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert read_proc(child.pid) is None and identity(child.pid) is None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from substrate.api.base import Caller, handles
 from substrate.errors import InvalidParams
 from substrate.process import intents
+from substrate.process.runner import RunRequest
 from substrate.schema.proc import (
     ListParams,
     ListResult,
@@ -49,34 +50,30 @@ def stdin_bytes(p: RunParams) -> bytes | None:
     return None
 
 
-@handles("proc.run")
-async def run(daemon: Daemon, caller: Caller, p: RunParams) -> ProcResult:
-    execution = execution_of(daemon)
-    ws = daemon.workspaces.get(p.workspace)
-    return await execution.processes.run(
-        ws,
-        p.profile,
-        p.argv,
+def run_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRequest:
+    """The runner's request for `proc.run`/`proc.start` params. Refuses
+    `unknown_workspace`, and `invalid_params` for bad stdin (see `stdin_bytes`)."""
+    return RunRequest(
+        ws=daemon.workspaces.get(p.workspace),
+        profile=p.profile,
+        argv=tuple(p.argv),
         cwd=p.cwd,
         stdin=stdin_bytes(p),
         timeout_s=p.timeout_s,
         actor=caller.name,
     )
+
+
+@handles("proc.run")
+async def run(daemon: Daemon, caller: Caller, p: RunParams) -> ProcResult:
+    execution = execution_of(daemon)
+    return await execution.processes.run(run_request(daemon, caller, p))
 
 
 @handles("proc.start")
 async def start(daemon: Daemon, caller: Caller, p: RunParams) -> StartResult:
     execution = execution_of(daemon)
-    ws = daemon.workspaces.get(p.workspace)
-    proc = await execution.processes.start(
-        ws,
-        p.profile,
-        p.argv,
-        cwd=p.cwd,
-        stdin=stdin_bytes(p),
-        timeout_s=p.timeout_s,
-        actor=caller.name,
-    )
+    proc = await execution.processes.start(run_request(daemon, caller, p))
     return StartResult(proc=proc)
 
 

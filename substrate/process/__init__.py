@@ -1,1 +1,42 @@
-"""substrate.process."""
+"""Processes: argv-only commands run in verified sandboxes, and what is known of them.
+
+`argv` holds the pure rules a request must pass; `runner.Processes` runs a `RunRequest`
+(records it, drives its exec, gates what it wrote); `driver` supervises one exec (pumps,
+timeout, signals, the kill) over the engine's `stream`; `records` is the `processes`
+table and its journal entries; `intents` answers wait/status/list/subscribe from a
+running command or its record, `subscriptions` streams output; `service.Execution` wires
+the whole execution layer of a daemon.
+"""
+
+from substrate.process.argv import (
+    effective_timeout,
+    exec_env,
+    signal_of,
+    start_failure,
+    validate_argv,
+    workdir_for,
+)
+from substrate.process.driver import Entry, ExecDriver
+from substrate.process.records import Outcome, ProcessRecords, ProcRow
+from substrate.process.runner import Processes, RunRequest, WriteGate
+from substrate.process.service import Execution
+from substrate.process.subscriptions import Subscriptions
+
+__all__ = [
+    "Entry",
+    "ExecDriver",
+    "Execution",
+    "Outcome",
+    "ProcRow",
+    "ProcessRecords",
+    "Processes",
+    "RunRequest",
+    "Subscriptions",
+    "WriteGate",
+    "effective_timeout",
+    "exec_env",
+    "signal_of",
+    "start_failure",
+    "validate_argv",
+    "workdir_for",
+]

@@ -36,6 +36,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import trio
@@ -86,9 +87,9 @@ class Entry:
     done: trio.Event = field(default_factory=trio.Event)
     result: ProcResult | None = None  # set when it ended with an outcome
     ended: float | None = None
-    #: (host pid, start ticks) of the main process, once the engine reported it: it is
-    #: the command's even if it scrubbed its environment (no marker).
-    main: tuple[int, int] | None = None
+    #: The identity of the main process (`reaper.ProcInfo.ident`), once the engine
+    #: reported it: it is the command's even if it scrubbed its environment (no marker).
+    main: Hashable | None = None
     #: The engine reported the main process (or the exec's end): a signal that finds
     #: nothing after this is answered 0, never held.
     appeared: bool = False
@@ -218,9 +219,7 @@ class ExecDriver:
         pid = await self._started_pid(run.exec_id, first_sleep=first_sleep)
         entry = run.entry
         if pid is not None and entry.main is None:
-            info = await trio.to_thread.run_sync(reaper.read_proc, pid)
-            if info is not None:
-                entry.main = (pid, info.start)
+            entry.main = await trio.to_thread.run_sync(reaper.identity, pid)
         entry.appeared = True
         return pid
 
@@ -465,9 +464,9 @@ class ExecDriver:
         raise AssertionError("unreachable")
 
 
-def _roots(entry: Entry) -> dict[int, int]:
-    """The main process as the reaper's extra root (pid → start ticks), once known."""
-    return dict([entry.main]) if entry.main is not None else {}
+def _roots(entry: Entry) -> frozenset[Hashable]:
+    """The main process as the reaper's extra root (its identity), once known."""
+    return frozenset() if entry.main is None else frozenset([entry.main])
 
 
 def _after_exit(sandbox: Sandbox, proc: str, alone: bool) -> tuple[bool, int]:

@@ -1,5 +1,5 @@
 """Process intents (SPEC §5): `proc.wait`, `proc.status`, `proc.list`, `proc.subscribe`
-answered from a running command (`procs.Entry`) or from its record.
+answered from a running command (`driver.Entry`) or from its record.
 
 A command of this daemon run is looked up in memory first (byte counts grow, waits
 wake as it ends); anything else comes from the `processes` table: an exited command's
@@ -23,8 +23,9 @@ import trio
 
 from substrate.artifacts.sink import OutputSink
 from substrate.errors import LimitExceeded, ProcessUnknown
+from substrate.process.driver import Entry
 from substrate.process.records import ProcRow
-from substrate.process.runner import Entry, Processes
+from substrate.process.runner import Processes
 from substrate.process.subscriptions import MAX_SUBSCRIPTIONS, STREAMS, Feed, FixedSource, Source
 from substrate.schema.artifact import OutputRef
 from substrate.schema.proc import ProcPending, ProcResult, ProcStatus

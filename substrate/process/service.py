@@ -20,14 +20,18 @@ import trio
 
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
-from substrate.errors import ProfileUnknown, Refusal
+from substrate.errors import Refusal
+from substrate.process.driver import ExecDriver
+from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
+from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.engine import Engine
-from substrate.sandbox.profiles import Profile, load_profiles
+from substrate.sandbox.profiles import Profile, find_profile, load_profiles
 from substrate.schema.journal import EngineStatus
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+from substrate.workspace.gate import SnapshotGate
 from substrate.workspace.registry import Workspace
 
 log = logging.getLogger("substrate.process.service")
@@ -72,11 +76,22 @@ class Execution:
             fs_limiter=fs_limiter,
             files_dir=state_dir / "sandbox-files",
         )
+        # Output pumps hold a thread for the life of a command: their own limiter, so
+        # long commands can never starve the engine's or the filesystem's threads.
+        driver = ExecDriver(
+            self.engine,
+            self.containers,
+            pump_limiter=trio.CapacityLimiter(max(2, 2 * config.max_processes)),
+            fs_limiter=fs_limiter,
+        )
         self.processes = Processes(
             engine=self.engine,
             containers=self.containers,
+            driver=driver,
+            records=ProcessRecords(store, journal),
             artifacts=self.artifacts,
-            store=store,
+            subscriptions=Subscriptions(),
+            write_gate=SnapshotGate(config.state_path() / "gate", journal, limiter=fs_limiter),
             journal=journal,
             config=config,
             profiles=self.profiles,
@@ -93,10 +108,7 @@ class Execution:
 
     def profile(self, name: str) -> Profile:
         """The named profile. Refuses `profile_unknown`."""
-        found = self.profiles.get(name)
-        if found is None:
-            raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(self.profiles))
-        return found
+        return find_profile(self.profiles, name)
 
     async def engine_status(self) -> EngineStatus:
         return await self.engine.status()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from substrate.errors import GrantInvalid, RuntimeUnavailable
+from substrate.process.argv import exec_env, validate_argv, workdir_for
 from substrate.sandbox import reaper
 from substrate.sandbox.engine import ContainerGone, Engine, ExecStream
 from substrate.sandbox.profiles import Profile
@@ -41,8 +42,6 @@ DEFAULT_TERM = "xterm-256color"
 
 def shell_argv(profile: Profile) -> list[str]:
     """The session's argv: the profile's `SHELL`, else /bin/sh (checked by `argv_allow`)."""
-    from substrate.process.runner import validate_argv
-
     argv = [profile.env.get("SHELL", DEFAULT_SHELL)]
     validate_argv(argv, profile.argv_allow)
     return argv
@@ -150,9 +149,6 @@ class DockerPtys:
         (profile no longer interactive), `argv_denied`, `confinement_unmet`,
         `image_missing`, `runtime_unavailable`, like any command. Costs a container start
         and a fact check when the sandbox is cold, else three engine calls."""
-        # Imported here: the daemon builds terminals whether or not the exec layer loads.
-        from substrate.process.runner import exec_env, workdir_for
-
         execution = self._execution()
         if execution is None:
             raise RuntimeUnavailable("the execution layer is not running")

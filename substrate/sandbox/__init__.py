@@ -1,1 +1,41 @@
-"""substrate.sandbox."""
+"""The sandbox: where a command runs and what proves it is confined.
+
+Profiles (`profiles`, `seccomp`) declare everything a sandbox may get; `spec` turns one
+into the engine's create request; `containers` creates, verifies and caches one container
+per (workspace, profile) through the Docker `engine`; `facts` says what a profile
+requires and compares it with what `observe` (with `observe_gvisor`, `netns`, `parsers`)
+reads from the kernel through a `host` view; `mounts` decides what is read-only over the
+workspace; `reaper` finds, signals and reaps a command's host processes. `fake_engine`
+is an in-memory engine and host for tests of logic.
+
+`Containers` and `Sandbox` are not re-exported here: `substrate.schema` imports
+`substrate.sandbox.facts` and `.profiles`, and `containers` imports the workspace gate,
+which imports `substrate.schema.proc`; import them from `substrate.sandbox.containers`.
+"""
+
+from substrate.sandbox.engine import ContainerGone, Engine, EngineError, ExecStream
+from substrate.sandbox.facts import Fact, FactValue, Mismatch, compare, required_facts
+from substrate.sandbox.host import HostKernel, SandboxHost
+from substrate.sandbox.profiles import Profile, ProfileError, find_profile, load_profiles
+from substrate.sandbox.spec import RunAs, container_spec, run_as
+
+__all__ = [
+    "ContainerGone",
+    "Engine",
+    "EngineError",
+    "ExecStream",
+    "Fact",
+    "FactValue",
+    "HostKernel",
+    "Mismatch",
+    "Profile",
+    "ProfileError",
+    "RunAs",
+    "SandboxHost",
+    "compare",
+    "container_spec",
+    "find_profile",
+    "load_profiles",
+    "required_facts",
+    "run_as",
+]

@@ -13,22 +13,21 @@ workspace is released, or the daemon stops. On a cache miss it:
    removed, so the next call starts clean); one that looks right is still never reused;
 4. creates the container from the profile alone (`container_spec`, pure), keeps it alive
    with the engine's init and `sleep infinity`, and starts it;
-5. observes the confinement facts from outside (`substrate.sandbox.observe`: procfs, cgroups,
-   netns, inspect) plus the identity (st_dev, st_ino) of `/workspace` and of every
+5. observes the confinement facts from outside (`substrate.sandbox.observe`: procfs,
+   cgroups, netns, inspect) plus the identity (st_dev, st_ino) of `/workspace` and of every
    read-only directory as the container's own root sees them, against the held fds, and
    compares them with the required facts (`substrate.sandbox.facts`). Any mismatch removes the
    container and raises `confinement_unmet` with what was required and what was seen.
    The facts are journalled (`proc.facts`) and returned with every command's result.
 
-Read-only over the workspace bind: the policy's whole-directory denies (`X/**`) and
-every `.git` — directory or file (worktrees, submodules) — at any depth, found by a
-bounded walk from the held root fd that never follows a symlink (`git_paths`). An empty
-read-only file is bound over `/etc/resolv.conf`: the engine would otherwise copy the
-host's resolver (its name server address) into a sandbox that has no network.
+What is mounted read-only over the workspace (every `.git`, the policy's whole-directory
+denies) and the empty resolver file are `substrate.sandbox.mounts`'. What the host kernel
+shows of a started container comes through a `SandboxHost` (`substrate.sandbox.host`);
+tests of this logic give it `substrate.sandbox.fake_engine`'s fakes.
 
 On a cache hit the only check is that the container's init is still the same process
-(pid and start time from procfs, microseconds): a restarted or replaced container is
-verified again from scratch. Settings changed on a running container through the
+(its pid and start time, from procfs: tens of microseconds): a restarted or replaced
+container is verified again from scratch. Settings changed on a running container through the
 engine (`docker update`) are not re-observed per command; that needs engine access,
 which is root-equivalent anyway (docs/execution.md).
 
@@ -40,14 +39,12 @@ removed: it belongs to a previous run.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import secrets
-import stat
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,11 +52,12 @@ from typing import Any
 import msgspec
 import trio
 
-from substrate.errors import ConfinementUnmet, LimitExceeded, Refusal, RuntimeUnavailable
+from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
 from substrate.sandbox import facts as factlib
-from substrate.sandbox import observe, profiles, reaper, seccomp
+from substrate.sandbox import mounts, profiles, reaper, seccomp
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.facts import Fact, FactValue
+from substrate.sandbox.host import HostKernel, SandboxHost
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import (
     HOST_VISIBLE_RUNTIMES,
@@ -68,28 +66,17 @@ from substrate.sandbox.spec import (
     LABEL_EPOCH,
     LABEL_PROFILE,
     LABEL_WORKSPACE,
-    WORKSPACE_TARGET,
     RunAs,
     container_spec,
     run_as,
     spec_digest,
 )
 from substrate.store.journal import Journal
-from substrate.workspace import paths
 from substrate.workspace.registry import Workspace
 
 __all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_for"]
 
 log = logging.getLogger("substrate.sandbox.containers")
-
-#: At most this many `.git` paths get a read-only mount in one sandbox; more is refused
-#: (`limit_exceeded`): a checkout with that many nested repositories is not supported.
-MAX_GIT_PATHS = 128
-#: The `.git` search reads at most this many directory entries, and goes this deep;
-#: past either the sandbox is refused (`limit_exceeded`) rather than left unprotected.
-MAX_GIT_WALK_ENTRIES = 1_000_000
-MAX_GIT_WALK_DEPTH = 256
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass
@@ -101,7 +88,7 @@ class Sandbox:
     profile: Profile
     who: RunAs
     init_pid: int
-    init_start: int
+    init: Hashable  # the init's identity (`reaper.ProcInfo.ident`): pid reuse aside
     protected: frozenset[int]
     cgroups: reaper.CgroupDirs
     facts: list[Fact]
@@ -110,11 +97,6 @@ class Sandbox:
     last_used: float = field(default_factory=time.monotonic)
     #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
     readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-    def alive(self) -> bool:
-        """Is the container's init still the process we verified? (procfs, microseconds)"""
-        info = reaper.read_proc(self.init_pid)
-        return info is not None and info.start == self.init_start
 
     def acquire(self) -> None:
         """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
@@ -140,8 +122,10 @@ class Containers:
         idle_s: float,
         fs_limiter: trio.CapacityLimiter | None = None,
         files_dir: Path | None = None,
+        host: SandboxHost | None = None,
     ) -> None:
         self._engine = engine
+        self._host: SandboxHost = host if host is not None else HostKernel()
         self._journal = journal
         self.daemon_id = daemon_id
         self._epoch = epoch
@@ -179,19 +163,23 @@ class Containers:
         """
         key = (ws.id, profile.name)
         found = self._live.get(key)
-        if found is not None and found.alive():
+        if found is not None and self._alive(found):
             found.last_used = time.monotonic()
             return found
         lock = self._locks.setdefault(key, trio.Lock())
         async with lock:
             found = self._live.get(key)
             if found is not None:
-                if found.alive():
+                if self._alive(found):
                     return found
                 await self._drop(found, "init_changed")
             sandbox = await self._create_verified(ws, profile)
             self._live[key] = sandbox
             return sandbox
+
+    def _alive(self, sandbox: Sandbox) -> bool:
+        """Is the container's init still the process we verified? (procfs, microseconds)"""
+        return self._host.identity(sandbox.init_pid) == sandbox.init
 
     async def forget(self, sandbox: Sandbox, reason: str) -> None:
         """Remove a sandbox that stopped working (its container went away under us)."""
@@ -220,7 +208,7 @@ class Containers:
             _security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
         )
         ro_dirs = await trio.to_thread.run_sync(
-            _readonly_identities, ws, profile, limiter=self._fs_limiter
+            mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
         )
         required = factlib.required_facts(
             profile,
@@ -232,13 +220,13 @@ class Containers:
             image_id=image_id,
             security_opt=security_opt,
         )
-        required.update(_identity_required(profile, ro_dirs, owner))
+        required.update(mounts.identity_required(profile, ro_dirs, owner))
         ro_rels = [rel for rel, _ in ro_dirs]
         await self._remove_foreign(ws, profile, required, ro_rels)
         resolv_conf = None
         if self._files_dir is not None:
             resolv_conf = await trio.to_thread.run_sync(
-                empty_resolv_conf, self._files_dir, limiter=self._fs_limiter
+                mounts.empty_resolv_conf, self._files_dir, limiter=self._fs_limiter
             )
 
         spec = container_spec(
@@ -285,21 +273,21 @@ class Containers:
             raise ContainerGone(container)
         observed = await self._observe(init_pid, inspect, profile, list(readonly))
         await self._check(container, ws, profile, required, observed)
-        init = reaper.read_proc(init_pid)
+        init = self._host.identity(init_pid)
         if init is None:
             raise ContainerGone(container)
         host_visible = profile.runtime in HOST_VISIBLE_RUNTIMES
-        cgroups = await trio.to_thread.run_sync(reaper.CgroupDirs.of_pid, init_pid)
+        cgroups = await trio.to_thread.run_sync(self._host.cgroups, init_pid)
         protected = {init_pid}
         if host_visible:
-            protected |= await _keepalive_pids(cgroups, init_pid)
+            protected |= await self._keepalive_pids(cgroups, init_pid)
         sandbox = Sandbox(
             id=container,
             workspace=ws.id,
             profile=profile,
             who=who,
             init_pid=init_pid,
-            init_start=init.start,
+            init=init,
             protected=frozenset(protected),
             cgroups=cgroups,
             facts=observed,
@@ -322,13 +310,19 @@ class Containers:
     async def _observe(
         self, init_pid: int, inspect: dict[str, Any], profile: Profile, ro_rels: Sequence[str]
     ) -> list[Fact]:
-        def run() -> list[Fact]:
-            found = list(observe.observe(init_pid, inspect, workspace_target=WORKSPACE_TARGET))
-            if profile.workspace != "none":
-                found += _observed_identities(_filesystem_pid(init_pid, profile), ro_rels)
-            return found
+        return await trio.to_thread.run_sync(
+            self._host.observe, init_pid, inspect, profile, ro_rels, limiter=self._fs_limiter
+        )
 
-        return await trio.to_thread.run_sync(run, limiter=self._fs_limiter)
+    async def _keepalive_pids(self, cgroups: reaper.CgroupDirs, init_pid: int) -> set[int]:
+        """The init's keep-alive child (it may take a moment to appear after start)."""
+        with trio.move_on_after(2.0):
+            while True:
+                found = await trio.to_thread.run_sync(self._host.children_in, cgroups, init_pid)
+                if found:
+                    return found
+                await trio.sleep(0.005)
+        return set()
 
     async def _check(
         self,
@@ -444,228 +438,6 @@ def _security_opts(profile: Profile, seccomp_dir: Path) -> list[str]:
             required={"seccomp": profile.seccomp},
             observed={"seccomp": "invalid"},
         ) from None
-
-
-def _identity_required(
-    profile: Profile,
-    ro_dirs: Sequence[tuple[str, tuple[int, int]]],
-    owner: os.stat_result,
-) -> dict[str, FactValue]:
-    """The mounts must be *our* directories: (st_dev, st_ino) of the held fds."""
-    if profile.workspace == "none":
-        return {}
-    found: dict[str, FactValue] = {"workspace_identity": f"{owner.st_dev}:{owner.st_ino}"}
-    for rel, (dev, ino) in ro_dirs:
-        found[f"workspace_identity:{rel}"] = f"{dev}:{ino}"
-    return found
-
-
-def _readonly_identities(ws: Workspace, profile: Profile) -> list[tuple[str, tuple[int, int]]]:
-    """Paths to bind read-only over the workspace, with their (st_dev, st_ino), sorted:
-    the policy's read-only dirs that exist as a real directory or regular file (no
-    symlink anywhere on the way, the last component included), and every `.git` at any
-    depth (`git_paths`).
-
-    A regular file counts because `.git` is a file in a git worktree or submodule (it
-    names the real git dir): it is bound read-only like a directory would be. Refuses
-    as `git_paths` does.
-    """
-    if profile.workspace == "none":
-        return []
-    found: list[tuple[str, tuple[int, int]]] = []
-    for rel in ws.policy.readonly_dirs():
-        try:
-            *parents, name = paths.split_relpath(rel)
-            parent = paths.open_dir(ws.root_fd, parents, rel)
-        except (Refusal, ValueError):
-            continue  # absent or behind a symlink: nothing to mount over
-        try:
-            st = paths.lstat_at(parent, name)
-        finally:
-            os.close(parent)
-        if st is not None and (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-            found.append(("/".join([*parents, name]), (st.st_dev, st.st_ino)))
-    mounted = {rel for rel, _ in found}
-    found += [(rel, ident) for rel, ident in git_paths(ws.root_fd, mounted) if rel not in mounted]
-    return sorted(found)
-
-
-def git_paths(root_fd: int, skip: Collection[str] = ()) -> list[tuple[str, tuple[int, int]]]:
-    """Every `.git` beneath `root_fd` that is a directory or a regular file, as
-    (workspace-relative path, (st_dev, st_ino)), sorted. Blocking.
-
-    Walks from the held root fd with `O_NOFOLLOW | O_DIRECTORY` opens, one fd per level
-    (never one per pending directory): never follows a symlink, never enters a `.git`
-    (its mount covers it) nor a directory in `skip` (mounted read-only whole already).
-    Refuses `limit_exceeded` past `MAX_GIT_PATHS` found, `MAX_GIT_WALK_ENTRIES` entries
-    read or `MAX_GIT_WALK_DEPTH` levels (a sandbox is refused rather than left with a
-    writable `.git`), and `confinement_unmet` for a `.git` whose path is not UTF-8 (the
-    engine's API cannot name it, so it cannot be mounted). Cost: one `scandir` per
-    directory, about 13 ms per 10,000 entries (warm page cache).
-    """
-    found: list[tuple[str, tuple[int, int]]] = []
-    seen = 0
-
-    def scan(dir_fd: int, prefix: str) -> list[str]:
-        nonlocal seen
-        subdirs: list[str] = []
-        with os.scandir(dir_fd) as it:
-            for entry in it:
-                seen += 1
-                if seen > MAX_GIT_WALK_ENTRIES:
-                    raise LimitExceeded(
-                        f"the workspace has more than {MAX_GIT_WALK_ENTRIES} entries to "
-                        "search for .git directories",
-                        limit=MAX_GIT_WALK_ENTRIES,
-                    )
-                rel = prefix + entry.name
-                if entry.name == ".git":
-                    _add_git(found, rel, entry)
-                elif entry.is_dir(follow_symlinks=False) and rel not in skip:
-                    subdirs.append(entry.name)
-        return subdirs
-
-    # Each level: (its fd, its prefix, its subdirectories still to visit).
-    stack: list[tuple[int, str, list[str]]] = []
-    try:
-        top = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
-        stack.append((top, "", []))
-        stack[-1][2].extend(scan(top, ""))
-        while stack:
-            dir_fd, prefix, todo = stack[-1]
-            if not todo:
-                os.close(dir_fd)
-                stack.pop()
-                continue
-            name = todo.pop()
-            if len(stack) >= MAX_GIT_WALK_DEPTH:
-                raise LimitExceeded(
-                    f"the workspace is more than {MAX_GIT_WALK_DEPTH} directories deep",
-                    limit=MAX_GIT_WALK_DEPTH,
-                )
-            try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-            except OSError:
-                continue  # swapped for a symlink or gone meanwhile: never followed
-            stack.append((child, f"{prefix}{name}/", []))
-            stack[-1][2].extend(scan(child, f"{prefix}{name}/"))
-    finally:
-        for dir_fd, _, _ in stack:
-            os.close(dir_fd)
-    return sorted(found)
-
-
-def _add_git(found: list[tuple[str, tuple[int, int]]], rel: str, entry: os.DirEntry[str]) -> None:
-    try:
-        st = entry.stat(follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-        return  # a symlink named .git points elsewhere in the sandbox's own view
-    try:
-        rel.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ConfinementUnmet(
-            "a .git in the workspace lies under a directory whose name is not UTF-8: "
-            "it cannot be mounted read-only (rename that directory)",
-            required={"readonly_dirs": "every .git"},
-            observed={"readonly_dirs": "a .git under a name that is not UTF-8"},
-        ) from None
-    found.append((rel, (st.st_dev, st.st_ino)))
-    if len(found) > MAX_GIT_PATHS:
-        raise LimitExceeded(
-            f"the workspace has more than {MAX_GIT_PATHS} .git directories or files",
-            limit=MAX_GIT_PATHS,
-        )
-
-
-#: The empty file bound over /etc/resolv.conf (in the daemon's `files_dir`).
-RESOLV_CONF_NAME = "resolv.conf"
-
-
-def empty_resolv_conf(files_dir: Path) -> str:
-    """The host path of an empty, read-only resolver file for sandboxes, made (or made
-    empty again) in `files_dir` (0700, under the state dir). Blocking."""
-    files_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(files_dir, 0o700)
-    target = files_dir / RESOLV_CONF_NAME
-    st = None
-    with contextlib.suppress(FileNotFoundError):
-        st = os.lstat(target)
-    if (
-        st is None
-        or not stat.S_ISREG(st.st_mode)
-        or st.st_size
-        or stat.S_IMODE(st.st_mode) != 0o444
-    ):
-        temp = files_dir / f".{RESOLV_CONF_NAME}.{secrets.token_hex(4)}"
-        fd = os.open(
-            temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444
-        )
-        os.fchmod(fd, 0o444)
-        os.close(fd)
-        os.rename(temp, target)
-    return str(target)
-
-
-def _filesystem_pid(init_pid: int, profile: Profile) -> int:
-    """The host process whose root shows the container's mounts.
-
-    Under runc, the container's init. Under runsc the init pid is the gVisor Sentry,
-    whose host root is not the container's; the gofer (`runsc-gofer`, in the same
-    cgroup) holds the container's mounts and serves every file the sandbox sees. If it
-    cannot be found, -1: every identity is then "absent", a mismatch (fail closed).
-    """
-    if profile.runtime in HOST_VISIBLE_RUNTIMES:
-        return init_pid
-    try:
-        dirs = reaper.CgroupDirs.of_pid(init_pid)
-    except OSError:
-        return -1
-    for pid in reaper.cgroup_pids(dirs):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv0 = f.read(256).split(b"\0", 1)[0]
-        except OSError:
-            continue
-        if argv0 == b"runsc-gofer":
-            return pid
-    return -1
-
-
-def _observed_identities(init_pid: int, readonly_dirs: Sequence[str]) -> list[Fact]:
-    """(st_dev, st_ino) of /workspace and its read-only dirs, seen through the container's
-    own root (`/proc/<pid>/root`), never following a symlink at the last component."""
-    found: list[Fact] = []
-    targets = [("workspace_identity", WORKSPACE_TARGET)] + [
-        (f"workspace_identity:{rel}", f"{WORKSPACE_TARGET}/{rel}") for rel in readonly_dirs
-    ]
-    for name, target in targets:
-        path = f"/proc/{init_pid}/root{target}"
-        try:
-            st = os.lstat(path)
-            plain = stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)
-            value = f"{st.st_dev}:{st.st_ino}" if plain else "not-a-directory-or-file"
-        except OSError:
-            value = "absent"
-        found.append(factlib.make_fact(name, value, source="kernel:lstat", observed_at=time.time()))
-    return found
-
-
-async def _keepalive_pids(cgroups: reaper.CgroupDirs, init_pid: int) -> set[int]:
-    """The init's keep-alive child (it may take a moment to appear after start)."""
-
-    def scan() -> set[int]:
-        infos = (reaper.read_proc(p) for p in reaper.cgroup_pids(cgroups))
-        return {i.pid for i in infos if i is not None and i.ppid == init_pid}
-
-    with trio.move_on_after(2.0):
-        while True:
-            found = await trio.to_thread.run_sync(scan)
-            if found:
-                return found
-            await trio.sleep(0.005)
-    return set()
 
 
 def daemon_id_for(state_dir: os.PathLike[str] | str) -> str:

@@ -8,22 +8,15 @@ dumps (links, routes) over a netlink socket opened inside it.
 
 Theory of operation. `/proc/<pid>` is opened once as a directory fd and every procfs file
 is read relative to it, so all kernel facts come from the same process (if it exits, the
-reads fail instead of landing on a reused pid). The netlink socket is created by a
-short-lived dedicated thread that `setns(CLONE_NEWNET)`s into the container's namespace,
-creates the socket, and switches back: a network-namespace switch affects only the calling
-thread, and a socket stays in the namespace it was created in. The thread is thrown away
-after, so even a failed switch back cannot leave a pooled worker thread (trio's) inside a
-container's namespace. pyroute2's own `IPRoute(netns=...)` forks a helper process per
-socket (about 13 ms); this costs about 1 ms, and pyroute2 still encodes and decodes the
-messages.
+reads fail instead of landing on a reused pid). The network namespace is read by
+`substrate.sandbox.netns` (a netlink socket made inside it on a throwaway thread).
 
 Which process is observed: the container's init (inspect `State.Pid`) or an exec's pid.
-Under runsc that pid is gVisor's sandbox process (the Sentry): its status shows the
-Sentry's own seccomp filter and credentials, not the command's, so under runsc the
-command's credentials, capabilities and bind mounts come from the engine, the kernel view
-of the Sentry is reported as `sandbox_*` facts, and the read-only root is read from the
-gofer's mounts (`gofer_pid`), the host process that opens the container's files
-(docs/confinement.md).
+Under runsc that pid is gVisor's sandbox process (the Sentry), and what the host can see
+of it is read by `substrate.sandbox.observe_gvisor`: under runsc the command's
+credentials, capabilities and bind mounts come from the engine, the Sentry's own are
+`sandbox_*` facts, and the read-only root and the workspace identities are read through
+the gofer, the host process that opens the container's files (docs/confinement.md).
 
 Failure: a source that cannot be read yields its facts with value None (a mismatch for
 any required fact) and the reason in `source`; only a pid that does not exist raises
@@ -33,34 +26,22 @@ two dumps; see docs/confinement.md for measurements.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
-import socket
-import threading
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from pyroute2.netlink import NLM_F_DUMP, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR
-from pyroute2.netlink.rtnl import RTM_GETLINK, RTM_GETROUTE
-from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
-from pyroute2.netlink.rtnl.marshal import MarshalRtnl
-from pyroute2.netlink.rtnl.rtmsg import rtmsg
-
 from substrate.sandbox import facts as F
+from substrate.sandbox import observe_gvisor
+from substrate.sandbox import parsers as P
 from substrate.sandbox.facts import Fact, FactValue
+from substrate.sandbox.netns import read_netns
+from substrate.sandbox.readings import facts, failed, read_at, read_path, why
 
 log = logging.getLogger("substrate.sandbox.observe")
-
-CLONE_NEWNET = 0x40000000
-#: Longest wait for one netlink reply: the kernel answers dumps at once; this is a guard.
-NETLINK_TIMEOUT_S = 2.0
-#: Largest procfs/cgroup file read (mountinfo of a container is a few KiB).
-MAX_READ = 1 << 20
-_NETLINK_ROUTE = 0
 
 #: The engine's default capability set (moby `oci/caps/defaults.go`), for engine-side facts.
 ENGINE_DEFAULT_CAPS = frozenset(
@@ -83,7 +64,6 @@ ENGINE_DEFAULT_CAPS = frozenset(
 )
 #: The host paths of the engine's API socket; binding them (or a parent) exposes the engine.
 DOCKER_SOCKETS = ("/run/docker.sock", "/var/run/docker.sock")
-_libc: ctypes.CDLL | None = None
 
 
 def observe(
@@ -106,8 +86,8 @@ def observe(
         found = _engine_facts(inspect, workspace_target, sandboxed)
         found += _status_facts(proc_fd, pid, sandboxed)
         if sandboxed:
-            found += _sandbox_facts(proc_fd, pid)
-            found = _gofer_rootfs(found, pid)
+            found += observe_gvisor.sandbox_facts(proc_fd)
+            found = observe_gvisor.gofer_rootfs(found, pid)
         else:
             found += _mount_facts(proc_fd, pid, workspace_target, engine_socket_absent(inspect))
         found += _cgroup_facts(proc_fd, pid)
@@ -117,51 +97,35 @@ def observe(
     return found
 
 
-# -- reading ------------------------------------------------------------------------------
+def identities(
+    pid: int, readonly_dirs: Sequence[str], *, runtime: str, workspace_target: str = "/workspace"
+) -> list[Fact]:
+    """`workspace_identity` facts: (st_dev, st_ino) of the workspace mount and of each
+    read-only path over it (`workspace_identity:<rel>`), as the container sees them.
 
-
-def _read_at(dir_fd: int, name: str) -> str:
-    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        return _read_fd(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_path(path: str) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return _read_fd(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_fd(fd: int) -> str:
-    chunks = []
-    total = 0
-    while total <= MAX_READ:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        total += len(chunk)
-    return b"".join(chunks).decode("utf-8", "surrogateescape")
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.errno is not None:
-        return errno.errorcode.get(exc.errno, str(exc.errno))
-    return type(exc).__name__
-
-
-def _facts(names_values: Mapping[str, FactValue], source: str) -> list[Fact]:
-    now = time.time()
-    return [Fact(name=n, value=v, source=source, observed_at=now) for n, v in names_values.items()]
-
-
-def _failed(names: Sequence[str], source: str, exc: BaseException) -> list[Fact]:
-    log.warning("cannot observe %s from %s: %s", ", ".join(names), source, exc)
-    return _facts(dict.fromkeys(names), f"{source} ({_why(exc)})")
+    Read through `/proc/<p>/root` of the process whose root shows the container's mounts:
+    `pid` (the init) under runc, its gofer under runsc (`observe_gvisor.gofer_pid`); with
+    no gofer found every identity is "absent", a mismatch (fail closed). Never follows a
+    symlink at the last component. Blocking: one lstat per path, plus the gofer lookup.
+    """
+    fs_pid = pid
+    if runtime == "runsc":
+        gofer = observe_gvisor.gofer_pid(pid)
+        fs_pid = -1 if gofer is None else gofer
+    found: list[Fact] = []
+    targets = [("workspace_identity", workspace_target)] + [
+        (f"workspace_identity:{rel}", f"{workspace_target}/{rel}") for rel in readonly_dirs
+    ]
+    for name, target in targets:
+        path = f"/proc/{fs_pid}/root{target}"
+        try:
+            st = os.lstat(path)
+            plain = stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)
+            value = f"{st.st_dev}:{st.st_ino}" if plain else "not-a-directory-or-file"
+        except OSError:
+            value = "absent"
+        found.append(F.make_fact(name, value, source="kernel:lstat", observed_at=time.time()))
+    return found
 
 
 # -- engine -------------------------------------------------------------------------------
@@ -191,7 +155,7 @@ def _engine_facts(inspect: Mapping[str, Any], target: str, sandboxed: bool) -> l
             ((str(m.get("Destination") or ""), not m.get("RW", True)) for m in mounts),
             key=lambda b: b[0].rstrip("/").count("/"),
         )
-        mode, ro_dirs = F.workspace_view(binds, target)
+        mode, ro_dirs = P.workspace_view(binds, target)
         values |= {
             "no_new_privs": _engine_nnp(security_opt),
             "cap_bnd": engine_kept_caps(host_config),
@@ -202,7 +166,7 @@ def _engine_facts(inspect: Mapping[str, Any], target: str, sandboxed: bool) -> l
             "readonly_dirs": ro_dirs,
             "tmpfs": engine_tmpfs(host_config),
         }
-    return _facts(values, "engine:inspect")
+    return facts(values, "engine:inspect")
 
 
 def _engine_nnp(security_opt: Sequence[str]) -> bool:
@@ -223,11 +187,11 @@ def _status_facts(proc_fd: int, pid: int, sandboxed: bool) -> list[Fact]:
     names = ["no_new_privs", "seccomp_mode", "cap_eff", "cap_prm", "cap_bnd", "cap_amb"]
     names = [prefix + n for n in names] + [prefix + "uid", prefix + "gid"]
     try:
-        status = F.parse_status(_read_at(proc_fd, "status"))
+        status = P.parse_status(read_at(proc_fd, "status"))
     except ProcessLookupError:
         raise
     except (OSError, ValueError) as exc:
-        return _failed(names, source, exc)
+        return failed(names, source, exc)
     values: list[FactValue] = [
         status.no_new_privs,
         status.seccomp_mode,
@@ -235,27 +199,27 @@ def _status_facts(proc_fd: int, pid: int, sandboxed: bool) -> list[Fact]:
         status.cap_prm,
         status.cap_bnd,
         status.cap_amb,
-        F.one_id(status.uids),
-        F.one_id(status.gids),
+        P.one_id(status.uids),
+        P.one_id(status.gids),
     ]
-    return _facts(dict(zip(names, values, strict=True)), source)
+    return facts(dict(zip(names, values, strict=True)), source)
 
 
 def _mount_facts(proc_fd: int, pid: int, target: str, engine_ok: bool) -> list[Fact]:
     source = "kernel:mountinfo"
     names = ["rootfs_readonly", "workspace_mount", "readonly_dirs", "tmpfs", "docker_socket_absent"]
     try:
-        mounts = F.parse_mountinfo(_read_at(proc_fd, "mountinfo"))
+        mounts = P.parse_mountinfo(read_at(proc_fd, "mountinfo"))
     except (OSError, ValueError) as exc:
-        return _failed(names, source, exc)
-    visible = F.visible_mounts(mounts)
-    mode, ro_dirs = F.workspace_view(((m.mount_point, m.read_only) for m in visible), target)
-    found = _facts(
+        return failed(names, source, exc)
+    visible = P.visible_mounts(mounts)
+    mode, ro_dirs = P.workspace_view(((m.mount_point, m.read_only) for m in visible), target)
+    found = facts(
         {
-            "rootfs_readonly": F.rootfs_readonly(mounts),
+            "rootfs_readonly": P.rootfs_readonly(mounts),
             "workspace_mount": mode,
             "readonly_dirs": ro_dirs,
-            "tmpfs": F.tmpfs_facts(mounts),
+            "tmpfs": P.tmpfs_facts(mounts),
         },
         source,
     )
@@ -263,96 +227,11 @@ def _mount_facts(proc_fd: int, pid: int, target: str, engine_ok: bool) -> list[F
     in_kernel = any(
         m.root.endswith("/docker.sock") or m.mount_point.endswith("/docker.sock") for m in mounts
     )
-    found += _facts(
+    found += facts(
         {"docker_socket_absent": engine_ok and not in_kernel},
         "engine:inspect+kernel:mountinfo",
     )
     return found
-
-
-def _sandbox_facts(proc_fd: int, pid: int) -> list[Fact]:
-    """The gVisor sandbox process: its user namespace and runsc's flags."""
-    found: list[Fact] = []
-    source = "kernel:proc-ns-user"
-    try:
-        theirs = os.stat("ns/user", dir_fd=proc_fd)
-        ours = os.stat("/proc/self/ns/user")
-        found += _facts(
-            {"sandbox_userns": (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino)},
-            source,
-        )
-    except OSError as exc:
-        found += _failed(["sandbox_userns"], source, exc)
-    source = "kernel:proc-cmdline"
-    try:
-        argv = _read_at(proc_fd, "cmdline").split("\0")
-    except OSError as exc:
-        return found + _failed(["sandbox_network", "sandbox_oci_seccomp"], source, exc)
-    flags = runsc_flags(argv)
-    if not flags or "boot" not in argv:
-        return found + _facts(dict.fromkeys(["sandbox_network", "sandbox_oci_seccomp"]), source)
-    found += _facts(
-        {
-            # runsc's own default network is "sandbox" (gVisor's netstack on the host's).
-            "sandbox_network": flags.get("network", "sandbox"),
-            "sandbox_oci_seccomp": flags.get("oci-seccomp") in ("", "true"),
-        },
-        source,
-    )
-    return found
-
-
-def gofer_pid(sandbox_pid: int) -> int | None:
-    """The host pid of the runsc gofer serving the sandbox `sandbox_pid`, or None.
-
-    The gofer is the sandbox's sibling (same parent, the shim), named `runsc-gofer`, in
-    the same cgroups. It is the process that opens the container's files on the host, so
-    `/proc/<gofer>/root` is the container's root filesystem as the host kernel sees it
-    (the Sentry's own root is an empty tmpfs). Cost: a few small procfs reads.
-    """
-    try:
-        status = F.parse_status_field(_read_path(f"/proc/{sandbox_pid}/status"), "PPid")
-        if status is None:
-            return None
-        parent = int(status)
-        groups = _read_path(f"/proc/{sandbox_pid}/cgroup")
-        children: list[int] = []
-        for task in os.listdir(f"/proc/{parent}/task"):
-            children += [int(c) for c in _read_path(f"/proc/{parent}/task/{task}/children").split()]
-    except (OSError, ValueError):
-        return None
-    for child in children:
-        if child == sandbox_pid:
-            continue
-        try:
-            argv0 = _read_path(f"/proc/{child}/cmdline").split("\0", 1)[0]
-            same = _read_path(f"/proc/{child}/cgroup") == groups
-        except OSError:
-            continue
-        if argv0.rsplit("/", 1)[-1] == "runsc-gofer" and same:
-            return child
-    return None
-
-
-def _gofer_rootfs(found: list[Fact], sandbox_pid: int) -> list[Fact]:
-    """Replace the engine's `rootfs_readonly` with the gofer's mount when it can be seen.
-
-    Only the root filesystem: runsc (20221219) mounts binds read-write in the gofer and
-    enforces read-only binds in the Sentry, so the gofer's view of them proves nothing.
-    """
-    gofer = gofer_pid(sandbox_pid)
-    if gofer is None:
-        return found
-    source = "kernel:gofer-mountinfo"
-    try:
-        readonly = F.rootfs_readonly(F.parse_mountinfo(_read_path(f"/proc/{gofer}/mountinfo")))
-    except (OSError, ValueError) as exc:
-        return [f for f in found if f.name != "rootfs_readonly"] + _failed(
-            ["rootfs_readonly"], source, exc
-        )
-    return [f for f in found if f.name != "rootfs_readonly"] + _facts(
-        {"rootfs_readonly": readonly}, source
-    )
 
 
 # -- cgroups ------------------------------------------------------------------------------
@@ -361,12 +240,12 @@ def _gofer_rootfs(found: list[Fact], sandbox_pid: int) -> list[Fact]:
 def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
     source = "kernel:proc-cgroup"
     try:
-        groups = F.parse_cgroup(_read_at(proc_fd, "cgroup"))
+        groups = P.parse_cgroup(read_at(proc_fd, "cgroup"))
         # Only the hierarchies matter; skipping the other lines halves the parse.
-        mine = _read_path("/proc/self/mountinfo").splitlines()
-        host_mounts = F.parse_mountinfo("\n".join(m for m in mine if " - cgroup" in m))
+        mine = read_path("/proc/self/mountinfo").splitlines()
+        host_mounts = P.parse_mountinfo("\n".join(m for m in mine if " - cgroup" in m))
     except (OSError, ValueError) as exc:
-        return _failed(["memory_limit", "pids_limit", "cpu_quota"], source, exc)
+        return failed(["memory_limit", "pids_limit", "cpu_quota"], source, exc)
     found: list[Fact] = []
     # (fact, controller, {version: (the file it is read from, reader)})
     readers: list[tuple[str, str, dict[str, tuple[str, Callable[[str], FactValue]]]]] = [
@@ -376,17 +255,17 @@ def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
             {
                 "v1": (
                     "memory.limit_in_bytes",
-                    lambda d: F.parse_memory_limit_v1(_read_path(f"{d}/memory.limit_in_bytes")),
+                    lambda d: P.parse_memory_limit_v1(read_path(f"{d}/memory.limit_in_bytes")),
                 ),
-                "v2": ("memory.max", lambda d: F.parse_max(_read_path(f"{d}/memory.max"))),
+                "v2": ("memory.max", lambda d: P.parse_max(read_path(f"{d}/memory.max"))),
             },
         ),
         (
             "pids_limit",
             "pids",
             {
-                "v1": ("pids.max", lambda d: F.parse_max(_read_path(f"{d}/pids.max"))),
-                "v2": ("pids.max", lambda d: F.parse_max(_read_path(f"{d}/pids.max"))),
+                "v1": ("pids.max", lambda d: P.parse_max(read_path(f"{d}/pids.max"))),
+                "v2": ("pids.max", lambda d: P.parse_max(read_path(f"{d}/pids.max"))),
             },
         ),
         (
@@ -395,18 +274,18 @@ def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
             {
                 "v1": (
                     "cpu.cfs_quota_us",
-                    lambda d: F.parse_cpu_v1(
-                        _read_path(f"{d}/cpu.cfs_quota_us"), _read_path(f"{d}/cpu.cfs_period_us")
+                    lambda d: P.parse_cpu_v1(
+                        read_path(f"{d}/cpu.cfs_quota_us"), read_path(f"{d}/cpu.cfs_period_us")
                     ),
                 ),
-                "v2": ("cpu.max", lambda d: F.parse_cpu_max(_read_path(f"{d}/cpu.max"))),
+                "v2": ("cpu.max", lambda d: P.parse_cpu_max(read_path(f"{d}/cpu.max"))),
             },
         ),
     ]
     for name, controller, read in readers:
-        where = F.cgroup_dir(controller, groups, host_mounts)
+        where = P.cgroup_dir(controller, groups, host_mounts)
         if where is None:
-            found += _facts({name: None}, f"{source} (no {controller} hierarchy)")
+            found += facts({name: None}, f"{source} (no {controller} hierarchy)")
             continue
         version, directory = where
         filename, reader = read[version]
@@ -414,10 +293,10 @@ def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
         # carry no host paths); the log names the directory when a read fails.
         src = f"cgroup:{filename}"
         try:
-            found += _facts({name: reader(directory)}, src)
+            found += facts({name: reader(directory)}, src)
         except (OSError, ValueError) as exc:
             log.warning("cannot read %s in %s: %s", filename, directory, exc)
-            found += _facts({name: None}, f"{src} ({_why(exc)})")
+            found += facts({name: None}, f"{src} ({why(exc)})")
     return found
 
 
@@ -429,133 +308,9 @@ def _net_facts(proc_fd: int, pid: int) -> list[Fact]:
     try:
         links, routes = read_netns(proc_fd)
     except (OSError, ValueError) as exc:
-        return _failed(["net_links", "net_routes"], source, exc)
-    return _facts(
-        {"net_links": sorted(links.values()), "net_routes": F.outside_routes(routes)}, source
-    )
-
-
-def read_netns(proc_fd: int) -> tuple[dict[int, str], list[F.Route]]:
-    """(ifindex → link name, routes) of the network namespace of the process at `proc_fd`
-    (an fd of its /proc/<pid> directory). Two rtnetlink dumps; no packet is sent.
-
-    Raises OSError (no permission to enter the namespace, netlink errors, timeout).
-    """
-    ns_fd = os.open("ns/net", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd)
-    try:
-        sock = netlink_socket_in(ns_fd)
-    finally:
-        os.close(ns_fd)
-    with sock:
-        sock.settimeout(NETLINK_TIMEOUT_S)
-        sock.bind((0, 0))
-        link_req = ifinfmsg()
-        link_req["family"] = socket.AF_UNSPEC
-        links = {
-            int(m["index"]): str(m.get_attr("IFLA_IFNAME"))
-            for m in _dump(sock, link_req, RTM_GETLINK, 1)
-        }
-        route_req = rtmsg()
-        route_req["family"] = socket.AF_UNSPEC
-        routes = [_route(m, links) for m in _dump(sock, route_req, RTM_GETROUTE, 2)]
-    return links, routes
-
-
-def netlink_socket_in(ns_fd: int) -> socket.socket:
-    """An rtnetlink socket inside the network namespace `ns_fd`, made on a throwaway thread.
-
-    Raises OSError (EPERM without CAP_SYS_ADMIN, EINVAL if `ns_fd` is not a netns).
-    """
-    box: list[socket.socket] = []
-    errors: list[BaseException] = []
-
-    def enter() -> None:
-        try:
-            home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                _setns(ns_fd, CLONE_NEWNET)
-                try:
-                    box.append(
-                        socket.socket(
-                            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_ROUTE
-                        )
-                    )
-                finally:
-                    try:
-                        _setns(home, CLONE_NEWNET)
-                    except OSError:
-                        # This thread is discarded next, so staying in the namespace is moot.
-                        log.warning("could not leave a container's network namespace")
-            finally:
-                os.close(home)
-        except BaseException as exc:  # handed to the caller's thread below
-            errors.append(exc)
-
-    thread = threading.Thread(target=enter, name="substrate-netns", daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
-        for sock in box:
-            sock.close()
-        raise errors[0]
-    return box[0]
-
-
-def _setns(fd: int, nstype: int) -> None:
-    setns = getattr(os, "setns", None)  # Python 3.12+
-    if setns is not None:
-        setns(fd, nstype)
-        return
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if _libc.setns(fd, nstype) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def _dump(sock: socket.socket, msg: Any, msg_type: int, seq: int) -> list[Any]:
-    """Send one rtnetlink dump request and collect its replies until NLMSG_DONE."""
-    msg["header"]["type"] = msg_type
-    msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_DUMP
-    msg["header"]["sequence_number"] = seq
-    msg["header"]["pid"] = 0
-    msg.encode()
-    sock.send(msg.data)
-    marshal = MarshalRtnl()
-    out: list[Any] = []
-    while True:
-        data = sock.recv(1 << 16)
-        if not data:
-            raise OSError(errno.EPIPE, "netlink socket closed during a dump")
-        for part in marshal.parse(data):
-            header = part["header"]
-            if header.get("sequence_number") != seq:
-                continue
-            if header.get("error") is not None:
-                err = header["error"]
-                raise err if isinstance(err, OSError) else OSError(errno.EIO, str(err))
-            if header["type"] == NLMSG_DONE:
-                return out
-            if header["type"] == NLMSG_ERROR:
-                raise OSError(errno.EIO, "netlink error reply")
-            out.append(part)
-
-
-def _route(m: Any, links: Mapping[int, str]) -> F.Route:
-    table = m.get_attr("RTA_TABLE")
-    oif = m.get_attr("RTA_OIF")
-    gateway = m.get_attr("RTA_GATEWAY")
-    if gateway is None and m.get_attr("RTA_MULTIPATH") is not None:
-        gateway = "multipath"
-    return F.Route(
-        family=int(m["family"]),
-        table=int(table if table is not None else m["table"]),
-        type=int(m["type"]),
-        dst=m.get_attr("RTA_DST"),
-        dst_len=int(m["dst_len"]),
-        gateway=None if gateway is None else str(gateway),
-        oif=None if oif is None else links.get(int(oif), f"if{oif}"),
+        return failed(["net_links", "net_routes"], source, exc)
+    return facts(
+        {"net_links": sorted(links.values()), "net_routes": P.outside_routes(routes)}, source
     )
 
 
@@ -565,7 +320,7 @@ def _route(m: Any, links: Mapping[int, str]) -> F.Route:
 def engine_kept_caps(host_config: Mapping[str, Any]) -> list[str]:
     """The capability set the engine was asked for: defaults - CapDrop + CapAdd, sorted."""
     if host_config.get("Privileged"):
-        return list(F.CAP_NAMES)
+        return list(P.CAP_NAMES)
 
     def norm(names: Any) -> set[str]:
         return {str(n).upper().removeprefix("CAP_") for n in names or ()}
@@ -573,7 +328,7 @@ def engine_kept_caps(host_config: Mapping[str, Any]) -> list[str]:
     drop, add = norm(host_config.get("CapDrop")), norm(host_config.get("CapAdd"))
     base = set() if "ALL" in drop else set(ENGINE_DEFAULT_CAPS) - drop
     if "ALL" in add:
-        return list(F.CAP_NAMES)
+        return list(P.CAP_NAMES)
     return sorted(base | add)
 
 
@@ -596,7 +351,7 @@ def engine_tmpfs(host_config: Mapping[str, Any]) -> list[str]:
     out = []
     for path, opts in (host_config.get("Tmpfs") or {}).items():
         size = next((o[5:] for o in str(opts).split(",") if o.startswith("size=")), None)
-        out.append(f"{path}={F.tmpfs_pages(F.size_option_bytes(size)) if size else 'unlimited'}")
+        out.append(f"{path}={F.tmpfs_pages(P.size_option_bytes(size)) if size else 'unlimited'}")
     for m in host_config.get("Mounts") or ():
         if m.get("Type") == "tmpfs":
             size_bytes = (m.get("TmpfsOptions") or {}).get("SizeBytes")
@@ -611,23 +366,6 @@ def engine_socket_absent(inspect: Mapping[str, Any]) -> bool:
     return not docker_socket_mounted(str(m.get("Source") or "") for m in mounts) and not any(
         str(m.get("Destination") or "").endswith("/docker.sock") for m in mounts
     )
-
-
-def runsc_flags(argv: Sequence[str]) -> dict[str, str]:
-    """runsc's global flags from a sandbox's argv ("--network=none" → {"network": "none"}).
-
-    Only `--name=value` and bare `--name` flags before the subcommand count (the form the
-    engine passes); a bare flag maps to "". Empty when argv[0] is not runsc's. Pure.
-    """
-    if not argv or "runsc" not in argv[0].rsplit("/", 1)[-1]:
-        return {}
-    out: dict[str, str] = {}
-    for arg in argv[1:]:
-        if not arg.startswith("-"):
-            break  # the subcommand ("boot"); what follows are its own flags
-        name, _, value = arg.lstrip("-").partition("=")
-        out[name] = value
-    return out
 
 
 def docker_socket_mounted(sources: Iterable[str]) -> bool:

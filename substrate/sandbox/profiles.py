@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import msgspec
 
+from substrate.errors import ProfileUnknown
 from substrate.sandbox import seccomp
 
 
@@ -213,6 +214,15 @@ def profile_public(p: Profile) -> dict[str, Any]:
     """`p` as `profile.get` returns it: every field, JSON-safe."""
     out: dict[str, Any] = msgspec.to_builtins(p)
     return out
+
+
+def find_profile(profiles: Mapping[str, Profile], name: str) -> Profile:
+    """The profile called `name` among the loaded `profiles`: the one lookup of a profile
+    named by a request. Refuses `profile_unknown` (naming the profiles there are)."""
+    found = profiles.get(name)
+    if found is None:
+        raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(profiles))
+    return found
 
 
 def load_profiles(profiles_dir: Path, seccomp_dir: Path) -> dict[str, Profile]:

@@ -3,8 +3,8 @@
 Theory of operation: an engine exec has no kill API, so substrate finds the processes
 itself. Every command it starts carries an environment marker `SUBSTRATE_PROC=<proc id>`,
 inherited by everything it forks. The container's cgroup lists every process inside it
-(host pids, `cgroup.procs`); `/proc/<pid>/environ`, read from the host, says whose each
-one is. A process whose marker is gone (it exec'd with a scrubbed environment) belongs to
+(host pids, `cgroup.procs`); each one's environment, read from the host (psutil), says
+whose it is. A process whose marker is gone (it exec'd with a scrubbed environment) belongs to
 its nearest marked ancestor; one with no marked ancestor (scrubbed *and* re-parented to
 the container's init by a double fork) belongs to nobody, and is reaped only when no
 other command runs in that container (`alone`). The container's init and its keep-alive
@@ -33,10 +33,11 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 import trio
 
 MARKER = "SUBSTRATE_PROC"
@@ -121,30 +122,39 @@ def cgroup_pids(dirs: CgroupDirs) -> list[int]:
 class ProcInfo:
     pid: int
     ppid: int
-    start: int  # clock ticks since boot: (pid, start) names a process despite pid reuse
+    #: Equal for one process only, whatever reused its pid: a `psutil.Process` (pid and
+    #: start time since boot, immune to wall-clock steps); tests use any hashable.
+    ident: Hashable
     marker: str | None
 
 
 def read_proc(pid: int) -> ProcInfo | None:
-    """ppid, start time and substrate marker of a host process; None if gone or a zombie."""
+    """ppid, identity and substrate marker of a host process; None if gone or a zombie
+    (or unreadable). psutil: its stat, status and environ files (about 0.1 ms)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read()
-    except OSError:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return None
+            ppid = proc.ppid()
+            environ = proc.environ()
+    except psutil.Error:  # gone, a zombie, or not ours to read
         return None
-    # The command name may hold spaces and parentheses: fields start after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
+    return ProcInfo(pid=pid, ppid=int(ppid), ident=proc, marker=environ.get(MARKER))
+
+
+def identity(pid: int) -> Hashable | None:
+    """The identity of host process `pid` (see `ProcInfo.ident`); None if it is gone or a
+    zombie. Its stat file only (tens of microseconds)."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return None
+    except psutil.Error:
         return None
-    marker = None
-    prefix = MARKER.encode() + b"="
-    for item in environ.split(b"\0"):
-        if item.startswith(prefix):
-            marker = item[len(prefix) :].decode("ascii", "replace")
-            break
-    return ProcInfo(pid=pid, ppid=int(fields[1]), start=int(fields[19]), marker=marker)
+    found: Hashable = proc
+    return found
 
 
 def attribute(procs: Iterable[ProcInfo], protected: frozenset[int]) -> dict[int, str | None]:
@@ -175,14 +185,15 @@ def attribute(procs: Iterable[ProcInfo], protected: frozenset[int]) -> dict[int,
     return owner
 
 
-def with_roots(procs: Iterable[ProcInfo], marker: str, roots: Mapping[int, int]) -> list[ProcInfo]:
-    """`procs` with each unmarked process of `roots` (pid → start ticks) given `marker`.
+def with_roots(
+    procs: Iterable[ProcInfo], marker: str, roots: Collection[Hashable]
+) -> list[ProcInfo]:
+    """`procs` with each unmarked process whose identity is in `roots` given `marker`.
 
-    Pure. A pid whose start time differs is another process that reused it: left alone.
+    Pure. A process that reused a root's pid has another identity: left alone.
     """
     return [
-        replace(p, marker=marker) if p.marker is None and roots.get(p.pid) == p.start else p
-        for p in procs
+        replace(p, marker=marker) if p.marker is None and p.ident in roots else p for p in procs
     ]
 
 
@@ -192,16 +203,16 @@ def targets(
     protected: frozenset[int],
     alone: bool,
     *,
-    roots: Mapping[int, int] | None = None,
+    roots: Collection[Hashable] = (),
 ) -> list[int]:
     """Host pids belonging to the command with `marker` (plus ownerless ones when `alone`).
 
-    `roots` (pid → start ticks): processes known to be the command's (its main process,
-    as the engine reported it) even without a marker; the start time guards against a
-    reused pid. Their descendants follow them, as for a marked process.
+    `roots` (identities, `ProcInfo.ident`): processes known to be the command's (its main
+    process, as the engine reported it) even without a marker; the identity guards
+    against a reused pid. Their descendants follow them, as for a marked process.
     """
     found = (read_proc(pid) for pid in cgroup_pids(dirs) if pid not in protected)
-    infos = with_roots([i for i in found if i is not None], marker, roots or {})
+    infos = with_roots([i for i in found if i is not None], marker, roots)
     owners = attribute(infos, protected)
     return [pid for pid, owner in owners.items() if owner == marker or (owner is None and alone)]
 
@@ -248,7 +259,7 @@ def kill_round(
     protected: frozenset[int],
     alone: bool,
     *,
-    roots: Mapping[int, int] | None = None,
+    roots: Collection[Hashable] = (),
 ) -> int:
     """One frozen KILL sweep (blocking, milliseconds). Returns how many were signalled."""
     frozen = _set_frozen(dirs, True)
@@ -269,7 +280,7 @@ async def terminate(
     alone: bool,
     grace_s: float,
     limiter: trio.CapacityLimiter | None = None,
-    roots: Mapping[int, int] | None = None,
+    roots: Collection[Hashable] = (),
 ) -> tuple[int, int]:
     """TERM every process of the command, wait up to `grace_s`, then KILL what is left.
 
@@ -309,20 +320,18 @@ async def terminate(
     return len(termed), killed
 
 
-async def wait_exit(pid: int, start: int | None = None) -> None:
+async def wait_exit(pid: int, ident: Hashable | None = None) -> None:
     """Return when host process `pid` has exited (pidfd; no polling). Immediately if gone.
 
-    With `start` (from `read_proc`), a different process that reused the pid counts as gone.
+    With `ident` (from `identity`), a different process that reused the pid counts as gone.
     """
     try:
         fd = os.pidfd_open(pid)
     except OSError:
         return
     try:
-        if start is not None:
-            info = read_proc(pid)
-            if info is None or info.start != start:
-                return
+        if ident is not None and identity(pid) != ident:
+            return
         await trio.lowlevel.wait_readable(fd)
     finally:
         os.close(fd)

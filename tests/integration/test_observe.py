@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from substrate.sandbox import facts as F
-from substrate.sandbox import observe, profiles
+from substrate.sandbox import observe, observe_gvisor, profiles
 from substrate.sandbox.profiles import Profile
 from tests.harness import wait_until
 
@@ -233,7 +233,7 @@ def test_confined_runsc_container(
     assert facts["sandbox_network"].source == "kernel:proc-cmdline"
     # The gofer opens the container's files on the host: its root is the container's,
     # read-only in the host kernel, with the workspace in it (the Sentry's root is empty).
-    gofer = observe.gofer_pid(pid)
+    gofer = observe_gvisor.gofer_pid(pid)
     assert gofer is not None and gofer != pid
     assert facts["rootfs_readonly"].source == "kernel:gofer-mountinfo"
     seen = os.stat(f"/proc/{gofer}/root/workspace/.git")
@@ -287,7 +287,7 @@ async def test_observe_from_a_trio_worker_thread_leaves_no_trace(
 
 def test_no_gofer_for_a_runc_container(containers: Containers, workspace: Path) -> None:
     pid, _ = containers.confined(workspace, "runc")
-    assert observe.gofer_pid(pid) is None
+    assert observe_gvisor.gofer_pid(pid) is None
 
 
 def test_observe_a_missing_process() -> None:

@@ -1,13 +1,11 @@
-"""Pure parts of `substrate.process.runner`: argv rules, timeouts, workdirs, signals, the demuxer."""
+"""`substrate.process.argv` (pure): argv rules, timeouts, workdirs, environment, exit readings."""
 
 from __future__ import annotations
-
-import struct
 
 import pytest
 
 from substrate.errors import ArgvDenied, LimitExceeded, PathInvalid
-from substrate.process.runner import (
+from substrate.process.argv import (
     MAX_ARGV_ITEMS,
     effective_timeout,
     exec_env,
@@ -16,13 +14,8 @@ from substrate.process.runner import (
     validate_argv,
     workdir_for,
 )
-from substrate.process.stream import Demuxer
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.reaper import MARKER
-
-
-def frame(stream: int, payload: bytes) -> bytes:
-    return struct.pack(">BxxxI", stream, len(payload)) + payload
 
 
 def test_argv_rules() -> None:
@@ -68,29 +61,6 @@ def test_signal_names_from_exit_codes() -> None:
     assert signal_of(143) == "TERM"
     assert signal_of(130) == "INT"
     assert [signal_of(c) for c in (None, 0, 1, 128, 255)] == [None] * 5
-
-
-def test_demuxer_splits_frames_across_any_chunking() -> None:
-    stream = frame(1, b"hello ") + frame(2, b"oops") + frame(1, b"world") + frame(1, b"")
-    expected = [(1, b"hello "), (2, b"oops"), (1, b"world")]
-    for size in (1, 2, 3, 7, 8, 9, len(stream)):
-        demux = Demuxer()
-        got: list[tuple[int, bytes]] = []
-        for i in range(0, len(stream), size):
-            got.extend(demux.feed(stream[i : i + size]))
-        merged: dict[int, bytes] = {}
-        for sid, piece in got:
-            merged[sid] = merged.get(sid, b"") + piece
-        assert merged == {1: b"hello world", 2: b"oops"}, size
-        assert not demux.mid_frame
-    whole = Demuxer().feed(stream)
-    assert [(s, p) for s, p in whole if p] == expected
-
-
-def test_demuxer_notices_a_cut_frame() -> None:
-    demux = Demuxer()
-    demux.feed(frame(1, b"abcdef")[:-2])
-    assert demux.mid_frame
 
 
 ENGINE = b"OCI runtime exec failed: exec failed: unable to start container process: exec: "

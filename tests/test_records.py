@@ -1,17 +1,21 @@
-"""`substrate.process.records` without Docker: what the journal keeps of an argv, and a
-finished record that reads back as its first reply (facts, policy_blocked)."""
+"""`substrate.process.records` without Docker: what the journal keeps of an argv, a
+finished record that reads back as its first reply (facts, policy_blocked), and the
+records of runs over the fake engine (started, exited, lost)."""
 
 from __future__ import annotations
 
 import hashlib
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from fake_execution import Layer, fake_layer
 
+from substrate.errors import RuntimeUnavailable
 from substrate.process.records import Outcome, ProcessRecords, argv_summary
+from substrate.sandbox.engine import ContainerGone
 from substrate.sandbox.facts import make_fact
 from substrate.schema.artifact import OutputRef
 from substrate.schema.proc import PolicyBlocked
@@ -127,3 +131,72 @@ def test_a_database_of_the_first_release_gains_the_new_columns(
     run_one(records, "p_new", ["true"])
     new = records.get("p_new")
     assert new is not None and (new.facts, new.policy_blocked) == (FACTS, BLOCKED)
+
+
+# -- records of runs over the fake engine ---------------------------------------------------
+
+
+@pytest.fixture
+def layer(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -> Iterator[Layer]:
+    root = make_workspace("records", {"a.txt": "a\n"})
+    with fake_layer(root, tmp_path / "state", adopt_root) as made:
+        yield made
+
+
+async def test_a_run_commits_its_start_and_its_outcome(layer: Layer) -> None:
+    argv = ["echo", SECRET]
+    result = await layer.processes.run(layer.request(argv, "box", actor="agent:t"))
+    row = layer.records.get(result.proc)
+    assert row is not None
+    assert (row.state, row.argv, row.exit_code, row.stdout, row.facts) == (
+        "exited",
+        argv,
+        0,
+        result.stdout,
+        result.facts,
+    )
+    (started,) = layer.kinds("proc.started")
+    (exited,) = layer.kinds("proc.exited")
+    assert started["argv_sha256"] == argv_summary(argv)["argv_sha256"]
+    assert exited["stdout"] == {
+        "bytes": len(SECRET) + 1,
+        "sha256": result.stdout.sha256,
+        "truncated": False,
+    }
+    assert not [e for e in layer.journal.read(limit=1000) if SECRET in str(e.data)]
+    actors = {e.kind: e.actor for e in layer.journal.read(limit=1000)}
+    assert (actors["proc.facts"], actors["proc.started"], actors["proc.exited"]) == (
+        "daemon",
+        "agent:t",
+        "agent:t",
+    )
+
+
+async def test_an_exec_that_never_started_is_recorded_lost(layer: Layer) -> None:
+    layer.engine.fail_next("exec_start", ContainerGone("gone"))
+    with pytest.raises(RuntimeUnavailable):
+        await layer.processes.run(layer.request(["true"], "box"))
+    (row,) = layer.records.recent(layer.ws.id, 10)
+    assert (row.state, row.exit_code, row.stdout) == ("lost", None, None)
+    assert [d["proc"] for d in layer.kinds("proc.lost")] == [row.id]
+
+
+def test_running_records_of_an_earlier_run_become_lost_at_start(store: Store) -> None:
+    journal = Journal(store)
+    records = ProcessRecords(store, journal)
+    records.started(
+        workspace="w",
+        proc="p_1",
+        profile="tiny",
+        argv=["sleep"],
+        cwd=".",
+        container="c" * 64,
+        actor="test",
+    )
+    run_one(records, "p_2", ["true"])
+    assert records.mark_lost(journal.epoch) == 0  # this run's own are left alone
+    assert records.mark_lost(journal.epoch + 1) == 1
+    lost, done = records.get("p_1"), records.get("p_2")
+    assert lost is not None and done is not None
+    assert (lost.state, lost.ended, done.state) == ("lost", None, "exited")
+    assert [e.data for e in journal.read() if e.kind == "proc.lost"] == [{"proc": "p_1"}]

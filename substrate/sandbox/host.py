@@ -1,0 +1,78 @@
+"""What the daemon reads from the host kernel about a started sandbox container.
+
+`Containers` verifies a container through a `SandboxHost`: its confinement facts (from
+`substrate.sandbox.observe`), the identity of its init (a restarted container is a
+different process), its cgroup directories and the init's keep-alive child (both for
+`substrate.sandbox.reaper`). `HostKernel` reads the real kernel; the in-memory
+`substrate.sandbox.fake_engine.FakeHost` answers for tests of the container logic.
+
+Every method blocks (procfs, cgroupfs, netlink): callers use worker threads, except for
+`identity`, a few small procfs reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any, Protocol
+
+from substrate.sandbox import observe, reaper
+from substrate.sandbox.facts import Fact
+from substrate.sandbox.profiles import Profile
+from substrate.sandbox.spec import WORKSPACE_TARGET
+
+
+class SandboxHost(Protocol):
+    """The host's view of a started sandbox container."""
+
+    def observe(
+        self,
+        init_pid: int,
+        inspect: Mapping[str, Any],
+        profile: Profile,
+        readonly_dirs: Sequence[str],
+    ) -> list[Fact]:
+        """Every confinement fact of the container whose init is `init_pid`, with the
+        identities of its workspace mounts. Raises ProcessLookupError when it is gone."""
+        ...
+
+    def identity(self, pid: int) -> Hashable | None:
+        """The identity of host process `pid` (None if it is gone): equal for one process
+        only, whatever reuses its pid (`reaper.ProcInfo.ident`)."""
+        ...
+
+    def cgroups(self, pid: int) -> reaper.CgroupDirs:
+        """The cgroup directories of process `pid`. Raises OSError when it is gone."""
+        ...
+
+    def children_in(self, cgroups: reaper.CgroupDirs, pid: int) -> set[int]:
+        """The children of `pid` in `cgroups` (the init's keep-alive), as host pids."""
+        ...
+
+
+class HostKernel:
+    """The real host: procfs, cgroupfs, the container's network namespace."""
+
+    def observe(
+        self,
+        init_pid: int,
+        inspect: Mapping[str, Any],
+        profile: Profile,
+        readonly_dirs: Sequence[str],
+    ) -> list[Fact]:
+        """`observe.observe` plus `observe.identities` (about 2 ms of CPU)."""
+        found = observe.observe(init_pid, inspect, workspace_target=WORKSPACE_TARGET)
+        if profile.workspace != "none":
+            found += observe.identities(
+                init_pid, readonly_dirs, runtime=profile.runtime, workspace_target=WORKSPACE_TARGET
+            )
+        return found
+
+    def identity(self, pid: int) -> Hashable | None:
+        return reaper.identity(pid)
+
+    def cgroups(self, pid: int) -> reaper.CgroupDirs:
+        return reaper.CgroupDirs.of_pid(pid)
+
+    def children_in(self, cgroups: reaper.CgroupDirs, pid: int) -> set[int]:
+        infos = (reaper.read_proc(p) for p in reaper.cgroup_pids(cgroups))
+        return {i.pid for i in infos if i is not None and i.ppid == pid}
