@@ -1,5 +1,5 @@
 """Command-line commands of the execution and terminal layers: image, exec, doctor,
-grant, attach. Kept apart from `substrate.cli.main` so each layer's commands stay together.
+grant, attach. Kept apart from `substrate.cli.main`, which adds them to its parser.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from substrate.cli.common import client_for, workspace_handle
 from substrate.protocol.client import Client
 
 
@@ -34,16 +35,15 @@ def _write_stream(client: Client, ref: dict[str, Any], out: Any) -> None:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    from substrate.cli.main import _client, _workspace
 
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
         raise SystemExit("substrate: exec needs a command after --")
-    with _client(args) as c:
+    with client_for(args) as c:
         params: dict[str, Any] = {
-            "workspace": _workspace(c, args.workspace),
+            "workspace": workspace_handle(c, args.workspace),
             "profile": args.profile,
             "argv": argv,
             "cwd": args.cwd,
@@ -88,11 +88,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_grant(args: argparse.Namespace) -> int:
-    from substrate.cli.main import _client, _workspace
     from substrate.pty.attach import NoTerminalUrl, terminal_listen
     from substrate.pty.grants import parse_duration
 
-    with _client(args, operator=True) as c:
+    with client_for(args, operator=True) as c:
         # Where the daemon really listens (never a default port), asked before issuing.
         try:
             listen = args.listen or terminal_listen(c)
@@ -101,7 +100,7 @@ def cmd_grant(args: argparse.Namespace) -> int:
         result = c.call(
             "grant.issue",
             kind="interactive_terminal",
-            workspace=_workspace(c, args.workspace),
+            workspace=workspace_handle(c, args.workspace),
             profile=args.profile,
             ttl_s=parse_duration(args.ttl),
             uses=args.uses,

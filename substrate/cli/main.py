@@ -15,30 +15,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from substrate.protocol.client import Client, RpcError, socket_path
+from substrate.cli import exec as cli_exec
+from substrate.cli.common import client_for, workspace_handle
+from substrate.protocol.client import RpcError
 
 
 def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
-
-
-def _client(args: argparse.Namespace, *, operator: bool = False) -> Client:
-    path = socket_path(args.state_dir, operator=operator)
-    try:
-        return Client(path)
-    except OSError as exc:
-        raise SystemExit(f"substrate: cannot reach the daemon at {path}: {exc.strerror}") from None
-
-
-def _workspace(client: Client, spec: str | None) -> str:
-    """A handle from `--workspace`: a handle, a root_id, or a host path to adopt (default: cwd)."""
-    if spec is None or spec.startswith("/") or spec == ".":
-        path = os.path.abspath(spec or os.getcwd())
-        return str(client.call("workspace.adopt", path=path)["workspace"])
-    for ws in client.call("workspace.list")["workspaces"]:
-        if spec in (ws["workspace"], ws["root_id"]):
-            return str(ws["workspace"])
-    raise SystemExit(f"substrate: no workspace {spec!r}")
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -77,7 +60,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with client_for(args) as c:
         params: dict[str, Any] = {"path": os.path.abspath(args.path)}
         if args.root_id:
             params["root_id"] = args.root_id
@@ -86,8 +69,8 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 
 def cmd_read(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        ws = _workspace(c, args.workspace)
+    with client_for(args) as c:
+        ws = workspace_handle(c, args.workspace)
         result = c.call(
             "fs.read", workspace=ws, path=args.path, offset=args.offset, length=args.length
         )
@@ -104,8 +87,8 @@ def cmd_read(args: argparse.Namespace) -> int:
 
 def cmd_write(args: argparse.Namespace) -> int:
     content = Path(args.source).read_bytes() if args.source else sys.stdin.buffer.read()
-    with _client(args) as c:
-        ws = _workspace(c, args.workspace)
+    with client_for(args) as c:
+        ws = workspace_handle(c, args.workspace)
         plan = c.call(
             "fs.write",
             workspace=ws,
@@ -127,15 +110,15 @@ def cmd_patch(args: argparse.Namespace) -> int:
         if not args.edit:
             raise SystemExit("substrate: give --edit OLD NEW (repeatable) or --diff FILE")
         params["edits"] = [{"old": old, "new": new} for old, new in args.edit]
-    with _client(args) as c:
-        params["workspace"] = _workspace(c, args.workspace)
+    with client_for(args) as c:
+        params["workspace"] = workspace_handle(c, args.workspace)
         _print_json(c.call("fs.patch", **params))
     return 0
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        ws = _workspace(c, args.workspace)
+    with client_for(args) as c:
+        ws = workspace_handle(c, args.workspace)
         params: dict[str, Any] = {
             "workspace": ws,
             "pattern": args.pattern,
@@ -158,11 +141,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_journal(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with client_for(args) as c:
         if args.journal_cmd == "read":
             params: dict[str, Any] = {"since": args.since, "limit": args.limit}
             if args.workspace:
-                params["workspace"] = _workspace(c, args.workspace)
+                params["workspace"] = workspace_handle(c, args.workspace)
             for entry in c.call("journal.read", **params)["entries"]:
                 print(json.dumps(entry, sort_keys=True))
             return 0
@@ -170,7 +153,7 @@ def cmd_journal(args: argparse.Namespace) -> int:
             result = c.call("journal.verify")
             _print_json(result)
             return 0 if result["ok"] else 1
-        result = c.call("journal.replay", workspace=_workspace(c, args.workspace))
+        result = c.call("journal.replay", workspace=workspace_handle(c, args.workspace))
     for f in result["files"]:
         print(f"{f['status']:<10} {f['path']}")
     print(f"{result['drifted']} of {len(result['files'])} files differ from what substrate wrote")
@@ -178,8 +161,8 @@ def cmd_journal(args: argparse.Namespace) -> int:
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
-    with _client(args, operator=True) as c:
-        ws = _workspace(c, args.workspace)
+    with client_for(args, operator=True) as c:
+        ws = workspace_handle(c, args.workspace)
         _print_json(c.call("approval.grant", workspace=ws, plan_digest=args.digest, ttl_s=args.ttl))
     return 0
 
@@ -192,8 +175,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
         "read_deny": args.read_deny,
         "require_approval": args.require_approval,
     }
-    with _client(args, operator=True) as c:
-        ws = _workspace(c, args.workspace)
+    with client_for(args, operator=True) as c:
+        ws = workspace_handle(c, args.workspace)
         _print_json(c.call("workspace.set_policy", workspace=ws, policy=policy))
     return 0
 
@@ -285,8 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
     jp = jsub.add_parser("replay")
     jp.add_argument("--workspace", required=True)
     p.set_defaults(func=cmd_journal)
-
-    from substrate.cli import exec as cli_exec
 
     cli_exec.add_commands(sub)
     return parser

@@ -35,9 +35,8 @@ import msgspec
 
 from substrate.sandbox import profiles
 from substrate.sandbox.profiles import Profile
-
-#: A fact's value: what msgspec encodes and the journal stores.
-FactValue = str | int | float | bool | list[str] | None
+from substrate.schema.facts import Fact as Fact  # the wire shape; re-exported
+from substrate.schema.facts import FactValue as FactValue
 
 #: Seccomp modes of /proc/<pid>/status: 0 disabled, 1 strict, 2 filter.
 SECCOMP_FILTER = 2
@@ -50,23 +49,6 @@ TMPFS_PAGE = 4096
 _SET_FACTS = frozenset(
     {"cap_eff", "cap_prm", "cap_bnd", "cap_amb", "net_links", "tmpfs", "net_routes"}
 )
-
-
-class Fact(msgspec.Struct, frozen=True, kw_only=True):
-    """One observation: `value` of `name`, read from `source` at `observed_at` (unix time).
-
-    `source` names the kind of source and a stable id, never a host path or pid:
-    "kernel:proc-status", "kernel:mountinfo", "kernel:proc-cgroup",
-    "kernel:proc-ns-user", "kernel:proc-cmdline", "kernel:gofer-mountinfo",
-    "kernel:lstat" (the workspace identities), "cgroup:<file>" ("cgroup:memory.max",
-    "cgroup:pids.max", ...), "netns:rtnetlink", "engine:inspect",
-    "engine:inspect+kernel:mountinfo"; a failed read appends its reason ("(ENOENT)").
-    """
-
-    name: str
-    value: FactValue
-    source: str
-    observed_at: float
 
 
 class Mismatch(msgspec.Struct, frozen=True):

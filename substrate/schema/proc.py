@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from substrate.sandbox.facts import Fact
 from substrate.schema.artifact import OutputRef
 from substrate.schema.common import Params, RelPath, Result, WorkspaceId, method
+from substrate.schema.facts import Fact
 
 ProfileName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]

@@ -28,8 +28,8 @@ import msgspec.inspect as mi
 
 from substrate.config import PROJECT_ROOT, Config
 from substrate.errors import all_refusals
-from substrate.sandbox.profiles import Profile
 from substrate.schema import METHODS, MethodSpec
+from substrate.schema.profile import Profile
 
 #: A region's markers, each on a line of its own.
 MARKER = "<!-- generated:{name}:{edge} -->"
@@ -86,7 +86,9 @@ def regions() -> dict[str, str]:
     """Every generated region's Markdown body, by region name."""
     return {
         "refusals": render_refusals(),
-        "profile": render_keys(Profile, "`Profile` in `substrate/profiles.py`", not_keys=("name",)),
+        "profile": render_keys(
+            Profile, "`Profile` in `substrate/schema/profile.py`", not_keys=("name",)
+        ),
         "config": render_keys(Config, "`Config` in `substrate/config.py`"),
         "methods": render_methods(),
     }
