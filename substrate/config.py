@@ -1,4 +1,4 @@
-"""Daemon configuration: `substrate.toml` keys, overridden by command-line flags (SPEC §9).
+"""Daemon configuration: `substrate.toml` keys, overridden by command-line flags (docs/protocol.md §9).
 
 Every key has a default that works on a fresh machine: the state dir under the invoking
 directory's `.state`, the profiles and seccomp policies shipped with this checkout.
@@ -46,7 +46,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     max_processes: int = 64  # running processes per daemon
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
-    # `[policy]`: the operator's default policy of every checkout (SPEC §2); agents add to it.
+    # `[policy]`: the operator's default policy of every checkout (docs/protocol.md §2); agents add to it.
     policy: Policy = msgspec.field(default_factory=Policy)
 
     def state_path(self) -> Path:

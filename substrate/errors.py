@@ -1,7 +1,7 @@
 """The one refusal taxonomy.
 
 Every code path that says no raises a `Refusal` subclass. Each subclass carries its stable
-wire name (SPEC §1); the server turns any `Refusal` into a JSON-RPC error in one place
+wire name (docs/protocol.md §1); the server turns any `Refusal` into a JSON-RPC error in one place
 (`substrate.protocol.rpc.refusal_error`). A refusal never changes state: raise it before touching
 anything, or undo what was touched.
 

@@ -154,7 +154,7 @@ def test_git_is_always_write_denied() -> None:
     ],
 )
 def test_every_nested_git_is_write_denied(path: str) -> None:
-    """SPEC §2: every `.git` at any depth is write-denied, like the top-level one, even
+    """docs/protocol.md §2: every `.git` at any depth is write-denied, like the top-level one, even
     where an allow list or an empty deny list would allow it. (It was writable before.)"""
     for policy in [None, Policy(write_deny=[]), Policy(write_allow=["**"])]:
         compiled = compile_policy(policy)

@@ -1,4 +1,4 @@
-"""The policy belongs to the operator (SPEC §2), end to end through the real sockets.
+"""The policy belongs to the operator (docs/protocol.md §2), end to end through the real sockets.
 
 An agent used to loosen any policy: release and re-adopt with `policy: {}`; adopt a
 checkout's `.git` as a workspace and write its hooks; adopt a `read_deny` subdirectory

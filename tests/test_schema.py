@@ -18,7 +18,7 @@ from substrate.schema.reference import render_protocol
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SPEC_REFUSALS = [
+CONTRACT_REFUSALS = [
     "unauthorized",
     "request_too_large",
     "invalid_params",
@@ -91,7 +91,7 @@ def test_a_shielded_method_must_be_mutating() -> None:
 
 
 def test_every_spec_refusal_exists_with_its_stable_name() -> None:
-    assert set(SPEC_REFUSALS) <= set(all_refusals())
+    assert set(CONTRACT_REFUSALS) <= set(all_refusals())
 
 
 # -- docs/protocol.md: the generated regions and the section numbering -----------------------

@@ -1,4 +1,4 @@
-"""The agent and operator sockets end to end (SPEC §1): framing, errors, peers, caps.
+"""The agent and operator sockets end to end (docs/protocol.md §1): framing, errors, peers, caps.
 
 Every test talks to a real daemon subprocess through raw sockets, so what is checked is
 what a client sees on the wire. Timeouts here are configured small to keep the tests

@@ -1,4 +1,4 @@
-"""Handlers of `artifact.*` (SPEC §6): bounded reads of stored output, in worker threads.
+"""Handlers of `artifact.*` (docs/protocol.md §6): bounded reads of stored output, in worker threads.
 
 The store is the execution layer's (`daemon.execution.artifacts`). Every call reads
 files only; none changes state except `artifact.lines`, which may write a line index

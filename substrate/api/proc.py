@@ -1,4 +1,4 @@
-"""Handlers of `proc.*` (SPEC §5): argv-only commands in verified sandboxes."""
+"""Handlers of `proc.*` (docs/protocol.md §5): argv-only commands in verified sandboxes."""
 
 from __future__ import annotations
 

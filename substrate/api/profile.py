@@ -1,4 +1,4 @@
-"""Handlers of `profile.*` and `facts.probe` (SPEC §5)."""
+"""Handlers of `profile.*` and `facts.probe` (docs/protocol.md §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Output bytes: spooling them (SPEC §5 "Output refs"), previewing them, reading them back.
+"""Output bytes: spooling them (docs/protocol.md §5 "Output refs"), previewing them, reading them back.
 
 One `OutputSink` per process stream spools it; `substrate.artifacts.store` stores what the
 sinks produce and answers `artifact.*` with the line readers of `substrate.artifacts.lines`.

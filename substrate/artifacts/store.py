@@ -1,4 +1,4 @@
-"""The artifact store (SPEC §6): content-addressed output files indexed in SQLite.
+"""The artifact store (docs/protocol.md §6): content-addressed output files indexed in SQLite.
 
 Theory of operation. Layout under `root` (`<state_dir>/artifacts`, 0700):
 

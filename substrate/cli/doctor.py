@@ -1,4 +1,4 @@
-"""`substrate doctor`: a table of what works on this machine (SPEC §9).
+"""`substrate doctor`: a table of what works on this machine (docs/protocol.md §9).
 
 Each check is a small function returning (ok, detail); none changes anything. The engine
 checks use the same blocking client the daemon uses; this runs outside Trio.

@@ -1,4 +1,4 @@
-"""`substrate` command line (SPEC §9): the daemon, and a client for people at a shell.
+"""`substrate` command line (docs/protocol.md §9): the daemon, and a client for people at a shell.
 
 Client commands find the daemon through `--state-dir` or `$SUBSTRATE_STATE_DIR`. A
 refusal prints `substrate: <refusal>: <message>` on stderr and exits 2.

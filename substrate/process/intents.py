@@ -1,4 +1,4 @@
-"""Process intents (SPEC §5): `proc.wait`, `proc.status`, `proc.list`, `proc.subscribe`
+"""Process intents (docs/protocol.md §5): `proc.wait`, `proc.status`, `proc.list`, `proc.subscribe`
 answered from a running command (`driver.Entry`) or from its record.
 
 A command of this daemon run is looked up in memory first (byte counts grow, waits
@@ -6,7 +6,7 @@ wake as it ends); anything else comes from the `processes` table: an exited comm
 result and outputs (inline bytes or artifact), or a `lost` one (its daemon died) with
 whatever output the dead daemon had spooled (kept as artifacts marked lost by
 `ArtifactStore.repair`). A result rebuilt from a record is the first reply again: the
-record keeps its `facts` and `policy_blocked` (SPEC §5), and `proc.status` of a
+record keeps its `facts` and `policy_blocked` (docs/protocol.md §5), and `proc.status` of a
 finished command carries them too.
 
 Costs: a lookup is a dict probe, or one indexed query; a lost record adds one query for

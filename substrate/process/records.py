@@ -5,7 +5,7 @@ broke), written in the same transaction as its `proc.started` / `proc.exited` /
 `proc.lost` journal entry, so the table and the journal never disagree. Neither holds
 output bytes: only outcomes, sizes, digests and artifact ids. The full argv (which can
 hold a prompt or an inline script) is in the row only; the journal gets `argv0`, `argc`
-and `argv_sha256` (SPEC §8).
+and `argv_sha256` (docs/protocol.md §8).
 
 A finished row also keeps what its first reply carried, so a result reads the same
 whenever it is read: the `policy_blocked` list, and the confinement facts of the

@@ -1,4 +1,4 @@
-"""Running argv-only commands in verified sandboxes (SPEC §5 `proc.run`).
+"""Running argv-only commands in verified sandboxes (docs/protocol.md §5 `proc.run`).
 
 Theory of operation. `Processes.run(RunRequest)` checks the request against the profile
 (pure: `substrate.process.argv`), gets the verified sandbox of (workspace, profile) from

@@ -1,4 +1,4 @@
-"""Streaming a process's output to one subscriber (`proc.subscribe`, SPEC §5).
+"""Streaming a process's output to one subscriber (`proc.subscribe`, docs/protocol.md §5).
 
 Theory of operation. A subscription is one Trio task (a *pump*) per subscriber. It
 never holds output in memory beyond one piece: it reads each stream *by offset* from

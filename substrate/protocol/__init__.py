@@ -1,4 +1,4 @@
-"""The wire protocol: JSON-RPC 2.0 over newline-delimited JSON on Unix sockets (SPEC §1).
+"""The wire protocol: JSON-RPC 2.0 over newline-delimited JSON on Unix sockets (docs/protocol.md §1).
 
 `rpc` decodes and encodes messages (sans-IO), `connection` holds a connection's rules
 (deadlines, caps; sans-IO), `server` is the Trio socket loop around them, `client` the

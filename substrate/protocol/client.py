@@ -60,7 +60,7 @@ def socket_path(state: str | os.PathLike[str] | None = None, *, operator: bool =
 
 
 class RpcError(Exception):
-    """An error reply. `refusal` is the named refusal (SPEC §1), or None for plain codes."""
+    """An error reply. `refusal` is the named refusal (docs/protocol.md §1), or None for plain codes."""
 
     def __init__(self, code: int, message: str, data: dict[str, Any] | None) -> None:
         super().__init__(f"{message} ({(data or {}).get('refusal', code)})")

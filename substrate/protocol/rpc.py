@@ -1,4 +1,4 @@
-"""JSON-RPC 2.0 over newline-delimited JSON, sans-IO (SPEC §1).
+"""JSON-RPC 2.0 over newline-delimited JSON, sans-IO (docs/protocol.md §1).
 
 Theory of operation: a connection feeds received bytes to a `LineSplitter`, which yields
 complete request lines and refuses a line longer than the limit before buffering it.

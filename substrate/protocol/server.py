@@ -1,4 +1,4 @@
-"""The Unix-socket JSON-RPC server: the I/O edge around `substrate.protocol.rpc` (SPEC §1).
+"""The Unix-socket JSON-RPC server: the I/O edge around `substrate.protocol.rpc` (docs/protocol.md §1).
 
 One task reads a connection, splitting lines and starting one task per request (at most
 `max_in_flight` at a time: past that the reader waits, which is the backpressure). All

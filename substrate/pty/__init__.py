@@ -1,4 +1,4 @@
-"""Terminals for people (SPEC §7): grant-gated JSON WebSocket PTY sessions.
+"""Terminals for people (docs/protocol.md §7): grant-gated JSON WebSocket PTY sessions.
 
 Pure cores: `frames` (the wire protocol and close codes), `ring` (bounded scrollback,
 UTF-8 cursors), `session` (who may attach, type, resize; when it ends). Edges: `terminals`

@@ -1,4 +1,4 @@
-"""`substrate attach`: a person's terminal client for a grant-gated session (SPEC §7).
+"""`substrate attach`: a person's terminal client for a grant-gated session (docs/protocol.md §7).
 
 `attach(token, url, session=None, mode="control")` connects to the daemon's `/pty`,
 puts the local terminal in raw mode (restored on every way out: `try/finally`), sends

@@ -1,6 +1,6 @@
 """The real terminal backend: a TTY exec in the workspace's confined sandbox container.
 
-A session's shell runs exactly like a command of `proc.run` (SPEC §5): in the sandbox
+A session's shell runs exactly like a command of `proc.run` (docs/protocol.md §5): in the sandbox
 that `Containers.ensure` created and verified from the kernel for (workspace, profile),
 as the sandbox's uid:gid, in `/workspace`, with the profile's environment (plus
 `TERM=xterm-256color` when the profile sets no `TERM`) and the reaper's marker, so that

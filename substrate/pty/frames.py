@@ -1,4 +1,4 @@
-"""The terminal wire protocol (SPEC §7): JSON text frames, sans-IO.
+"""The terminal wire protocol (docs/protocol.md §7): JSON text frames, sans-IO.
 
 Theory of operation: every WebSocket message is one JSON object whose `type` names the
 frame. Client frames are decoded once, here, into a tagged union of frozen Structs that

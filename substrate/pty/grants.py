@@ -1,4 +1,4 @@
-"""Terminal grants (SPEC §7): an operator's short-lived, counted permission to open a PTY.
+"""Terminal grants (docs/protocol.md §7): an operator's short-lived, counted permission to open a PTY.
 
 Theory of operation: `issue` makes a grant id `g-<16 hex>` and a token
 `<grant>.<43 chars of urlsafe randomness>`; only `sha256(token)` is stored, so the token

@@ -88,7 +88,7 @@ def default_origins(host: str, port: int) -> list[str]:
 class _CappedWebSocket(WebSocketConnection):
     """trio-websocket with our frame cap: over it, an `error` frame and close 4413.
 
-    trio-websocket's own cap closes with 1009 and no explanation; SPEC §7 wants a 44xx
+    trio-websocket's own cap closes with 1009 and no explanation; docs/protocol.md §7 wants a 44xx
     code. This overrides the one method that counts message bytes (pinned to the
     trio-websocket 0.12 internals; `tests/test_pty_server.py` checks the behaviour).
     """

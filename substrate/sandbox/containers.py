@@ -5,7 +5,7 @@ Theory of operation. `Containers.ensure(ws, profile)` returns a `Sandbox`, a con
 this daemon created and verified, cached until it is idle for `container_idle_s`, its
 workspace is released, or the daemon stops. On a cache miss it:
 
-1. decides who runs (SPEC §5 "Who runs"): the uid:gid owning the workspace root (read
+1. decides who runs (docs/protocol.md §5 "Who runs"): the uid:gid owning the workspace root (read
    now from the held root fd) or the profile's `UID:GID`; root only with `allow_root`;
 2. checks the runtime is registered and the image is present (never pulled);
 3. removes any container carrying this daemon's labels for the same pair that it did not

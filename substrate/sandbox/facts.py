@@ -76,7 +76,7 @@ def required_facts(
 ) -> dict[str, FactValue]:
     """Every confinement setting of `profile` as required facts (name → value).
 
-    `run_uid`/`run_gid`: who the command runs as (SPEC §5 "Who runs"). `workspace_mode`:
+    `run_uid`/`run_gid`: who the command runs as (docs/protocol.md §5 "Who runs"). `workspace_mode`:
     "rw" | "ro" | "none". `readonly_dirs`: workspace-relative directories mounted
     read-only over an "rw" workspace. `seccomp_expected`: the command itself must be under
     the profile's seccomp filter *inside a runsc sandbox* (`sandbox_oci_seccomp`: runsc

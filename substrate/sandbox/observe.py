@@ -289,7 +289,7 @@ def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
             continue
         version, directory = where
         filename, reader = read[version]
-        # The kind of source and the file, never the host directory (SPEC §5: results
+        # The kind of source and the file, never the host directory (docs/protocol.md §5: results
         # carry no host paths); the log names the directory when a read fails.
         src = f"cgroup:{filename}"
         try:

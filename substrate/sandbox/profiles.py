@@ -1,7 +1,7 @@
 """Operator process profiles: `profiles/<name>.toml` → a validated, frozen `Profile`.
 
 A profile is the whole of what a sandboxed command may get; requests never add to it
-(SPEC §5). Every field has an explicit default and a one-line comment with its unit.
+(docs/protocol.md §5). Every field has an explicit default and a one-line comment with its unit.
 
 Loading happens once, at daemon start: `load_profiles` reads every `*.toml` in the
 profiles directory, decodes it strictly (TOML → msgspec, no coercion, unknown keys

@@ -1,6 +1,6 @@
 """The create request of a sandbox container, from a profile alone (pure).
 
-Everything a sandbox gets comes from its profile (SPEC §5: a request never weakens a
+Everything a sandbox gets comes from its profile (docs/protocol.md §5: a request never weakens a
 profile): `container_spec` turns a profile, who runs, the workspace's bind source and its
 read-only paths into the engine's create arguments; `run_as` decides who runs and refuses
 root; the labels name the daemon, its run (epoch), the workspace, the profile and the

@@ -1,4 +1,4 @@
-"""The wire schema: msgspec Structs and the method table, one source of truth (SPEC §1).
+"""The wire schema: msgspec Structs and the method table, one source of truth (docs/protocol.md §1).
 
 Importing this package declares every method in `METHODS` (each domain module declares
 its own). `render()` is the text of `docs/api.schema.json`; `python -m substrate.schema`

@@ -1,4 +1,4 @@
-"""Wire schema of output refs (SPEC §5 "Output refs") and artifacts (SPEC §6).
+"""Wire schema of output refs (docs/protocol.md §5 "Output refs") and artifacts (docs/protocol.md §6).
 
 Bounds that have a named refusal (`too_large`) are checked in `substrate.artifacts.store`, not
 here, so a caller asking for too much gets `too_large` rather than `invalid_params`.

@@ -1,4 +1,4 @@
-"""Wire schema of reads (SPEC §3) and guarded writes (SPEC §4).
+"""Wire schema of reads (docs/protocol.md §3) and guarded writes (docs/protocol.md §4).
 
 Two guarded writes take "exactly one of" two fields: `fs.write` its bytes as `content`
 (text) or `content_b64`, `fs.patch` its change as `edits` or a `unified_diff`. The wire

@@ -1,4 +1,4 @@
-"""Wire schema of grants (SPEC §7): short-lived, counted permissions to open a terminal."""
+"""Wire schema of grants (docs/protocol.md §7): short-lived, counted permissions to open a terminal."""
 
 from __future__ import annotations
 

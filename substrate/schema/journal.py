@@ -1,4 +1,4 @@
-"""Wire schema of the journal (SPEC §8) and daemon status (SPEC §9)."""
+"""Wire schema of the journal (docs/protocol.md §8) and daemon status (docs/protocol.md §9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Wire schema of process execution (SPEC §5 `proc.run`).
+"""Wire schema of process execution (docs/protocol.md §5 `proc.run`).
 
 `argv` is deliberately loose here (any list of strings): an empty argv, a NUL or an
 argv[0] outside the profile's `argv_allow` is the named refusal `argv_denied`, decided in
@@ -68,7 +68,7 @@ method(
 )
 
 
-# --- intents (SPEC §5: proc.start, wait, signal, status, list, subscribe) -----------------
+# --- intents (docs/protocol.md §5: proc.start, wait, signal, status, list, subscribe) -----------------
 
 ProcId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 ProcState = Literal["running", "exited", "lost"]

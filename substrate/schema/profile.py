@@ -1,4 +1,4 @@
-"""Wire schema of profiles and confinement facts (SPEC §5)."""
+"""Wire schema of profiles and confinement facts (docs/protocol.md §5)."""
 
 from __future__ import annotations
 

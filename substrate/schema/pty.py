@@ -1,4 +1,4 @@
-"""Wire schema of terminal scrollback for agents (SPEC §7)."""
+"""Wire schema of terminal scrollback for agents (docs/protocol.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Wire schema of workspaces and approvals (SPEC §2, §4)."""
+"""Wire schema of workspaces and approvals (docs/protocol.md §2, §4)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class Policy(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     `.git/**` is always part of `write_deny`, whatever the caller gives, and every `.git`
     deeper down is write-denied too. In a result this is the effective policy: the
     operator's default, what was set for the checkout, and the rules inherited from
-    checkouts nested in it or enclosing it (SPEC §2).
+    checkouts nested in it or enclosing it (docs/protocol.md §2).
     """
 
     write_allow: Globs = msgspec.field(default_factory=list)  # empty: all allowed

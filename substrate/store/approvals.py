@@ -1,4 +1,4 @@
-"""Operator approvals of exact plans (SPEC §4): the `approvals` table and all its SQL.
+"""Operator approvals of exact plans (docs/protocol.md §4): the `approvals` table and all its SQL.
 
 An approval lets one apply of exactly one plan digest in one workspace through a
 `require_approval` glob. `approval.grant` adds one (`grant_in`); a guarded write looks

@@ -1,4 +1,4 @@
-"""The hash-chained journal (SPEC §8).
+"""The hash-chained journal (docs/protocol.md §8).
 
 Theory of operation: every entry is `(seq, epoch, ts, kind, workspace, actor, data,
 prev)`; its `hash = sha256(prev || canonical(entry))`, where `canonical` is JSON with

@@ -1,4 +1,4 @@
-// The substrate terminal page: xterm.js on the JSON WebSocket PTY protocol (SPEC §7).
+// The substrate terminal page: xterm.js on the JSON WebSocket PTY protocol (docs/protocol.md §7).
 //
 // The token comes from the URL fragment (#token=...&session=...&mode=observe), which
 // browsers never send to a server, or from the form; it is removed from the address bar

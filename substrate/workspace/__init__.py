@@ -5,9 +5,9 @@ Where things are: `registry` adopts and releases (`adopted`: one workspace and t
 of its root fd; `checkouts`: the policies remembered per checkout; `vcs`: git state read
 as plain files); `policy` is the glob language; `paths` resolves a path beneath a root
 without following a symlink and `fsops` does the file-system steps beneath a dir fd;
-`reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (SPEC §3);
-`writes` applies guarded writes (SPEC §4) with `patching`, `preview` and `temp_files`;
-`gate` checks what sandboxed code changed (SPEC §5).
+`reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3);
+`writes` applies guarded writes (docs/protocol.md §4) with `patching`, `preview` and `temp_files`;
+`gate` checks what sandboxed code changed (docs/protocol.md §5).
 """
 
 from substrate.workspace.adopted import Workspace

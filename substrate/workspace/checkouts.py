@@ -1,4 +1,4 @@
-"""The remembered policy of every checkout ever adopted (SPEC §2: the policy belongs to the
+"""The remembered policy of every checkout ever adopted (docs/protocol.md §2: the policy belongs to the
 operator).
 
 A checkout's own policy (what the operator set with `workspace.set_policy`, plus what

@@ -8,7 +8,7 @@ Pattern rules (the subset of gitignore that a deny list needs; no `!` negation):
 - a trailing `/` matches a directory and everything under it; and as in git, a pattern
   that matches a directory matches everything beneath it.
 
-Policies combine (SPEC §2: the policy belongs to the operator): `merge` unions the deny
+Policies combine (docs/protocol.md §2: the policy belongs to the operator): `merge` unions the deny
 lists and intersects the allow lists; `loosening` says what an asked policy would drop;
 `reroot` and `prefixed` carry the rules of one checkout onto a checkout nested in it or
 enclosing it, so adopting a subdirectory or a parent never dodges a rule. Every `.git`

@@ -1,4 +1,4 @@
-"""Bounded, symlink-refusing reads of a workspace (SPEC §3).
+"""Bounded, symlink-refusing reads of a workspace (docs/protocol.md §3).
 
 Every function is blocking (call it from a worker thread) and reaches files only through
 the workspace's root fd (`substrate.workspace.paths`), held against release (`Workspace.use`) while

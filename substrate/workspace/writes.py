@@ -1,4 +1,4 @@
-"""Guarded writes: the only way substrate changes a file (SPEC §4).
+"""Guarded writes: the only way substrate changes a file (docs/protocol.md §4).
 
 Theory of operation. A write is first *planned*, touching nothing: validate the path,
 check the policy, read the current bytes through the held parent directory fd, check

@@ -1,5 +1,5 @@
 """Process intents against a real daemon and engine: proc.start, wait, signal, status,
-list and subscribe (SPEC §5), with the tiny busybox profile.
+list and subscribe (docs/protocol.md §5), with the tiny busybox profile.
 
 Each test runs its own daemon (subprocess); its sandboxes are removed when it stops and
 by the `intent_daemon` fixture (containers labelled with its daemon id).

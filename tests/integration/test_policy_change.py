@@ -1,4 +1,4 @@
-"""A policy that changes under a live sandbox (SPEC §2): the sandbox follows it.
+"""A policy that changes under a live sandbox (docs/protocol.md §2): the sandbox follows it.
 
 A sandbox binds the policy's read-only directories when it is made, and the write gate
 skips its file-level check when those mounts cover every deny glob. A policy changed

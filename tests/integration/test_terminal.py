@@ -1,5 +1,5 @@
 """Terminals in the real engine: a TTY shell in the workspace's verified sandbox, reached
-through grants, the WebSocket protocol and the agent socket (SPEC §7).
+through grants, the WebSocket protocol and the agent socket (docs/protocol.md §7).
 
 An in-process daemon (own state dir, adopt root, HTTP on an ephemeral loopback port)
 with the shipped profiles plus `term-tiny`, an interactive profile on the tiny image

@@ -1,4 +1,4 @@
-"""Build substrate's images with no container registry (SPEC §10).
+"""Build substrate's images with no container registry (docs/protocol.md §10).
 
 Three images, each skipped when present and built from the same sources (a label holds
 their digest), unless `force`:

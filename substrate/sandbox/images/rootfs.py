@@ -1,6 +1,6 @@
 """A Debian root filesystem made by debootstrap, cached, and streamed as a tar.
 
-This is the registry-free base of the sandbox image (SPEC §10). `ensure_rootfs` runs
+This is the registry-free base of the sandbox image (docs/protocol.md §10). `ensure_rootfs` runs
 `debootstrap --variant=minbase` once into a cache dir (downloaded packages kept under
 `debs/` so a refresh re-downloads nothing unchanged) and reuses the tree while its recipe
 stays the same; `rootfs_tar` streams the tree for the engine's import, slimmed like

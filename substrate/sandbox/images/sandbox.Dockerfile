@@ -1,4 +1,4 @@
-# substrate-sandbox:bookworm — the default sandbox image (SPEC §10).
+# substrate-sandbox:bookworm — the default sandbox image (docs/protocol.md §10).
 #
 # Offline (the default): BASE is substrate-base:bookworm, a Debian bookworm root
 # filesystem made by debootstrap with every package below already included, then imported

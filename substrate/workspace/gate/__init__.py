@@ -1,10 +1,10 @@
-"""The write gate for sandboxed code: file-level `write_deny` globs (SPEC §5, issue 4).
+"""The write gate for sandboxed code: file-level `write_deny` globs (docs/protocol.md §5, issue 4).
 
 Theory of operation. Directories denied whole (`.git/**`) and every `.git` at any depth
 are bound read-only into the sandbox (`substrate.sandbox.containers`); everything else a deny
 glob names (`*.lock`, `.env`, `secrets/*.pem`) is checked around each command. So is
 every `require_approval` glob: sandboxed code cannot ask an operator for an approval, so
-until such changes can wait as pending plans (the working layer, SPEC §11) they are
+until such changes can wait as pending plans (the working layer, docs/protocol.md §11) they are
 reverted like denied ones and reported with `rule: "require_approval"`.
 
 - `before` walks the workspace once through directory fds (`os.scandir`, `O_NOFOLLOW`,
