@@ -6,3 +6,9 @@ UTF-8 cursors), `session` (who may attach, type, resize; when it ends). Edges: `
 upgrade), `docker` (the TTY exec in the workspace's confined container), `backend` (the
 process interface and an in-memory fake).
 """
+
+from substrate.pty.grants import Grant, Grants, parse_duration
+from substrate.pty.service import TerminalService
+from substrate.pty.terminals import Terminals
+
+__all__ = ["Grant", "Grants", "TerminalService", "Terminals", "parse_duration"]
