@@ -29,6 +29,7 @@ from substrate.sandbox.engine import ContainerGone, Engine, ExecStream
 from substrate.sandbox.profiles import Profile
 
 if TYPE_CHECKING:
+    from substrate.process.service import Execution
     from substrate.sandbox.containers import Containers, Sandbox
     from substrate.workspace.registry import Workspace
 
@@ -135,12 +136,7 @@ class DockerPty:
 class DockerPtys:
     """The `PtySpawner` of the daemon: sessions in verified sandboxes."""
 
-    def __init__(
-        self,
-        execution: Callable[[], Any],
-        workspace: Callable[[str], Workspace],
-    ) -> None:
-        # Looked up per call: the daemon builds its execution layer independently.
+    def __init__(self, execution: Execution, workspace: Callable[[str], Workspace]) -> None:
         self._execution = execution
         self._workspace = workspace
 
@@ -149,9 +145,7 @@ class DockerPtys:
         (profile no longer interactive), `argv_denied`, `confinement_unmet`,
         `image_missing`, `runtime_unavailable`, like any command. Costs a container start
         and a fact check when the sandbox is cold, else three engine calls."""
-        execution = self._execution()
-        if execution is None:
-            raise RuntimeUnavailable("the execution layer is not running")
+        execution = self._execution
         ws = self._workspace(workspace)
         prof: Profile = execution.profile(profile)
         if not prof.interactive:

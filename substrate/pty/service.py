@@ -40,7 +40,7 @@ class TerminalService:
         self.sessions = Terminals(
             grants=self.grants,
             journal=journal,
-            spawner=DockerPtys(lambda: execution, workspaces.get),
+            spawner=DockerPtys(execution, workspaces.get),
             check_workspace=workspaces.get,
         )
 
