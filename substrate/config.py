@@ -1,7 +1,8 @@
 """Daemon configuration: `substrate.toml` keys, overridden by command-line flags (docs/protocol.md §9).
 
-Every key has a default that works on a fresh machine: the state dir under the invoking
-directory's `.state`, the profiles and seccomp policies shipped with this checkout.
+Every key has a default that works on a fresh machine: the state dir from
+`$SUBSTRATE_STATE_DIR`, else `$XDG_STATE_HOME/substrate`, else `~/.local/state/substrate`
+(never inside a checkout), the profiles and seccomp policies shipped with this checkout.
 """
 
 from __future__ import annotations

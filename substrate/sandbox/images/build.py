@@ -162,7 +162,8 @@ def build_default(
     cache_dir: Path = DEFAULT_CACHE_DIR,
     client: Any = None,
 ) -> str:
-    """Make `substrate-sandbox:bookworm` from the top-level Dockerfile; return the tag.
+    """Make `substrate-sandbox:bookworm` from the sandbox Dockerfile (the checkout's
+    top-level one, else the packaged copy); return the tag.
 
     With `base=None` the debootstrap base is made first (if missing, or re-imported when
     `force`) and the build runs with no network. A registry `base` (such as
