@@ -11,7 +11,8 @@ such a hash only reads, so a cancelled request abandons it (it finishes and is c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -38,46 +39,40 @@ from substrate.workspace import reads, search
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
+    from substrate.workspace.digests import Digests
+    from substrate.workspace.registry import Workspace
+
+
+_R = TypeVar("_R", StatResult, ReadResult)
+
+
+async def _answered(
+    daemon: Daemon,
+    reader: Callable[[Workspace, Any, Digests, int | None], _R],
+    p: StatParams | ReadParams,
+) -> _R:
+    """`reader` with the inline digest bound (fs_limiter); a digest it deferred is computed
+    on the hash limiter only when the call asked for it (`hash: true`)."""
+    ws = daemon.workspaces.get(p.workspace)
+    inline = daemon.config.inline_hash_bytes
+    result = await trio.to_thread.run_sync(
+        reader, ws, p, daemon.digests, inline, limiter=daemon.fs_limiter
+    )
+    if result.sha256_deferred and p.hash:
+        result = await trio.to_thread.run_sync(
+            reader, ws, p, daemon.digests, None, limiter=daemon.hash_limiter, abandon_on_cancel=True
+        )
+    return result
 
 
 @handles("fs.stat")
 async def stat(daemon: Daemon, caller: Caller, p: StatParams) -> StatResult:
-    ws = daemon.workspaces.get(p.workspace)
-    inline = daemon.config.inline_hash_bytes
-    result = await trio.to_thread.run_sync(
-        reads.stat_path, ws, p, daemon.digests, inline, limiter=daemon.fs_limiter
-    )
-    if result.sha256_deferred and p.hash:
-        result = await trio.to_thread.run_sync(
-            reads.stat_path,
-            ws,
-            p,
-            daemon.digests,
-            None,
-            limiter=daemon.hash_limiter,
-            abandon_on_cancel=True,
-        )
-    return result
+    return await _answered(daemon, reads.stat_path, p)
 
 
 @handles("fs.read")
 async def read(daemon: Daemon, caller: Caller, p: ReadParams) -> ReadResult:
-    ws = daemon.workspaces.get(p.workspace)
-    inline = daemon.config.inline_hash_bytes
-    result = await trio.to_thread.run_sync(
-        reads.read_file, ws, p, daemon.digests, inline, limiter=daemon.fs_limiter
-    )
-    if result.sha256_deferred and p.hash:
-        result = await trio.to_thread.run_sync(
-            reads.read_file,
-            ws,
-            p,
-            daemon.digests,
-            None,
-            limiter=daemon.hash_limiter,
-            abandon_on_cancel=True,
-        )
-    return result
+    return await _answered(daemon, reads.read_file, p)
 
 
 @handles("fs.list")
