@@ -317,17 +317,7 @@ class WorkspaceRegistry:
         with self._lock:
             ws = self.get(workspace)
             own = subtract(policy, NOTHING)
-            with self._store.transaction() as db:
-                self._checkouts.save(db, checkout_key(ws.dev_ino), ws.checkout_path, own)
-                policies = self._recompute([ws, *self._related_live(ws.checkout_path)])
-                self._journal.append_in(
-                    db,
-                    "workspace.policy_set",
-                    {"root_id": ws.root_id, **summary(own)},
-                    workspace=ws.id,
-                    actor=actor,
-                )
-            self._apply(policies, None)
+            self._save_own(ws, own, "workspace.policy_set", own, actor)
             return ws
 
     def _add_policy(self, ws: Workspace, policy: Policy, actor: str) -> None:
@@ -337,15 +327,17 @@ class WorkspaceRegistry:
         added = self._checkouts.additions(own, policy)
         if not glob_count(added):
             return
+        self._save_own(ws, merge(own, added), "workspace.policy_added", added, actor)
+
+    def _save_own(self, ws: Workspace, own: Policy, kind: str, told: Policy, actor: str) -> None:
+        """Store a checkout's own policy, recompute every live workspace it bears on and
+        journal `kind` with a summary of `told` (counts and a digest, never the globs),
+        in one transaction; then swap the compiled policies in (caller holds the lock)."""
         with self._store.transaction() as db:
-            self._checkouts.save(db, key, ws.checkout_path, merge(own, added))
+            self._checkouts.save(db, checkout_key(ws.dev_ino), ws.checkout_path, own)
             policies = self._recompute([ws, *self._related_live(ws.checkout_path)])
             self._journal.append_in(
-                db,
-                "workspace.policy_added",
-                {"root_id": ws.root_id, **summary(added)},
-                workspace=ws.id,
-                actor=actor,
+                db, kind, {"root_id": ws.root_id, **summary(told)}, workspace=ws.id, actor=actor
             )
         self._apply(policies, None)
 
