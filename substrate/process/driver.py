@@ -247,16 +247,7 @@ class ExecDriver:
             _after_exit, sandbox, run.proc, alone, limiter=self._fs_limiter
         )
         if stragglers:
-            termed, killed = await reaper.terminate(
-                sandbox.cgroups,
-                run.proc,
-                sandbox.protected,
-                alone=alone,
-                grace_s=GRACE_S,
-                roots=_roots(run.entry),
-            )
-            run.reaped += termed
-            run.killed += killed
+            await self._terminate(run, alone=alone)
         return oom_after
 
     async def settle(self, run: Run, exit_code: int | None) -> tuple[int | None, int]:
@@ -367,16 +358,7 @@ class ExecDriver:
                 if not run.pump_done.is_set():
                     # The main process is gone but the stream is open: stragglers hold it.
                     run.main_exited = True
-                    termed, killed = await reaper.terminate(
-                        sandbox.cgroups,
-                        run.proc,
-                        sandbox.protected,
-                        alone=sandbox.running <= 1,
-                        grace_s=GRACE_S,
-                        roots=_roots(run.entry),
-                    )
-                    run.reaped += termed
-                    run.killed += killed
+                    await self._terminate(run, alone=sandbox.running <= 1)
             # Under gVisor the engine itself closes the stream soon after the main exits.
             await run.pump_done.wait()
         if run.pump_done.is_set():
@@ -392,18 +374,23 @@ class ExecDriver:
     async def kill(self, run: Run) -> None:
         sandbox = run.sandbox
         if sandbox.host_visible:
-            termed, killed = await reaper.terminate(
-                sandbox.cgroups,
-                run.proc,
-                sandbox.protected,
-                alone=sandbox.running <= 1,
-                grace_s=GRACE_S,
-                roots=_roots(run.entry),
-            )
-            run.reaped += termed
-            run.killed += killed
+            await self._terminate(run, alone=sandbox.running <= 1)
         else:
             await self.kill_inside(run)
+
+    async def _terminate(self, run: Run, *, alone: bool) -> None:
+        """TERM the command's processes, KILL what is left after the grace; count both."""
+        sandbox = run.sandbox
+        termed, killed = await reaper.terminate(
+            sandbox.cgroups,
+            run.proc,
+            sandbox.protected,
+            alone=alone,
+            grace_s=GRACE_S,
+            roots=_roots(run.entry),
+        )
+        run.reaped += termed
+        run.killed += killed
 
     async def kill_inside(self, run: Run) -> None:
         """Under gVisor the command's processes are not host processes: the sandbox is
