@@ -294,6 +294,26 @@ def test_swaps_propagate_into_an_rslave_bind_in_another_namespace(layer: Layer) 
         assert not (layer.checkout / "written.txt").exists()
 
 
+def test_a_generation_in_use_in_the_container_is_not_swapped(layer: Layer) -> None:
+    first = layer.plan(1)
+    layers.prepare(first)
+    inside = layer.state / "container-workspace"
+    inside.mkdir()
+    with _Container(first.base, str(inside)) as container:
+        layers.mount_generation(first, layer.root_fd)
+        container.ask("src.txt", hold=True)
+        with pytest.raises(OSError) as caught:
+            layers.swap(first, layer.plan(2), layer.root_fd)
+        assert caught.value.errno == errno.EBUSY
+        layers.verify_generation(first)
+        assert container.ask("src.txt", release=True) == {
+            "exists": True,
+            "upper": first.upper,
+            "erofs": 4,
+        }
+        layers.swap(first, layer.plan(2), layer.root_fd)
+
+
 class _Container:
     """A forked child in its own mount namespace (all of it a slave of ours) that binds
     the base at `target` (`rbind`, `rslave`) as the engine would, then answers queries
@@ -328,8 +348,13 @@ class _Container:
         layers.mount(None, self.target, None, layers.MS_REC | layers.MS_SLAVE)
         asks = os.fdopen(ask_r, "r")
         os.write(answer_w, b'{"ready": true}\n')
+        held: list[int] = []
         for line in asks:
             query = json.loads(line)
+            if query.get("hold"):
+                held.append(os.open(f"{self.target}/{query['name']}", os.O_RDONLY))
+            while query.get("release") and held:
+                os.close(held.pop())
             if query["write"]:
                 Path(self.target, query["name"]).write_text("from the container\n")
             top = [m for m in layers.read_mounts() if m.mount_point == self.target][-1]
@@ -345,8 +370,11 @@ class _Container:
             }
             os.write(answer_w, (json.dumps(answer) + "\n").encode())
 
-    def ask(self, name: str, *, write: bool = False) -> dict[str, object]:
-        os.write(self._ask_w, (json.dumps({"name": name, "write": write}) + "\n").encode())
+    def ask(
+        self, name: str, *, write: bool = False, hold: bool = False, release: bool = False
+    ) -> dict[str, object]:
+        query = {"name": name, "write": write, "hold": hold, "release": release}
+        os.write(self._ask_w, (json.dumps(query) + "\n").encode())
         return self._read()
 
     def _read(self) -> dict[str, object]:
