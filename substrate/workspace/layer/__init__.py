@@ -3,7 +3,18 @@ layer changes in the checkout (`scan`), classified purely (`changeset`), and app
 through the guarded write path (`apply`).
 """
 
+from substrate.workspace.layer.apply import ApplyResult, Outcomes, apply
 from substrate.workspace.layer.changeset import Blocked, Change, ChangeSet, Seen, classify
 from substrate.workspace.layer.scan import scan
 
-__all__ = ["Blocked", "Change", "ChangeSet", "Seen", "classify", "scan"]
+__all__ = [
+    "ApplyResult",
+    "Blocked",
+    "Change",
+    "ChangeSet",
+    "Outcomes",
+    "Seen",
+    "apply",
+    "classify",
+    "scan",
+]
