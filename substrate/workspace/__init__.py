@@ -7,7 +7,8 @@ as plain files); `policy` is the glob language; `paths` resolves a path beneath 
 without following a symlink and `fsops` does the file-system steps beneath a dir fd;
 `reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3);
 `writes` applies guarded writes (docs/protocol.md §4) with `patching`, `preview` and `temp_files`;
-`gate` checks what sandboxed code changed (docs/protocol.md §5).
+`gate` checks what sandboxed code changed (docs/protocol.md §5); `layer` reads an overlay
+upper layer as a change set and applies it through the guarded path (docs/working-layer.md).
 """
 
 from substrate.workspace.adopted import Workspace

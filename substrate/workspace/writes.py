@@ -70,6 +70,7 @@ DEFAULT_FILE_MODE = 0o644
 DEFAULT_DIR_MODE = 0o755
 
 Op = Literal["create", "replace", "delete"]
+DirOp = Literal["mkdir", "rmdir", "chmod"]
 
 
 def plan_digest(
@@ -283,6 +284,90 @@ class Writer:
             prepared, parent_fd = _plan(ws, p.path, p.base_sha256, None, None, False, p.plan_digest)
             return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.delete")
 
+    # -- a working layer's change set (substrate.workspace.layer.apply) --------------------
+
+    def apply_change(
+        self,
+        ws: Workspace,
+        path: str,
+        base: str | None,
+        data: bytes | None,
+        mode: int | None,
+        actor: str,
+    ) -> Plan:
+        """Apply one file of a change set: `data` (None: a delete) bound to `base`, as
+        `fs.write`/`fs.delete` would, parents not made (the set makes them first).
+        Journaled as `changes.apply`. Refuses as they do (`path_denied`,
+        `approval_required` with the plan digest, `stale_base`, `already_exists`, ...)."""
+        with ws.use():
+            prepared, parent_fd = _plan(ws, path, base, data, mode, False, None)
+            return self._finish(ws, prepared, parent_fd, False, actor, "changes.apply")
+
+    def apply_dir(self, ws: Workspace, path: str, op: DirOp, mode: int | None, actor: str) -> str:
+        """Make (`mkdir`, the workspace owner's), remove (`rmdir`, empty only) or chmod a
+        directory of a change set, journaled as `changes.apply_dir`; returns its plan digest.
+
+        Refuses like a guarded write: `path_invalid`, `path_denied` (policy or reserved
+        name), `approval_required` (with the plan digest: an approval of it lets it
+        through once), `symlink_refused`/`not_found`/`not_a_directory` on the way, and
+        OSError (EEXIST, ENOTEMPTY, ENOENT) from the step itself. Set-id bits are dropped.
+        """
+        parts = paths.split_relpath(path)
+        rel = "/".join(parts)
+        where = ws.provenance(rel)
+        _check_not_reserved(parts, where)
+        if not ws.policy.may_write(rel):
+            raise PathDenied(f"{where}: denied by the workspace write policy")
+        if mode is not None:
+            mode &= ~(stat.S_ISUID | stat.S_ISGID)
+        digest = hashlib.sha256(canonical([ws.root_id, rel, op, None, None, mode])).hexdigest()
+        needs_approval = ws.policy.needs_approval(rel)
+        with (
+            ws.use(),
+            paths.opened_dir(ws.root_fd, parts[:-1], where) as parent_fd,
+            ws.commit_lock,
+        ):
+            approval = None
+            if needs_approval:
+                approval = self._approvals.find(ws.id, digest, time.time())
+                if approval is None:
+                    raise ApprovalRequired(
+                        f"{where}: needs an operator approval of this plan",
+                        plan_digest=digest,
+                    )
+            if op == "mkdir":
+                owner = (ws.owner_uid, ws.owner_gid)
+                fsops.make_dir(
+                    parent_fd,
+                    parts[-1],
+                    mode=DEFAULT_DIR_MODE if mode is None else mode,
+                    owner=owner,
+                )
+            elif op == "rmdir":
+                os.rmdir(parts[-1], dir_fd=parent_fd)
+            else:
+                assert mode is not None
+                with paths.opened_dir(parent_fd, parts[-1:], where) as fd:
+                    os.fchmod(fd, mode)
+            os.fsync(parent_fd)
+            with self._store.transaction() as db:
+                if approval is not None:
+                    self._approvals.consume_in(db, approval, time.time())
+                self._journal.append_in(
+                    db,
+                    "changes.apply_dir",
+                    {
+                        "path": where,
+                        "op": op,
+                        "mode": mode,
+                        "plan_digest": digest,
+                        "approval_id": approval,
+                    },
+                    workspace=ws.id,
+                    actor=actor,
+                )
+        return digest
+
     # -- apply ----------------------------------------------------------------------------
 
     def _finish(
@@ -411,7 +496,7 @@ class Writer:
                 )
 
 
-WRITE_KINDS = ("fs.write", "fs.patch", "fs.delete")
+WRITE_KINDS = ("fs.write", "fs.patch", "fs.delete", "changes.apply")
 
 
 def drift_report(

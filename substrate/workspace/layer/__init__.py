@@ -1,0 +1,20 @@
+"""The working layer's change sets (docs/working-layer.md): what a sandbox's overlay upper
+layer changes in the checkout (`scan`), classified purely (`changeset`), and applied
+through the guarded write path (`apply`).
+"""
+
+from substrate.workspace.layer.apply import ApplyResult, Outcomes, apply
+from substrate.workspace.layer.changeset import Blocked, Change, ChangeSet, Seen, classify
+from substrate.workspace.layer.scan import scan
+
+__all__ = [
+    "ApplyResult",
+    "Blocked",
+    "Change",
+    "ChangeSet",
+    "Outcomes",
+    "Seen",
+    "apply",
+    "classify",
+    "scan",
+]
