@@ -341,3 +341,21 @@ def test_live_checkpoints_per_workspace_are_bounded(
     assert expired.data["checkpoint"] == first and expired.data["reason"] == "count"
     with pytest.raises(CheckpointUnknown):
         env.restore(first)
+
+
+@pytest.mark.parametrize("quota", [1000])
+def test_the_quota_never_expires_a_checkpoint_under_its_own_restore(env: Env) -> None:
+    big = "x" * 1200 + "\n"
+    checkpoint, _ = env.checkpoint()
+    env.write("a.txt", big, sha("alpha\n"))
+    # Putting "alpha" back keeps the 1201 bytes it replaces: over the quota, and this
+    # checkpoint is the only (so the oldest) one.
+    result = env.restore(checkpoint)
+    assert paths_of(result, "restored") == ["a.txt"]
+    assert env.kinds("workspace.checkpoint_expired") == []
+    assert env.checkpoints.stored_bytes() == 1201 + len("alpha\n")
+    # The next write settles the quota; the checkpoint then goes.
+    env.write("keep.txt", "changed\n", sha("unchanged\n"))
+    (expired,) = env.kinds("workspace.checkpoint_expired")
+    assert expired.data["checkpoint"] == checkpoint
+    assert env.checkpoints.stored_bytes() == 0

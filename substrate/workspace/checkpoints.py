@@ -20,7 +20,9 @@ Quota. `preimage_quota_bytes` bounds the stored bytes. When a write takes them o
 (seq at or below the oldest live checkpoint of their workspace) go, with every blob no
 row names any more; again until the bytes fit or no checkpoint is live. A pre-image a
 live checkpoint needs is never collected (its checkpoint goes first), and no write is
-ever refused for the quota. A workspace keeps at most `MAX_LIVE` live checkpoints (a new
+ever refused for the quota. A checkpoint being restored is `pinned`: neither the quota
+nor the count expires it under its restore (the restore's own writes keep pre-images
+too), so the bytes may stay over the quota until a write after the restore. A workspace keeps at most `MAX_LIVE` live checkpoints (a new
 one expires the oldest, reason `count`) and remembers `MAX_EXPIRED` expired ones;
 restoring an expired checkpoint refuses `checkpoint_unknown` with `expired: true`.
 
@@ -40,8 +42,11 @@ import os
 import secrets
 import sqlite3
 import string
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +134,10 @@ class Checkpoints:
         self._store = store
         self._journal = journal
         self._quota = quota_bytes
+        #: Checkpoints being restored now: the quota never expires one under its restore
+        #: (whose own writes keep pre-images too).
+        self._pinned: Counter[str] = Counter()
+        self._pin_lock = threading.Lock()
         store.ensure_schema(SCHEMA)
         state_fd = os.open(state_dir, fsops.DIR_FLAGS)
         try:
@@ -189,12 +198,15 @@ class Checkpoints:
             return
         with self._store.transaction() as db:
             while self._total(db) > self._quota:
+                with self._pin_lock:
+                    pinned = [k for k, n in self._pinned.items() if n > 0]
                 row = db.execute(
                     "SELECT id, workspace, seq FROM checkpoints WHERE expired IS NULL"
-                    " ORDER BY seq LIMIT 1"
+                    f" AND id NOT IN ({','.join('?' * len(pinned))}) ORDER BY seq LIMIT 1",
+                    pinned,
                 ).fetchone()
                 if row is None:
-                    break
+                    break  # over until a later write, once the restores are done
                 self._expire_in(db, row["id"], row["workspace"], row["seq"], "quota")
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -217,6 +229,8 @@ class Checkpoints:
                 " ORDER BY seq",
                 (ws.id,),
             ).fetchall()
+            with self._pin_lock:
+                live = [row for row in live if self._pinned[row["id"]] <= 0]
             for old in live[: max(0, len(live) - MAX_LIVE)]:
                 self._expire_in(db, old["id"], ws.id, old["seq"], "count")
         return checkpoint, entry.seq
@@ -235,6 +249,19 @@ class Checkpoints:
                 f"{checkpoint}: expired (its pre-images were collected)", expired=True
             )
         return int(rows[0]["seq"])
+
+    @contextmanager
+    def pinned(self, checkpoint: str) -> Iterator[None]:
+        """Keep the quota from expiring `checkpoint` for the block (a restore of it)."""
+        with self._pin_lock:
+            self._pinned[checkpoint] += 1
+        try:
+            yield
+        finally:
+            with self._pin_lock:
+                self._pinned[checkpoint] -= 1
+                if self._pinned[checkpoint] <= 0:
+                    del self._pinned[checkpoint]
 
     def changed_since(self, ws: Workspace, seq: int, *, created: bool) -> Iterator[History]:
         """Each path substrate wrote in `ws` after `seq`, in path order, a page at a time:

@@ -124,10 +124,10 @@ def restore(
     refuses as a whole: each file's list says what became of it. Journals
     `workspace.restore` with the counts unless `dry_run`. Costs, per file substrate
     changed since, a read and hash of it and of its pre-image, plus the guarded write."""
-    seq = cps.seq_of(ws, checkpoint)
     lists: dict[str, list[RestoreFile]] = {name: [] for name in LISTS}
     counts = dict.fromkeys(LISTS, 0)
-    with ws.use():
+    with cps.pinned(checkpoint), ws.use():
+        seq = cps.seq_of(ws, checkpoint)
         for created in (True, False):
             for h in cps.changed_since(ws, seq, created=created):
                 where, item = _one(writer, cps, ws, h, dry_run, actor)
