@@ -47,6 +47,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     max_processes: int = 64  # running processes per daemon
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
+    #: checkpoint pre-images kept, bytes; past it the oldest checkpoint expires (§11)
+    preimage_quota_bytes: int = 1 << 30
     # `[policy]`: the operator's default policy of every checkout (docs/protocol.md §2); agents add to it.
     policy: Policy = msgspec.field(default_factory=Policy)
 
@@ -77,6 +79,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         raise ConfigError("max_request_bytes: must be at least 1024")
     if config.inline_hash_bytes < 0:
         raise ConfigError("inline_hash_bytes: must not be negative")
+    if config.preimage_quota_bytes < 0:
+        raise ConfigError("preimage_quota_bytes: must not be negative")
     try:
         compile_policy(config.policy)
     except Refusal as exc:

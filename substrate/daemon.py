@@ -33,6 +33,7 @@ from substrate.sandbox.profiles import ProfileError
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import reads
+from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.registry import WorkspaceRegistry
 from substrate.workspace.writes import Writer
 
@@ -86,6 +87,7 @@ class Daemon:
     journal: Journal
     workspaces: WorkspaceRegistry
     writer: Writer
+    checkpoints: Checkpoints
     execution: Execution
     terminals: TerminalService
     #: Blocking file work shares one limiter so a flood of reads cannot starve writes of
@@ -149,6 +151,9 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     journal = Journal(store)
     workspaces = WorkspaceRegistry(config, store, journal, state_dir)
     closing.callback(workspaces.close)
+    checkpoints = Checkpoints(store, journal, state_dir, config.preimage_quota_bytes)
+    closing.callback(checkpoints.close)
+    checkpoints.sweep()  # blobs a crash left without a row; no write runs yet
     fs_limiter = trio.CapacityLimiter(16)
     try:
         execution = Execution(config, store, journal, state_dir, fs_limiter=fs_limiter)
@@ -162,7 +167,8 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         store=store,
         journal=journal,
         workspaces=workspaces,
-        writer=Writer(store, journal),
+        writer=Writer(store, journal, checkpoints),
+        checkpoints=checkpoints,
         execution=execution,
         terminals=TerminalService(config, store, journal, execution, workspaces),
         fs_limiter=fs_limiter,

@@ -225,6 +225,13 @@ class ControllerBusy(Refusal):
     name = "controller_busy"
 
 
+class CheckpointUnknown(Refusal):
+    """No checkpoint of this workspace has this id; `data.expired` is true when it had one
+    whose pre-images the quota (or the count of live checkpoints) let go."""
+
+    name = "checkpoint_unknown"
+
+
 class LimitExceeded(Refusal):
     """A configured cap (connections, processes, quota) would be passed."""
 

@@ -1,4 +1,7 @@
-"""Handlers of `workspace.*` and `approval.grant`."""
+"""Handlers of `workspace.*` and `approval.grant`.
+
+Checkpoint and restore run in threads that are never abandoned, like guarded writes.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +14,18 @@ from substrate.schema.workspace import (
     AdoptParams,
     ApprovalGrantParams,
     ApprovalGrantResult,
+    CheckpointParams,
+    CheckpointResult,
     ReleaseResult,
+    RestoreParams,
+    RestoreResult,
     SetPolicyParams,
     WorkspaceInfo,
     WorkspaceList,
     WorkspaceListParams,
     WorkspaceRef,
 )
+from substrate.workspace.restore import restore as restore_checkpoint
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
@@ -82,3 +90,25 @@ async def approve(daemon: Daemon, caller: Caller, p: ApprovalGrantParams) -> App
         daemon.workspaces.grant_approval, ws, p.plan_digest, p.ttl_s, caller.name
     )
     return ApprovalGrantResult(approval_id=approval_id, expires=expires)
+
+
+@handles("workspace.checkpoint")
+async def checkpoint(daemon: Daemon, caller: Caller, p: CheckpointParams) -> CheckpointResult:
+    ws = daemon.workspaces.get(p.workspace)
+    checkpoint_id, seq = await trio.to_thread.run_sync(daemon.checkpoints.create, ws, caller.name)
+    return CheckpointResult(checkpoint=checkpoint_id, seq=seq)
+
+
+@handles("workspace.restore")
+async def restore(daemon: Daemon, caller: Caller, p: RestoreParams) -> RestoreResult:
+    ws = daemon.workspaces.get(p.workspace)
+    return await trio.to_thread.run_sync(
+        restore_checkpoint,
+        daemon.writer,
+        daemon.checkpoints,
+        daemon.journal,
+        ws,
+        p.checkpoint,
+        p.dry_run,
+        caller.name,
+    )

@@ -37,6 +37,8 @@ MARKER = "<!-- generated:{name}:{edge} -->"
 #: The section of docs/protocol.md that describes a method, by full name or by prefix.
 SECTION_OF = {
     "workspace": 2,
+    "workspace.checkpoint": 11,
+    "workspace.restore": 11,
     "fs": 3,
     "fs.write": 4,
     "fs.patch": 4,

@@ -102,3 +102,92 @@ class WorkspaceListParams(Params):
 
 
 method("workspace.list", WorkspaceListParams, WorkspaceList)
+
+
+# --- checkpoints (docs/protocol.md §11) -----------------------------------------------------
+
+CheckpointId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+#: Each list of a restore result shows at most this many files; `counts` has them all.
+MAX_RESTORE_LISTED = 1000
+
+
+class CheckpointParams(Params):
+    workspace: WorkspaceId
+
+
+class CheckpointResult(Result):
+    checkpoint: str
+    seq: int  # the journal entry of the checkpoint: later writes have later seqs
+
+
+class RestoreParams(Params):
+    workspace: WorkspaceId
+    checkpoint: CheckpointId
+    dry_run: bool = False
+
+
+class RestoreFile(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a restore does (or, in a dry run, would do) to one file substrate changed
+    since the checkpoint. `path` is `root_id:rel`."""
+
+    path: str
+    #: `put_back`: the checkpoint's bytes and mode; `delete`: substrate created the file
+    #: since the checkpoint.
+    action: Literal["put_back", "delete"]
+    sha256: str | None = None  # the checkpoint's bytes (put_back)
+    mode: int | None = None  # the checkpoint's mode, set-id bits dropped (put_back)
+    #: What substrate last left there (None: it deleted the file): the restore's base.
+    base_sha256: str | None = None
+    #: A conflict's bytes now (None: absent, or not a regular file).
+    current_sha256: str | None = None
+    #: Why it is not restored: `changed_since` (a host edit since substrate's last
+    #: write), `preimage_missing`, or the guarded path's refusal name.
+    reason: str | None = None
+    rule: str | None = None  # blocked: the policy rule
+    plan_digest: str | None = None  # restored and pending: the guarded write's plan
+
+
+class RestoreCounts(msgspec.Struct, frozen=True, kw_only=True):
+    restored: int
+    unchanged: int
+    conflicts: int
+    blocked: int
+    pending: int
+
+
+class RestoreResult(Result):
+    """Each file substrate changed since the checkpoint, in one list. `restored`: put back
+    or deleted (in a dry run: would be); `unchanged`: already as at the checkpoint;
+    `conflicts`: changed since by someone else, never overwritten; `blocked`: the
+    policy denies it now; `pending`: needs an operator approval of `plan_digest`."""
+
+    checkpoint: str
+    seq: int
+    dry_run: bool
+    restored: list[RestoreFile]
+    unchanged: list[RestoreFile]
+    conflicts: list[RestoreFile]
+    blocked: list[RestoreFile]
+    pending: list[RestoreFile]
+    counts: RestoreCounts
+    #: Some list holds fewer files than its count (at most `MAX_RESTORE_LISTED` each).
+    truncated: bool = False
+
+
+method(
+    "workspace.checkpoint",
+    CheckpointParams,
+    CheckpointResult,
+    mutating=True,
+    doc="Mark the workspace's state: a later restore puts back what substrate changed since.",
+)
+# Shielded: a started restore writes files; it finishes and is answered across a shutdown.
+method(
+    "workspace.restore",
+    RestoreParams,
+    RestoreResult,
+    mutating=True,
+    shielded=True,
+    doc="Put back every file substrate changed since the checkpoint, through the guarded "
+    "path; a file changed on the host since is a conflict, never overwritten.",
+)

@@ -7,11 +7,13 @@ as plain files); `policy` is the glob language; `paths` resolves a path beneath 
 without following a symlink and `fsops` does the file-system steps beneath a dir fd;
 `reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3);
 `writes` applies guarded writes (docs/protocol.md §4) with `patching`, `preview` and `temp_files`;
+`checkpoints` keeps what they replace while a checkpoint is live and `restore` puts it back;
 `gate` checks what sandboxed code changed (docs/protocol.md §5); `layer` reads an overlay
 upper layer as a change set and applies it through the guarded path (docs/working-layer.md).
 """
 
 from substrate.workspace.adopted import Workspace
+from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.digests import Digests
 from substrate.workspace.gate import SnapshotGate
 from substrate.workspace.policy import CompiledPolicy, compile_policy, is_git_path
@@ -21,6 +23,7 @@ from substrate.workspace.writes import Writer, drift_report
 
 __all__ = [
     "TEMP_PREFIX",
+    "Checkpoints",
     "CompiledPolicy",
     "Digests",
     "SnapshotGate",

@@ -13,6 +13,9 @@ The file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.wr
 `fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
 "exactly one of" pairs arrive as one tagged Struct it `match`es on.
 
+While the workspace has a checkpoint, the bytes a write replaces are kept first (the
+`preimages` hook, `substrate.workspace.checkpoints`), recorded with its journal entry.
+
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
 next start removes: each temp file is recorded in the database before it is created
 (`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with
@@ -59,6 +62,7 @@ from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal, canonical
 from substrate.workspace import fsops, patching, paths
+from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.preview import unified_preview
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
@@ -235,9 +239,12 @@ def _plan(
 class Writer:
     """Plans and applies guarded writes for every workspace."""
 
-    def __init__(self, store: Store, journal: Journal) -> None:
+    def __init__(
+        self, store: Store, journal: Journal, preimages: Checkpoints | None = None
+    ) -> None:
         self._store = store
         self._journal = journal
+        self._preimages = preimages
         self._temps = TempFiles(store, journal.epoch)
         self._approvals = Approvals(store)
 
@@ -302,6 +309,23 @@ class Writer:
         with ws.use():
             prepared, parent_fd = _plan(ws, path, base, data, mode, False, None)
             return self._finish(ws, prepared, parent_fd, False, actor, "changes.apply")
+
+    def restore_file(
+        self,
+        ws: Workspace,
+        path: str,
+        base: str | None,
+        data: bytes | None,
+        mode: int | None,
+        dry_run: bool,
+        actor: str,
+    ) -> Plan:
+        """Put back one file of a checkpoint (`substrate.workspace.checkpoints`): `data`
+        (None: a delete) bound to `base`, missing parents made, journaled as
+        `workspace.restore_file`. Refuses as `fs.write`/`fs.delete` do."""
+        with ws.use():
+            prepared, parent_fd = _plan(ws, path, base, data, mode, True, None)
+            return self._finish(ws, prepared, parent_fd, dry_run, actor, "workspace.restore_file")
 
     def apply_dir(self, ws: Workspace, path: str, op: DirOp, mode: int | None, actor: str) -> str:
         """Make (`mkdir`, the workspace owner's), remove (`rmdir`, empty only) or chmod a
@@ -467,6 +491,7 @@ class Writer:
                         f"{where}: needs an operator approval of this plan",
                         plan_digest=prep.plan.plan_digest,
                     )
+            pre = self._keep_preimage(ws, prep.rel, now)
             if temp is None:
                 os.unlink(name, dir_fd=parent_fd)
                 os.fsync(parent_fd)
@@ -478,7 +503,7 @@ class Writer:
                 if approval is not None:
                     self._approvals.consume_in(db, approval, time.time())
                 plan = prep.plan
-                self._journal.append_in(
+                entry = self._journal.append_in(
                     db,
                     kind,
                     {
@@ -494,9 +519,21 @@ class Writer:
                     workspace=ws.id,
                     actor=actor,
                 )
+                if pre is not None and self._preimages is not None:
+                    self._preimages.record_in(db, pre, entry.seq, plan.new_sha256)
+        if pre is not None and self._preimages is not None:
+            self._preimages.settle()
+
+    def _keep_preimage(self, ws: Workspace, rel: str, now: _Current) -> Preimage | None:
+        """Hand what the write replaces to the checkpoints' keeper (under the commit lock,
+        before the rename); the pre-image to record with the journal entry, or None."""
+        if self._preimages is None:
+            return None
+        pre = Preimage(ws.id, rel, now.sha256, now.data, now.mode if now.exists else None)
+        return pre if self._preimages.keep(pre) else None
 
 
-WRITE_KINDS = ("fs.write", "fs.patch", "fs.delete", "changes.apply")
+WRITE_KINDS = ("fs.write", "fs.patch", "fs.delete", "changes.apply", "workspace.restore_file")
 
 
 def drift_report(
