@@ -75,6 +75,7 @@ class Execution:
             idle_s=config.container_idle_s,
             fs_limiter=fs_limiter,
             files_dir=state_dir / "sandbox-files",
+            state_dir=str(state_dir),
         )
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
@@ -125,6 +126,8 @@ class Execution:
                     await self.containers.reap_previous()
                 except Refusal as exc:
                     log.warning("could not reap a previous run's containers: %s", exc.message)
+                # Only once the dead run's containers are gone: they hold its layers busy.
+                await self.containers.sweep_layers()
                 period = max(1.0, min(IDLE_SWEEP_S, self.config.container_idle_s / 4))
                 while True:
                     await trio.sleep(period)
@@ -159,4 +162,6 @@ class Execution:
                 await self.containers.remove_all("shutdown")
             except Refusal as exc:
                 log.warning("shutdown: %s", exc.message)
+            if not self.containers.live():
+                await self.containers.sweep_layers()
         self.engine.close()
