@@ -150,8 +150,11 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     workspaces = WorkspaceRegistry(config, store, journal, state_dir)
     closing.callback(workspaces.close)
     fs_limiter = trio.CapacityLimiter(16)
+    writer = Writer(store, journal)  # one for fs.* and for the working layers' change sets
     try:
-        execution = Execution(config, store, journal, state_dir, fs_limiter=fs_limiter)
+        execution = Execution(
+            config, store, journal, state_dir, fs_limiter=fs_limiter, writer=writer
+        )
     except ProfileError as exc:
         raise StartupError(str(exc)) from None
     # `execution.run` closes it too on its way out; here for a daemon that never served.
@@ -162,7 +165,7 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         store=store,
         journal=journal,
         workspaces=workspaces,
-        writer=Writer(store, journal),
+        writer=writer,
         execution=execution,
         terminals=TerminalService(config, store, journal, execution, workspaces),
         fs_limiter=fs_limiter,

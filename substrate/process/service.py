@@ -33,6 +33,7 @@ from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.gate import SnapshotGate
 from substrate.workspace.registry import Workspace
+from substrate.workspace.writes import Writer
 
 log = logging.getLogger("substrate.process.service")
 
@@ -52,6 +53,7 @@ class Execution:
         *,
         fs_limiter: trio.CapacityLimiter | None = None,
         engine: Engine | None = None,
+        writer: Writer | None = None,
     ) -> None:
         self.config = config
         self.journal = journal
@@ -97,6 +99,7 @@ class Execution:
             config=config,
             profiles=self.profiles,
             fs_limiter=fs_limiter,
+            writer=writer if writer is not None else Writer(store, journal),
         )
         # Before any socket accepts: a previous run's spools and running records are
         # settled first, so nothing new can be confused with them.

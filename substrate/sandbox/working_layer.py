@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -47,8 +48,29 @@ class WorkingLayer:
     #: The facts every generation must show, apart from its identities.
     required: Mapping[str, FactValue] = field(default_factory=dict)
     closed: bool = False  # torn down: nothing may be mounted on the base again
+    #: (generation, ns): when the first command of that generation started, less
+    #: `CTIME_SLACK_NS`. A checkout file changed since (ctime) was not changed by the
+    #: layer: the change set never overwrites it (`process.layering`).
+    began: tuple[int, int] = (-1, 0)
+    #: path → sha256 of what the last change set put in the checkout: those files are
+    #: newer than `began` because the layer wrote them, not the host.
+    landed: dict[str, str] = field(default_factory=dict)
     turn: trio.Lock = field(default_factory=trio.Lock)
     mounting: threading.Lock = field(default_factory=threading.Lock)
+
+
+#: File ctimes come from a coarse clock that lags the real one by up to a tick; a host
+#: edit right after a command started must not look older than it (a false conflict is
+#: safe, a missed one loses the edit).
+CTIME_SLACK_NS = 50_000_000
+
+
+def begin(layer: WorkingLayer) -> int:
+    """Note that a command starts on the current generation; return the time (ns) since
+    which a checkout change is the host's, not this generation's base."""
+    if layer.began[0] != layer.plan.generation:
+        layer.began = (layer.plan.generation, time.time_ns() - CTIME_SLACK_NS)
+    return layer.began[1]
 
 
 def open_layer(state_dir: str, readonly: Sequence[tuple[str, tuple[int, int]]]) -> WorkingLayer:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.lowlevel
 
 from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon, open_daemon
@@ -113,3 +114,132 @@ async def test_the_sandbox_sees_a_verified_layer_and_a_read_only_git(env: Env) -
     await env.client.call("workspace.release", workspace=env.ws)
     # The sandbox's mounts are gone with it; the layer directory's own bind goes at stop.
     assert _mounts_under(env.state) == [str(layers)]
+
+
+def _paths(changes: dict[str, Any], kind: str) -> list[tuple[str, str | None]]:
+    return sorted((e["path"], e.get("op")) for e in changes[kind])
+
+
+async def _marker(env: Env, name: str) -> Path:
+    """Wait until the running command made `name` in its upper layer (seen from the host)."""
+    with trio.fail_after(30):
+        while True:
+            found = sorted(env.state.glob(f"layers/*/upper/*/{name}"))
+            if found:
+                return found[0]
+            await trio.sleep(0.02)
+
+
+async def test_changes_land_only_through_the_apply_and_are_listed(env: Env) -> None:
+    result = await env.sh(
+        "echo new > src/new.py && echo changed > old.txt && rm src/app.py && mkdir d"
+        " && echo x > d/f && cat old.txt"
+    )
+    assert result["exit_code"] == 0
+    assert result["stdout"]["inline"] == "changed\n"
+    changes = result["changes"]
+    assert changes["generation"] == 0
+    assert _paths(changes, "applied") == [
+        ("d", "mkdir"),
+        ("d/f", "create"),
+        ("old.txt", "replace"),
+        ("src/app.py", "delete"),
+        ("src/new.py", "create"),
+    ]
+    assert changes["counts"]["applied"] == 5
+    assert (env.path / "src" / "new.py").read_text() == "new\n"
+    assert (env.path / "old.txt").read_text() == "changed\n"
+    assert not (env.path / "src" / "app.py").exists()
+    assert (env.path / "d" / "f").stat().st_uid == OWNER
+    # The same result reads the same later, and the journal has one entry per file.
+    again = await env.client.call("proc.wait", proc=result["proc"])
+    assert again["changes"] == changes
+    kinds = [e.kind for e in env.daemon.journal.read(limit=10000)]
+    assert kinds.count("changes.apply") == 4  # files; `d` is a changes.apply_dir
+
+
+async def test_a_denied_write_never_reaches_the_checkout(env: Env) -> None:
+    started = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", "echo TOKEN=x > .env && echo l > poetry.lock && touch m && sleep 60"],
+    )
+    await _marker(env, "m")
+    # While it runs: the denied files exist only in its layer.
+    assert not (env.path / ".env").exists()
+    assert (env.path / "poetry.lock").read_bytes() == LOCK
+    await env.client.call("proc.signal", proc=started["proc"], signal="KILL")
+    result = await env.client.call("proc.wait", proc=started["proc"])
+    blocked = {e["path"]: e for e in result["changes"]["blocked"]}
+    assert set(blocked) == {".env", "poetry.lock"}
+    assert blocked[".env"]["rule"] == ".env"
+    assert blocked["poetry.lock"]["rule"] == "*.lock"
+    assert blocked[".env"]["reason"] == "path_denied"
+    assert _paths(result["changes"], "applied") == [("m", "create")]
+    assert not (env.path / ".env").exists()
+    assert (env.path / "poetry.lock").read_bytes() == LOCK
+    assert result["policy_blocked"] == []  # the reactive gate does not run on a layer
+
+
+async def test_a_host_edit_during_a_command_is_kept_and_reported(env: Env) -> None:
+    started = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", "echo sandbox > old.txt && touch m && sleep 60"],
+    )
+    await _marker(env, "m")
+    (env.path / "old.txt").write_text("person\n")
+    await env.client.call("proc.signal", proc=started["proc"], signal="TERM")
+    result = await env.client.call("proc.wait", proc=started["proc"])
+    assert (env.path / "old.txt").read_text() == "person\n"
+    (conflict,) = result["changes"]["conflicts"]
+    assert conflict["path"] == "old.txt"
+    assert conflict["reason"] == "host_changed"
+    assert conflict["kept"] == "old.txt"
+    # The command's version stays in its layer (generation 0) for the next session.
+    (kept,) = env.state.glob("layers/*/upper/0/old.txt")
+    assert kept.read_text() == "sandbox\n"
+
+
+async def test_two_commands_in_a_row_both_apply(env: Env) -> None:
+    first = await env.sh("echo one > a.txt")
+    second = await env.sh("cat a.txt && echo two >> a.txt && echo b > b.txt")
+    assert (first["changes"]["generation"], second["changes"]["generation"]) == (0, 1)
+    assert second["stdout"]["inline"] == "one\n"
+    assert _paths(second["changes"], "applied") == [("a.txt", "replace"), ("b.txt", "create")]
+    assert (env.path / "a.txt").read_text() == "one\ntwo\n"
+    assert (env.path / "b.txt").read_text() == "b\n"
+    facts = {f["name"]: f["value"] for f in second["facts"]}
+    assert facts["workspace_mount"] == "layer"
+
+
+async def test_concurrent_commands_take_turns(env: Env) -> None:
+    first = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", "echo 1 > one.txt && touch m && sleep 60"],
+    )
+    await _marker(env, "m")
+    second: dict[str, Any] = {}
+
+    async def run_second() -> None:
+        second.update(await env.sh("cat one.txt; echo 2 > two.txt"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_second)
+        await trio.lowlevel.checkpoint()
+        await env.client.call("proc.signal", proc=first["proc"], signal="KILL")
+    # The second ran after the first's changes were applied: it saw them.
+    assert second["stdout"]["inline"] == "1\n"
+    assert second["changes"]["generation"] == 1
+    assert (env.path / "two.txt").read_text() == "2\n"
+
+
+async def test_rw_profiles_are_unchanged(env: Env) -> None:
+    result = await env.sh("echo rw > rw.txt && echo x > .env", profile="tiny")
+    assert "changes" not in result
+    assert (env.path / "rw.txt").read_text() == "rw\n"
+    assert [b["path"] for b in result["policy_blocked"]] == ["project:.env"]
