@@ -155,8 +155,12 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     closing.callback(checkpoints.close)
     checkpoints.sweep()  # blobs a crash left without a row; no write runs yet
     fs_limiter = trio.CapacityLimiter(16)
+    # One writer for fs.* and the working layers' change sets, keeping pre-images for both.
+    writer = Writer(store, journal, checkpoints)
     try:
-        execution = Execution(config, store, journal, state_dir, fs_limiter=fs_limiter)
+        execution = Execution(
+            config, store, journal, state_dir, fs_limiter=fs_limiter, writer=writer
+        )
     except ProfileError as exc:
         raise StartupError(str(exc)) from None
     # `execution.run` closes it too on its way out; here for a daemon that never served.
@@ -167,7 +171,7 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         store=store,
         journal=journal,
         workspaces=workspaces,
-        writer=Writer(store, journal, checkpoints),
+        writer=writer,
         checkpoints=checkpoints,
         execution=execution,
         terminals=TerminalService(config, store, journal, execution, workspaces),

@@ -302,6 +302,20 @@ def test_root_is_fine_when_allowed(tmp_path: Path) -> None:
     assert load_profile(_write(tmp_path, body), SECCOMP).user == "0:0"
 
 
+def test_a_layer_workspace_is_accepted_under_runc_only(tmp_path: Path) -> None:
+    path = _write(tmp_path / "ok", _with("workspace", 'workspace = "layer"'))
+    assert load_profile(path, SECCOMP).workspace == "layer"
+    body = _with("workspace", 'workspace = "layer"').replace(
+        'seccomp = "strict"', 'seccomp = "engine-default"'
+    )
+    body = "\n".join(ln for ln in body.splitlines() if not ln.startswith("runtime ="))
+    msg = _refusal(tmp_path, body + '\nruntime = "runsc"\n')
+    assert ': $.workspace: "layer" needs runtime "runc"' in msg
+    body = _with("workspace", 'workspace = "layer"') + "interactive = true\n"
+    msg = _refusal(tmp_path / "i", body)
+    assert ': $.interactive: terminals on a "layer" workspace are not supported yet' in msg
+
+
 def test_runsc_with_a_seccomp_policy_is_refused(tmp_path: Path) -> None:
     msg = _refusal(tmp_path, _with("runtime", 'runtime = "runsc"'))
     assert ': $.seccomp: runtime "runsc" does not enforce seccomp policies' in msg

@@ -84,6 +84,7 @@ def result_of_row(row: ProcRow) -> ProcResult | ProcPending:
         stderr=row.stderr,
         facts=row.facts,
         policy_blocked=row.policy_blocked,
+        changes=row.changes,
     )
 
 
@@ -171,6 +172,7 @@ def _entry_status(entry: Entry, *, outcome: bool = False) -> ProcStatus:
         stderr_bytes=entry.sinks[2].written,
         facts=result.facts if outcome and result is not None else None,
         policy_blocked=result.policy_blocked if outcome and result is not None else None,
+        changes=result.changes if outcome and result is not None else None,
     )
 
 
@@ -198,6 +200,7 @@ def _row_status(processes: Processes, row: ProcRow, outcome: bool = False) -> Pr
         stderr_bytes=err,
         facts=row.facts if outcome and exited else None,
         policy_blocked=row.policy_blocked if outcome and exited else None,
+        changes=row.changes if outcome and exited else None,
     )
 
 

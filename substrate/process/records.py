@@ -28,7 +28,7 @@ import msgspec
 
 from substrate.sandbox.facts import Fact
 from substrate.schema.artifact import OutputRef
-from substrate.schema.proc import PolicyBlocked
+from substrate.schema.proc import PolicyBlocked, ProcChanges
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 
@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS processes (
     artifacts TEXT,
     epoch INTEGER NOT NULL,
     facts TEXT,
-    policy_blocked TEXT
+    policy_blocked TEXT,
+    changes TEXT
 );
 CREATE INDEX IF NOT EXISTS processes_workspace ON processes(workspace, started);
 CREATE TABLE IF NOT EXISTS fact_sets (
@@ -62,7 +63,7 @@ CREATE TABLE IF NOT EXISTS fact_sets (
 );
 """
 #: Columns added after the first release (`Store.ensure_columns` adds them to old files).
-ADDED_COLUMNS = {"facts": "TEXT", "policy_blocked": "TEXT"}
+ADDED_COLUMNS = {"facts": "TEXT", "policy_blocked": "TEXT", "changes": "TEXT"}
 #: The longest argv[0] the journal keeps (the rest is in the digest).
 MAX_ARGV0_CHARS = 256
 
@@ -89,6 +90,7 @@ class ProcRow:
     epoch: int
     facts: list[Fact]  # of the sandbox it ran in ([] for rows older than this column)
     policy_blocked: list[PolicyBlocked]
+    changes: ProcChanges | None = None  # a "layer" profile's applied change set
 
 
 def _ref(raw: object) -> OutputRef | None:
@@ -123,13 +125,14 @@ def _row(r: Any) -> ProcRow:
         epoch=int(r["epoch"]),
         facts=_decoded(r["fact_list"], list[Fact]),
         policy_blocked=_decoded(r["policy_blocked"], list[PolicyBlocked]),
+        changes=msgspec.json.decode(r["changes"], type=ProcChanges) if r["changes"] else None,
     )
 
 
 _ROW_SELECT = (
     "SELECT p.id, p.workspace, p.profile, p.argv, p.cwd, p.state, p.started, p.ended,"
     " p.exit_code, p.signal, p.timed_out, p.oom_killed, p.duration_ms, p.stdout, p.stderr,"
-    " p.epoch, p.policy_blocked, f.facts AS fact_list"
+    " p.epoch, p.policy_blocked, p.changes, f.facts AS fact_list"
     " FROM processes p LEFT JOIN fact_sets f ON f.digest = p.facts"
 )
 
@@ -276,13 +279,14 @@ class ProcessRecords:
         stderr: OutputRef,
         blocked: Sequence[PolicyBlocked],
         actor: str,
+        changes: ProcChanges | None = None,
     ) -> None:
         artifacts = [r.artifact for r in (stdout, stderr) if r.artifact is not None]
         with self._store.transaction() as db:
             db.execute(
                 "UPDATE processes SET state = 'exited', exit_code = ?, signal = ?,"
                 " timed_out = ?, oom_killed = ?, ended = ?, duration_ms = ?, stdout = ?,"
-                " stderr = ?, artifacts = ?, policy_blocked = ? WHERE id = ?",
+                " stderr = ?, artifacts = ?, policy_blocked = ?, changes = ? WHERE id = ?",
                 (
                     outcome.exit_code,
                     outcome.signal,
@@ -294,6 +298,7 @@ class ProcessRecords:
                     msgspec.json.encode(stderr).decode(),
                     msgspec.json.encode(artifacts).decode(),
                     msgspec.json.encode(list(blocked)).decode(),
+                    None if changes is None else msgspec.json.encode(changes).decode(),
                     proc,
                 ),
             )
@@ -313,6 +318,7 @@ class ProcessRecords:
                     "killed": outcome.killed,
                     "cancelled": outcome.cancelled,
                     "policy_blocked": [msgspec.to_builtins(b) for b in blocked],
+                    **({} if changes is None else {"changes": msgspec.to_builtins(changes.counts)}),
                 },
                 workspace=workspace,
                 actor=actor,

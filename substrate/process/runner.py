@@ -50,6 +50,7 @@ from substrate.artifacts.sink import OutputSink
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.errors import LimitExceeded, RuntimeUnavailable
+from substrate.process import layering
 from substrate.process.argv import (
     ENGINE_START_FAILED,
     effective_timeout,
@@ -62,14 +63,15 @@ from substrate.process.argv import (
 from substrate.process.driver import Entry, ExecDriver, Run
 from substrate.process.records import Outcome, ProcessRecords
 from substrate.process.subscriptions import Subscriptions
-from substrate.sandbox import reaper
+from substrate.sandbox import reaper, working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
-from substrate.schema.proc import PolicyBlocked, ProcResult
+from substrate.schema.proc import PolicyBlocked, ProcChanges, ProcResult
 from substrate.store.journal import Journal
 from substrate.workspace import paths
 from substrate.workspace.registry import Workspace
+from substrate.workspace.writes import Writer
 
 log = logging.getLogger("substrate.process.runner")
 
@@ -149,8 +151,10 @@ class Processes:
         config: Config,
         profiles: Mapping[str, Profile],
         fs_limiter: trio.CapacityLimiter | None = None,
+        writer: Writer | None = None,
     ) -> None:
         self._engine = engine
+        self._writer = writer  # applies layer sandboxes' change sets
         self._containers = containers
         self.driver = driver
         self.records = records
@@ -262,7 +266,14 @@ class Processes:
                 sandbox = await self._containers.ensure(req.ws, checked.profile)
                 sandbox.acquire()
                 try:
-                    return await self._run_in(req, checked, sandbox, proc, on_started)
+                    if sandbox.layer is None:
+                        return await self._run_in(req, checked, sandbox, proc, on_started)
+                    # One command at a time per layer (docs/working-layer.md).
+                    async with sandbox.layer.turn:
+                        if sandbox.layer.closed:
+                            raise ContainerGone(sandbox.id)  # dropped while we waited
+                        working_layer.begin(sandbox.layer)
+                        return await self._run_in(req, checked, sandbox, proc, on_started)
                 except ContainerGone:
                     # Removed or stopped under us before the exec started: once more
                     # with a fresh, freshly verified container.
@@ -439,6 +450,11 @@ class Processes:
         if exit_code == ENGINE_START_FAILED:
             exit_code = await self._start_failed(run, exit_code)
         blocked = await self._gate_after(ws, launched.snapshot)
+        changes = None  # a layer sandbox's change set, applied (docs/working-layer.md)
+        if run.sandbox.layer is not None and self._writer is not None:
+            changes = await layering.conclude(
+                self._containers, self._writer, run.sandbox, ws, launched.req.actor
+            )
         outcome = Outcome(
             exit_code=exit_code,
             signal=signal_of(exit_code),
@@ -456,6 +472,7 @@ class Processes:
                 run,
                 outcome,
                 blocked,
+                changes,
                 limiter=self._fs_limiter,
             )
         except Exception:
@@ -536,7 +553,12 @@ class Processes:
         self.records.lost(workspace=ws.id, proc=proc)
 
     def _finish_record(
-        self, req: RunRequest, run: Run, outcome: Outcome, blocked: list[PolicyBlocked]
+        self,
+        req: RunRequest,
+        run: Run,
+        outcome: Outcome,
+        blocked: list[PolicyBlocked],
+        changes: ProcChanges | None,
     ) -> ProcResult:
         stdout, stderr = run.sinks[1].close(), run.sinks[2].close()
         self.records.exited(
@@ -547,6 +569,7 @@ class Processes:
             stderr=stderr,
             blocked=blocked,
             actor=req.actor,
+            changes=changes,
         )
         return ProcResult(
             proc=run.proc,
@@ -559,6 +582,7 @@ class Processes:
             stderr=stderr,
             facts=list(run.sandbox.facts),
             policy_blocked=blocked,
+            changes=changes,
         )
 
 

@@ -33,6 +33,7 @@ from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.gate import SnapshotGate
 from substrate.workspace.registry import Workspace
+from substrate.workspace.writes import Writer
 
 log = logging.getLogger("substrate.process.service")
 
@@ -52,6 +53,7 @@ class Execution:
         *,
         fs_limiter: trio.CapacityLimiter | None = None,
         engine: Engine | None = None,
+        writer: Writer | None = None,
     ) -> None:
         self.config = config
         self.journal = journal
@@ -75,6 +77,7 @@ class Execution:
             idle_s=config.container_idle_s,
             fs_limiter=fs_limiter,
             files_dir=state_dir / "sandbox-files",
+            state_dir=str(state_dir),
         )
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
@@ -96,6 +99,7 @@ class Execution:
             config=config,
             profiles=self.profiles,
             fs_limiter=fs_limiter,
+            writer=writer if writer is not None else Writer(store, journal),
         )
         # Before any socket accepts: a previous run's spools and running records are
         # settled first, so nothing new can be confused with them.
@@ -125,6 +129,8 @@ class Execution:
                     await self.containers.reap_previous()
                 except Refusal as exc:
                     log.warning("could not reap a previous run's containers: %s", exc.message)
+                # Only once the dead run's containers are gone: they hold its layers busy.
+                await self.containers.sweep_layers()
                 period = max(1.0, min(IDLE_SWEEP_S, self.config.container_idle_s / 4))
                 while True:
                     await trio.sleep(period)
@@ -159,4 +165,6 @@ class Execution:
                 await self.containers.remove_all("shutdown")
             except Refusal as exc:
                 log.warning("shutdown: %s", exc.message)
+            if not self.containers.live():
+                await self.containers.sweep_layers()
         self.engine.close()

@@ -54,10 +54,11 @@ import trio
 
 from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
 from substrate.sandbox import facts as factlib
-from substrate.sandbox import mounts, profiles, reaper, seccomp
+from substrate.sandbox import layers, mounts, profiles, reaper, seccomp, working_layer
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
+from substrate.sandbox.layer_plan import layers_dir
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import (
     HOST_VISIBLE_RUNTIMES,
@@ -71,6 +72,7 @@ from substrate.sandbox.spec import (
     run_as,
     spec_digest,
 )
+from substrate.sandbox.working_layer import WorkingLayer
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace
 
@@ -97,6 +99,8 @@ class Sandbox:
     last_used: float = field(default_factory=time.monotonic)
     #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
     readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: The working layer of a `workspace = "layer"` sandbox (None for the others).
+    layer: WorkingLayer | None = None
 
     def acquire(self) -> None:
         """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
@@ -123,6 +127,7 @@ class Containers:
         fs_limiter: trio.CapacityLimiter | None = None,
         files_dir: Path | None = None,
         host: SandboxHost | None = None,
+        state_dir: str | None = None,
     ) -> None:
         self._engine = engine
         self._host: SandboxHost = host if host is not None else HostKernel()
@@ -136,6 +141,10 @@ class Containers:
         self._fs_limiter = fs_limiter
         self._live: dict[tuple[str, str], Sandbox] = {}
         self._locks: dict[tuple[str, str], trio.Lock] = {}
+        # Working layers live under the state dir; None: "layer" profiles are refused.
+        self._state_dir = state_dir
+        # Set once a previous run's layer mounts are swept: no layer is made before.
+        self._layers_swept = trio.Event()
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -189,7 +198,11 @@ class Containers:
 
     async def _drop(self, sandbox: Sandbox, reason: str) -> None:
         self._live.pop((sandbox.workspace, sandbox.profile.name), None)
-        await self._engine.remove(sandbox.id)
+        try:
+            await self._engine.remove(sandbox.id)
+        finally:
+            if sandbox.layer is not None:
+                await self._close_layer(sandbox.layer)
         await self._journal_async(
             "container.removed",
             {"container": sandbox.id[:12], "profile": sandbox.profile.name, "reason": reason},
@@ -210,6 +223,29 @@ class Containers:
         ro_dirs = await trio.to_thread.run_sync(
             mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
         )
+        layer = None
+        if profile.workspace == "layer":
+            layer = await self._open_layer(ro_dirs)
+        try:
+            return await self._create_in(
+                ws, profile, owner, who, image_id, security_opt, ro_dirs, layer
+            )
+        except BaseException:
+            if layer is not None:
+                await self._close_layer(layer)
+            raise
+
+    async def _create_in(
+        self,
+        ws: Workspace,
+        profile: Profile,
+        owner: os.stat_result,
+        who: RunAs,
+        image_id: str,
+        security_opt: list[str],
+        ro_dirs: list[tuple[str, tuple[int, int]]],
+        layer: WorkingLayer | None,
+    ) -> Sandbox:
         required = factlib.required_facts(
             profile,
             run_uid=who.uid,
@@ -220,7 +256,10 @@ class Containers:
             image_id=image_id,
             security_opt=security_opt,
         )
-        required.update(mounts.identity_required(profile, ro_dirs, owner))
+        if layer is None:
+            required.update(mounts.identity_required(profile, ro_dirs, owner))
+        else:
+            layer.required = dict(required)
         ro_rels = [rel for rel, _ in ro_dirs]
         await self._remove_foreign(ws, profile, required, ro_rels)
         resolv_conf = None
@@ -232,8 +271,8 @@ class Containers:
         spec = container_spec(
             profile,
             who=who,
-            workspace_source=ws.host_path,
-            readonly_dirs=ro_rels,
+            workspace_source=ws.host_path if layer is None else layer.plan.base,
+            readonly_dirs=ro_rels if layer is None else [],
             security_opt=security_opt,
             resolv_conf=resolv_conf,
         )
@@ -247,7 +286,16 @@ class Containers:
         try:
             try:
                 await self._engine.start(container)
-                return await self._verify(container, ws, profile, who, required, dict(ro_dirs))
+                if layer is not None:
+                    # Only now: the container bound the base with nothing on it, so every
+                    # generation mounted from here on reaches it (docs/working-layer-mounts.md).
+                    await trio.to_thread.run_sync(
+                        working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
+                    )
+                    required = {**required, **await self._layer_identities(layer)}
+                sandbox = await self._verify(container, ws, profile, who, required, dict(ro_dirs))
+                sandbox.layer = layer
+                return sandbox
             except (ContainerGone, ProcessLookupError):
                 raise RuntimeUnavailable(
                     f"the sandbox of profile {profile.name!r} did not stay up (its image "
@@ -386,6 +434,59 @@ class Containers:
             )
             if refusal is not None:
                 raise refusal
+
+    # -- working layers ------------------------------------------------------------------------
+
+    async def _open_layer(self, ro_dirs: list[tuple[str, tuple[int, int]]]) -> WorkingLayer:
+        if self._state_dir is None:
+            raise RuntimeUnavailable("this daemon keeps no working layers")
+        await self._layers_swept.wait()
+        return await trio.to_thread.run_sync(
+            working_layer.open_layer, self._state_dir, ro_dirs, limiter=self._fs_limiter
+        )
+
+    async def _close_layer(self, layer: WorkingLayer) -> None:
+        # Shielded: a layer left mounted would outlive its sandbox until the next start.
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(working_layer.close, layer, limiter=self._fs_limiter)
+
+    async def _layer_identities(self, layer: WorkingLayer) -> dict[str, FactValue]:
+        return await trio.to_thread.run_sync(
+            working_layer.identity_required, layer, limiter=self._fs_limiter
+        )
+
+    async def reverify_layer(self, sandbox: Sandbox, ws: Workspace) -> None:
+        """After a swap: observe the sandbox's facts again and require the identities of
+        the generation mounted now. Refuses `confinement_unmet` (journalled) on a
+        mismatch; the caller then drops the sandbox. Cost: an engine inspect and one
+        observation (a few milliseconds)."""
+        layer = sandbox.layer
+        if layer is None:
+            return
+        required = {**layer.required, **await self._layer_identities(layer)}
+        inspect = await self._engine.inspect(sandbox.id)
+        observed = await self._observe(
+            sandbox.init_pid, inspect, sandbox.profile, list(sandbox.readonly)
+        )
+        await self._check(sandbox.id, ws, sandbox.profile, required, observed)
+        sandbox.facts = observed
+
+    async def sweep_layers(self) -> None:
+        """At start, after `reap_previous`: unmount every layer mount a previous run left
+        (`layers.sweep`); until this ran, no layer sandbox is made. Also at shutdown,
+        after `remove_all` (the layer directory's own self-bind goes too). A failure is
+        logged (a leftover still in use stays mounted; new layers get new directories)."""
+        try:
+            if self._state_dir is not None:
+                gone = await trio.to_thread.run_sync(
+                    layers.sweep, layers_dir(self._state_dir), limiter=self._fs_limiter
+                )
+                if gone:
+                    await self._journal_async("layer.swept", {"mounts": len(gone)}, None)
+        except OSError as exc:
+            log.error("sweeping a previous run's layer mounts failed: %s", exc)
+        finally:
+            self._layers_swept.set()
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -77,8 +77,8 @@ def required_facts(
     """Every confinement setting of `profile` as required facts (name → value).
 
     `run_uid`/`run_gid`: who the command runs as (docs/protocol.md §5 "Who runs"). `workspace_mode`:
-    "rw" | "ro" | "none". `readonly_dirs`: workspace-relative directories mounted
-    read-only over an "rw" workspace. `seccomp_expected`: the command itself must be under
+    "rw" | "ro" | "none" | "layer". `readonly_dirs`: workspace-relative directories mounted
+    read-only over an "rw" or "layer" workspace (for "layer", read-only superblocks). `seccomp_expected`: the command itself must be under
     the profile's seccomp filter *inside a runsc sandbox* (`sandbox_oci_seccomp`: runsc
     applies OCI filters only with `--oci-seccomp`); under runc the filter is always
     required (`seccomp_mode` 2, strict and engine-default alike), and the Sentry's own
@@ -108,7 +108,7 @@ def required_facts(
         "rootfs_readonly": profile.read_only_rootfs,
         "workspace_mount": "absent" if workspace_mode == "none" else workspace_mode,
         "readonly_dirs": sorted(_norm_rel(d) for d in readonly_dirs)
-        if workspace_mode == "rw"
+        if workspace_mode in ("rw", "layer")
         else [],
         "tmpfs": sorted(
             f"{path}={tmpfs_pages(size)}" for path, size in profiles.tmpfs_bytes(profile).items()

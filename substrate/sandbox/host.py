@@ -60,7 +60,12 @@ class HostKernel:
         readonly_dirs: Sequence[str],
     ) -> list[Fact]:
         """`observe.observe` plus `observe.identities` (about 2 ms of CPU)."""
-        found = observe.observe(init_pid, inspect, workspace_target=WORKSPACE_TARGET)
+        found = observe.observe(
+            init_pid,
+            inspect,
+            workspace_target=WORKSPACE_TARGET,
+            layer=profile.workspace == "layer",
+        )
         if profile.workspace != "none":
             found += observe.identities(
                 init_pid, readonly_dirs, runtime=profile.runtime, workspace_target=WORKSPACE_TARGET

@@ -67,14 +67,21 @@ DOCKER_SOCKETS = ("/run/docker.sock", "/var/run/docker.sock")
 
 
 def observe(
-    pid: int, inspect: Mapping[str, Any], *, workspace_target: str = "/workspace"
+    pid: int,
+    inspect: Mapping[str, Any],
+    *,
+    workspace_target: str = "/workspace",
+    layer: bool = False,
 ) -> list[Fact]:
     """Every confinement fact of the container whose process is `pid` (a host pid).
 
     `inspect` is the engine's container inspect dict (HostConfig, Config, Mounts, Image).
     Raises ProcessLookupError when `pid` does not exist; every other failure becomes facts
     with value None. Blocking (procfs, cgroupfs, netlink, a thread): call it from a worker
-    thread. Cost: about 2 ms of CPU, no subprocess (docs/confinement.md).
+    thread. Cost: about 2 ms of CPU, no subprocess (docs/confinement.md). `layer`: the
+    workspace should be a working layer; `workspace_mount` is then "layer" when the mount
+    on the target is a writable overlay with an upper dir, and only read-only
+    superblocks count as `readonly_dirs`.
     """
     host_config: Mapping[str, Any] = inspect.get("HostConfig") or {}
     sandboxed = host_config.get("Runtime") == "runsc"
@@ -89,7 +96,9 @@ def observe(
             found += observe_gvisor.sandbox_facts(proc_fd)
             found = observe_gvisor.gofer_rootfs(found, pid)
         else:
-            found += _mount_facts(proc_fd, pid, workspace_target, engine_socket_absent(inspect))
+            found += _mount_facts(
+                proc_fd, pid, workspace_target, engine_socket_absent(inspect), layer
+            )
         found += _cgroup_facts(proc_fd, pid)
         found += _net_facts(proc_fd, pid)
     finally:
@@ -205,7 +214,9 @@ def _status_facts(proc_fd: int, pid: int, sandboxed: bool) -> list[Fact]:
     return facts(dict(zip(names, values, strict=True)), source)
 
 
-def _mount_facts(proc_fd: int, pid: int, target: str, engine_ok: bool) -> list[Fact]:
+def _mount_facts(
+    proc_fd: int, pid: int, target: str, engine_ok: bool, layer: bool = False
+) -> list[Fact]:
     source = "kernel:mountinfo"
     names = ["rootfs_readonly", "workspace_mount", "readonly_dirs", "tmpfs", "docker_socket_absent"]
     try:
@@ -214,6 +225,13 @@ def _mount_facts(proc_fd: int, pid: int, target: str, engine_ok: bool) -> list[F
         return failed(names, source, exc)
     visible = P.visible_mounts(mounts)
     mode, ro_dirs = P.workspace_view(((m.mount_point, m.read_only) for m in visible), target)
+    if layer and _is_layer(visible, target):
+        # A working layer: only a read-only *superblock* counts (a per-mount `ro` made on
+        # the host does not propagate; an overlay with no upper dir is read-only itself).
+        _, ro_dirs = P.workspace_view(
+            ((m.mount_point, "ro" in m.super_options) for m in visible), target
+        )
+        mode = "layer"
     found = facts(
         {
             "rootfs_readonly": P.rootfs_readonly(mounts),
@@ -232,6 +250,16 @@ def _mount_facts(proc_fd: int, pid: int, target: str, engine_ok: bool) -> list[F
         "engine:inspect+kernel:mountinfo",
     )
     return found
+
+
+def _is_layer(visible: Sequence[P.Mount], target: str) -> bool:
+    """Is the mount on `target` a writable overlay with an upper dir (a working layer)?"""
+    on_target = [m for m in visible if m.mount_point == target.rstrip("/")]
+    return bool(on_target) and (
+        on_target[-1].fstype == "overlay"
+        and not on_target[-1].read_only
+        and any(o.startswith("upperdir=") for o in on_target[-1].super_options)
+    )
 
 
 # -- cgroups ------------------------------------------------------------------------------

@@ -266,6 +266,13 @@ def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
     if p.max_output_bytes < 0:
         fail("max_output_bytes", "must be 0 or more")
     _check_capabilities(p, fail)
+    if p.workspace == "layer" and p.runtime != "runc":
+        # The layer is mounted on the host and reaches the container by mount
+        # propagation, which gVisor's gofer does not follow.
+        fail("workspace", '"layer" needs runtime "runc"')
+    if p.workspace == "layer" and p.interactive:
+        # When a person's shell changes would be applied is not decided yet (issue 10).
+        fail("interactive", 'terminals on a "layer" workspace are not supported yet')
     for key, value in p.env.items():
         if not _ENV_KEY_RE.fullmatch(key):
             fail(f"env.{key}", "not a valid environment variable name")

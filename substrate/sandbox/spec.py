@@ -89,13 +89,17 @@ def container_spec(
     """The engine's create request for `profile` (pure): everything comes from the profile.
 
     `workspace_source` is the host path to bind at /workspace (None for `workspace =
-    "none"`); `readonly_dirs` are workspace-relative directories (or `.git` files) bound
+    "none"`; for "layer", the layer's base, bound `rslave` so the overlays the daemon
+    mounts on it later reach the container, with nothing bound under it: the read-only
+    parts are the layer's own mounts); `readonly_dirs` are workspace-relative directories (or `.git` files) bound
     read-only over it; `security_opt` is `profiles.security_opts(profile, ...)`
     (no-new-privileges, seccomp); `resolv_conf` is the host path of an empty file bound
     read-only at /etc/resolv.conf (the engine then leaves the host's resolver out).
     """
     mounts: list[dict[str, Any]] = []
-    if workspace_source is not None and profile.workspace != "none":
+    if workspace_source is not None and profile.workspace == "layer":
+        mounts.append(_bind(workspace_source, WORKSPACE_TARGET, False, propagation="rslave"))
+    elif workspace_source is not None and profile.workspace != "none":
         mounts.append(_bind(workspace_source, WORKSPACE_TARGET, profile.workspace == "ro"))
         for rel in readonly_dirs:
             mounts.append(_bind(f"{workspace_source}/{rel}", f"{WORKSPACE_TARGET}/{rel}", True))
@@ -132,13 +136,15 @@ def container_spec(
     }
 
 
-def _bind(source: str, target: str, read_only: bool) -> dict[str, Any]:
+def _bind(
+    source: str, target: str, read_only: bool, *, propagation: str = "rprivate"
+) -> dict[str, Any]:
     return {
         "Type": "bind",
         "Source": source,
         "Target": target,
         "ReadOnly": read_only,
-        "BindOptions": {"Propagation": "rprivate"},
+        "BindOptions": {"Propagation": propagation},
     }
 
 

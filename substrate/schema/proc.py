@@ -33,6 +33,47 @@ class PolicyBlocked(msgspec.Struct, frozen=True, kw_only=True):
     rule: Literal["write_deny", "require_approval"] = "write_deny"
 
 
+class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What became of one change of a command's working layer (docs/working-layer.md).
+    `op`: create | replace | delete | chmod | mkdir (None for what the scan blocked:
+    symlinks, devices, hard links, ...); `reason`: a refusal name or the scan's reason;
+    `rule`: the policy rule that blocked it; `plan_digest`: the plan to grant
+    (`approval.grant`) of a pending change; `current_sha256`/`kept`: a conflict's
+    checkout digest now and the command's version, kept in its layer."""
+
+    path: str
+    op: str | None = None
+    reason: str | None = None
+    rule: str | None = None
+    plan_digest: str | None = None
+    current_sha256: str | None = None
+    kept: str | None = None
+
+
+class ChangeCounts(msgspec.Struct, frozen=True, kw_only=True):
+    applied: int = 0
+    unchanged: int = 0  # the checkout held the result already
+    blocked: int = 0
+    pending: int = 0
+    conflicts: int = 0
+
+
+class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The change set of a command on a `workspace = "layer"` sandbox, applied when it
+    ended. Each list holds at most 1,000 entries (`counts` has the totals). `error`:
+    why nothing (or not everything) was applied: `layer_busy` (the layer was still in
+    use; its changes apply after the next command), `layer_unverified` (the next
+    generation did not verify: the sandbox is dropped), or a refusal name."""
+
+    generation: int  # the layer generation that held the changes (upper/<generation>)
+    applied: list[ChangeEntry] = msgspec.field(default_factory=list)
+    blocked: list[ChangeEntry] = msgspec.field(default_factory=list)
+    pending: list[ChangeEntry] = msgspec.field(default_factory=list)
+    conflicts: list[ChangeEntry] = msgspec.field(default_factory=list)
+    counts: ChangeCounts = msgspec.field(default_factory=ChangeCounts)
+    error: str | None = None
+
+
 class RunParams(Params):
     workspace: WorkspaceId
     profile: ProfileName
@@ -57,6 +98,7 @@ class ProcResult(Result):
     stderr: OutputRef
     facts: list[Fact]
     policy_blocked: list[PolicyBlocked]
+    changes: ProcChanges | None = None  # a "layer" profile's applied change set
 
 
 method(
@@ -110,6 +152,7 @@ class WaitResult(Result):
     stderr: OutputRef | None = None
     facts: list[Fact] | None = None
     policy_blocked: list[PolicyBlocked] | None = None
+    changes: ProcChanges | None = None
 
 
 SignalName = Literal["INT", "TERM", "KILL"]
@@ -130,7 +173,8 @@ class SignalResult(Result):
 
 class ProcStatus(Result):
     """A process as recorded; byte counts grow while it runs. `proc.status` of a finished
-    process adds the `facts` and `policy_blocked` of its result (`proc.list` does not)."""
+    process adds the `facts`, `policy_blocked` and `changes` of its result (`proc.list`
+    does not)."""
 
     proc: str
     workspace: str
@@ -146,6 +190,7 @@ class ProcStatus(Result):
     timed_out: bool | None = None
     facts: list[Fact] | None = None
     policy_blocked: list[PolicyBlocked] | None = None
+    changes: ProcChanges | None = None
 
 
 class ListParams(Params):

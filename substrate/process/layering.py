@@ -1,0 +1,200 @@
+"""The end of a command on a `workspace = "layer"` sandbox: swap, scan, apply
+(docs/working-layer.md).
+
+Theory of operation. Commands on one layer sandbox take turns (`WorkingLayer.turn`,
+held by `Processes.run` from before the exec to after this): a second concurrent
+command waits until the first has ended and its changes were applied, so every change
+belongs to exactly one generation and is applied once. When a command has ended — also
+killed, timed out or cancelled, under the runner's shielded conclusion — `conclude`:
+
+1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
+   stays on disk, untouched (review, discard and artifacts for conflicts come next);
+2. observes the sandbox's facts again against the new generation
+   (`Containers.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
+3. scans the old upper dir against the checkout and applies the change set through the
+   guarded path (`workspace.layer.scan` / `apply`, mode "apply"), as the command's actor;
+4. returns a bounded summary (`schema.proc.ProcChanges`).
+
+A generation still in use (EBUSY: a process of the sandbox holds it) is kept: nothing is
+applied now (`layer_busy`) and its changes are applied, whole, with the next command's.
+The reactive write gate never runs for a layer sandbox: the layer never writes the
+checkout.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import msgspec
+import trio
+
+from substrate.errors import ConfinementUnmet, Refusal
+from substrate.sandbox import working_layer
+from substrate.sandbox.containers import Containers, Sandbox
+from substrate.sandbox.layer_plan import LayerPlan
+from substrate.schema.proc import ChangeCounts, ChangeEntry, ProcChanges
+from substrate.workspace import paths
+from substrate.workspace.layer import ApplyResult, Change, ChangeSet, Outcomes, apply, scan
+from substrate.workspace.registry import Workspace
+from substrate.workspace.writes import Writer
+
+log = logging.getLogger("substrate.process.layering")
+
+#: At most this many entries per list of a result's `changes` (`counts` has the totals).
+MAX_CHANGE_ENTRIES = 1000
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+async def conclude(
+    containers: Containers,
+    writer: Writer,
+    sandbox: Sandbox,
+    ws: Workspace,
+    actor: str,
+    limiter: trio.CapacityLimiter | None = None,
+) -> ProcChanges | None:
+    """Swap, re-verify, scan and apply the ended command's layer (see the module doc);
+    None for a sandbox with no layer. Never raises a refusal: each failure is the
+    summary's `error`. Call it shielded. Cost: two to four mount calls, one observation,
+    and the scan and apply (a read and hash per changed file, two fsyncs per applied
+    file)."""
+    layer = sandbox.layer
+    if layer is None:
+        return None
+    error: str | None = None
+    try:
+        old = await trio.to_thread.run_sync(_swap, layer, ws, limiter=limiter)
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            log.error("swapping the layer of %s failed: %s", sandbox.id[:12], exc)
+            await containers.forget(sandbox, "layer_failed")
+            return ProcChanges(generation=layer.plan.generation, error="layer_failed")
+        return ProcChanges(generation=layer.plan.generation, error="layer_busy")
+    except ConfinementUnmet:
+        # The new generation did not verify and was undone: nothing runs here again.
+        old = layer.plan
+        error = "layer_unverified"
+        await containers.forget(sandbox, "layer_unverified")
+    except Refusal as exc:  # the workspace was released meanwhile: so is the sandbox
+        return ProcChanges(generation=layer.plan.generation, error=exc.name)
+    if old is None:  # the sandbox was torn down meanwhile: its last layer is still whole
+        old = layer.plan
+    elif error is None:
+        try:
+            await containers.reverify_layer(sandbox, ws)
+        except Exception as exc:  # any failure to verify it: nothing runs there again
+            log.error("the layer of %s did not verify after a swap: %s", sandbox.id[:12], exc)
+            error = "layer_unverified"
+            await containers.forget(sandbox, "layer_unverified")
+    try:
+        result, changeset = await trio.to_thread.run_sync(
+            _scan_apply, writer, ws, old.upper, actor, layer, limiter=limiter
+        )
+    except Refusal as exc:
+        return ProcChanges(generation=old.generation, error=error or exc.name)
+    return summary(old.generation, changeset, result, error)
+
+
+def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:
+    with ws.use():
+        return working_layer.swap(layer, ws.root_fd)
+
+
+def _scan_apply(
+    writer: Writer, ws: Workspace, upper: str, actor: str, layer: working_layer.WorkingLayer
+) -> tuple[ApplyResult, ChangeSet]:
+    upper_fd = os.open(upper, _DIR_FLAGS)
+    try:
+        with ws.use():
+            changeset = scan(upper_fd, ws.root_fd)
+            kept, host_changed = _host_changes(ws, changeset, layer)
+            result = apply(writer, ws, upper_fd, kept, actor)
+        done = {o.path for o in (*result.applied, *result.unchanged)}
+        layer.landed = {
+            c.path: c.new_sha256
+            for c in kept.changes
+            if c.path in done and c.new_sha256 is not None
+        }
+        conflicts = (*result.conflicts, *host_changed)
+        return msgspec.structs.replace(result, conflicts=conflicts), changeset
+    finally:
+        os.close(upper_fd)
+
+
+def _host_changes(
+    ws: Workspace, changeset: ChangeSet, layer: working_layer.WorkingLayer
+) -> tuple[ChangeSet, tuple[Outcomes, ...]]:
+    """Split off the file changes whose checkout file changed (ctime) since the command's
+    generation began (`working_layer.begin`), unless it holds what the layer's previous
+    change set put there: the scan read their base *now*, after the host's edit, so the
+    guarded base check could not tell; they are conflicts, never applied."""
+    since_ns = layer.began[1]
+    kept: list[Change] = []
+    conflicts: list[Outcomes] = []
+    for change in changeset.changes:
+        st = None
+        if change.kind == "file" and change.op in ("replace", "delete", "chmod"):
+            parts = tuple(change.path.split("/"))
+            try:
+                with paths.opened_dir(ws.root_fd, parts[:-1], change.path) as parent:
+                    st = paths.lstat_at(parent, parts[-1])
+            except Refusal:
+                st = None
+        ours = layer.landed.get(change.path) == change.base_sha256
+        if st is not None and st.st_ctime_ns >= since_ns and not ours:
+            conflicts.append(
+                Outcomes(
+                    path=change.path,
+                    op=change.op,
+                    kind=change.kind,
+                    outcome="conflict",
+                    reason="host_changed",
+                    current_sha256=change.base_sha256,
+                    kept=change.path if change.op != "delete" else None,
+                )
+            )
+        else:
+            kept.append(change)
+    return msgspec.structs.replace(changeset, changes=tuple(kept)), tuple(conflicts)
+
+
+def summary(
+    generation: int, changeset: ChangeSet, result: ApplyResult, error: str | None = None
+) -> ProcChanges:
+    """The bounded `changes` of a result: the apply's lists plus what the scan blocked."""
+
+    def entries(outcomes: tuple[Outcomes, ...]) -> list[ChangeEntry]:
+        return [
+            ChangeEntry(
+                path=o.path,
+                op=o.op,
+                reason=o.reason,
+                rule=o.rule,
+                plan_digest=o.plan_digest,
+                current_sha256=o.current_sha256,
+                kept=o.kept,
+            )
+            for o in outcomes[:MAX_CHANGE_ENTRIES]
+        ]
+
+    scan_blocked = [
+        ChangeEntry(path=b.path, reason=b.reason) for b in changeset.blocked[:MAX_CHANGE_ENTRIES]
+    ]
+    blocked = (entries(result.blocked) + scan_blocked)[:MAX_CHANGE_ENTRIES]
+    return ProcChanges(
+        generation=generation,
+        applied=entries(result.applied),
+        blocked=blocked,
+        pending=entries(result.pending),
+        conflicts=entries(result.conflicts),
+        counts=ChangeCounts(
+            applied=len(result.applied),
+            unchanged=len(result.unchanged),
+            blocked=len(result.blocked) + len(changeset.blocked),
+            pending=len(result.pending),
+            conflicts=len(result.conflicts),
+        ),
+        error=error,
+    )

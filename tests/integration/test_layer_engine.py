@@ -1,0 +1,245 @@
+"""The working layer against the real engine: a `workspace = "layer"` profile.
+
+A daemon runs in-process with a workspace adopted under `write_deny = ["*.lock", ".env"]`
+(plus the implicit `.git/**`) and a profile `layer` (the tiny one with `workspace =
+"layer"`). Commands write into the overlay; what they change reaches the checkout only
+when they end, through the guarded path, and the result's `changes` says what became of
+each change. Every test ends with no mount left under the state dir.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.lowlevel
+
+from substrate.config import PROJECT_ROOT, Config
+from substrate.daemon import Daemon, open_daemon
+from substrate.protocol.client import AsyncClient, open_client
+from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from substrate.sandbox.layers import mounted_under, unmount_under
+
+OWNER = 1000
+LOCK = b"# lock file\n"
+
+
+@dataclass
+class Env:
+    daemon: Daemon
+    client: AsyncClient
+    ws: str
+    path: Path
+    state: Path
+
+    async def sh(self, script: str, profile: str = "layer") -> Any:
+        return await self.client.call(
+            "proc.run", workspace=self.ws, profile=profile, argv=["sh", "-c", script]
+        )
+
+
+def _mounts_under(state: Path) -> list[str]:
+    return [m.mount_point for m in mounted_under(str(state))]
+
+
+@pytest.fixture
+def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    yield state
+    daemon_id = daemon_id_for(state)
+    for ctr in docker_client.api.containers(
+        all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"}
+    ):
+        docker_client.api.remove_container(ctr["Id"], force=True, v=True)
+    left = _mounts_under(state)
+    if left:  # never leave a test's mount behind, and fail the test for it
+        unmount_under(str(state), keep_base=False)
+    assert left == []
+
+
+@pytest.fixture
+async def env(
+    tiny_image: str, leftovers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Env]:
+    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    tiny = (PROJECT_ROOT / "profiles" / "tiny.toml").read_text()
+    shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
+    (profiles / "layer.toml").write_text(tiny.replace('workspace = "rw"', 'workspace = "layer"'))
+    root = tmp_path / "roots"
+    project = root / "project"
+    (project / ".git").mkdir(parents=True)
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (project / "poetry.lock").write_bytes(LOCK)
+    (project / "src").mkdir()
+    (project / "src" / "app.py").write_text("print('hi')\n")
+    (project / "old.txt").write_text("old\n")
+    for base, dirs, files in os.walk(project):
+        for name in [*dirs, *files]:
+            os.chown(os.path.join(base, name), OWNER, OWNER, follow_symlinks=False)
+    os.chown(project, OWNER, OWNER)
+    config = Config(state_dir=str(leftovers), adopt_roots=[str(root)], profiles_dir=str(profiles))
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(daemon.serve)
+        async with open_client(leftovers / "substrate.sock") as client:
+            ws = await client.call(
+                "workspace.adopt",
+                path=str(project),
+                policy={"write_deny": ["*.lock", ".env"]},
+            )
+            yield Env(daemon, client, ws["workspace"], project, leftovers)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_sandbox_sees_a_verified_layer_and_a_read_only_git(env: Env) -> None:
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="layer")
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    assert facts["workspace_mount"] == "layer"
+    assert facts["readonly_dirs"] == [".git"]
+    result = await env.sh("touch .git/x; echo $?; cat old.txt")
+    assert result["exit_code"] == 0
+    assert result["stdout"]["inline"].split("\n")[1] == "old"
+    assert result["stdout"]["inline"].split("\n")[0] != "0"
+    assert not (env.path / ".git" / "x").exists()
+    layers = env.state / "layers"
+    assert any(m.startswith(f"{layers}/") for m in _mounts_under(env.state))
+    await env.client.call("workspace.release", workspace=env.ws)
+    # The sandbox's mounts are gone with it; the layer directory's own bind goes at stop.
+    assert _mounts_under(env.state) == [str(layers)]
+
+
+def _paths(changes: dict[str, Any], kind: str) -> list[tuple[str, str | None]]:
+    return sorted((e["path"], e.get("op")) for e in changes[kind])
+
+
+async def _marker(env: Env, name: str) -> Path:
+    """Wait until the running command made `name` in its upper layer (seen from the host)."""
+    with trio.fail_after(30):
+        while True:
+            found = sorted(env.state.glob(f"layers/*/upper/*/{name}"))
+            if found:
+                return found[0]
+            await trio.sleep(0.02)
+
+
+async def test_changes_land_only_through_the_apply_and_are_listed(env: Env) -> None:
+    result = await env.sh(
+        "echo new > src/new.py && echo changed > old.txt && rm src/app.py && mkdir d"
+        " && echo x > d/f && cat old.txt"
+    )
+    assert result["exit_code"] == 0
+    assert result["stdout"]["inline"] == "changed\n"
+    changes = result["changes"]
+    assert changes["generation"] == 0
+    assert _paths(changes, "applied") == [
+        ("d", "mkdir"),
+        ("d/f", "create"),
+        ("old.txt", "replace"),
+        ("src/app.py", "delete"),
+        ("src/new.py", "create"),
+    ]
+    assert changes["counts"]["applied"] == 5
+    assert (env.path / "src" / "new.py").read_text() == "new\n"
+    assert (env.path / "old.txt").read_text() == "changed\n"
+    assert not (env.path / "src" / "app.py").exists()
+    assert (env.path / "d" / "f").stat().st_uid == OWNER
+    # The same result reads the same later, and the journal has one entry per file.
+    again = await env.client.call("proc.wait", proc=result["proc"])
+    assert again["changes"] == changes
+    kinds = [e.kind for e in env.daemon.journal.read(limit=10000)]
+    assert kinds.count("changes.apply") == 4  # files; `d` is a changes.apply_dir
+
+
+async def test_a_denied_write_never_reaches_the_checkout(env: Env) -> None:
+    started = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", "echo TOKEN=x > .env && echo l > poetry.lock && touch m && sleep 60"],
+    )
+    await _marker(env, "m")
+    # While it runs: the denied files exist only in its layer.
+    assert not (env.path / ".env").exists()
+    assert (env.path / "poetry.lock").read_bytes() == LOCK
+    await env.client.call("proc.signal", proc=started["proc"], signal="KILL")
+    result = await env.client.call("proc.wait", proc=started["proc"])
+    blocked = {e["path"]: e for e in result["changes"]["blocked"]}
+    assert set(blocked) == {".env", "poetry.lock"}
+    assert blocked[".env"]["rule"] == ".env"
+    assert blocked["poetry.lock"]["rule"] == "*.lock"
+    assert blocked[".env"]["reason"] == "path_denied"
+    assert _paths(result["changes"], "applied") == [("m", "create")]
+    assert not (env.path / ".env").exists()
+    assert (env.path / "poetry.lock").read_bytes() == LOCK
+    assert result["policy_blocked"] == []  # the reactive gate does not run on a layer
+
+
+async def test_a_host_edit_during_a_command_is_kept_and_reported(env: Env) -> None:
+    started = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", "echo sandbox > old.txt && touch m && sleep 60"],
+    )
+    await _marker(env, "m")
+    (env.path / "old.txt").write_text("person\n")
+    await env.client.call("proc.signal", proc=started["proc"], signal="TERM")
+    result = await env.client.call("proc.wait", proc=started["proc"])
+    assert (env.path / "old.txt").read_text() == "person\n"
+    (conflict,) = result["changes"]["conflicts"]
+    assert conflict["path"] == "old.txt"
+    assert conflict["reason"] == "host_changed"
+    assert conflict["kept"] == "old.txt"
+    # The command's version stays in its layer (generation 0) for the next session.
+    (kept,) = env.state.glob("layers/*/upper/0/old.txt")
+    assert kept.read_text() == "sandbox\n"
+
+
+async def test_two_commands_in_a_row_both_apply(env: Env) -> None:
+    first = await env.sh("echo one > a.txt")
+    second = await env.sh("cat a.txt && echo two >> a.txt && echo b > b.txt")
+    assert (first["changes"]["generation"], second["changes"]["generation"]) == (0, 1)
+    assert second["stdout"]["inline"] == "one\n"
+    assert _paths(second["changes"], "applied") == [("a.txt", "replace"), ("b.txt", "create")]
+    assert (env.path / "a.txt").read_text() == "one\ntwo\n"
+    assert (env.path / "b.txt").read_text() == "b\n"
+    facts = {f["name"]: f["value"] for f in second["facts"]}
+    assert facts["workspace_mount"] == "layer"
+
+
+async def test_concurrent_commands_take_turns(env: Env) -> None:
+    first = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", "echo 1 > one.txt && touch m && sleep 60"],
+    )
+    await _marker(env, "m")
+    second: dict[str, Any] = {}
+
+    async def run_second() -> None:
+        second.update(await env.sh("cat one.txt; echo 2 > two.txt"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_second)
+        await trio.lowlevel.checkpoint()
+        await env.client.call("proc.signal", proc=first["proc"], signal="KILL")
+    # The second ran after the first's changes were applied: it saw them.
+    assert second["stdout"]["inline"] == "1\n"
+    assert second["changes"]["generation"] == 1
+    assert (env.path / "two.txt").read_text() == "2\n"
+
+
+async def test_rw_profiles_are_unchanged(env: Env) -> None:
+    result = await env.sh("echo rw > rw.txt && echo x > .env", profile="tiny")
+    assert "changes" not in result
+    assert (env.path / "rw.txt").read_text() == "rw\n"
+    assert [b["path"] for b in result["policy_blocked"]] == ["project:.env"]
