@@ -12,7 +12,7 @@ handle, name) key once, as the sandbox's or as someone else's.
 Needs `CAP_SYS_ADMIN` (the daemon runs as root) and a file system that gives file
 handles; otherwise `watch` raises `Unavailable` and the gate reverts nothing.
 
-Costs per watch: a relay process (`python -I -S`, about 15 ms to start, run beside the
+Costs per watch: a relay process (`python -I -S`, about 30 ms to start, overlapping the
 snapshot walk), and for as long as it runs one pass over every event of the file system
 (the whole machine's writes to it, not only the workspace's); memory bounded by the
 relay's `MAX_KEYS` per kind.
