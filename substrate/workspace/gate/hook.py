@@ -167,10 +167,17 @@ class SnapshotGate:
                 # Nobody else is running here: the workspace as it is now is the baseline.
                 # Watched from before the walk: a change made meanwhile is seen.
                 state.watch = await trio.to_thread.run_sync(watch, limiter=self._limiter)
-                keep = await trio.to_thread.run_sync(self._keep, ws, state, limiter=self._limiter)
-                state.baseline = await trio.to_thread.run_sync(
-                    snapshot, keep, state.baseline, limiter=self._limiter
-                )
+                try:
+                    keep = await trio.to_thread.run_sync(
+                        self._keep, ws, state, limiter=self._limiter
+                    )
+                    state.baseline = await trio.to_thread.run_sync(
+                        snapshot, keep, state.baseline, limiter=self._limiter
+                    )
+                except BaseException:
+                    with trio.CancelScope(shield=True):  # no relay outlives a failed start
+                        await self._unwatch(state)
+                    raise
             state.holders.add(ticket)
         return ticket
 
@@ -207,12 +214,19 @@ class SnapshotGate:
         finally:
             if isinstance(snapshot, _Ticket):
                 state.holders.discard(snapshot)
-                if not state.holders and state.watch is not None:
+                if not state.holders:
                     # The last command here ended: nothing to watch until the next one.
                     with trio.CancelScope(shield=True):
-                        ended, state.watch = state.watch, None
-                        await trio.to_thread.run_sync(ended.close)
+                        async with state.lock:
+                            if not state.holders:
+                                await self._unwatch(state)
         return []  # unreachable: the lock's exit never swallows an exception
+
+    async def _unwatch(self, state: _WsState) -> None:
+        """Stop the baseline's watch (the relay ends); the caller holds `state.lock`."""
+        if state.watch is not None:
+            ended, state.watch = state.watch, None
+            await trio.to_thread.run_sync(ended.close)
 
     def _check(
         self, ws: Workspace, baseline: Snapshot, keep: Keep, watching: Watch
