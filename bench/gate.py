@@ -40,7 +40,7 @@ from substrate.protocol.client import open_client  # noqa: E402
 from substrate.schema.workspace import Policy  # noqa: E402
 from substrate.store.db import Store  # noqa: E402
 from substrate.store.journal import Journal  # noqa: E402
-from substrate.workspace.gate import SnapshotGate  # noqa: E402
+from substrate.workspace.gate import EVERY_CHANGE_IS_THE_SANDBOXS, SnapshotGate  # noqa: E402
 from substrate.workspace.registry import WorkspaceRegistry  # noqa: E402
 
 OWNER = 1000
@@ -100,7 +100,7 @@ async def gate_alone(base: Path, project: Path, runs: int) -> dict[str, list[flo
     config = Config(state_dir=str(state), adopt_roots=[str(project.parent)])
     registry = WorkspaceRegistry(config, store, journal, state)
     ws = registry.adopt(str(project), None, Policy(write_deny=DENY), "bench")
-    gate = SnapshotGate(state / "gate", journal)
+    gate = SnapshotGate(state / "gate", journal, attribution=EVERY_CHANGE_IS_THE_SANDBOXS)
     out: dict[str, list[float]] = {"before": [], "after": [], "revert": []}
     try:
         await gate.after(ws, await gate.before(ws))  # first snapshot keeps the bytes

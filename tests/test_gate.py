@@ -26,7 +26,7 @@ from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import fsops, gate
-from substrate.workspace.gate import SnapshotGate, snapshot
+from substrate.workspace.gate import EVERY_CHANGE_IS_THE_SANDBOXS, SnapshotGate, snapshot
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
 
@@ -74,7 +74,15 @@ def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -
     registry = WorkspaceRegistry(config, store, journal, state)
     ws = registry.adopt(str(root), None, Policy(write_deny=DENY), "test")
     try:
-        yield Env(root, state, ws, SnapshotGate(state / "gate", journal), journal, registry, config)
+        yield Env(
+            root,
+            state,
+            ws,
+            SnapshotGate(state / "gate", journal, attribution=EVERY_CHANGE_IS_THE_SANDBOXS),
+            journal,
+            registry,
+            config,
+        )
     finally:
         registry.close()
         store.close()
@@ -272,7 +280,7 @@ async def test_default_policy_needs_no_snapshot_while_git_is_a_mounted_dir(
     )
     try:
         ws = registry.adopt(str(root), None, None, "test")
-        gate = SnapshotGate(state / "gate", journal)
+        gate = SnapshotGate(state / "gate", journal, attribution=EVERY_CHANGE_IS_THE_SANDBOXS)
         ticket = await gate.before(ws)
         assert not (state / "gate").exists()  # nothing kept: no snapshot was taken
         assert await gate.after(ws, ticket) == []
@@ -324,7 +332,7 @@ async def test_require_approval_globs_are_gated_like_denied_ones(
     )
     try:
         ws = registry.adopt(str(root), None, Policy(require_approval=["*.cfg"]), "test")
-        gate_ = SnapshotGate(state / "gate", journal)
+        gate_ = SnapshotGate(state / "gate", journal, attribution=EVERY_CHANGE_IS_THE_SANDBOXS)
         ticket = await gate_.before(ws)  # `.git` is mounted, but approvals need the gate
         (root / "app.cfg").write_text("open\n")
         (root / "conf" / "db.cfg").unlink()

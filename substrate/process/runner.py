@@ -100,13 +100,17 @@ class WriteGate(Protocol):
     """Checks what a command wrote against the workspace's file-level deny globs.
 
     `before` snapshots the workspace as the command starts (`readonly`: the paths the
-    sandbox has mounted read-only, with their identities: not walked); `after` compares,
-    reverts each offending change and returns them. Implemented by
-    `substrate.workspace.gate.SnapshotGate`.
+    sandbox has mounted read-only, with their identities: not walked; `sandbox_pid`: the
+    sandbox's init, whose pid namespace tells its writes from anyone else's); `after`
+    compares, reverts each offending change the sandbox made and returns them.
+    Implemented by `substrate.workspace.gate.SnapshotGate`.
     """
 
     async def before(
-        self, ws: Workspace, readonly: Mapping[str, tuple[int, int]] | None = None
+        self,
+        ws: Workspace,
+        readonly: Mapping[str, tuple[int, int]] | None = None,
+        sandbox_pid: int | None = None,
     ) -> object: ...
 
     async def after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]: ...
@@ -314,7 +318,7 @@ class Processes:
         snapshot = None
         if self.write_gate is not None and profile.workspace == "rw":
             # Only an rw workspace can be written; the mounts it has read-only are not walked.
-            snapshot = await self.write_gate.before(req.ws, sandbox.readonly)
+            snapshot = await self.write_gate.before(req.ws, sandbox.readonly, sandbox.init_pid)
         t0 = trio.current_time()
         # The exec is created while the record commits: two round trips overlap.
         created: list[str] = []

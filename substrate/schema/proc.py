@@ -25,12 +25,16 @@ class PolicyBlocked(msgspec.Struct, frozen=True, kw_only=True):
     `reverted` is false: docs/write-gate.md says when). `path` is `root_id:rel`; bytes of
     a name that are not UTF-8 are written `\\xNN`. `rule` is the policy list that denies
     it: `write_deny`, or `require_approval` (sandboxed code cannot ask for an approval,
-    so such a change is reverted like a denied one)."""
+    so such a change is reverted like a denied one). `reason`, when not reverted:
+    `unattributed` (not seen made by the sandbox's processes: e.g. a person's edit on
+    the host, never undone), `mixed` (the sandbox and something else both changed it),
+    or why the restore failed."""
 
     path: str
     change: Literal["create", "modify", "delete", "chmod"]
     reverted: bool
     rule: Literal["write_deny", "require_approval"] = "write_deny"
+    reason: str | None = None
 
 
 class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -24,6 +24,7 @@ from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, open_client
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from tests.harness import wait_until_async
 
 OWNER = 1000
 LOCK = b"# lock file\n[[package]]\nname = 'x'\n"
@@ -230,3 +231,65 @@ async def test_require_approval_paths_are_reverted_for_sandboxed_code(env: Env) 
     assert (project / "app.cfg").read_text() == "mode = safe\n"
     assert (project / "conf" / "db.cfg").read_text() == "host = local\n"
     assert not (project / "new.cfg").exists()
+
+
+async def test_a_host_edit_during_a_command_is_never_reverted(env: Env) -> None:
+    # issue 10: a person created `poetry.lock` on the host while an agent's command ran,
+    # and the gate deleted it as the sandbox's doing. The command writes `.env` (denied,
+    # reverted), then waits for `src/go`; meanwhile the host creates `poetry.lock` and
+    # `host.lock` (denied paths both). Only the sandbox's change is undone.
+    (env.path / "poetry.lock").unlink()  # between commands: not gated
+    mine = b"# the person's own lock\n"
+    results: list[Any] = []
+
+    async def command() -> None:
+        results.append(
+            await env.sh("echo TOKEN=x > .env; while [ ! -e src/go ]; do sleep 0.02; done")
+        )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(command)
+        await wait_until_async((env.path / ".env").exists)
+        (env.path / "poetry.lock").write_bytes(mine)
+        (env.path / "host.lock").write_bytes(mine)
+        (env.path / "src" / "go").write_text("")
+    (result,) = results
+    assert result["exit_code"] == 0
+    assert blocked(result) == [
+        ("project:.env", "create", True),
+        ("project:host.lock", "create", False),
+        ("project:poetry.lock", "create", False),
+    ]
+    reasons = {b["path"]: b["reason"] for b in result["policy_blocked"]}
+    assert reasons == {
+        "project:.env": None,
+        "project:host.lock": "unattributed",
+        "project:poetry.lock": "unattributed",
+    }
+    assert not (env.path / ".env").exists()
+    assert (env.path / "poetry.lock").read_bytes() == mine
+    assert (env.path / "host.lock").read_bytes() == mine
+    entries = {e["path"]: e for e in env.blocked_entries()}
+    assert entries["project:poetry.lock"]["reverted"] is False
+    assert entries["project:poetry.lock"]["reason"] == "unattributed"
+    assert entries["project:.env"]["reverted"] is True
+
+
+async def test_a_denied_file_the_sandbox_and_the_host_both_changed_is_kept(env: Env) -> None:
+    # Reverting would undo the host's edit too: the change is reported `mixed`, kept.
+    async def command() -> None:
+        results.append(
+            await env.sh("echo sandbox >> poetry.lock; while [ ! -e src/go ]; do sleep 0.02; done")
+        )
+
+    results: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(command)
+        lock = env.path / "poetry.lock"
+        await wait_until_async(lambda: lock.read_bytes().endswith(b"sandbox\n"))
+        lock.write_bytes(lock.read_bytes() + b"host\n")
+        (env.path / "src" / "go").write_text("")
+    (result,) = results
+    assert blocked(result) == [("project:poetry.lock", "modify", False)]
+    assert result["policy_blocked"][0]["reason"] == "mixed"
+    assert (env.path / "poetry.lock").read_bytes() == LOCK + b"sandbox\nhost\n"

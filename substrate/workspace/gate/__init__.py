@@ -27,6 +27,11 @@ starts and kept until the last ends, so a command never "restores" another's off
 write. The seams this leaves (changes are reverted after the fact, background writers
 between commands, interactive terminals, `write_allow`) are in docs/write-gate.md.
 
+Attribution (docs/protocol.md §11): a denied change is reverted only when the kernel saw
+the command's sandbox make it and nothing else touch it (`attribution`, `fanotify`, and
+the `relay` process that reads fanotify from inside the sandbox's pid namespace); any
+other — a person's edit on the host — is kept and reported `reason: "unattributed"`.
+
 Modules: `diff` (pure: nodes, `classify`, `diff`, `display_rel`), `snapshot` (the
 walk and what it records), `keep` (the kept bytes), `revert` (undoing changes) and
 `hook` (`SnapshotGate`, the per-workspace baseline). Costs: two walks of the tree (about
@@ -34,7 +39,15 @@ walk and what it records), `keep` (the kept bytes), `revert` (undoing changes) a
 stat changed.
 """
 
+from substrate.workspace.gate.attribution import (
+    EVERY_CHANGE_IS_THE_SANDBOXS,
+    Attribution,
+    Touches,
+    Unavailable,
+    Watch,
+)
 from substrate.workspace.gate.diff import Change, Node, classify, diff, display_rel
+from substrate.workspace.gate.fanotify import FanotifyAttribution
 from substrate.workspace.gate.hook import Rule, SnapshotGate
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, MAX_KEPT_TOTAL, Keep
 from substrate.workspace.gate.revert import NotReverted, revert
@@ -52,10 +65,13 @@ from substrate.workspace.gate.snapshot import (
 )
 
 __all__ = [
+    "EVERY_CHANGE_IS_THE_SANDBOXS",
     "MAX_KEPT_FILE",
     "MAX_KEPT_TOTAL",
     "RACY_NS",
+    "Attribution",
     "Change",
+    "FanotifyAttribution",
     "Keep",
     "Matcher",
     "Node",
@@ -63,6 +79,9 @@ __all__ = [
     "Rule",
     "Snapshot",
     "SnapshotGate",
+    "Touches",
+    "Unavailable",
+    "Watch",
     "classify",
     "diff",
     "display_rel",

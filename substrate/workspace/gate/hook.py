@@ -1,5 +1,12 @@
 """`SnapshotGate`: the write gate plugged around each sandboxed command.
 
+A denied change is reverted only when the attribution source saw the sandbox make it and
+nothing else touch it (`gate.attribution`); any other is kept and reported
+`reverted: false` with `reason` `unattributed` or `mixed`: a person's edit on the host
+is never undone (SPEC §11). The watch starts before the baseline is taken, so nothing
+between the two goes unseen, and the attribution is asked after the tree was scanned, so
+no change the scan saw is missing from it.
+
 Commands that overlap in one workspace share one baseline: it is taken when the first
 starts and kept until the last ends (tickets are weakly held, so a command that dies
 between `before` and `after` does not pin it forever), so a command never "restores"
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +30,20 @@ import trio
 from substrate.errors import Refusal
 from substrate.schema.proc import PolicyBlocked
 from substrate.store.journal import Journal
-from substrate.workspace.gate.diff import diff, display_rel
+from substrate.workspace import paths
+from substrate.workspace.gate.attribution import (
+    Attribution,
+    Failed,
+    Handle,
+    Key,
+    Touches,
+    Unavailable,
+    Watch,
+    handle_at,
+    key,
+)
+from substrate.workspace.gate.diff import Node, diff, display_rel
+from substrate.workspace.gate.fanotify import FanotifyAttribution
 from substrate.workspace.gate.keep import Keep
 from substrate.workspace.gate.revert import revert, why
 from substrate.workspace.gate.snapshot import (
@@ -58,6 +79,7 @@ class _WsState:
     baseline: Snapshot | None = None
     holders: weakref.WeakSet[_Ticket] = field(default_factory=weakref.WeakSet)
     keep: Keep | None = None
+    watch: Watch | None = None  # since the baseline, for the sandbox of its first command
 
 
 class SnapshotGate:
@@ -66,7 +88,8 @@ class SnapshotGate:
 
     `before` refuses nothing of its own (`unknown_workspace` once the workspace is
     released); an OSError while snapshotting fails the command before it runs (the gate
-    fails closed). The temp files of restores are recorded in `temp_files` (default: in
+    fails closed). `attribution` (default: fanotify) tells the sandbox's changes from
+    anyone else's; without it nothing is reverted. The temp files of restores are recorded in `temp_files` (default: in
     the journal's database, where the start-up cleaner finds them). Costs: two walks of
     the tree (about 10 ms per 10,000 entries each; see bench/gate.py) plus reading the
     denied files whose stat changed.
@@ -79,7 +102,9 @@ class SnapshotGate:
         *,
         limiter: trio.CapacityLimiter | None = None,
         temp_files: TempFiles | None = None,
+        attribution: Attribution | None = None,
     ) -> None:
+        self._attribution = attribution or FanotifyAttribution()
         self._root = state_dir
         self._journal = journal
         self._limiter = limiter
@@ -98,11 +123,18 @@ class SnapshotGate:
         return state.keep
 
     async def before(
-        self, ws: Workspace, readonly: Mapping[str, tuple[int, int]] | None = None
+        self,
+        ws: Workspace,
+        readonly: Mapping[str, tuple[int, int]] | None = None,
+        sandbox_pid: int | None = None,
     ) -> object:
         """Snapshot (or join the running baseline of) `ws`. `readonly`: the paths the
         command's sandbox has mounted read-only, with the identities it mounted (default:
-        the policy's read-only dirs as they are now); the gate does not walk them."""
+        the policy's read-only dirs as they are now); the gate does not walk them.
+        `sandbox_pid`: a process of the command's sandbox (its init), whose processes'
+        changes may be reverted; None: no change is attributable (none is reverted).
+        A baseline is watched for the sandbox of the command that took it: a command of
+        another sandbox joining it has its changes reported unattributed."""
 
         def mounted() -> dict[str, tuple[int, int]] | None:
             with ws.use():
@@ -119,13 +151,33 @@ class SnapshotGate:
             with ws.use():
                 return take_snapshot(ws, keep, previous, ro)
 
+        def watch() -> Watch:
+            if state.watch is not None:
+                state.watch.close()
+                state.watch = None
+            try:
+                with ws.use():
+                    return self._attribution.watch(ws.root_fd, sandbox_pid)
+            except Unavailable as exc:
+                log.warning("write gate of %s: no attribution: %s", ws.root_id, exc)
+                return Failed(str(exc))
+
         async with state.lock:
             if state.baseline is None or not state.holders:
                 # Nobody else is running here: the workspace as it is now is the baseline.
-                keep = await trio.to_thread.run_sync(self._keep, ws, state, limiter=self._limiter)
-                state.baseline = await trio.to_thread.run_sync(
-                    snapshot, keep, state.baseline, limiter=self._limiter
-                )
+                # Watched from before the walk: a change made meanwhile is seen.
+                state.watch = await trio.to_thread.run_sync(watch, limiter=self._limiter)
+                try:
+                    keep = await trio.to_thread.run_sync(
+                        self._keep, ws, state, limiter=self._limiter
+                    )
+                    state.baseline = await trio.to_thread.run_sync(
+                        snapshot, keep, state.baseline, limiter=self._limiter
+                    )
+                except BaseException:
+                    with trio.CancelScope(shield=True):  # no relay outlives a failed start
+                        await self._unwatch(state)
+                    raise
             state.holders.add(ticket)
         return ticket
 
@@ -139,13 +191,13 @@ class SnapshotGate:
         try:
             async with state.lock:
                 baseline = state.baseline
-                if baseline is None or state.keep is None:
+                if baseline is None or state.keep is None or state.watch is None:
                     return []
-                keep = state.keep
+                keep, watching = state.keep, state.watch
                 with trio.CancelScope(shield=True):  # a revert is never abandoned halfway
                     try:
                         return await trio.to_thread.run_sync(
-                            self._check, ws, baseline, keep, limiter=self._limiter
+                            self._check, ws, baseline, keep, watching, limiter=self._limiter
                         )
                     except (OSError, Refusal) as exc:
                         # The command's record must still be finished: say so loudly instead.
@@ -162,21 +214,49 @@ class SnapshotGate:
         finally:
             if isinstance(snapshot, _Ticket):
                 state.holders.discard(snapshot)
+                if not state.holders:
+                    # The last command here ended: nothing to watch until the next one.
+                    with trio.CancelScope(shield=True):
+                        async with state.lock:
+                            if not state.holders:
+                                await self._unwatch(state)
         return []  # unreachable: the lock's exit never swallows an exception
 
-    def _check(self, ws: Workspace, baseline: Snapshot, keep: Keep) -> list[PolicyBlocked]:
+    async def _unwatch(self, state: _WsState) -> None:
+        """Stop the baseline's watch (the relay ends); the caller holds `state.lock`."""
+        if state.watch is not None:
+            ended, state.watch = state.watch, None
+            await trio.to_thread.run_sync(ended.close)
+
+    def _check(
+        self, ws: Workspace, baseline: Snapshot, keep: Keep, watching: Watch
+    ) -> list[PolicyBlocked]:
         with ws.use():
             now = scan_after(ws, baseline)
             changes = diff(baseline.nodes, now)
             if not changes:
                 return []
+            # Asked after the scan: every change it saw was made before this flush.
+            touches = watching.touches()
+            verdicts = [_attribute(ws, rel, baseline, now, touches) for rel, _ in changes]
+            ours = [c for c, (v, _) in zip(changes, verdicts, strict=True) if v == "sandbox"]
             with ws.commit_lock:
-                outcomes = revert(ws, changes, baseline.nodes, now, keep, self._temps)
+                reverted_ours = iter(revert(ws, ours, baseline.nodes, now, keep, self._temps))
+        outcomes: list[tuple[bool, str | None, str | None]] = []
+        for verdict, why_not in verdicts:
+            if verdict == "sandbox":
+                outcomes.append((*next(reverted_ours), None))
+            else:
+                outcomes.append((False, verdict, why_not))
         blocked: list[PolicyBlocked] = []
-        for (rel, change), (reverted, reason) in zip(changes, outcomes, strict=True):
+        for (rel, change), (reverted, reason, seen) in zip(changes, outcomes, strict=True):
             where = ws.provenance(display_rel(rel))
             rule: Rule = "write_deny" if ws.policy.write_deny.matches(rel) else "require_approval"
-            blocked.append(PolicyBlocked(path=where, change=change, reverted=reverted, rule=rule))
+            blocked.append(
+                PolicyBlocked(
+                    path=where, change=change, reverted=reverted, rule=rule, reason=reason
+                )
+            )
             data: dict[str, Any] = {
                 "path": where,
                 "change": change,
@@ -185,8 +265,46 @@ class SnapshotGate:
             }
             if reason:
                 data["reason"] = reason
+            if seen:
+                data["attribution"] = seen
             old, new = baseline.nodes.get(rel), now.get(rel)
             data["before"] = old.summary() if old else None
             data["after"] = new.summary() if new else None
             self._journal.append("policy.blocked", data, workspace=ws.id)
         return blocked
+
+
+def _attribute(
+    ws: Workspace, rel: str, baseline: Snapshot, now: Mapping[str, Node], touches: Touches
+) -> tuple[str, str | None]:
+    """Whose change at `rel` is (`Touches.verdict`), looked up under every key it may
+    have been reported by: its directory's handle then and now, a directory's own, and
+    the same for everything beneath it (a created or deleted tree is one change)."""
+    before = baseline.nodes
+    current: dict[str, Handle | None] = {}
+
+    def handle_now(dir_rel: str) -> Handle | None:
+        if dir_rel not in current:
+            try:
+                fd = paths.open_dir(ws.root_fd, tuple(dir_rel.split("/")) if dir_rel else ())
+            except (OSError, Refusal):
+                current[dir_rel] = None
+            else:
+                try:
+                    current[dir_rel] = handle_at(fd)
+                finally:
+                    os.close(fd)
+        return current[dir_rel]
+
+    keys: set[Key] = set()
+    under = [p for p in {*before, *now} if p.startswith(rel + "/")]
+    for path in [rel, *under]:
+        parent, _, name = path.rpartition("/")
+        for found in (baseline.handles.get(parent), handle_now(parent)):
+            if found is not None:
+                keys.add(key(found, name))
+        if any(n is not None and n.kind == "dir" for n in (before.get(path), now.get(path))):
+            for found in (baseline.handles.get(path), handle_now(path)):
+                if found is not None:
+                    keys.add(key(found, "."))
+    return touches.verdict(keys)

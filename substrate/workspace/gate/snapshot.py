@@ -24,12 +24,13 @@ import re
 import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from substrate.errors import Refusal
 from substrate.workspace import fsops, paths
+from substrate.workspace.gate.attribution import Handle, handle_at
 from substrate.workspace.gate.diff import Node
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, MAX_KEPT_TOTAL, Keep
 from substrate.workspace.policy import CompiledPolicy, compile_glob
@@ -123,6 +124,9 @@ class Snapshot:
     nodes: dict[str, Node]
     readonly: dict[str, tuple[int, int]]  # rel → (dev, ino) not descended into
     taken_ns: int  # wall clock as the walk began
+    #: File handles of the directories holding denied paths and of denied directories
+    #: (rel, "" for the root): how the attribution names them, kept for when they go.
+    handles: dict[str, Handle] = field(default_factory=dict)
 
 
 def racy(node: Node, taken_ns: int) -> bool:
@@ -285,9 +289,18 @@ def take_snapshot(
     readonly = dict(readonly_identities(ws) if readonly is None else readonly)
     old = previous.nodes if previous is not None else {}
     kept_total = 0
+    handles: dict[str, Handle] = {}
+
+    def remember(parent_fd: int, name: str, rel: str, node: Node) -> None:
+        parent = rel.rpartition("/")[0]
+        if parent not in handles and (found := handle_at(parent_fd)) is not None:
+            handles[parent] = found
+        if node.kind == "dir" and (found := handle_at(parent_fd, name)) is not None:
+            handles[rel] = found
 
     def visit(parent_fd: int, name: str, rel: str, node: Node) -> Node:
         nonlocal kept_total
+        remember(parent_fd, name, rel, node)
         if node.kind == "symlink":
             return _symlink_node(parent_fd, name, node)
         if node.kind != "file":
@@ -314,7 +327,7 @@ def take_snapshot(
 
     nodes = walk(ws.root_fd, matcher_for(ws.policy), readonly, visit)
     keep.collect({n.sha256 for n in nodes.values() if n.kept and n.sha256})
-    return Snapshot(nodes, readonly, now)
+    return Snapshot(nodes, readonly, now, handles)
 
 
 def scan_after(ws: Workspace, before: Snapshot) -> dict[str, Node]:
