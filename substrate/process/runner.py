@@ -23,12 +23,11 @@ and `_conclude` runs the gate and finishes the record with the output it had
 (`cancelled` in the journal). Never left running, never recorded without its output.
 Each shielded step is bounded (`driver.SETTLE_S`, `GATE_WAIT_S`).
 
-The collaborators (engine, containers, driver, records, artifacts, subscriptions, write
-gate) are given to `Processes`, never built by it: `substrate.process.service` wires them.
-
-Hot path (a warm `["true"]`): three engine calls (exec create, start, inspect), two
-commits, one procfs scan of the container's cgroup. Facts are observed once per
-container, never per command.
+Collaborators (engine, containers, driver, records, artifacts, subscriptions, write gate)
+are given, never built here: `substrate.process.service` wires them. On a `layer`
+sandbox, `substrate.process.layering` takes turns and applies the change set (no gate).
+Hot path (a warm `["true"]`): three engine calls, two commits, one procfs scan of the
+container's cgroup; facts are observed once per container, never per command.
 """
 
 from __future__ import annotations
