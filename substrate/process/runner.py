@@ -27,8 +27,7 @@ The collaborators (engine, containers, driver, records, artifacts, subscriptions
 gate) are given to `Processes`, never built by it: `substrate.process.service` wires them.
 
 Hot path (a warm `["true"]`): three engine calls (exec create, start, inspect), two
-commits, one procfs scan of the container's cgroup. Facts are observed once per
-container, never per command.
+commits, one procfs scan of its cgroup. Facts are observed once per container, not command.
 """
 
 from __future__ import annotations
@@ -67,9 +66,10 @@ from substrate.sandbox import reaper, working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
-from substrate.schema.proc import PolicyBlocked, ProcChanges, ProcResult
+from substrate.schema.proc import ChangesMode, PolicyBlocked, ProcChanges, ProcResult
 from substrate.store.journal import Journal
 from substrate.workspace import paths
+from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -94,6 +94,7 @@ class RunRequest(msgspec.Struct, frozen=True, kw_only=True):
     stdin: bytes | None = None  # None: the command's stdin is closed at once
     timeout_s: float | None = None  # None: the profile's; never above it
     actor: str = "daemon"  # who asked, for the journal
+    changes: ChangesMode = "apply"  # a layer sandbox's change set (process.layering)
 
 
 class WriteGate(Protocol):
@@ -152,9 +153,11 @@ class Processes:
         profiles: Mapping[str, Profile],
         fs_limiter: trio.CapacityLimiter | None = None,
         writer: Writer | None = None,
+        changesets: Changesets | None = None,
     ) -> None:
         self._engine = engine
         self._writer = writer  # applies layer sandboxes' change sets
+        self._changesets = changesets  # and keeps them by id
         self._containers = containers
         self.driver = driver
         self.records = records
@@ -453,7 +456,7 @@ class Processes:
         changes = None  # a layer sandbox's change set, applied (docs/working-layer.md)
         if run.sandbox.layer is not None and self._writer is not None:
             changes = await layering.conclude(
-                self._containers, self._writer, run.sandbox, ws, launched.req.actor
+                self._containers, self._writer, run.sandbox, launched.req, self._changesets
             )
         outcome = Outcome(
             exit_code=exit_code,
