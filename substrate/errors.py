@@ -232,6 +232,13 @@ class CheckpointUnknown(Refusal):
     name = "checkpoint_unknown"
 
 
+class ChangesetUnknown(Refusal):
+    """No change set has this id (`changes.get/apply/discard`); `data.discarded` is true
+    when it had one that was discarded (its layer is gone)."""
+
+    name = "changeset_unknown"
+
+
 class LimitExceeded(Refusal):
     """A configured cap (connections, processes, quota) would be passed."""
 

@@ -49,6 +49,7 @@ CONTRACT_REFUSALS = [
     "origin_denied",
     "controller_busy",
     "limit_exceeded",
+    "changeset_unknown",
     "internal",
 ]
 
@@ -76,8 +77,17 @@ def test_method_properties_are_declared_with_each_method() -> None:
         "proc.start",
         "workspace.checkpoint",
         "workspace.restore",
+        "changes.apply",
+        "changes.discard",
     }
-    assert shielded == {"fs.write", "fs.patch", "fs.delete", "workspace.restore"}
+    assert shielded == {
+        "fs.write",
+        "fs.patch",
+        "fs.delete",
+        "workspace.restore",
+        "changes.apply",
+        "changes.discard",
+    }
     assert operator_only == {
         "approval.grant",
         "grant.issue",

@@ -7,7 +7,7 @@ Importing this package imports every handler module, which registers its handler
 from __future__ import annotations
 
 # Imported for their registrations (`@handles`), in no particular order.
-from substrate.api import artifact, fs, grant, journal, proc, profile, pty, workspace
+from substrate.api import artifact, changes, fs, grant, journal, proc, profile, pty, workspace
 from substrate.api.base import HANDLERS, Actor, Caller, Handler, dispatcher, handles
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "Caller",
     "Handler",
     "artifact",
+    "changes",
     "dispatcher",
     "fs",
     "grant",

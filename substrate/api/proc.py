@@ -52,7 +52,16 @@ def stdin_bytes(p: RunParams) -> bytes | None:
 
 def run_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRequest:
     """The runner's request for `proc.run`/`proc.start` params. Refuses
-    `unknown_workspace`, and `invalid_params` for bad stdin (see `stdin_bytes`)."""
+    `unknown_workspace`, and `invalid_params` for bad stdin (see `stdin_bytes`) or for
+    `changes` other than "apply" on a profile without a working layer (its writes land
+    directly: nothing could be kept or discarded)."""
+    if p.changes != "apply":
+        profile = daemon.execution.profiles.get(p.profile)
+        if profile is not None and profile.workspace != "layer":
+            raise InvalidParams(
+                f'changes = "{p.changes}" needs a workspace = "layer" profile',
+                path="$.changes",
+            )
     return RunRequest(
         ws=daemon.workspaces.get(p.workspace),
         profile=p.profile,
@@ -61,6 +70,7 @@ def run_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRequest:
         stdin=stdin_bytes(p),
         timeout_s=p.timeout_s,
         actor=caller.name,
+        changes=p.changes,
     )
 
 

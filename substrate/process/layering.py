@@ -11,12 +11,18 @@ killed, timed out or cancelled, under the runner's shielded conclusion — `conc
    stays on disk, untouched (review, discard and artifacts for conflicts come next);
 2. observes the sandbox's facts again against the new generation
    (`Containers.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
-3. scans the old upper dir against the checkout and applies the change set through the
-   guarded path (`workspace.layer.scan` / `apply`, mode "apply"), as the command's actor;
+3. scans the old upper dir against the checkout and, by the request's `changes` mode:
+   "apply" applies the change set through the guarded path (`workspace.layer.scan` /
+   `apply`), as the command's actor; "review" applies nothing; both keep the set by id
+   (`workspace.layer.Changesets`, `applied` or `pending`) for `changes.get/apply/
+   discard`; "discard" scans nothing, removes the old upper (and work) dir and keeps
+   nothing. A file the host changed during the command is kept in the set as blocked
+   (`host_changed`): no later `changes.apply` overwrites it;
 4. returns a bounded summary (`schema.proc.ProcChanges`).
 
 A generation still in use (EBUSY: a process of the sandbox holds it) is kept: nothing is
-applied now (`layer_busy`) and its changes are applied, whole, with the next command's.
+applied now (`layer_busy`) and its changes go, whole, with the next command's (in that
+command's mode).
 The reactive write gate never runs for a layer sandbox: the layer never writes the
 checkout.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import trio
@@ -34,11 +41,24 @@ from substrate.errors import ConfinementUnmet, Refusal
 from substrate.sandbox import working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.layer_plan import LayerPlan
-from substrate.schema.proc import ChangeCounts, ChangeEntry, ProcChanges
+from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
 from substrate.workspace import paths
-from substrate.workspace.layer import ApplyResult, Change, ChangeSet, Outcomes, apply, scan
+from substrate.workspace.layer import (
+    ApplyResult,
+    Blocked,
+    Change,
+    ChangeSet,
+    Changesets,
+    Outcomes,
+    apply,
+    remove_layer,
+    scan,
+)
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
+
+if TYPE_CHECKING:
+    from substrate.process.runner import RunRequest
 
 log = logging.getLogger("substrate.process.layering")
 
@@ -51,18 +71,19 @@ async def conclude(
     containers: Containers,
     writer: Writer,
     sandbox: Sandbox,
-    ws: Workspace,
-    actor: str,
+    req: RunRequest,
+    changesets: Changesets | None,
     limiter: trio.CapacityLimiter | None = None,
 ) -> ProcChanges | None:
-    """Swap, re-verify, scan and apply the ended command's layer (see the module doc);
-    None for a sandbox with no layer. Never raises a refusal: each failure is the
-    summary's `error`. Call it shielded. Cost: two to four mount calls, one observation,
-    and the scan and apply (a read and hash per changed file, two fsyncs per applied
-    file)."""
+    """Swap, re-verify, scan and apply, keep or discard the ended command's layer (see
+    the module doc); None for a sandbox with no layer. Never raises a refusal: each
+    failure is the summary's `error`. Call it shielded. Cost: two to four mount calls,
+    one observation, and the scan and apply (a read and hash per changed file, two
+    fsyncs per applied file) or the removal."""
     layer = sandbox.layer
     if layer is None:
         return None
+    ws, actor, mode = req.ws, req.actor, req.changes
     error: str | None = None
     try:
         old = await trio.to_thread.run_sync(_swap, layer, ws, limiter=limiter)
@@ -89,12 +110,32 @@ async def conclude(
             error = "layer_unverified"
             await containers.forget(sandbox, "layer_unverified")
     try:
-        result, changeset = await trio.to_thread.run_sync(
-            _scan_apply, writer, ws, old.upper, actor, layer, limiter=limiter
+        if mode == "discard":
+            await trio.to_thread.run_sync(remove_layer, old.upper, old.work, limiter=limiter)
+            return ProcChanges(generation=old.generation, mode="discard", error=error)
+        review = mode == "review"
+        result, scanned, kept = await trio.to_thread.run_sync(
+            _scan_apply, writer, ws, old.upper, actor, layer, review, limiter=limiter
         )
-    except Refusal as exc:
-        return ProcChanges(generation=old.generation, error=error or exc.name)
-    return summary(old.generation, changeset, result, error)
+        changeset_id = None
+        if changesets is not None:
+            state: Literal["pending", "applied"] = "pending" if review else "applied"
+            changeset_id = await trio.to_thread.run_sync(
+                changesets.record, ws, old.generation, old.upper, old.work, kept, state
+            )
+    except (Refusal, OSError) as exc:
+        name = exc.name if isinstance(exc, Refusal) else "layer_failed"
+        log.error("concluding the layer of %s failed: %s", sandbox.id[:12], exc)
+        return ProcChanges(generation=old.generation, mode=mode, error=error or name)
+    return summary(
+        old.generation,
+        scanned,
+        result,
+        error,
+        changeset_id=changeset_id,
+        mode=mode,
+        review=kept.changes if review else (),
+    )
 
 
 def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:
@@ -103,14 +144,21 @@ def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:
 
 
 def _scan_apply(
-    writer: Writer, ws: Workspace, upper: str, actor: str, layer: working_layer.WorkingLayer
-) -> tuple[ApplyResult, ChangeSet]:
+    writer: Writer,
+    ws: Workspace,
+    upper: str,
+    actor: str,
+    layer: working_layer.WorkingLayer,
+    review: bool,
+) -> tuple[ApplyResult, ChangeSet, ChangeSet]:
+    """Scan `upper`; apply it unless `review`. Returns the outcomes, the set as scanned
+    and the set to keep (the host's edits moved to its `blocked` as `host_changed`)."""
     upper_fd = os.open(upper, _DIR_FLAGS)
     try:
         with ws.use():
             changeset = scan(upper_fd, ws.root_fd)
             kept, host_changed = _host_changes(ws, changeset, layer)
-            result = apply(writer, ws, upper_fd, kept, actor)
+            result = ApplyResult() if review else apply(writer, ws, upper_fd, kept, actor)
         done = {o.path for o in (*result.applied, *result.unchanged)}
         layer.landed = {
             c.path: c.new_sha256
@@ -118,7 +166,15 @@ def _scan_apply(
             if c.path in done and c.new_sha256 is not None
         }
         conflicts = (*result.conflicts, *host_changed)
-        return msgspec.structs.replace(result, conflicts=conflicts), changeset
+        held = (
+            *kept.blocked,
+            *(Blocked(path=o.path, kind=o.kind, reason="host_changed") for o in host_changed),
+        )
+        return (
+            msgspec.structs.replace(result, conflicts=conflicts),
+            changeset,
+            msgspec.structs.replace(kept, blocked=held),
+        )
     finally:
         os.close(upper_fd)
 
@@ -160,31 +216,43 @@ def _host_changes(
     return msgspec.structs.replace(changeset, changes=tuple(kept)), tuple(conflicts)
 
 
+def entries(outcomes: tuple[Outcomes, ...]) -> list[ChangeEntry]:
+    """The wire entries of outcomes, at most `MAX_CHANGE_ENTRIES`."""
+    return [
+        ChangeEntry(
+            path=o.path,
+            op=o.op,
+            reason=o.reason,
+            rule=o.rule,
+            plan_digest=o.plan_digest,
+            current_sha256=o.current_sha256,
+            kept=o.kept,
+        )
+        for o in outcomes[:MAX_CHANGE_ENTRIES]
+    ]
+
+
 def summary(
-    generation: int, changeset: ChangeSet, result: ApplyResult, error: str | None = None
+    generation: int,
+    changeset: ChangeSet,
+    result: ApplyResult,
+    error: str | None = None,
+    *,
+    changeset_id: str | None = None,
+    mode: ChangesMode = "apply",
+    review: tuple[Change, ...] = (),
 ) -> ProcChanges:
-    """The bounded `changes` of a result: the apply's lists plus what the scan blocked."""
-
-    def entries(outcomes: tuple[Outcomes, ...]) -> list[ChangeEntry]:
-        return [
-            ChangeEntry(
-                path=o.path,
-                op=o.op,
-                reason=o.reason,
-                rule=o.rule,
-                plan_digest=o.plan_digest,
-                current_sha256=o.current_sha256,
-                kept=o.kept,
-            )
-            for o in outcomes[:MAX_CHANGE_ENTRIES]
-        ]
-
+    """The bounded `changes` of a result: the apply's lists plus what the scan blocked
+    (and, kept for review, the changes awaiting `changes.apply`)."""
     scan_blocked = [
         ChangeEntry(path=b.path, reason=b.reason) for b in changeset.blocked[:MAX_CHANGE_ENTRIES]
     ]
     blocked = (entries(result.blocked) + scan_blocked)[:MAX_CHANGE_ENTRIES]
     return ProcChanges(
         generation=generation,
+        changeset=changeset_id,
+        mode=mode,
+        review=[ChangeEntry(path=c.path, op=c.op) for c in review[:MAX_CHANGE_ENTRIES]],
         applied=entries(result.applied),
         blocked=blocked,
         pending=entries(result.pending),
@@ -195,6 +263,7 @@ def summary(
             blocked=len(result.blocked) + len(changeset.blocked),
             pending=len(result.pending),
             conflicts=len(result.conflicts),
+            review=len(review),
         ),
         error=error,
     )

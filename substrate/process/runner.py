@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import secrets
 import signal
 import time
@@ -66,9 +65,10 @@ from substrate.sandbox import reaper, working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
-from substrate.schema.proc import PolicyBlocked, ProcChanges, ProcResult
+from substrate.schema.proc import ChangesMode, PolicyBlocked, ProcChanges, ProcResult
 from substrate.store.journal import Journal
 from substrate.workspace import paths
+from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -93,6 +93,7 @@ class RunRequest(msgspec.Struct, frozen=True, kw_only=True):
     stdin: bytes | None = None  # None: the command's stdin is closed at once
     timeout_s: float | None = None  # None: the profile's; never above it
     actor: str = "daemon"  # who asked, for the journal
+    changes: ChangesMode = "apply"  # a layer sandbox's change set (process.layering)
 
 
 class WriteGate(Protocol):
@@ -155,9 +156,11 @@ class Processes:
         profiles: Mapping[str, Profile],
         fs_limiter: trio.CapacityLimiter | None = None,
         writer: Writer | None = None,
+        changesets: Changesets | None = None,
     ) -> None:
         self._engine = engine
         self._writer = writer  # applies layer sandboxes' change sets
+        self._changesets = changesets  # and keeps them by id
         self._containers = containers
         self.driver = driver
         self.records = records
@@ -302,7 +305,7 @@ class Processes:
             # Held only to prove the directory is really there, beneath the root, with no
             # symlink on the way; inside the sandbox the engine resolves it again, but
             # only within the sandbox's own mount namespace.
-            await trio.to_thread.run_sync(_check_dir, req.ws.root_fd, parts, req.cwd)
+            await trio.to_thread.run_sync(req.ws.check_dir, parts, req.cwd)
         return _Checked(profile=profile, workdir=workdir, limit_s=limit_s)
 
     async def _run_in(
@@ -456,7 +459,7 @@ class Processes:
         changes = None  # a layer sandbox's change set, applied (docs/working-layer.md)
         if run.sandbox.layer is not None and self._writer is not None:
             changes = await layering.conclude(
-                self._containers, self._writer, run.sandbox, ws, launched.req.actor
+                self._containers, self._writer, run.sandbox, launched.req, self._changesets
             )
         outcome = Outcome(
             exit_code=exit_code,
@@ -594,7 +597,3 @@ def _sole(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-def _check_dir(root_fd: int, parts: tuple[str, ...], where: str) -> None:
-    os.close(paths.open_dir(root_fd, parts, where))

@@ -32,6 +32,7 @@ from substrate.schema.journal import EngineStatus
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.gate import SnapshotGate
+from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -87,6 +88,8 @@ class Execution:
             pump_limiter=trio.CapacityLimiter(max(2, 2 * config.max_processes)),
             fs_limiter=fs_limiter,
         )
+        #: Layer sandboxes' change sets kept by id (`changes.*`).
+        self.changesets = Changesets(store, journal)
         self.processes = Processes(
             engine=self.engine,
             containers=self.containers,
@@ -100,6 +103,7 @@ class Execution:
             profiles=self.profiles,
             fs_limiter=fs_limiter,
             writer=writer if writer is not None else Writer(store, journal),
+            changesets=self.changesets,
         )
         # Before any socket accepts: a previous run's spools and running records are
         # settled first, so nothing new can be confused with them.

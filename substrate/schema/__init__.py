@@ -10,6 +10,7 @@ from __future__ import annotations
 # The domain modules are imported for their declarations (`method(...)`).
 from substrate.schema import (
     artifact,
+    changes,
     fs,
     grant,
     journal,
@@ -28,6 +29,7 @@ __all__ = [
     "Params",
     "Result",
     "artifact",
+    "changes",
     "fs",
     "grant",
     "journal",

@@ -54,12 +54,17 @@ class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     kept: str | None = None
 
 
+#: What becomes of a layer command's change set (docs/working-layer.md).
+ChangesMode = Literal["apply", "review", "discard"]
+
+
 class ChangeCounts(msgspec.Struct, frozen=True, kw_only=True):
     applied: int = 0
     unchanged: int = 0  # the checkout held the result already
     blocked: int = 0
     pending: int = 0
     conflicts: int = 0
+    review: int = 0  # kept for review, not applied
 
 
 class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -67,9 +72,14 @@ class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     ended. Each list holds at most 1,000 entries (`counts` has the totals). `error`:
     why nothing (or not everything) was applied: `layer_busy` (the layer was still in
     use; its changes apply after the next command), `layer_unverified` (the next
-    generation did not verify: the sandbox is dropped), or a refusal name."""
+    generation did not verify: the sandbox is dropped), or a refusal name. `mode` is the
+    run's `changes`; `changeset` the id under which the set is kept (`changes.get`),
+    absent for "discard"; `review` the changes awaiting `changes.apply` (mode "review")."""
 
     generation: int  # the layer generation that held the changes (upper/<generation>)
+    changeset: str | None = None
+    mode: ChangesMode = "apply"
+    review: list[ChangeEntry] = msgspec.field(default_factory=list)
     applied: list[ChangeEntry] = msgspec.field(default_factory=list)
     blocked: list[ChangeEntry] = msgspec.field(default_factory=list)
     pending: list[ChangeEntry] = msgspec.field(default_factory=list)
@@ -86,6 +96,9 @@ class RunParams(Params):
     stdin: str | None = None  # UTF-8 text fed to the command, then EOF
     stdin_b64: str | None = None  # or bytes, base64 (not both)
     timeout_s: Seconds | None = None  # may only lower the profile's
+    #: A `workspace = "layer"` profile's change set: applied, kept for review, or
+    #: discarded; any other profile refuses "review"/"discard" (`invalid_params`).
+    changes: ChangesMode = "apply"
 
 
 class ProcResult(Result):

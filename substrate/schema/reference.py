@@ -39,6 +39,7 @@ SECTION_OF = {
     "workspace": 2,
     "workspace.checkpoint": 11,
     "workspace.restore": 11,
+    "changes": 11,
     "fs": 3,
     "fs.write": 4,
     "fs.patch": 4,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from substrate.errors import UnknownWorkspace
 from substrate.schema.workspace import WorkspaceInfo
+from substrate.workspace import paths
 from substrate.workspace.policy import CompiledPolicy
 from substrate.workspace.vcs import read_vcs
 
@@ -92,6 +93,13 @@ class Workspace:
         """`with ws.use():` holds `root_fd` open for the block; refuses `unknown_workspace`
         once the workspace is released."""
         return self.fd_users
+
+    def check_dir(self, parts: tuple[str, ...], where: str) -> None:
+        """Refuse unless `parts` names a directory beneath the root, reached as every path
+        is (`paths.open_dir`: no symlink, no escape); holds the root fd while it looks.
+        Blocking (one open per component at most)."""
+        with self.use():
+            os.close(paths.open_dir(self.root_fd, parts, where))
 
     def provenance(self, rel: str) -> str:
         """How a path of this workspace is named in results and the journal."""

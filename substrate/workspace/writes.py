@@ -301,14 +301,16 @@ class Writer:
         data: bytes | None,
         mode: int | None,
         actor: str,
+        dry_run: bool = False,
     ) -> Plan:
         """Apply one file of a change set: `data` (None: a delete) bound to `base`, as
         `fs.write`/`fs.delete` would, parents not made (the set makes them first).
         Journaled as `changes.apply`. Refuses as they do (`path_denied`,
-        `approval_required` with the plan digest, `stale_base`, `already_exists`, ...)."""
+        `approval_required` with the plan digest, `stale_base`, `already_exists`, ...);
+        `dry_run` checks all that and writes nothing (an approval it needs is not asked)."""
         with ws.use():
             prepared, parent_fd = _plan(ws, path, base, data, mode, False, None)
-            return self._finish(ws, prepared, parent_fd, False, actor, "changes.apply")
+            return self._finish(ws, prepared, parent_fd, dry_run, actor, "changes.apply")
 
     def restore_file(
         self,

@@ -22,7 +22,7 @@ import trio.lowlevel
 
 from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon, open_daemon
-from substrate.protocol.client import AsyncClient, open_client
+from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 from substrate.sandbox.layers import mounted_under, unmount_under
 
@@ -38,9 +38,9 @@ class Env:
     path: Path
     state: Path
 
-    async def sh(self, script: str, profile: str = "layer") -> Any:
+    async def sh(self, script: str, profile: str = "layer", **params: Any) -> Any:
         return await self.client.call(
-            "proc.run", workspace=self.ws, profile=profile, argv=["sh", "-c", script]
+            "proc.run", workspace=self.ws, profile=profile, argv=["sh", "-c", script], **params
         )
 
 
@@ -243,3 +243,98 @@ async def test_rw_profiles_are_unchanged(env: Env) -> None:
     assert "changes" not in result
     assert (env.path / "rw.txt").read_text() == "rw\n"
     assert [b["path"] for b in result["policy_blocked"]] == ["project:.env"]
+
+
+# -- changes = review | discard, and changes.get/apply/discard -----------------------------
+
+WRITES = "echo new > src/new.py && echo changed > old.txt && rm src/app.py"
+
+
+def _untouched(env: Env) -> None:
+    assert not (env.path / "src" / "new.py").exists()
+    assert (env.path / "old.txt").read_text() == "old\n"
+    assert (env.path / "src" / "app.py").exists()
+
+
+async def test_review_keeps_the_set_until_changes_apply(env: Env) -> None:
+    result = await env.sh(WRITES, changes="review")
+    changes = result["changes"]
+    assert changes["mode"] == "review" and "applied" not in changes
+    assert changes["changeset"].startswith("cs_")
+    assert _paths(changes, "review") == [
+        ("old.txt", "replace"),
+        ("src/app.py", "delete"),
+        ("src/new.py", "create"),
+    ]
+    _untouched(env)
+    kept = await env.client.call("changes.get", changeset=changes["changeset"])
+    assert kept["state"] == "pending" and kept["workspace"] == env.ws
+    assert sorted(c["path"] for c in kept["changes"]) == ["old.txt", "src/app.py", "src/new.py"]
+    # A later command does not see the reviewed changes (they are not in the checkout).
+    assert (await env.sh("cat old.txt"))["stdout"]["inline"] == "old\n"
+
+    applied = await env.client.call("changes.apply", changeset=changes["changeset"])
+    assert applied["state"] == "applied" and applied["counts"]["applied"] == 3
+    assert (env.path / "src" / "new.py").read_text() == "new\n"
+    assert (env.path / "old.txt").read_text() == "changed\n"
+    assert not (env.path / "src" / "app.py").exists()
+    # Applying it again applies nothing twice.
+    again = await env.client.call("changes.apply", changeset=changes["changeset"])
+    assert again["applied"] == [] and again["counts"]["unchanged"] == 3
+
+
+async def test_changes_apply_with_paths_applies_only_those(env: Env) -> None:
+    result = await env.sh(WRITES, changes="review")
+    cs = result["changes"]["changeset"]
+    dry = await env.client.call("changes.apply", changeset=cs, paths=["src"], dry_run=True)
+    assert _paths(dry, "applied") == [("src/app.py", "delete"), ("src/new.py", "create")]
+    _untouched(env)
+    some = await env.client.call("changes.apply", changeset=cs, paths=["src/new.py", "x"])
+    assert _paths(some, "applied") == [("src/new.py", "create")]
+    assert some["unmatched"] == ["x"] and some["state"] == "pending"
+    assert (env.path / "src" / "new.py").read_text() == "new\n"
+    assert (env.path / "old.txt").read_text() == "old\n"
+    assert (env.path / "src" / "app.py").exists()
+
+
+async def test_discard_lands_nothing_and_removes_the_layer(env: Env) -> None:
+    result = await env.sh(WRITES, changes="discard")
+    changes = result["changes"]
+    assert changes["mode"] == "discard" and "changeset" not in changes
+    _untouched(env)
+    assert sorted(env.state.glob(f"layers/*/upper/{changes['generation']}")) == []
+    assert sorted(env.state.glob(f"layers/*/work/{changes['generation']}")) == []
+
+
+async def test_changes_discard_removes_a_kept_layer(env: Env) -> None:
+    result = await env.sh(WRITES, changes="review")
+    cs, generation = result["changes"]["changeset"], result["changes"]["generation"]
+    assert sorted(env.state.glob(f"layers/*/upper/{generation}"))
+    done = await env.client.call("changes.discard", changeset=cs)
+    assert done == {"changeset": cs, "state": "discarded"}
+    assert sorted(env.state.glob(f"layers/*/upper/{generation}")) == []
+    _untouched(env)
+    with pytest.raises(RpcError) as caught:
+        await env.client.call("changes.apply", changeset=cs)
+    assert caught.value.refusal == "changeset_unknown"
+    assert caught.value.data.get("discarded") is True
+
+
+async def test_apply_mode_names_its_changeset_and_unknown_ids_are_refused(env: Env) -> None:
+    result = await env.sh("echo a > a.txt")
+    cs = result["changes"]["changeset"]
+    kept = await env.client.call("changes.get", changeset=cs)
+    assert kept["state"] == "applied" and [c["path"] for c in kept["changes"]] == ["a.txt"]
+    again = await env.client.call("changes.apply", changeset=cs)
+    assert again["applied"] == [] and again["counts"]["unchanged"] == 1
+    for method in ("changes.get", "changes.apply", "changes.discard"):
+        with pytest.raises(RpcError) as caught:
+            await env.client.call(method, changeset="cs_0000000000000000")
+        assert caught.value.refusal == "changeset_unknown"
+
+
+async def test_review_is_refused_for_a_profile_without_a_layer(env: Env) -> None:
+    with pytest.raises(RpcError) as caught:
+        await env.sh("echo rw > rw.txt", profile="tiny", changes="review")
+    assert caught.value.refusal == "invalid_params"
+    assert not (env.path / "rw.txt").exists()

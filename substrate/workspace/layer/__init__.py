@@ -6,15 +6,19 @@ through the guarded write path (`apply`).
 from substrate.workspace.layer.apply import ApplyResult, Outcomes, apply
 from substrate.workspace.layer.changeset import Blocked, Change, ChangeSet, Seen, classify
 from substrate.workspace.layer.scan import scan
+from substrate.workspace.layer.store import Changesets, Kept, remove_layer
 
 __all__ = [
     "ApplyResult",
     "Blocked",
     "Change",
     "ChangeSet",
+    "Changesets",
+    "Kept",
     "Outcomes",
     "Seen",
     "apply",
     "classify",
+    "remove_layer",
     "scan",
 ]

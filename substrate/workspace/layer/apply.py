@@ -135,13 +135,20 @@ def _upper_bytes(upper_fd: int, change: Change) -> bytes | None:
     return data
 
 
-def _one(writer: Writer, ws: Workspace, upper_fd: int, change: Change, actor: str) -> Outcomes:
+def _one(
+    writer: Writer, ws: Workspace, upper_fd: int, change: Change, actor: str, dry_run: bool
+) -> Outcomes:
     def out(outcome: Outcome, **kw: str | None) -> Outcomes:
         return Outcomes(path=change.path, op=change.op, kind=change.kind, outcome=outcome, **kw)
 
     if _already(ws, change):
         return out("unchanged")
     try:
+        if change.kind == "dir" and dry_run:
+            # Only the policy is checked: a directory step has no base to bind.
+            if not ws.policy.may_write(change.path):
+                raise PathDenied(change.path)
+            return out("pending" if ws.policy.needs_approval(change.path) else "applied")
         if change.kind == "dir":
             dir_op: Literal["mkdir", "rmdir", "chmod"] = (
                 "rmdir" if change.op == "delete" else "mkdir" if change.op == "mkdir" else "chmod"
@@ -153,7 +160,11 @@ def _one(writer: Writer, ws: Workspace, upper_fd: int, change: Change, actor: st
             data = _upper_bytes(upper_fd, change)
             if data is None:
                 return out("conflict", reason="layer_changed")
-        plan = writer.apply_change(ws, change.path, change.base_sha256, data, change.mode, actor)
+        plan = writer.apply_change(
+            ws, change.path, change.base_sha256, data, change.mode, actor, dry_run
+        )
+        if dry_run and ws.policy.needs_approval(change.path):
+            return out("pending", reason=ApprovalRequired.name, plan_digest=plan.plan_digest)
         return out("applied", plan_digest=plan.plan_digest)
     except PathDenied:
         return out("blocked", reason=PathDenied.name, rule=denying_rule(ws.policy, change.path))
@@ -184,11 +195,20 @@ def _conflict(ws: Workspace, change: Change, reason: str) -> Outcomes:
 
 
 def apply(
-    writer: Writer, ws: Workspace, upper_fd: int, changeset: ChangeSet, actor: str
+    writer: Writer,
+    ws: Workspace,
+    upper_fd: int,
+    changeset: ChangeSet,
+    actor: str,
+    *,
+    dry_run: bool = False,
 ) -> ApplyResult:
     """Apply `changeset` (scanned from the upper layer `upper_fd`) to `ws`'s checkout, in
     its order, each change through the guarded path; never refuses as a whole (each
-    change's outcome says what became of it). Costs, per change, a read and hash of the
+    change's outcome says what became of it). `dry_run`: the same checks, nothing
+    written; `applied` then means "would be applied" (a change after a directory the
+    set would make, or bound to a file an earlier change would write, may be reported
+    as a conflict it would not be). Costs, per change, a read and hash of the
     checkout's file and of the command's, plus the guarded write (two fsyncs)."""
     lists: dict[Outcome, list[Outcomes]] = {
         "applied": [],
@@ -199,7 +219,7 @@ def apply(
     }
     with ws.use():
         for change in changeset.changes:
-            result = _one(writer, ws, upper_fd, change, actor)
+            result = _one(writer, ws, upper_fd, change, actor, dry_run)
             lists[result.outcome].append(result)
     return ApplyResult(
         applied=tuple(lists["applied"]),

@@ -1,0 +1,113 @@
+"""Wire schema of kept change sets (docs/protocol.md §11): `changes.get`, `changes.apply`,
+`changes.discard` on the change set of a command run on a `workspace = "layer"`
+profile, named by the `changeset` id of its result's `changes`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from substrate.schema.common import Params, RelPath, Result, method
+from substrate.schema.proc import ChangeCounts, ChangeEntry
+
+ChangesetId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+#: At most this many `paths` in one `changes.apply`.
+MAX_APPLY_PATHS = 10_000
+ChangesetState = Literal["pending", "applied", "discarded"]
+
+
+class ChangesetParams(Params):
+    changeset: ChangesetId
+
+
+class KeptChange(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One change of a kept set: `op` create | replace | delete | chmod | mkdir;
+    `base_sha256` the bytes the command saw (None: absent), `new_sha256`, `size` and
+    `mode` what it left (None / 0 for a delete); `diff` a bounded unified preview."""
+
+    path: str
+    op: str
+    kind: Literal["file", "dir"] = "file"
+    base_sha256: str | None = None
+    new_sha256: str | None = None
+    size: int = 0
+    mode: int | None = None
+    diff: str = ""
+    diff_truncated: bool = False
+
+
+class KeptBlocked(msgspec.Struct, frozen=True, kw_only=True):
+    """A path the set never applies (a symlink, device, hard link, ..., or `host_changed`:
+    the host changed the checkout's file while the command ran)."""
+
+    path: str
+    kind: str
+    reason: str
+
+
+class ChangesetInfo(Result):
+    """A kept change set. `state`: `pending` (kept for review), `applied` (applied once
+    as a whole; applying it again applies nothing twice) or `discarded`. `changes` and
+    `blocked` hold at most 1,000 entries each; `total_changes`/`total_blocked` count
+    them all."""
+
+    changeset: str
+    workspace: str
+    generation: int
+    state: ChangesetState
+    created: float  # unix time
+    updated: float
+    changes: list[KeptChange]
+    blocked: list[KeptBlocked]
+    total_changes: int
+    total_blocked: int
+
+
+class ChangesApplyParams(Params):
+    changeset: ChangesetId
+    #: Only the changes at or beneath these workspace-relative paths; None: all.
+    paths: Annotated[list[RelPath], msgspec.Meta(max_length=MAX_APPLY_PATHS)] | None = None
+    dry_run: bool = False  # check everything, write nothing
+
+
+class ChangesApplyResult(Result):
+    """What became of each change (the lists of `proc.run`'s `changes`, at most 1,000
+    entries each, `counts` the totals; `unchanged`: the checkout held it already).
+    `unmatched`: the `paths` that named no change. With `dry_run`, `applied` lists what
+    would be applied."""
+
+    changeset: str
+    state: ChangesetState
+    dry_run: bool
+    applied: list[ChangeEntry]
+    blocked: list[ChangeEntry]
+    pending: list[ChangeEntry]
+    conflicts: list[ChangeEntry]
+    counts: ChangeCounts
+    unmatched: list[str] = msgspec.field(default_factory=list)
+
+
+class ChangesDiscardResult(Result):
+    changeset: str
+    state: ChangesetState
+
+
+method("changes.get", ChangesetParams, ChangesetInfo, doc="A kept change set and its state.")
+method(
+    "changes.apply",
+    ChangesApplyParams,
+    ChangesApplyResult,
+    mutating=True,
+    shielded=True,
+    doc="Apply a kept change set (all, or the named paths) through the guarded path, "
+    "bases re-checked; a file changed since is a conflict, never overwritten.",
+)
+method(
+    "changes.discard",
+    ChangesetParams,
+    ChangesDiscardResult,
+    mutating=True,
+    shielded=True,
+    doc="Remove a kept change set's layer; nothing of it lands afterwards.",
+)

@@ -1,0 +1,265 @@
+"""Change sets kept by id (`changeset`: `cs_` + 16 hex) for `changes.get/apply/discard`
+(docs/working-layer.md).
+
+Theory of operation. When a command on a `workspace = "layer"` sandbox ends, its
+generation's upper dir (under `<state>/layers/`, unmounted by then) is scanned into a
+`ChangeSet`. In mode "apply" it is applied at once and recorded here as `applied`; in
+mode "review" nothing lands and it is recorded as `pending`; mode "discard" records
+nothing and removes the upper dir (`remove_layer`). A row remembers the workspace, the
+generation, the upper and work dir paths and the scanned set (msgpack), so a later
+`changes.apply` reads the command's bytes from the very upper dir, checked against the
+digests scanned, and applies them through the guarded path (bases re-checked: a file
+changed since is a conflict, never overwritten). Applying a set again applies nothing
+twice (what landed is `unchanged`). `changes.discard` removes the upper dir (iteratively,
+never following a symlink) and marks the row `discarded`.
+
+Bounds: a workspace remembers at most `MAX_DISCARDED` discarded rows (the oldest go);
+pending and applied rows stay, like their upper dirs (docs/working-layer.md: their
+cleanup is not built yet). `apply` and `discard` of kept sets take one lock, so a
+discard never removes a layer an apply is reading.
+
+Blocking I/O and SQLite throughout: call from worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from substrate.errors import ChangesetUnknown
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace import fsops
+from substrate.workspace.layer.apply import ApplyResult, apply
+from substrate.workspace.layer.changeset import ChangeSet
+from substrate.workspace.registry import Workspace
+from substrate.workspace.writes import Writer
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS changesets (
+    id TEXT PRIMARY KEY,
+    workspace TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    upper TEXT NOT NULL,
+    work TEXT NOT NULL,
+    changeset BLOB NOT NULL,
+    state TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS changesets_workspace ON changesets(workspace, state, updated);
+"""
+
+State = Literal["pending", "applied", "discarded"]
+#: Discarded change sets remembered per workspace (to answer `discarded: true`).
+MAX_DISCARDED = 256
+#: At most this many `paths` in one `changes.apply`.
+MAX_PATHS = 10_000
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ChangeSet)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """One recorded change set."""
+
+    id: str
+    workspace: str
+    generation: int
+    upper: str
+    work: str
+    changeset: ChangeSet
+    state: State
+    created: float
+    updated: float
+
+
+def remove_layer(upper: str, work: str) -> None:
+    """Remove a generation's upper and work dirs (absent ones are fine). Never follows a
+    symlink (`fsops.remove_tree`). Call only for an unmounted generation."""
+    for path in (upper, work):
+        parent, name = os.path.split(path)
+        try:
+            parent_fd = os.open(parent, _DIR_FLAGS)
+        except FileNotFoundError:
+            continue
+        try:
+            fsops.remove_tree(parent_fd, name)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(parent_fd)
+
+
+class Changesets:
+    """The kept change sets of every workspace (one SQLite table)."""
+
+    def __init__(self, store: Store, journal: Journal) -> None:
+        self._store = store
+        self._journal = journal
+        self._lock = threading.Lock()  # apply and discard of kept sets, one at a time
+        store.ensure_schema(SCHEMA)
+
+    def record(
+        self,
+        ws: Workspace,
+        generation: int,
+        upper: str,
+        work: str,
+        changeset: ChangeSet,
+        state: State,
+    ) -> str:
+        """Keep `changeset` (scanned from `upper`) as `state`; return its new id. A
+        `pending` one is journaled `changes.kept` (counts only)."""
+        cs_id = "cs_" + secrets.token_hex(8)
+        now = time.time()
+        with self._store.transaction() as db:
+            db.execute(
+                "INSERT INTO changesets(id, workspace, generation, upper, work, changeset,"
+                " state, created, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    cs_id,
+                    ws.id,
+                    generation,
+                    upper,
+                    work,
+                    _encoder.encode(changeset),
+                    state,
+                    now,
+                    now,
+                ),
+            )
+        if state == "pending":
+            self._journal.append(
+                "changes.kept",
+                {
+                    "changeset": cs_id,
+                    "generation": generation,
+                    "changes": len(changeset.changes),
+                    "blocked": len(changeset.blocked),
+                },
+                workspace=ws.id,
+            )
+        return cs_id
+
+    def get(self, cs_id: str) -> Kept:
+        """The change set `cs_id`. Refuses `changeset_unknown` (`discarded: true` when it
+        was discarded). Costs one query and the set's decoding."""
+        rows = self._store.query("SELECT * FROM changesets WHERE id = ?", (cs_id,))
+        if not rows:
+            raise ChangesetUnknown(f"no change set {cs_id!r}")
+        row = rows[0]
+        return Kept(
+            id=row["id"],
+            workspace=row["workspace"],
+            generation=row["generation"],
+            upper=row["upper"],
+            work=row["work"],
+            changeset=_decoder.decode(row["changeset"]),
+            state=row["state"],
+            created=row["created"],
+            updated=row["updated"],
+        )
+
+    def apply(
+        self,
+        writer: Writer,
+        ws: Workspace,
+        cs_id: str,
+        only: list[str] | None,
+        dry_run: bool,
+        actor: str,
+    ) -> tuple[Kept, ApplyResult, list[str]]:
+        """Apply the kept set `cs_id` to `ws` (its workspace), all of it or the changes at
+        or beneath the paths `only` names, through the guarded path (`layer.apply`);
+        return the set, the outcomes and the paths of `only` that matched no change. A
+        whole, real apply marks it `applied`. Refuses `changeset_unknown` (unknown, of
+        another workspace, or discarded). Costs what `layer.apply` costs for the changes."""
+        with self._lock:
+            kept = self._live(ws, cs_id)
+            changeset = kept.changeset
+            unmatched: list[str] = []
+            if only is not None:
+                wanted = set(only)
+                matched: set[str] = set()
+
+                def named(path: str) -> bool:
+                    for prefix in _prefixes(path):
+                        if prefix in wanted:
+                            matched.add(prefix)
+                            return True
+                    return False
+
+                changeset = msgspec.structs.replace(
+                    changeset, changes=tuple(c for c in changeset.changes if named(c.path))
+                )
+                unmatched = sorted(wanted - matched)
+            upper_fd = os.open(kept.upper, _DIR_FLAGS)
+            try:
+                result = apply(writer, ws, upper_fd, changeset, actor, dry_run=dry_run)
+            finally:
+                os.close(upper_fd)
+            if only is None and not dry_run and kept.state != "applied":
+                kept = self._mark(kept, "applied")
+            return kept, result, unmatched
+
+    def discard(self, ws: Workspace, cs_id: str, actor: str) -> Kept:
+        """Remove the kept set's upper dir (what an applied set left there too: its
+        conflicts' versions) and mark it `discarded`; journaled `changes.discarded`.
+        Discarding it again answers the same. Refuses `changeset_unknown` (unknown or of
+        another workspace). Costs an unlink per file of the layer."""
+        with self._lock:
+            kept = self.get(cs_id)
+            if kept.workspace != ws.id:
+                raise ChangesetUnknown(f"no change set {cs_id!r} in this workspace")
+            if kept.state == "discarded":
+                return kept
+            remove_layer(kept.upper, kept.work)
+            kept = self._mark(kept, "discarded")
+            self._journal.append(
+                "changes.discarded",
+                {"changeset": cs_id, "generation": kept.generation},
+                workspace=ws.id,
+                actor=actor,
+            )
+            self._prune(ws.id)
+            return kept
+
+    def _live(self, ws: Workspace, cs_id: str) -> Kept:
+        kept = self.get(cs_id)
+        if kept.workspace != ws.id:
+            raise ChangesetUnknown(f"no change set {cs_id!r} in this workspace")
+        if kept.state == "discarded":
+            raise ChangesetUnknown(f"change set {cs_id!r} was discarded", discarded=True)
+        return kept
+
+    def _mark(self, kept: Kept, state: State) -> Kept:
+        now = time.time()
+        with self._store.transaction() as db:
+            db.execute(
+                "UPDATE changesets SET state = ?, updated = ? WHERE id = ?", (state, now, kept.id)
+            )
+        return Kept(**{**kept.__dict__, "state": state, "updated": now})
+
+    def _prune(self, workspace: str) -> None:
+        with self._store.transaction() as db:
+            db.execute(
+                "DELETE FROM changesets WHERE id IN (SELECT id FROM changesets"
+                " WHERE workspace = ? AND state = 'discarded'"
+                " ORDER BY updated DESC LIMIT -1 OFFSET ?)",
+                (workspace, MAX_DISCARDED),
+            )
+
+
+def _prefixes(path: str) -> list[str]:
+    """`a/b/c` → `a/b/c`, `a/b`, `a`: a named directory takes the changes beneath it."""
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(len(parts), 0, -1)]
