@@ -18,8 +18,6 @@ from substrate.schema.changes import (
     ChangesDiscardResult,
     ChangesetInfo,
     ChangesetParams,
-    KeptBlocked,
-    KeptChange,
 )
 from substrate.schema.proc import ChangeCounts
 from substrate.workspace.layer import Kept
@@ -38,24 +36,8 @@ def info(kept: Kept) -> ChangesetInfo:
         state=kept.state,
         created=kept.created,
         updated=kept.updated,
-        changes=[
-            KeptChange(
-                path=c.path,
-                op=c.op,
-                kind=c.kind,
-                base_sha256=c.base_sha256,
-                new_sha256=c.new_sha256,
-                size=c.size,
-                mode=c.mode,
-                diff=c.diff,
-                diff_truncated=c.diff_truncated,
-            )
-            for c in cs.changes[:MAX_CHANGE_ENTRIES]
-        ],
-        blocked=[
-            KeptBlocked(path=b.path, kind=b.kind, reason=b.reason)
-            for b in cs.blocked[:MAX_CHANGE_ENTRIES]
-        ],
+        changes=list(cs.changes[:MAX_CHANGE_ENTRIES]),
+        blocked=list(cs.blocked[:MAX_CHANGE_ENTRIES]),
         total_changes=len(cs.changes),
         total_blocked=len(cs.blocked),
     )

@@ -21,13 +21,20 @@ class ChangesetParams(Params):
     changeset: ChangesetId
 
 
-class KeptChange(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One change of a kept set: `op` create | replace | delete | chmod | mkdir;
-    `base_sha256` the bytes the command saw (None: absent), `new_sha256`, `size` and
-    `mode` what it left (None / 0 for a delete); `diff` a bounded unified preview."""
+#: A change's operation.
+Op = Literal["create", "replace", "delete", "chmod", "mkdir"]
+
+
+class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One step of a change set, applied through the guarded write path.
+
+    `base_sha256` is the checkout's file the command saw (None: there was none, or a
+    directory); `new_sha256`, `size` and `mode` what the command left (None / 0 for a
+    delete). `diff` is a bounded unified preview.
+    """
 
     path: str
-    op: str
+    op: Op
     kind: Literal["file", "dir"] = "file"
     base_sha256: str | None = None
     new_sha256: str | None = None
@@ -37,9 +44,10 @@ class KeptChange(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     diff_truncated: bool = False
 
 
-class KeptBlocked(msgspec.Struct, frozen=True, kw_only=True):
-    """A path the set never applies (a symlink, device, hard link, ..., or `host_changed`:
-    the host changed the checkout's file while the command ran)."""
+class Blocked(msgspec.Struct, frozen=True, kw_only=True):
+    """A path the change set never applies: what stood there (`kind`) and why (a symlink,
+    device, hard link, ..., or `host_changed`: the host changed the checkout's file while
+    the command ran)."""
 
     path: str
     kind: str
@@ -58,8 +66,8 @@ class ChangesetInfo(Result):
     state: ChangesetState
     created: float  # unix time
     updated: float
-    changes: list[KeptChange]
-    blocked: list[KeptBlocked]
+    changes: list[Change]
+    blocked: list[Blocked]
     total_changes: int
     total_blocked: int
 

@@ -3,8 +3,8 @@
 The scan (`substrate.workspace.layer.scan`) records what stands at a path in each layer
 as a `Seen`; `classify` names the steps that turn the checkout (the lower layer) into
 what the command left there, or why the path is blocked. `ordered` puts a change set in
-the one order it is applied in. The wire-shaped results are `Change`, `Blocked` and
-`ChangeSet` (docs/working-layer.md).
+the one order it is applied in. The results are `ChangeSet`s of the wire's `Change` and
+`Blocked` (substrate.schema.changes; docs/working-layer.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from typing import Literal
 
 import msgspec
 
-Op = Literal["create", "replace", "delete", "chmod", "mkdir"]
+from substrate.schema.changes import Blocked as Blocked  # the wire shapes; re-exported
+from substrate.schema.changes import Change as Change
+from substrate.schema.changes import Op as Op
+
 #: What stands at a path in one layer. `whiteout`: an overlay whiteout (a 0:0 character
 #: device, or a file with the `trusted.overlay.whiteout` xattr) in the upper layer.
 SeenKind = Literal["file", "dir", "symlink", "whiteout", "fifo", "socket", "device", "other"]
@@ -31,33 +34,6 @@ class Seen(msgspec.Struct, frozen=True, kw_only=True):
     opaque: bool = False
     #: An overlay feature the scan cannot interpret (`metacopy`, `redirect`): blocked.
     overlay_feature: str | None = None
-
-
-class Change(msgspec.Struct, frozen=True, kw_only=True):
-    """One step of a change set, applied through the guarded write path.
-
-    `base_sha256` is the checkout's file the command saw (None: there was none, or a
-    directory); `new_sha256`, `size` and `mode` what the command left (None / 0 for a
-    delete). `diff` is a bounded unified preview (`workspace.preview`).
-    """
-
-    path: str
-    op: Op
-    kind: Literal["file", "dir"] = "file"
-    base_sha256: str | None = None
-    new_sha256: str | None = None
-    size: int = 0
-    mode: int | None = None
-    diff: str = ""
-    diff_truncated: bool = False
-
-
-class Blocked(msgspec.Struct, frozen=True, kw_only=True):
-    """A path the change set never applies: what stood there and why."""
-
-    path: str
-    kind: str
-    reason: str
 
 
 class ChangeSet(msgspec.Struct, frozen=True, kw_only=True):
