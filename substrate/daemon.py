@@ -163,6 +163,8 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         )
     except ProfileError as exc:
         raise StartupError(str(exc)) from None
+    # Before any socket accepts: no change set stays half-applied across a crash.
+    execution.finish_applying(workspaces.get)
     # `execution.run` closes it too on its way out; here for a daemon that never served.
     closing.callback(execution.engine.close)
     return Daemon(

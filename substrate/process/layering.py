@@ -114,15 +114,9 @@ async def conclude(
             await trio.to_thread.run_sync(remove_layer, old.upper, old.work, limiter=limiter)
             return ProcChanges(generation=old.generation, mode="discard", error=error)
         review = mode == "review"
-        result, scanned, kept = await trio.to_thread.run_sync(
-            _scan_apply, writer, ws, old.upper, actor, layer, review, limiter=limiter
+        result, scanned, kept, changeset_id = await trio.to_thread.run_sync(
+            _scan_apply, writer, ws, old, actor, layer, review, changesets, limiter=limiter
         )
-        changeset_id = None
-        if changesets is not None:
-            state: Literal["pending", "applied"] = "pending" if review else "applied"
-            changeset_id = await trio.to_thread.run_sync(
-                changesets.record, ws, old.generation, old.upper, old.work, kept, state
-            )
     except (Refusal, OSError) as exc:
         name = exc.name if isinstance(exc, Refusal) else "layer_failed"
         log.error("concluding the layer of %s failed: %s", sandbox.id[:12], exc)
@@ -146,19 +140,35 @@ def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:
 def _scan_apply(
     writer: Writer,
     ws: Workspace,
-    upper: str,
+    old: LayerPlan,
     actor: str,
     layer: working_layer.WorkingLayer,
     review: bool,
-) -> tuple[ApplyResult, ChangeSet, ChangeSet]:
-    """Scan `upper`; apply it unless `review`. Returns the outcomes, the set as scanned
-    and the set to keep (the host's edits moved to its `blocked` as `host_changed`)."""
-    upper_fd = os.open(upper, _DIR_FLAGS)
+    changesets: Changesets | None,
+) -> tuple[ApplyResult, ChangeSet, ChangeSet, str | None]:
+    """Scan `old`'s upper dir; keep the set (`pending` when `review`), or apply it.
+    Returns the outcomes, the set as scanned, the set kept and its id. The set kept has the
+    host's edits moved to its `blocked` as `host_changed`. An applied set is recorded
+    `applying` before its first change and marked `applied` with its summary entry after
+    its last (`Changesets.finish`): a crash between leaves it for the next start to
+    apply whole (docs/working-layer.md, "Crash and cancel")."""
+    upper_fd = os.open(old.upper, _DIR_FLAGS)
     try:
         with ws.use():
             changeset = scan(upper_fd, ws.root_fd)
             kept, host_changed = _host_changes(ws, changeset, layer)
+            held = (
+                *kept.blocked,
+                *(Blocked(path=o.path, kind=o.kind, reason="host_changed") for o in host_changed),
+            )
+            to_keep = msgspec.structs.replace(kept, blocked=held)
+            cs_id = None
+            if changesets is not None:
+                state: Literal["pending", "applying"] = "pending" if review else "applying"
+                cs_id = changesets.record(ws, old.generation, old.upper, old.work, to_keep, state)
             result = ApplyResult() if review else apply(writer, ws, upper_fd, kept, actor)
+            if changesets is not None and cs_id is not None and not review:
+                changesets.finish(cs_id, ws, old.generation, result, "changes.applied")
         done = {o.path for o in (*result.applied, *result.unchanged)}
         layer.landed = {
             c.path: c.new_sha256
@@ -166,15 +176,7 @@ def _scan_apply(
             if c.path in done and c.new_sha256 is not None
         }
         conflicts = (*result.conflicts, *host_changed)
-        held = (
-            *kept.blocked,
-            *(Blocked(path=o.path, kind=o.kind, reason="host_changed") for o in host_changed),
-        )
-        return (
-            msgspec.structs.replace(result, conflicts=conflicts),
-            changeset,
-            msgspec.structs.replace(kept, blocked=held),
-        )
+        return msgspec.structs.replace(result, conflicts=conflicts), changeset, to_keep, cs_id
     finally:
         os.close(upper_fd)
 

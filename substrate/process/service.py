@@ -13,6 +13,7 @@ every command is refused `runtime_unavailable` until it answers.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -21,6 +22,7 @@ import trio
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.errors import Refusal
+from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
@@ -88,8 +90,11 @@ class Execution:
             pump_limiter=trio.CapacityLimiter(max(2, 2 * config.max_processes)),
             fs_limiter=fs_limiter,
         )
+        self._writer = writer if writer is not None else Writer(store, journal)
         #: Layer sandboxes' change sets kept by id (`changes.*`).
         self.changesets = Changesets(store, journal)
+        # The previous runs' layers, listed before this run makes any (crash recovery).
+        self._previous_layers = layer_recovery.sandbox_dirs(str(state_dir))
         self.processes = Processes(
             engine=self.engine,
             containers=self.containers,
@@ -102,7 +107,7 @@ class Execution:
             config=config,
             profiles=self.profiles,
             fs_limiter=fs_limiter,
-            writer=writer if writer is not None else Writer(store, journal),
+            writer=self._writer,
             changesets=self.changesets,
         )
         # Before any socket accepts: a previous run's spools and running records are
@@ -113,6 +118,13 @@ class Execution:
         lost = self.processes.mark_lost(journal.epoch)
         if lost:
             log.info("%d process record(s) of a previous run marked lost", lost)
+
+    def finish_applying(self, workspace: Callable[[str], Workspace]) -> None:
+        """At start, before any socket accepts: apply whole every change set a crash left
+        half-applied (`layer_recovery.finish_applying`). Blocking."""
+        done = layer_recovery.finish_applying(self.changesets, self._writer, workspace)
+        if done:
+            log.info("%d change set(s) a crash left half-applied applied whole", done)
 
     def profile(self, name: str) -> Profile:
         """The named profile. Refuses `profile_unknown`."""
@@ -135,6 +147,12 @@ class Execution:
                     log.warning("could not reap a previous run's containers: %s", exc.message)
                 # Only once the dead run's containers are gone: they hold its layers busy.
                 await self.containers.sweep_layers()
+                await trio.to_thread.run_sync(
+                    layer_recovery.drop_unconcluded,
+                    self.changesets,
+                    self.journal,
+                    self._previous_layers,
+                )
                 period = max(1.0, min(IDLE_SWEEP_S, self.config.container_idle_s / 4))
                 while True:
                     await trio.sleep(period)

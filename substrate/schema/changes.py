@@ -14,7 +14,8 @@ from substrate.schema.proc import ChangeCounts, ChangeEntry
 ChangesetId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 #: At most this many `paths` in one `changes.apply`.
 MAX_APPLY_PATHS = 10_000
-ChangesetState = Literal["pending", "applied", "discarded"]
+#: `applying`: being applied whole now (a crash leaves it so: the next start finishes it).
+ChangesetState = Literal["pending", "applying", "applied", "discarded"]
 
 
 class ChangesetParams(Params):

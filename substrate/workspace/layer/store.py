@@ -28,11 +28,11 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 
 from substrate.errors import ChangesetUnknown
+from substrate.schema.changes import ChangesetState
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import fsops
@@ -56,13 +56,16 @@ CREATE TABLE IF NOT EXISTS changesets (
 CREATE INDEX IF NOT EXISTS changesets_workspace ON changesets(workspace, state, updated);
 """
 
-State = Literal["pending", "applied", "discarded"]
+#: `applying`: being applied by a command's conclusion, or by a whole `changes.apply`;
+#: a row left so by a crash is finished, whole, at the next start (`finish_applying`).
+State = ChangesetState
 #: Discarded change sets remembered per workspace (to answer `discarded: true`).
 MAX_DISCARDED = 256
 #: At most this many `paths` in one `changes.apply`.
 MAX_PATHS = 10_000
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_LISTS = ("applied", "unchanged", "blocked", "pending", "conflicts")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ChangeSet)
 
@@ -203,13 +206,89 @@ class Changesets:
                 )
                 unmatched = sorted(wanted - matched)
             upper_fd = os.open(kept.upper, _DIR_FLAGS)
+            whole = only is None and not dry_run and kept.state != "applied"
+            if whole:  # a crash from here on: the next start applies it whole
+                kept = self._mark(kept, "applying")
             try:
                 result = apply(writer, ws, upper_fd, changeset, actor, dry_run=dry_run)
             finally:
                 os.close(upper_fd)
-            if only is None and not dry_run and kept.state != "applied":
-                kept = self._mark(kept, "applied")
+            if whole:
+                kept = self.finish(kept.id, ws, kept.generation, result, "changes.applied")
             return kept, result, unmatched
+
+    def finish(
+        self,
+        cs_id: str,
+        ws: Workspace,
+        generation: int,
+        result: ApplyResult,
+        kind: str,
+        extra: dict[str, str] | None = None,
+    ) -> Kept:
+        """Mark the set `applied` in the same transaction as its journal summary `kind`
+        (`changes.applied`, or `changes.recovered` at start): counts only. Costs one
+        transaction."""
+        now = time.time()
+        with self._store.transaction() as db:
+            db.execute(
+                "UPDATE changesets SET state = 'applied', updated = ? WHERE id = ?", (now, cs_id)
+            )
+            self._journal.append_in(
+                db,
+                kind,
+                {
+                    "changeset": cs_id,
+                    "generation": generation,
+                    **(extra or {}),
+                    **{name: len(getattr(result, name)) for name in _LISTS},
+                },
+                workspace=ws.id,
+            )
+        return self.get(cs_id)
+
+    def applying(self) -> list[Kept]:
+        """The sets a crash left `applying`, oldest first (at start, before any command)."""
+        rows = self._store.query(
+            "SELECT id FROM changesets WHERE state = 'applying' ORDER BY created"
+        )
+        return [self.get(row["id"]) for row in rows]
+
+    def finish_applying(self, writer: Writer, ws: Workspace, kept: Kept) -> ApplyResult | None:
+        """Apply a set a crash left `applying` whole again (what landed is `unchanged`,
+        bases re-checked: a host edit since is a conflict) and mark it `applied`, journaled
+        `changes.recovered {outcome: "applied"}`. None when its upper dir is gone (removed
+        by hand): nothing can be applied, the set is marked `discarded` and journaled
+        `changes.recovered {outcome: "failed", reason: "layer_missing"}`. Costs what
+        `layer.apply` costs for the set."""
+        with self._lock:
+            try:
+                upper_fd = os.open(kept.upper, _DIR_FLAGS)
+            except FileNotFoundError:
+                self._mark(kept, "discarded")
+                self._journal.append(
+                    "changes.recovered",
+                    {
+                        "changeset": kept.id,
+                        "generation": kept.generation,
+                        "outcome": "failed",
+                        "reason": "layer_missing",
+                    },
+                    workspace=ws.id,
+                )
+                return None
+            try:
+                result = apply(writer, ws, upper_fd, kept.changeset, "daemon")
+            finally:
+                os.close(upper_fd)
+            self.finish(
+                kept.id, ws, kept.generation, result, "changes.recovered", {"outcome": "applied"}
+            )
+            return result
+
+    def uppers(self) -> set[str]:
+        """The upper dir of every set recorded: a generation whose command concluded."""
+        return {row["upper"] for row in self._store.query("SELECT upper FROM changesets")}
 
     def discard(self, ws: Workspace, cs_id: str, actor: str) -> Kept:
         """Remove the kept set's upper dir (what an applied set left there too: its

@@ -1,0 +1,96 @@
+"""Crash recovery of working layers at start: no layer is ever left half-applied
+(docs/working-layer.md, "Crash and cancel").
+
+Theory of operation. A command's layer is either concluded or not. A concluded one has a
+`changesets` row: `pending`/`applied`/`discarded` are settled; `applying` means the
+daemon died between the set's first applied change and its last, so `finish_applying`
+applies it whole again at start, before any socket accepts (the guarded apply is
+idempotent: what landed is `unchanged`, bases are re-checked, a host edit since is a
+conflict), journaled `changes.recovered {outcome: "applied"}`. A generation with no row
+never concluded (the daemon was killed during its command, or it was `layer_busy` and its
+sandbox went): its command did not finish, so nothing of it lands; after the previous
+run's mounts are swept its upper and work dirs are removed, journaled
+`changes.recovered {outcome: "dropped"}` when it held anything.
+
+Blocking I/O and SQLite: call from a worker thread or before the event loop serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+from substrate.errors import Refusal
+from substrate.sandbox.layer_plan import layers_dir
+from substrate.store.journal import Journal
+from substrate.workspace.layer import Changesets, remove_layer
+from substrate.workspace.registry import Workspace
+from substrate.workspace.writes import Writer
+
+log = logging.getLogger("substrate.process.layer_recovery")
+
+
+def finish_applying(
+    changesets: Changesets, writer: Writer, workspace: Callable[[str], Workspace]
+) -> int:
+    """Apply whole every set a crash left `applying`; return how many. A set whose
+    workspace is no longer adopted stays `applying` (finished at a start that knows it).
+    Costs what applying the sets costs."""
+    done = 0
+    for kept in changesets.applying():
+        try:
+            ws = workspace(kept.workspace)
+        except Refusal:
+            log.warning("change set %s: workspace %s not adopted", kept.id, kept.workspace)
+            continue
+        changesets.finish_applying(writer, ws, kept)
+        done += 1
+    return done
+
+
+def sandbox_dirs(state_dir: str) -> list[str]:
+    """The sandbox directories under the layer directory now (taken before a run makes
+    any: they are the previous runs')."""
+    root = layers_dir(state_dir)
+    try:
+        with os.scandir(root) as it:
+            return sorted(e.path for e in it if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return []
+
+
+def drop_unconcluded(
+    changesets: Changesets, journal: Journal, dirs: list[str]
+) -> list[tuple[str, int]]:
+    """Remove every generation under the sandbox directories `dirs` (unmounted: call
+    after the sweep) that no change set records; journal each non-empty one. Returns the
+    (sandbox dir, generation) pairs dropped. Costs an unlink per file dropped."""
+    known = changesets.uppers()
+    dropped: list[tuple[str, int]] = []
+    for sandbox_dir in dirs:
+        upper_root = os.path.join(sandbox_dir, "upper")
+        try:
+            with os.scandir(upper_root) as it:
+                gens = sorted(
+                    int(e.name) for e in it if e.name.isdigit() and e.is_dir(follow_symlinks=False)
+                )
+        except FileNotFoundError:
+            continue
+        for gen in gens:
+            upper = os.path.join(upper_root, str(gen))
+            if upper in known:
+                continue
+            held = bool(os.listdir(upper))
+            remove_layer(upper, os.path.join(sandbox_dir, "work", str(gen)))
+            if held:
+                journal.append(
+                    "changes.recovered",
+                    {
+                        "layer": os.path.basename(sandbox_dir),
+                        "generation": gen,
+                        "outcome": "dropped",
+                    },
+                )
+                dropped.append((sandbox_dir, gen))
+    return dropped
