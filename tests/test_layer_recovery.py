@@ -1,0 +1,142 @@
+"""substrate.process.layer_recovery: a set a crash left half-applied is applied whole at
+start, a generation that never concluded is dropped whole; both journaled."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from substrate.config import Config
+from substrate.process import layer_recovery
+from substrate.schema.workspace import Policy
+from substrate.store.db import Store
+from substrate.store.journal import Journal
+from substrate.workspace.layer import Changesets, apply, scan
+from substrate.workspace.registry import WorkspaceRegistry
+from substrate.workspace.writes import Writer
+
+ACTOR = "agent:0"
+DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+@dataclass
+class Env:
+    root: Path
+    state: Path
+    registry: WorkspaceRegistry
+    writer: Writer
+    journal: Journal
+    changesets: Changesets
+
+
+@pytest.fixture
+def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -> Iterator[Env]:
+    root = make_workspace("demo", {"a.txt": "a\n", "b.txt": "b\n"})
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    store = Store(state / "substrate.db")
+    journal = Journal(store)
+    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
+    registry = WorkspaceRegistry(config, store, journal, state)
+    registry.adopt(str(root), None, Policy(), ACTOR)
+    try:
+        yield Env(
+            root, state, registry, Writer(store, journal), journal, Changesets(store, journal)
+        )
+    finally:
+        registry.close()
+        store.close()
+
+
+def _generation(env: Env, sandbox: str, gen: int, files: dict[str, str]) -> tuple[str, str]:
+    sandbox_dir = env.state / "layers" / sandbox
+    upper, work = sandbox_dir / "upper" / str(gen), sandbox_dir / "work" / str(gen)
+    upper.mkdir(parents=True)
+    work.mkdir(parents=True)
+    for name, text in files.items():
+        (upper / name).write_text(text)
+    return str(upper), str(work)
+
+
+def _recovered(env: Env) -> list[dict[str, object]]:
+    return [
+        msgspec.to_builtins(e.data)
+        for e in env.journal.read(limit=1000)
+        if e.kind == "changes.recovered"
+    ]
+
+
+def test_a_half_applied_set_is_applied_whole_at_start(env: Env) -> None:
+    ws = env.registry.all()[0]
+    upper, work = _generation(env, "s1", 4, {"a.txt": "A\n", "b.txt": "B\n", "c.txt": "C\n"})
+    ufd = os.open(upper, DIR)
+    try:
+        changeset = scan(ufd, ws.root_fd)
+        cs_id = env.changesets.record(ws, 4, upper, work, changeset, "applying")
+        # The daemon dies after the first change landed.
+        first = msgspec.structs.replace(changeset, changes=changeset.changes[:1])
+        apply(env.writer, ws, ufd, first, ACTOR)
+    finally:
+        os.close(ufd)
+    assert sorted(c.path for c in changeset.changes) == ["a.txt", "b.txt", "c.txt"]
+    assert (env.root / "a.txt").read_text() == "A\n" and (env.root / "b.txt").read_text() == "b\n"
+
+    assert layer_recovery.finish_applying(env.changesets, env.writer, env.registry.get) == 1
+
+    assert [(env.root / n).read_text() for n in ("a.txt", "b.txt", "c.txt")] == [
+        "A\n",
+        "B\n",
+        "C\n",
+    ]
+    assert env.changesets.get(cs_id).state == "applied"
+    [entry] = _recovered(env)
+    assert entry["changeset"] == cs_id and entry["outcome"] == "applied"
+    assert (entry["applied"], entry["unchanged"], entry["conflicts"]) == (2, 1, 0)
+    # Nothing left to finish: a second start does nothing.
+    assert layer_recovery.finish_applying(env.changesets, env.writer, env.registry.get) == 0
+
+
+def test_a_host_edit_since_the_crash_is_a_conflict_not_overwritten(env: Env) -> None:
+    ws = env.registry.all()[0]
+    upper, work = _generation(env, "s1", 0, {"a.txt": "A\n", "b.txt": "B\n"})
+    ufd = os.open(upper, DIR)
+    try:
+        cs_id = env.changesets.record(ws, 0, upper, work, scan(ufd, ws.root_fd), "applying")
+    finally:
+        os.close(ufd)
+    (env.root / "b.txt").write_text("host\n")
+
+    layer_recovery.finish_applying(env.changesets, env.writer, env.registry.get)
+
+    assert (env.root / "a.txt").read_text() == "A\n"
+    assert (env.root / "b.txt").read_text() == "host\n"
+    [entry] = _recovered(env)
+    assert entry["changeset"] == cs_id and entry["conflicts"] == 1
+
+
+def test_a_generation_that_never_concluded_is_dropped_whole(env: Env) -> None:
+    ws = env.registry.all()[0]
+    killed, _ = _generation(env, "s1", 2, {"new.txt": "n\n", "a.txt": "A\n"})
+    idle, idle_work = _generation(env, "s1", 3, {})
+    kept_upper, kept_work = _generation(env, "s2", 0, {"k.txt": "k\n"})
+    ufd = os.open(kept_upper, DIR)
+    try:
+        env.changesets.record(ws, 0, kept_upper, kept_work, scan(ufd, ws.root_fd), "pending")
+    finally:
+        os.close(ufd)
+    dirs = layer_recovery.sandbox_dirs(str(env.state))
+    assert [os.path.basename(d) for d in dirs] == ["s1", "s2"]
+
+    dropped = layer_recovery.drop_unconcluded(env.changesets, env.journal, dirs)
+
+    assert [(os.path.basename(d), g) for d, g in dropped] == [("s1", 2)]
+    assert not os.path.exists(killed) and not os.path.exists(idle)
+    assert not os.path.exists(idle_work)
+    assert os.path.exists(kept_upper)  # a concluded (kept) set's layer stays
+    assert not (env.root / "new.txt").exists() and (env.root / "a.txt").read_text() == "a\n"
+    assert _recovered(env) == [{"layer": "s1", "generation": 2, "outcome": "dropped"}]
