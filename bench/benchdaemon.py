@@ -9,13 +9,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 class BenchDaemon:
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, serve_args: Sequence[str] = ()) -> None:
         self.base = base
         self.state = base / "state"
         self.roots = base / "roots"
@@ -26,7 +27,7 @@ class BenchDaemon:
         env.pop("SUBSTRATE_STATE_DIR", None)
         argv = [
             sys.executable, "-m", "substrate", "--state-dir", str(self.state),
-            "serve", "--adopt-root", str(self.roots), "--listen", "127.0.0.1:0",
+            "serve", "--adopt-root", str(self.roots), "--listen", "127.0.0.1:0", *serve_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             argv, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log

@@ -1,0 +1,280 @@
+"""Benchmark of the working layer (issue 10): one run, ratios against baselines measured
+in the same run (medians).
+
+    python3 bench/layer.py [--suite-runs 5] [--many-runs 3] [--true-runs 30]
+
+Starts a real daemon (`python -m substrate serve --profiles D`) whose profiles dir holds
+the shipped `agent` profile (`workspace = "layer"`) and `agent-rw`, the same profile with
+`workspace = "rw"`, and compares, each pair interleaved so both see the same load:
+
+1. a generated pytest suite (200 tests that write, read and delete files in the
+   workspace, each leaving one result file) on the layer vs on the rw bind: wall time of
+   `proc.run`, and the part after the command ended (wall - `duration_ms`: for the layer
+   the swap, re-verification, scan and apply of the change set);
+2. a command creating 5,000 files of 1 KiB: the layer's after-command time less the rw
+   profile's is the apply, in files/s, against `cp -a` of the same 5,000 files on the
+   host into a fresh directory;
+3. warm `proc.run ["true"]` p50 on both profiles: the difference is the per-command cost
+   of a layer (swap + scan of an empty layer + re-verification).
+
+Needs the engine, the substrate-sandbox:bookworm image, and root (workspaces are chowned
+to uid 1000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from benchdaemon import BenchDaemon  # noqa: E402
+
+from substrate.protocol.client import Client  # noqa: E402
+
+WORKSPACE_UID = 1000
+LAYER, RW = "agent", "agent-rw"
+TEST_FILES, TESTS_PER_FILE = 20, 10
+MANY_FILES, MANY_SIZE = 5000, 1024
+
+#: One generated test module; `{k}` is its number. Each test writes a scratch file in the
+#: workspace, reads it back, removes it, and leaves a result file that changes every run.
+TEST_MODULE = """\
+import os
+import time
+
+import pytest
+
+from pkg.mod_{k} import checksum
+
+OUT = os.path.join("out", "m{k}")
+SCRATCH = os.path.join("scratch", "m{k}")
+
+
+@pytest.mark.parametrize("n", range({per}))
+def test_roundtrip(n):
+    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(SCRATCH, exist_ok=True)
+    data = ("line %d of test %d\\n" % (n, {k}) * 200).encode()
+    scratch = os.path.join(SCRATCH, "t%d.bin" % n)
+    with open(scratch, "wb") as f:
+        f.write(data)
+    with open(scratch, "rb") as f:
+        assert checksum(f.read()) == checksum(data)
+    os.remove(scratch)
+    with open(os.path.join(OUT, "t%d.txt" % n), "w") as f:
+        f.write("passed at %d\\n" % time.time_ns())
+"""
+
+MODULE = """\
+import hashlib
+
+
+def checksum(data):
+    return hashlib.sha256(data).hexdigest()
+"""
+
+#: Creates `MANY_FILES` files of `MANY_SIZE` bytes under the directory named by argv[1].
+MANY_SCRIPT = """\
+import os, sys
+d = sys.argv[1]
+os.mkdir(d)
+for i in range(int(sys.argv[2])):
+    with open(os.path.join(d, "f%05d.txt" % i), "wb") as f:
+        f.write(b"%05d" % i + b"x" * (int(sys.argv[3]) - 6) + b"\\n")
+"""
+
+
+def chown_tree(path: Path) -> None:
+    os.lchown(path, WORKSPACE_UID, WORKSPACE_UID)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
+
+
+def make_profiles(base: Path) -> Path:
+    profiles = base / "profiles"
+    profiles.mkdir()
+    agent = (REPO / "profiles" / "agent.toml").read_text()
+    assert 'workspace = "layer"' in agent
+    (profiles / f"{LAYER}.toml").write_text(agent)
+    (profiles / f"{RW}.toml").write_text(agent.replace('workspace = "layer"', 'workspace = "rw"'))
+    return profiles
+
+
+def make_workspace(roots: Path, name: str, suite: bool) -> Path:
+    path = roots / name
+    (path / ".git").mkdir(parents=True)
+    if suite:
+        (path / "pkg").mkdir()
+        (path / "pkg" / "__init__.py").write_text("")
+        (path / "tests").mkdir()
+        for k in range(TEST_FILES):
+            (path / "pkg" / f"mod_{k}.py").write_text(MODULE)
+            (path / "tests" / f"test_m{k}.py").write_text(
+                TEST_MODULE.format(k=k, per=TESTS_PER_FILE)
+            )
+    chown_tree(path)
+    return path
+
+
+class Bench:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def adopt(self, path: Path) -> str:
+        ws: str = self.client.call("workspace.adopt", path=str(path))["workspace"]
+        return ws
+
+    def run(self, ws: str, profile: str, argv: list[str]) -> tuple[float, float, Any]:
+        """(wall ms, ms after the command ended, result) of one proc.run."""
+        t = time.perf_counter()
+        result = self.client.call("proc.run", workspace=ws, profile=profile, argv=argv)
+        wall = (time.perf_counter() - t) * 1000
+        if result["exit_code"] != 0:
+            raise SystemExit(f"{argv[:3]} on {profile} exited {result['exit_code']}")
+        changes = result.get("changes")
+        if changes is not None and changes.get("error"):
+            raise SystemExit(f"{profile}: change set error {changes['error']}")
+        return wall, wall - result["duration_ms"], result
+
+
+def interleaved(fns: list[Callable[[int], object]], runs: int) -> None:
+    """Call each fn `runs` times, taking turns (fn gets the round number)."""
+    for i in range(runs):
+        for k in range(len(fns)):
+            fns[(i + k) % len(fns)](i)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--suite-runs", type=int, default=5)
+    ap.add_argument("--many-runs", type=int, default=3)
+    ap.add_argument("--true-runs", type=int, default=30)
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="substrate-bench-layer-"))
+    profiles = make_profiles(base)
+    daemon = BenchDaemon(base, ["--profiles", str(profiles)])
+    client = Client(daemon.socket, timeout=600)
+    bench = Bench(client)
+    report: list[str] = []
+    try:
+        # 1. the test suite
+        suite = ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+        ws = {p: bench.adopt(make_workspace(daemon.roots, f"suite-{p}", True)) for p in (LAYER, RW)}
+        for p in (LAYER, RW):
+            bench.run(ws[p], p, suite)  # warm: container, __pycache__, out/
+        wall: dict[str, list[float]] = {LAYER: [], RW: []}
+        after: dict[str, list[float]] = {LAYER: [], RW: []}
+        applied: list[int] = []
+
+        def suite_on(profile: str) -> Callable[[int], object]:
+            def go(_: int) -> None:
+                w, a, r = bench.run(ws[profile], profile, suite)
+                wall[profile].append(w)
+                after[profile].append(a)
+                if r.get("changes") is not None:
+                    applied.append(r["changes"]["counts"]["applied"])
+
+            return go
+
+        interleaved([suite_on(LAYER), suite_on(RW)], args.suite_runs)
+        lw, rw = med(wall[LAYER]), med(wall[RW])
+        report += [
+            f"1. pytest suite, {TEST_FILES * TESTS_PER_FILE} tests (ms, median of"
+            f" {args.suite_runs})",
+            "                       wall  after the command",
+            f"  layer ({LAYER})    {lw:8.1f}  {med(after[LAYER]):8.1f}"
+            f"   ({med([float(a) for a in applied]):.0f} files applied per run)",
+            f"  rw ({RW})    {rw:8.1f}  {med(after[RW]):8.1f}",
+            f"  ratio layer/rw: {lw / rw:.2f}x (goal <= 1.1x)",
+        ]
+
+        # 2. applying 5,000 small files
+        many = {
+            p: bench.adopt(make_workspace(daemon.roots, f"many-{p}", False)) for p in (LAYER, RW)
+        }
+        mwall: dict[str, list[float]] = {LAYER: [], RW: []}
+        mafter: dict[str, list[float]] = {LAYER: [], RW: []}
+        counts: list[int] = []
+        cp_ms: list[float] = []
+
+        def many_on(profile: str) -> Callable[[int], object]:
+            def go(i: int) -> None:
+                argv = ["python3", "-c", MANY_SCRIPT, f"many{i}", str(MANY_FILES), str(MANY_SIZE)]
+                w, a, r = bench.run(many[profile], profile, argv)
+                mwall[profile].append(w)
+                mafter[profile].append(a)
+                if r.get("changes") is not None:
+                    counts.append(r["changes"]["counts"]["applied"])
+
+            return go
+
+        def copy(i: int) -> None:
+            source = daemon.roots / f"many-{RW}" / "many0"
+            t = time.perf_counter()
+            subprocess.run(["cp", "-a", str(source), str(base / f"cp{i}")], check=True)
+            cp_ms.append((time.perf_counter() - t) * 1000)
+
+        for p in (LAYER, RW):
+            bench.run(many[p], p, ["true"])  # warm: the container exists
+        interleaved([many_on(LAYER), many_on(RW)], args.many_runs)
+        interleaved([copy], args.many_runs)
+        apply_ms = med(mafter[LAYER]) - med(mafter[RW])
+        ours, cp = MANY_FILES / (apply_ms / 1000), MANY_FILES / (med(cp_ms) / 1000)
+        report += [
+            f"2. a change set of {MANY_FILES:,} files of {MANY_SIZE} B (ms, median of"
+            f" {args.many_runs}; applied per run: {sorted(set(counts))})",
+            "                       wall  after the command",
+            f"  layer ({LAYER})    {med(mwall[LAYER]):8.1f}  {med(mafter[LAYER]):8.1f}",
+            f"  rw ({RW})    {med(mwall[RW]):8.1f}  {med(mafter[RW]):8.1f}",
+            f"  apply (layer after - rw after)  {apply_ms:8.1f} ms  {ours:8.0f} files/s",
+            f"  cp -a on the host               {med(cp_ms):8.1f} ms  {cp:8.0f} files/s",
+            f"  ratio: {ours / cp:.2f} (goal >= 0.5)",
+        ]
+
+        # 3. warm true: the per-command cost of a layer
+        twall: dict[str, list[float]] = {LAYER: [], RW: []}
+        tafter: dict[str, list[float]] = {LAYER: [], RW: []}
+
+        def true_on(profile: str) -> Callable[[int], object]:
+            def go(_: int) -> None:
+                w, a, _r = bench.run(many[profile], profile, ["true"])
+                twall[profile].append(w)
+                tafter[profile].append(a)
+
+            return go
+
+        interleaved([true_on(LAYER), true_on(RW)], args.true_runs)
+        tl, tr = med(twall[LAYER]), med(twall[RW])
+        report += [
+            f"3. warm proc.run ['true'] (ms, p50 of {args.true_runs})",
+            "                       wall  after the command",
+            f"  layer ({LAYER})    {tl:8.1f}  {med(tafter[LAYER]):8.1f}",
+            f"  rw ({RW})    {tr:8.1f}  {med(tafter[RW]):8.1f}",
+            f"  per-command cost of the layer: {tl - tr:.1f} ms ({tl / tr:.2f}x)",
+        ]
+    finally:
+        client.close()
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()
