@@ -133,12 +133,16 @@ def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
 def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
     """`workspace_identity` facts of the generation mounted now, read on the host: the
     overlay on the base, each read-only part over it (opened beneath the base without
-    following a symlink)."""
+    following a symlink); and `passthrough`, the dirs this generation binds read-write
+    (the container's mountinfo must show exactly those as writable non-overlay mounts)."""
     p = layer.plan
     base_fd = os.open(p.base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(base_fd)
-        found: dict[str, FactValue] = {"workspace_identity": f"{st.st_dev}:{st.st_ino}"}
+        found: dict[str, FactValue] = {
+            "workspace_identity": f"{st.st_dev}:{st.st_ino}",
+            "passthrough": sorted(part.rel for part in p.passthrough),
+        }
         for part in p.readonly:
             *parents, name = part.rel.split("/")
             parent = open_dir(base_fd, parents, where=part.rel)
