@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from substrate.errors import ConfinementUnmet
-from substrate.sandbox import layers
+from substrate.sandbox import layers, passthrough
 from substrate.sandbox.layer_plan import LayerPlan, layers_dir, plan, verify
 from substrate.sandbox.mounts import git_paths
 from substrate.sandbox.parsers import Mount, parse_mountinfo
@@ -74,6 +74,23 @@ _GIT = (
 
 def test_verify_accepts_the_planned_mounts() -> None:
     verify(plan("/s", "sb", 2, [(".git", (1, 2))]), _mountinfo(_ROOT, _BASE, _MERGED, _GIT))
+
+
+_NODE = "23 21 8:1 /c/node_modules /s/layers/sb/merged/node_modules rw - ext4 /dev/sda1 rw"
+
+
+def test_verify_wants_each_passthrough_as_a_rw_bind() -> None:
+    p = plan("/s", "sb", 2, [(".git", (1, 2))], [("node_modules", (1, 3))])
+    verify(p, _mountinfo(_ROOT, _BASE, _MERGED, _GIT, _NODE))
+    for lines in (
+        (_ROOT, _BASE, _MERGED, _GIT),
+        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace(" rw - ", " ro - ")),
+        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace("node_modules rw", "other rw")),
+    ):
+        with pytest.raises(ConfinementUnmet):
+            verify(p, _mountinfo(*lines))
+    with pytest.raises(ConfinementUnmet):
+        plan("/s", "sb", 2, [], [("../up", (1, 3))])
 
 
 @pytest.mark.parametrize(
@@ -237,6 +254,52 @@ def test_swap_keeps_the_old_upper_and_mounts_a_clean_one(layer: Layer) -> None:
     layers.verify_generation(second)
     with pytest.raises(ConfinementUnmet):
         layers.verify_generation(first)
+
+
+def _passthrough_plan(layer: Layer, generation: int) -> LayerPlan:
+    found = passthrough.existing(layer.root_fd, ["node_modules", "absent"])
+    return plan(str(layer.state), "sb1", generation, git_paths(layer.root_fd), found)
+
+
+def test_passthrough_writes_land_in_the_checkout_across_swaps(layer: Layer) -> None:
+    (layer.checkout / "node_modules" / "pkg" / ".git").mkdir(parents=True)
+    first = _passthrough_plan(layer, 1)
+    assert [part.rel for part in first.passthrough] == ["node_modules"]
+    layers.prepare(first)
+    layers.mount_generation(first, layer.root_fd)
+
+    Path(first.base, "node_modules", "x").write_text("direct\n")
+    Path(first.base, "made.txt").write_text("layered\n")
+    assert (layer.checkout / "node_modules" / "x").read_text() == "direct\n"
+    assert not (layer.checkout / "made.txt").exists()
+    # The bind hides the overlay beneath it: the upper layer shows nothing there.
+    assert sorted(os.listdir(first.upper)) == ["made.txt"]
+    assert _write_errno(f"{first.base}/node_modules/pkg/.git/new") == errno.EROFS
+    assert not _mount_at(f"{first.base}/node_modules").read_only
+    _check_readonly_parts(first.base)
+
+    second = _passthrough_plan(layer, 2)
+    layers.swap(first, second, layer.root_fd)
+    assert Path(second.base, "node_modules", "x").read_text() == "direct\n"
+    Path(second.base, "node_modules", "y").write_text("again\n")
+    assert (layer.checkout / "node_modules" / "y").read_text() == "again\n"
+    assert os.listdir(second.upper) == []
+    assert _write_errno(f"{second.base}/node_modules/pkg/.git/new") == errno.EROFS
+    layers.verify_generation(second)
+
+    layers.teardown(second)
+    assert not layers.mounted_under(second.sandbox_dir)
+
+
+def test_a_replaced_passthrough_dir_is_refused_and_nothing_stays_mounted(layer: Layer) -> None:
+    (layer.checkout / "node_modules").mkdir()
+    p = _passthrough_plan(layer, 1)
+    os.rename(layer.checkout / "node_modules", layer.checkout / "moved")
+    (layer.checkout / "node_modules").mkdir()  # same name, another directory
+    layers.prepare(p)
+    with pytest.raises(ConfinementUnmet):
+        layers.mount_generation(p, layer.root_fd)
+    assert [m.mount_point for m in layers.mounted_under(p.base)] == [p.base]
 
 
 def test_a_generation_is_never_reused(layer: Layer) -> None:

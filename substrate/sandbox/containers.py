@@ -54,7 +54,15 @@ import trio
 
 from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
 from substrate.sandbox import facts as factlib
-from substrate.sandbox import layers, mounts, profiles, reaper, seccomp, working_layer
+from substrate.sandbox import (
+    layers,
+    mounts,
+    passthrough,
+    profiles,
+    reaper,
+    seccomp,
+    working_layer,
+)
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
@@ -225,7 +233,8 @@ class Containers:
         )
         layer = None
         if profile.workspace == "layer":
-            layer = await self._open_layer(ro_dirs)
+            passthrough.check_policy(ws.policy, profile.passthrough)
+            layer = await self._open_layer(ro_dirs, profile.passthrough)
         try:
             return await self._create_in(
                 ws, profile, owner, who, image_id, security_opt, ro_dirs, layer
@@ -437,12 +446,18 @@ class Containers:
 
     # -- working layers ------------------------------------------------------------------------
 
-    async def _open_layer(self, ro_dirs: list[tuple[str, tuple[int, int]]]) -> WorkingLayer:
+    async def _open_layer(
+        self, ro_dirs: list[tuple[str, tuple[int, int]]], passthrough_dirs: list[str]
+    ) -> WorkingLayer:
         if self._state_dir is None:
             raise RuntimeUnavailable("this daemon keeps no working layers")
         await self._layers_swept.wait()
         return await trio.to_thread.run_sync(
-            working_layer.open_layer, self._state_dir, ro_dirs, limiter=self._fs_limiter
+            working_layer.open_layer,
+            self._state_dir,
+            ro_dirs,
+            passthrough_dirs,
+            limiter=self._fs_limiter,
         )
 
     async def _close_layer(self, layer: WorkingLayer) -> None:

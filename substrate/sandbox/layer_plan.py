@@ -50,6 +50,15 @@ class ReadonlyPart(msgspec.Struct, frozen=True, kw_only=True):
     staging: str  # where its read-only overlay goes first when the part is a file
 
 
+class PassthroughPart(msgspec.Struct, frozen=True, kw_only=True):
+    """One checkout directory bound read-write over the merged view (profile
+    `passthrough`): writes under it go straight to the checkout, never to the upper."""
+
+    rel: str  # workspace-relative, validated by `substrate.sandbox.passthrough`
+    identity: tuple[int, int]  # (st_dev, st_ino) found: re-checked at mount time
+    target: str  # base + rel
+
+
 class LayerPlan(msgspec.Struct, frozen=True, kw_only=True):
     """Every path of one sandbox's layer at one generation."""
 
@@ -61,6 +70,8 @@ class LayerPlan(msgspec.Struct, frozen=True, kw_only=True):
     upper: str
     work: str
     readonly: tuple[ReadonlyPart, ...]
+    #: Bound read-write before the read-only parts (a `.git` beneath one stays read-only).
+    passthrough: tuple[PassthroughPart, ...] = ()
 
 
 def layers_dir(state_dir: str) -> str:
@@ -73,6 +84,7 @@ def plan(
     sandbox_id: str,
     generation: int,
     readonly: Sequence[tuple[str, tuple[int, int]]],
+    passthrough: Sequence[tuple[str, tuple[int, int]]] = (),
 ) -> LayerPlan:
     """The mount plan of `sandbox_id`'s generation `generation` (pure).
 
@@ -80,7 +92,8 @@ def plan(
     read-only: every `.git` and the policy's read-only dirs (`mounts.readonly_paths`).
     Refuses `confinement_unmet` for a state dir that is not absolute or holds a character
     overlayfs' options cannot carry, a sandbox id that is not a plain name, a negative
-    generation, or a read-only path that is empty, absolute or climbs (`..`).
+    generation, or a read-only or passthrough path that is empty, absolute or climbs
+    (`..`). `passthrough` is (path, identity) of each existing passthrough directory.
     """
     if not state_dir.startswith("/") or _UNSAFE_PATH_CHARS & set(state_dir):
         raise _unmet("state dir", "an absolute path without , : = \\ or blanks", state_dir)
@@ -93,9 +106,7 @@ def plan(
     base = _join(sandbox_dir, "merged")
     parts = []
     for index, (rel, identity) in enumerate(sorted(readonly)):
-        pieces = rel.split("/")
-        if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in pieces):
-            raise _unmet("readonly path", "a relative path without . or ..", rel)
+        _check_rel("readonly path", rel)
         parts.append(
             ReadonlyPart(
                 rel=rel,
@@ -113,7 +124,19 @@ def plan(
         upper=_join(sandbox_dir, f"upper/{generation}"),
         work=_join(sandbox_dir, f"work/{generation}"),
         readonly=tuple(parts),
+        passthrough=tuple(
+            PassthroughPart(rel=rel, identity=identity, target=_join(base, rel))
+            for rel, identity in sorted(passthrough)
+            if _check_rel("passthrough path", rel)
+        ),
     )
+
+
+def _check_rel(what: str, rel: str) -> bool:
+    pieces = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in pieces):
+        raise _unmet(what, "a relative path without . or ..", rel)
+    return True
 
 
 def merged_options(p: LayerPlan, lower_fd: int) -> str:
@@ -133,13 +156,16 @@ def verify(p: LayerPlan, mounts: Sequence[Mount]) -> None:
 
     Required: on the base, visible, an overlay whose one lower dir is a held fd and whose
     upper and work dirs are this generation's; at each read-only part's target, visible,
-    an overlay superblock that is read-only; nothing else visible at or under the base.
+    an overlay superblock that is read-only; at each passthrough target, visible, a
+    read-write bind that is not an overlay; nothing else visible at or under the base.
     Refuses `confinement_unmet` with the required and observed mount facts otherwise.
     """
     visible = visible_mounts(mounts)
     required: dict[str, str] = {p.base: f"overlay upperdir={p.upper} workdir={p.work}"}
     for part in p.readonly:
         required[part.target] = "overlay ro superblock"
+    for pass_part in p.passthrough:
+        required[pass_part.target] = "bind rw"
     observed: dict[str, str] = {}
     for m in visible:
         if m.mount_point == p.base or m.mount_point.startswith(p.base + "/"):
@@ -155,6 +181,8 @@ def verify(p: LayerPlan, mounts: Sequence[Mount]) -> None:
 def _describe(m: Mount, p: LayerPlan) -> str:
     """A mount as `verify` compares it: what it is, not its ids."""
     if m.fstype != "overlay":
+        if any(m.mount_point == part.target for part in p.passthrough) and not m.read_only:
+            return "bind rw"
         return f"{m.fstype} {m.source}"
     opts = dict(o.partition("=")[::2] for o in m.super_options)
     lower = opts.get("lowerdir", "").split(":")

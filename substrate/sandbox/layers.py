@@ -33,6 +33,7 @@ from substrate.errors import ConfinementUnmet
 from substrate.sandbox.layer_plan import (
     FD_PATH_PREFIX,
     LayerPlan,
+    PassthroughPart,
     ReadonlyPart,
     merged_options,
     readonly_options,
@@ -131,7 +132,8 @@ def prepare(p: LayerPlan) -> None:
 
 def mount_generation(p: LayerPlan, root_fd: int) -> None:
     """Mount generation `p.generation` on the prepared base: the overlay of the checkout
-    (`root_fd`, held) under a fresh `p.upper`, then each read-only part, then verify.
+    (`root_fd`, held) under a fresh `p.upper`, then each passthrough directory bound
+    read-write from the checkout, then each read-only part, then verify.
 
     Refuses `confinement_unmet` when `p.upper` already exists (a generation is never
     reused: its contents are a change set), when a read-only part's identity is not the
@@ -154,6 +156,8 @@ def mount_generation(p: LayerPlan, root_fd: int) -> None:
     os.mkdir(p.work, 0o700)
     mount("overlay", p.base, "overlay", _OVERLAY_FLAGS, merged_options(p, root_fd))
     try:
+        for pass_part in p.passthrough:
+            _mount_passthrough(p, pass_part, root_fd)
         for part in p.readonly:
             _mount_readonly(p, part, root_fd)
         verify(p, read_mounts())
@@ -192,6 +196,9 @@ def swap(old: LayerPlan, new: LayerPlan, root_fd: int) -> None:
         if exc.errno != errno.EBUSY:
             raise
         present = {m.mount_point for m in visible_mounts(mounted_under(old.base))}
+        for pass_part in old.passthrough:
+            if pass_part.target not in present:
+                _mount_passthrough(old, pass_part, root_fd)
         for part in old.readonly:
             if part.target not in present:
                 _mount_readonly(old, part, root_fd)
@@ -315,7 +322,23 @@ def _mount_readonly(p: LayerPlan, part: ReadonlyPart, root_fd: int) -> None:
                 )
 
 
-def _check_identity(st: os.stat_result, part: ReadonlyPart) -> None:
+def _mount_passthrough(p: LayerPlan, part: PassthroughPart, root_fd: int) -> None:
+    """Bind the checkout's directory `part.rel` (opened beneath the held root, no symlink
+    followed, identity re-checked) read-write onto the same path in the merged view
+    (opened beneath the base the same way; the overlay shows the lower dir there)."""
+    *parents, name = part.rel.split("/")
+    with (
+        _fd(open_dir(root_fd, parents, where=part.rel)) as real_parent,
+        _fd(os.open(name, _DIR_FLAGS, dir_fd=real_parent)) as real,
+        _fd(os.open(p.base, _DIR_FLAGS)) as merged,
+        _fd(open_dir(merged, parents, where=part.rel)) as merged_parent,
+        _fd(os.open(name, _DIR_FLAGS, dir_fd=merged_parent)) as target,
+    ):
+        _check_identity(os.fstat(real), part)
+        mount(_fd_path(real), _fd_path(target), None, MS_BIND)
+
+
+def _check_identity(st: os.stat_result, part: ReadonlyPart | PassthroughPart) -> None:
     if (st.st_dev, st.st_ino) != part.identity:
         dev, ino = part.identity
         raise ConfinementUnmet(

@@ -219,6 +219,8 @@ def _mount_facts(
 ) -> list[Fact]:
     source = "kernel:mountinfo"
     names = ["rootfs_readonly", "workspace_mount", "readonly_dirs", "tmpfs", "docker_socket_absent"]
+    if layer:
+        names.append("passthrough")
     try:
         mounts = P.parse_mountinfo(read_at(proc_fd, "mountinfo"))
     except (OSError, ValueError) as exc:
@@ -241,6 +243,8 @@ def _mount_facts(
         },
         source,
     )
+    if layer:
+        found += facts({"passthrough": _passthrough(visible, target)}, source)
     # The engine's list of binds, checked again against what the kernel mounted.
     in_kernel = any(
         m.root.endswith("/docker.sock") or m.mount_point.endswith("/docker.sock") for m in mounts
@@ -250,6 +254,17 @@ def _mount_facts(
         "engine:inspect+kernel:mountinfo",
     )
     return found
+
+
+def _passthrough(visible: Sequence[P.Mount], target: str) -> list[str]:
+    """The workspace-relative paths where a writable mount that is not an overlay sits
+    over a working layer: its passthrough binds (the read-only parts are overlays)."""
+    top = target.rstrip("/") + "/"
+    return sorted(
+        m.mount_point[len(top) :]
+        for m in visible
+        if m.mount_point.startswith(top) and m.fstype != "overlay" and not m.read_only
+    )
 
 
 def _is_layer(visible: Sequence[P.Mount], target: str) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from substrate.errors import ProfileUnknown
-from substrate.sandbox import seccomp
+from substrate.sandbox import passthrough, seccomp
 from substrate.schema.profile import Profile as Profile  # the declared shape; re-exported
 
 
@@ -273,6 +273,9 @@ def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
     if p.workspace == "layer" and p.interactive:
         # When a person's shell changes would be applied is not decided yet (issue 10).
         fail("interactive", 'terminals on a "layer" workspace are not supported yet')
+    if p.passthrough and p.workspace != "layer":
+        fail("passthrough", 'only a "layer" workspace has passthrough directories')
+    passthrough.check_declared(p.passthrough, fail)
     for key, value in p.env.items():
         if not _ENV_KEY_RE.fullmatch(key):
             fail(f"env.{key}", "not a valid environment variable name")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from substrate.sandbox import layers
+from substrate.sandbox import layers, passthrough
 from substrate.sandbox.facts import FactValue
 from substrate.sandbox.layer_plan import LayerPlan, plan
 from substrate.workspace.paths import open_dir
@@ -45,6 +45,8 @@ class WorkingLayer:
     worker threads)."""
 
     plan: LayerPlan  # the generation mounted now
+    #: The profile's passthrough dirs; each generation binds those that exist then.
+    passthrough: tuple[str, ...] = ()
     #: The facts every generation must show, apart from its identities.
     required: Mapping[str, FactValue] = field(default_factory=dict)
     closed: bool = False  # torn down: nothing may be mounted on the base again
@@ -73,26 +75,43 @@ def begin(layer: WorkingLayer) -> int:
     return layer.began[1]
 
 
-def open_layer(state_dir: str, readonly: Sequence[tuple[str, tuple[int, int]]]) -> WorkingLayer:
+def open_layer(
+    state_dir: str,
+    readonly: Sequence[tuple[str, tuple[int, int]]],
+    passthrough_dirs: Sequence[str] = (),
+) -> WorkingLayer:
     """Plan generation 0 of a new layer (a fresh random id) and `layers.prepare` it: the
     base exists, shared, with nothing mounted on it. Refuses as `layer_plan.plan` does."""
     p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly)
     layers.prepare(p)
-    return WorkingLayer(plan=p)
+    return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs))
 
 
 def mount_first(layer: WorkingLayer, root_fd: int) -> None:
-    """Mount generation 0 (after the container bound the base). Refuses as
-    `layers.mount_generation` does."""
+    """Mount generation 0 (after the container bound the base), binding the passthrough
+    dirs that exist now. Refuses as `layers.mount_generation` does."""
     with layer.mounting:
-        layers.mount_generation(layer.plan, root_fd)
+        first = _with_passthrough(layer.plan, passthrough.existing(root_fd, layer.passthrough))
+        layers.mount_generation(first, root_fd)
+        layer.plan = first
 
 
-def next_plan(p: LayerPlan) -> LayerPlan:
-    """The plan of the generation after `p`, same read-only parts."""
+def next_plan(
+    p: LayerPlan, passthrough_dirs: Sequence[tuple[str, tuple[int, int]]] = ()
+) -> LayerPlan:
+    """The plan of the generation after `p`: same read-only parts, and the passthrough
+    dirs (path, identity) given (those that exist now)."""
     readonly = [(part.rel, part.identity) for part in p.readonly]
     sandbox_id = p.sandbox_dir.rsplit("/", 1)[1]
-    return plan(p.layers_dir.rsplit("/", 1)[0], sandbox_id, p.generation + 1, readonly)
+    state_dir = p.layers_dir.rsplit("/", 1)[0]
+    return plan(state_dir, sandbox_id, p.generation + 1, readonly, passthrough_dirs)
+
+
+def _with_passthrough(p: LayerPlan, found: Sequence[tuple[str, tuple[int, int]]]) -> LayerPlan:
+    readonly = [(part.rel, part.identity) for part in p.readonly]
+    sandbox_id = p.sandbox_dir.rsplit("/", 1)[1]
+    state_dir = p.layers_dir.rsplit("/", 1)[0]
+    return plan(state_dir, sandbox_id, p.generation, readonly, found)
 
 
 def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
@@ -105,7 +124,7 @@ def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
         if layer.closed:
             return None
         old = layer.plan
-        new = next_plan(old)
+        new = next_plan(old, passthrough.existing(root_fd, layer.passthrough))
         layers.swap(old, new, root_fd)
         layer.plan = new
         return old
@@ -114,12 +133,16 @@ def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
 def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
     """`workspace_identity` facts of the generation mounted now, read on the host: the
     overlay on the base, each read-only part over it (opened beneath the base without
-    following a symlink)."""
+    following a symlink); and `passthrough`, the dirs this generation binds read-write
+    (the container's mountinfo must show exactly those as writable non-overlay mounts)."""
     p = layer.plan
     base_fd = os.open(p.base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(base_fd)
-        found: dict[str, FactValue] = {"workspace_identity": f"{st.st_dev}:{st.st_ino}"}
+        found: dict[str, FactValue] = {
+            "workspace_identity": f"{st.st_dev}:{st.st_ino}",
+            "passthrough": sorted(part.rel for part in p.passthrough),
+        }
         for part in p.readonly:
             *parents, name = part.rel.split("/")
             parent = open_dir(base_fd, parents, where=part.rel)

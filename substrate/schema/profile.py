@@ -20,6 +20,8 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     user: str = "owner"  # "owner" (uid:gid of the workspace root) or "UID:GID"
     allow_root: bool = False  # may a root-owned workspace run as root
     workspace: Literal["rw", "ro", "none", "layer"] = "rw"  # /workspace: bind mode, or "layer"
+    #: Checkout dirs bound read-write over a "layer" workspace (caches, build output).
+    passthrough: list[str] = msgspec.field(default_factory=list)
     network: Literal["none"] = "none"  # only "none" is supported: lo only, no routes
     read_only_rootfs: bool = True  # container root filesystem mounted read-only
     tmpfs: dict[str, str] = msgspec.field(default_factory=lambda: {"/tmp": "256m"})  # path → size

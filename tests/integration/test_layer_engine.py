@@ -73,7 +73,10 @@ async def env(
     profiles.mkdir()
     tiny = (PROJECT_ROOT / "profiles" / "tiny.toml").read_text()
     shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
-    (profiles / "layer.toml").write_text(tiny.replace('workspace = "rw"', 'workspace = "layer"'))
+    layer = tiny.replace('workspace = "rw"', 'workspace = "layer"')
+    (profiles / "layer.toml").write_text(layer)
+    passing = layer.replace("passthrough = []", 'passthrough = ["node_modules", "absent"]')
+    (profiles / "pass.toml").write_text(passing)
     root = tmp_path / "roots"
     project = root / "project"
     (project / ".git").mkdir(parents=True)
@@ -338,3 +341,65 @@ async def test_review_is_refused_for_a_profile_without_a_layer(env: Env) -> None
         await env.sh("echo rw > rw.txt", profile="tiny", changes="review")
     assert caught.value.refusal == "invalid_params"
     assert not (env.path / "rw.txt").exists()
+
+
+async def _adopt_with_node_modules(env: Env, name: str, write_deny: list[str]) -> tuple[str, Path]:
+    """A second checkout beside the fixture's, with `src/` and `node_modules/`."""
+    path = env.path.parent / name
+    (path / "src").mkdir(parents=True)
+    (path / "node_modules").mkdir()
+    for made in (path, path / "src", path / "node_modules"):
+        os.chown(made, OWNER, OWNER)
+    ws = await env.client.call("workspace.adopt", path=str(path), policy={"write_deny": write_deny})
+    return ws["workspace"], path
+
+
+async def test_passthrough_writes_land_at_once_and_stay_out_of_the_change_set(env: Env) -> None:
+    ws, path = await _adopt_with_node_modules(env, "web", ["/.env", "/src/*.lock"])
+    probe = await env.client.call("facts.probe", workspace=ws, profile="pass")
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    assert facts["passthrough"] == ["node_modules"]  # "absent" does not exist: not bound
+    results: list[Any] = []
+
+    async def sh(script: str) -> Any:
+        return await env.client.call(
+            "proc.run", workspace=ws, profile="pass", argv=["sh", "-c", script]
+        )
+
+    async def run() -> None:
+        results.append(
+            await sh(
+                "echo y > src/y && echo x > node_modules/x"
+                " && while [ ! -e node_modules/go ]; do sleep 0.05; done"
+            )
+        )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        with trio.fail_after(30):
+            while True:
+                if (path / "node_modules" / "x").exists():
+                    break
+                await trio.sleep(0.02)
+        # During the command: the passthrough write is in the checkout, the other is not.
+        assert (path / "node_modules" / "x").read_text() == "x\n"
+        assert not (path / "src" / "y").exists()
+        (path / "node_modules" / "go").write_text("")  # seen inside, through the bind
+    result = results[0]
+    assert result["exit_code"] == 0
+    assert _paths(result["changes"], "applied") == [("src/y", "create")]
+    assert (path / "src" / "y").read_text() == "y\n"
+    # The next generation binds it again.
+    again = await sh("cat node_modules/x && echo z > node_modules/z")
+    assert again["stdout"]["inline"] == "x\n"
+    assert (path / "node_modules" / "z").read_text() == "z\n"
+    assert again["changes"].get("applied", []) == []  # nothing for the change set
+    await env.client.call("workspace.release", workspace=ws)
+
+
+async def test_a_passthrough_the_policy_may_deny_beneath_is_refused(env: Env) -> None:
+    # The fixture's `*.lock` denies node_modules/x.lock too: a bind would skip that rule.
+    (env.path / "node_modules").mkdir()
+    with pytest.raises(RpcError) as caught:
+        await env.sh("true", profile="pass")
+    assert caught.value.refusal == "path_denied"
