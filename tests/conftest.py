@@ -48,6 +48,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.sections.append((f"daemon {i} log ({d.base})", d.stderr()))
 
 
+#: Fixtures of the demo tree shared by the read and search tests.
+pytest_plugins = ["tests.harness.read_tree"]
+
+
 @pytest.fixture(name="snapshot_tree")
 def snapshot_tree_fixture() -> Callable[[Path], dict[str, tuple[Any, ...]]]:
     """`snapshot_tree(path)`: see `tests.harness.snapshot_tree`."""

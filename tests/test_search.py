@@ -6,65 +6,20 @@ from __future__ import annotations
 import os
 import random
 import re
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from substrate.config import Config
 from substrate.errors import InvalidParams
 from substrate.schema.fs import SearchMatch, SearchParams
-from substrate.schema.workspace import Policy
-from substrate.store.db import Store
-from substrate.store.journal import Journal
 from substrate.workspace import search as search_module
-from substrate.workspace.registry import Workspace, WorkspaceRegistry
+from substrate.workspace.registry import Workspace
+from tests.harness.read_tree import FILES
 
 WS = "ws_test"
 
-FILES: dict[str, str | bytes] = {
-    "README.md": "# demo\n\nhello world\n",
-    "src/main.py": "import os\n\ndef main() -> None:\n    print('hello')\n\n\ndef helper():\n    return 1\n",
-    "src/util.py": "VALUE = 1\nHELLO = 'Hello'\n",
-    "src/pkg/deep.py": "def deep():\n    pass  # hello from deep\n",
-    "docs/a.txt": "alpha\nbeta\ngamma",  # no trailing newline
-    "data/blob.bin": b"hello\x00binary" + bytes(range(256)),
-    "data/latin1.txt": "café hello\n".encode("latin-1"),
-    "keys/id.pem": "-----BEGIN hello-----\n",
-    "empty": "",
-}
-
-
-@pytest.fixture
-def registry(adopt_root: Path, tmp_path: Path) -> Iterator[WorkspaceRegistry]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    store = Store(state / "substrate.db")
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
-    reg = WorkspaceRegistry(config, store, Journal(store), state)
-    try:
-        yield reg
-    finally:
-        reg.close()
-        store.close()
-
-
-@pytest.fixture
-def root(make_workspace: Callable[..., Path], tmp_path: Path) -> Path:
-    path = make_workspace("demo", FILES, git=True)
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "secret.txt").write_text("hello from outside\n")
-    (path / "link-out").symlink_to(outside)
-    (path / "link-file").symlink_to(path / "README.md")
-    (path / "src" / "link-dir").symlink_to("pkg")
-    return path
-
-
-@pytest.fixture
-def ws(registry: WorkspaceRegistry, root: Path) -> Workspace:
-    return registry.adopt(str(root), None, Policy(read_deny=["*.pem"]), "agent:0")
+# FILES and the registry/root/ws fixtures: tests/harness/read_tree.py
 
 
 def search(ws: Workspace, pattern: str, **kw: Any) -> list[tuple[str, int, int, str]]:
