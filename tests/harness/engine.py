@@ -9,12 +9,15 @@ test sessions may share one engine).
 from __future__ import annotations
 
 import calendar
+import os
 import time
 import uuid
 from typing import Any
 
 import docker
 import docker.errors
+
+from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 
 #: Labels every container made by a test carries; `remove_test_containers` finds them.
 TEST_LABELS = {"substrate.test": "1", "substrate.test.session": uuid.uuid4().hex}
@@ -33,6 +36,16 @@ def connect() -> tuple[Any, str]:
         client.close()
         return None, str(exc)
     return client, ""
+
+
+def remove_daemon_containers(client: Any, state_dir: str | os.PathLike[str]) -> int:
+    """Force-remove every container labelled as the daemon's of `state_dir` (what a test's
+    daemon made, running or not); return how many. One list call, one remove each."""
+    label = f"{LABEL_DAEMON}={daemon_id_for(state_dir)}"
+    found = client.api.containers(all=True, filters={"label": label})
+    for ctr in found:
+        client.api.remove_container(ctr["Id"], force=True, v=True)
+    return len(found)
 
 
 def remove_test_containers(client: Any) -> list[str]:

@@ -30,8 +30,8 @@ import pytest
 import trio
 
 from substrate.protocol.client import AsyncClient, RpcError
-from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 from tests.harness import wait_until_async
+from tests.harness.engine import remove_daemon_containers
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -74,9 +74,7 @@ def docker_daemons(
         for d in made:
             if d.running:
                 d.stop()
-            label = f"{LABEL_DAEMON}={daemon_id_for(d.state_dir)}"
-            for ctr in docker_client.api.containers(all=True, filters={"label": label}):
-                docker_client.api.remove_container(ctr["Id"], force=True, v=True)
+            remove_daemon_containers(docker_client, d.state_dir)
 
 
 async def refusal(c: AsyncClient, method: str, **params: Any) -> str | None:

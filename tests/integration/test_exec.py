@@ -30,6 +30,7 @@ from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import LABEL_DAEMON, LABEL_EPOCH, daemon_id_for
 from tests.harness import wait_until_async
+from tests.harness.engine import remove_daemon_containers
 
 OWNER = 1000
 
@@ -117,10 +118,7 @@ def leftovers(docker_client: Any, state_dir: Path) -> Iterator[str]:
     """This test's daemon id; whatever still carries it at the end is removed."""
     daemon_id = daemon_id_for(state_dir)
     yield daemon_id
-    for ctr in docker_client.api.containers(
-        all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"}
-    ):
-        docker_client.api.remove_container(ctr["Id"], force=True, v=True)
+    remove_daemon_containers(docker_client, state_dir)
 
 
 def make_config(state_dir: Path, adopt_root: Path, profiles_dir: Path, **extra: Any) -> Config:

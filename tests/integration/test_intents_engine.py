@@ -18,6 +18,7 @@ import pytest
 from substrate.protocol.client import AsyncClient, RpcError
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 from tests.harness import wait_until, wait_until_async
+from tests.harness.engine import remove_daemon_containers
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -42,9 +43,7 @@ def intent_daemon(
         yield d
     finally:
         d.close()
-        label = f"{LABEL_DAEMON}={daemon_id_for(d.state_dir)}"
-        for ctr in docker_client.api.containers(all=True, filters={"label": label}):
-            docker_client.api.remove_container(ctr["Id"], force=True, v=True)
+        remove_daemon_containers(docker_client, d.state_dir)
 
 
 def piece(params: dict[str, Any]) -> bytes:

@@ -23,8 +23,8 @@ import trio.lowlevel
 from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
-from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 from substrate.sandbox.layers import mounted_under, unmount_under
+from tests.harness.engine import remove_daemon_containers
 
 OWNER = 1000
 LOCK = b"# lock file\n"
@@ -53,11 +53,7 @@ def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
     state = tmp_path / "state"
     state.mkdir(mode=0o700)
     yield state
-    daemon_id = daemon_id_for(state)
-    for ctr in docker_client.api.containers(
-        all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"}
-    ):
-        docker_client.api.remove_container(ctr["Id"], force=True, v=True)
+    remove_daemon_containers(docker_client, state)
     left = _mounts_under(state)
     if left:  # never leave a test's mount behind, and fail the test for it
         unmount_under(str(state), keep_base=False)

@@ -20,6 +20,7 @@ from substrate.config import PROJECT_ROOT
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 from substrate.sandbox.layers import mounted_under, unmount_under
 from tests.harness import wait_until
+from tests.harness.engine import remove_daemon_containers
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -68,8 +69,7 @@ def layer_daemon(
         yield d
     finally:
         d.close()
-        for ctr in _labelled(docker_client, d.state_dir):
-            docker_client.api.remove_container(ctr, force=True, v=True)
+        remove_daemon_containers(docker_client, d.state_dir)
         if _mounts_under(d.state_dir):
             unmount_under(str(d.state_dir), keep_base=False)
 

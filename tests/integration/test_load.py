@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from substrate.protocol.client import AsyncClient
-from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from tests.harness.engine import remove_daemon_containers
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -62,16 +62,12 @@ def load_daemon(
     tiny_image: str, docker_client: Any, daemon_factory: Callable[..., DaemonProcess]
 ) -> Iterator[DaemonProcess]:
     d = daemon_factory()
-    daemon_id = daemon_id_for(d.state_dir)
     try:
         yield d
     finally:
         if d.running:
             d.stop()
-        for ctr in docker_client.api.containers(
-            all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"}
-        ):
-            docker_client.api.remove_container(ctr["Id"], force=True, v=True)
+        remove_daemon_containers(docker_client, d.state_dir)
 
 
 async def test_sixteen_streams_and_a_responsive_reader(load_daemon: DaemonProcess) -> None:
