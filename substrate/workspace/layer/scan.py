@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import stat
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 
 from substrate.errors import NotADirectory, NotFound, SymlinkRefused, TooLarge
 from substrate.workspace import fsops, paths
+from substrate.workspace.digests import hash_fd
 from substrate.workspace.gate.diff import display_rel
 from substrate.workspace.layer.changeset import (
     Blocked,
@@ -54,7 +54,6 @@ WHITEOUT_XATTR = "trusted.overlay.whiteout"
 OPAQUE_XATTR = "trusted.overlay.opaque"
 #: Overlay metadata meaning the upper entry is not self-contained: never interpreted.
 _FEATURE_XATTRS = {"trusted.overlay.metacopy": "metacopy", "trusted.overlay.redirect": "redirect"}
-_CHUNK = 1 << 20
 
 
 @dataclass
@@ -136,14 +135,7 @@ def _feature(fd: int) -> str | None:
 
 def _hash_fd(fd: int, size: int, budget: _Budget) -> str:
     budget.bytes(size)
-    digest = hashlib.sha256()
-    offset = 0
-    while True:
-        block = os.pread(fd, _CHUNK, offset)
-        if not block:
-            return digest.hexdigest()
-        digest.update(block)
-        offset += len(block)
+    return hash_fd(fd)
 
 
 def _seen(dir_fd: int, name: str, budget: _Budget, *, upper: bool) -> Seen | None:
