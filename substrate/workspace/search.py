@@ -5,7 +5,10 @@ symlink, `.git` and temp files skipped) and read whole, at most `SEARCH_MAX_FILE
 each. `_Prefilter` derives from the stdlib's own parse of the pattern a literal every
 match must contain (grep's "must" string): files without it are rejected by
 `bytes.find`, and where no match can leave its line only the lines holding it are
-searched. The results are those of `regex.search` over every file, whatever is skipped.
+searched. A pattern with no such literal is screened by RE2 instead
+(`substrate.workspace.search_re2`): a file where a pattern matching a superset of the
+original's finds nothing is skipped, and `re` starts at the line of its first hit. The
+results are those of `regex.search` over every file, whatever is skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from substrate.workspace import fsops, paths
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.reads import walk_entries
 from substrate.workspace.registry import Workspace
+from substrate.workspace.search_re2 import superset_of
 
 #: The stdlib's own regex parser (private, stable since 3.11): see `_Prefilter`.
 _sre: Any = importlib.import_module("re._constants")
@@ -49,10 +53,13 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     and `read_deny` paths. A path that is not UTF-8 is reported as `fs.walk` does.
     `column` is the 1-based byte column. Refuses `invalid_params` for a bad pattern or
     glob. Costs one read of every scanned file, plus regex work only where a literal
-    every match must contain occurs (see `_Prefilter`); stops at `max_matches`.
+    every match must contain occurs (see `_Prefilter`), or else where RE2 finds a match
+    of the pattern's superset (`search_re2`); stops at `max_matches`.
     """
     regex = _compile_search(p)
     prefilter = _Prefilter.of(regex)
+    if not prefilter.literal:
+        prefilter = _Prefilter(screen=superset_of(regex))
     try:
         globs = GlobSet.of([p.glob]) if p.glob else None
     except InvalidParams as exc:
@@ -115,6 +122,8 @@ class _Prefilter:
     literal: bytes = b""
     fold: bool = False
     line_bound: bool = False
+    #: Without a literal: an RE2 pattern matching wherever the regex can, or None.
+    screen: Any = None
 
     @classmethod
     def of(cls, regex: re.Pattern[bytes]) -> _Prefilter:
@@ -253,6 +262,13 @@ def _collect(
     hay = data.lower() if literal and prefilter.fold else data
     if literal and hay.find(literal) < 0:
         return False
+    pos = 0
+    if prefilter.screen is not None:
+        hit = prefilter.screen.search(data)
+        if hit is None:
+            return False
+        # `re`'s first match starts at or after RE2's first (a superset): start at its line.
+        pos = data.rfind(b"\n", 0, hit.start()) + 1
     path, path_b64 = paths.wire_name(rel)
     line_no = 1
     counted_to = 0
@@ -279,7 +295,6 @@ def _collect(
                 return True
             at = hay.find(literal, end + 1)
         return False
-    pos = 0
     while pos <= len(data):
         m = regex.search(data, pos)
         if m is None:
