@@ -57,9 +57,7 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     of the pattern's superset (`search_re2`); stops at `max_matches`.
     """
     regex = _compile_search(p)
-    prefilter = _Prefilter.of(regex)
-    if not prefilter.literal:
-        prefilter = _Prefilter(screen=superset_of(regex))
+    prefilter = _Prefilter.for_search(regex)
     try:
         globs = GlobSet.of([p.glob]) if p.glob else None
     except InvalidParams as exc:
@@ -126,6 +124,14 @@ class _Prefilter:
     screen: Any = None
 
     @classmethod
+    def for_search(cls, regex: re.Pattern[bytes]) -> _Prefilter:
+        """The literal prefilter, or else the RE2 screen (`search_re2`)."""
+        literal = cls.of(regex)
+        if literal.literal:
+            return literal
+        return cls(screen=superset_of(regex), line_bound=literal.line_bound)
+
+    @classmethod
     def of(cls, regex: re.Pattern[bytes]) -> _Prefilter:
         try:
             parsed = _sre_parser.parse(regex.pattern, regex.flags)
@@ -141,7 +147,7 @@ class _Prefilter:
         return cls(
             literal=literal.lower() if fold else literal,
             fold=fold,
-            line_bound=bool(literal) and not dotall and _line_bound(parsed.data),
+            line_bound=not dotall and _line_bound(parsed.data),
         )
 
 
@@ -262,9 +268,10 @@ def _collect(
     hay = data.lower() if literal and prefilter.fold else data
     if literal and hay.find(literal) < 0:
         return False
+    screen = prefilter.screen
     pos = 0
-    if prefilter.screen is not None:
-        hit = prefilter.screen.search(data)
+    if screen is not None:
+        hit = screen.search(data)
         if hit is None:
             return False
         # `re`'s first match starts at or after RE2's first (a superset): start at its line.
@@ -283,7 +290,22 @@ def _collect(
         )
         return len(out) >= limit
 
-    if prefilter.line_bound:
+    if screen is not None and prefilter.line_bound:
+        # Only lines where RE2 finds the superset can match; a match never leaves its line.
+        while hit is not None:
+            start = data.rfind(b"\n", 0, hit.start()) + 1
+            end = data.find(b"\n", hit.start())
+            end = len(data) if end < 0 else end
+            # Up to and with the newline: an empty line is not an empty string (`\B`); a
+            # match there starting past the newline is the next line's.
+            m = regex.search(data, start, min(end + 1, len(data)))
+            if m is not None and m.start() > end:
+                m = None
+            if m is not None and add(start, end, m.start() - start + 1):
+                return True
+            hit = screen.search(data, end + 1) if end < len(data) else None
+        return False
+    if literal and prefilter.line_bound:
         # Only lines holding the literal can match; a match never leaves its line.
         at = hay.find(literal)
         while at >= 0:
