@@ -53,7 +53,7 @@ class Conclusion:
     generation: int
     mode: ChangesMode  # `combined` over every user that ran on it
     actor: str  # the last user that ran: the applied set's entries are its
-    users: tuple[str, ...]  # the ids of every user whose changes it holds, in order
+    users: tuple[str, ...]  # every user whose changes it holds: carried, then as they ended
 
 
 def combined(modes: Iterable[ChangesMode]) -> ChangesMode:
