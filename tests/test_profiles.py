@@ -323,9 +323,10 @@ def test_a_layer_workspace_is_accepted_under_runc_only(tmp_path: Path) -> None:
     body = "\n".join(ln for ln in body.splitlines() if not ln.startswith("runtime ="))
     msg = _refusal(tmp_path, body + '\nruntime = "runsc"\n')
     assert ': $.workspace: "layer" (the default) needs runtime "runc"' in msg
+    # A terminal on a layer profile shares its generation (docs/terminals.md).
     body = _with("workspace", 'workspace = "layer"') + "interactive = true\n"
-    msg = _refusal(tmp_path / "i", body)
-    assert ': $.interactive: terminals on a "layer" workspace are not supported yet' in msg
+    terminal = load_profile(_write(tmp_path / "i", body), SECCOMP)
+    assert (terminal.workspace, terminal.interactive) == ("layer", True)
 
 
 def test_runsc_with_a_seccomp_policy_is_refused(tmp_path: Path) -> None:

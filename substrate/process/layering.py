@@ -1,11 +1,13 @@
 """The end of a command on a `workspace = "layer"` sandbox: swap, scan, apply
 (docs/working-layer.md).
 
-Theory of operation. Commands on one layer sandbox take turns (`WorkingLayer.turn`,
-held by `Processes.run` from before the exec to after this): a second concurrent
-command waits until the first has ended and its changes were applied, so every change
-belongs to exactly one generation and is applied once. When a command has ended — also
-killed, timed out or cancelled, under the runner's shielded conclusion — `conclude`:
+Theory of operation. Commands and terminals on one layer sandbox that overlap share its
+generation (`process.layer_users`, `sandbox.generation`): none waits for another, and the
+generation concludes once, when the last of them ends (a newcomer waits only while that
+conclusion runs, then joins the next generation), so every change belongs to exactly one
+generation and is applied once. When the last user has ended — also killed, timed out or
+cancelled, under the runner's shielded conclusion — `conclude`, given the last user's
+request with the users' combined mode and the actor of the last that ran:
 
 1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
    stays on disk, untouched (review, discard and artifacts for conflicts come next);
@@ -21,8 +23,8 @@ killed, timed out or cancelled, under the runner's shielded conclusion — `conc
 4. returns a bounded summary (`schema.proc.ProcChanges`).
 
 A generation still in use (EBUSY: a process of the sandbox holds it) is kept: nothing is
-applied now (`layer_busy`) and its changes go, whole, with the next command's (in that
-command's mode).
+applied now (`layer_busy`) and its changes go, whole, with the next conclusion's (in a
+mode that counts its users': `Users.concluded(kept=True)`).
 The reactive write gate never runs for a layer sandbox: the layer never writes the
 checkout.
 """

@@ -69,14 +69,19 @@ class ChangeCounts(msgspec.Struct, frozen=True, kw_only=True):
 
 class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The change set of a command on a `workspace = "layer"` sandbox, applied when it
-    ended. Each list holds at most 1,000 entries (`counts` has the totals). `error`:
-    why nothing (or not everything) was applied: `layer_busy` (the layer was still in
-    use; its changes apply after the next command), `layer_unverified` (the next
-    generation did not verify: the sandbox is dropped), or a refusal name. `mode` is the
-    run's `changes`; `changeset` the id under which the set is kept (`changes.get`),
-    absent for "discard"; `review` the changes awaiting `changes.apply` (mode "review")."""
+    ended. Each list holds at most 1,000 entries (`counts` has the totals). `deferred`:
+    other commands or terminals still used the generation when this one ended, so its
+    changes wait in it and are applied (once, with theirs) when the last of them ends;
+    that one's result carries the set (docs/protocol.md §11). `error`: why nothing (or
+    not everything) was applied: `layer_busy` (the layer was still in use; its changes
+    apply after the next command), `layer_unverified` (the next generation did not
+    verify: the sandbox is dropped), or a refusal name. `mode` is the mode the set was
+    concluded in (the most conservative its users asked; the run's own `changes` when
+    deferred); `changeset` the id under which the set is kept (`changes.get`), absent for
+    "discard"; `review` the changes awaiting `changes.apply` (mode "review")."""
 
     generation: int  # the layer generation that held the changes (upper/<generation>)
+    deferred: bool = False
     changeset: str | None = None
     mode: ChangesMode = "apply"
     review: list[ChangeEntry] = msgspec.field(default_factory=list)
