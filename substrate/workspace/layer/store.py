@@ -15,7 +15,9 @@ never following a symlink) and marks the row `discarded`.
 
 Conflicts: the command's version of each file that conflicted (at the command's end,
 `host_changed`, or at any later apply) is copied into the artifact store
-(`layer.versions`, through the `FileKeeper` given) and listed in the row's `versions`.
+(`layer.versions`, through the `FileKeeper` given) and listed in the row's `versions`;
+the host's edits' are recorded with the set (`unkept`) before anything is applied, so a
+crash never lets the layer go without them.
 
 Cleanup: a set is *settled* once applied whole with nothing `pending` and every
 conflict's version kept (`versions.settled`); then its upper and work dirs are removed
