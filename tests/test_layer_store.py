@@ -43,6 +43,7 @@ class Env:
     changesets: Changesets
     registry: WorkspaceRegistry
     artifacts: ArtifactStore
+    store: Store
 
     def keep(self, held: tuple[str, ...] = ()) -> str:
         ufd = os.open(self.upper, DIR)
@@ -83,7 +84,16 @@ def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -
     (upper / "new.txt").write_text("new\n")
     try:
         yield Env(
-            root, upper, work, ws, Writer(store, journal), journal, changesets, registry, artifacts
+            root,
+            upper,
+            work,
+            ws,
+            Writer(store, journal),
+            journal,
+            changesets,
+            registry,
+            artifacts,
+            store,
         )
     finally:
         registry.close()
@@ -274,7 +284,7 @@ def test_host_changed_versions_are_copied_even_after_a_crash(env: Env) -> None:
 
 
 def test_a_set_without_a_keeper_keeps_its_conflicting_layer(env: Env) -> None:
-    bare = Changesets(env.changesets._store, env.journal)  # no artifact store
+    bare = Changesets(env.store, env.journal)  # no artifact store
     ufd = os.open(env.upper, DIR)
     try:
         cs = scan(ufd, env.ws.root_fd)
@@ -334,3 +344,39 @@ def test_changes_get_bounds_the_diff_text_of_one_answer() -> None:
     shown = bounded_diffs(tuple(made), 25)
     assert [c.diff for c in shown] == ["x" * 10, "x" * 10, "", ""]
     assert [c.diff_truncated for c in shown] == [False, False, True, True]
+
+
+class _Flaky:
+    """A keeper whose first copy fails, then copies into the real store."""
+
+    def __init__(self, real: ArtifactKeeper) -> None:
+        self.real = real
+        self.calls = 0
+
+    def keep_file(self, fd: int, size: int, owner: str) -> tuple[str, str] | None:
+        self.calls += 1
+        if self.calls == 1:
+            raise OSError(28, "No space left on device")
+        return self.real.keep_file(fd, size, owner)
+
+
+def test_a_failed_copy_holds_the_layer_and_is_retried(env: Env) -> None:
+    flaky = _Flaky(ArtifactKeeper(env.artifacts))
+    changesets = Changesets(env.store, env.journal, flaky)
+    ufd = os.open(env.upper, DIR)
+    try:
+        cs = scan(ufd, env.ws.root_fd)
+    finally:
+        os.close(ufd)
+    cs_id = changesets.record(env.ws, 3, str(env.upper), str(env.work), cs, "pending")
+    (env.root / "a.txt").write_text("host\n")
+    kept, result, _ = changesets.apply(env.writer, env.ws, cs_id, None, False, ACTOR)
+    assert [(v.path, v.reason) for v in kept.versions.items] == [("a.txt", "failed")]
+    assert kept.layer == "kept" and env.upper.exists()
+    (entry,) = layer_keep.entries(result.conflicts, None, kept.versions)
+    assert (entry.artifact_reason, entry.kept) == ("failed", "a.txt")
+    kept, _, _ = changesets.apply(env.writer, env.ws, cs_id, None, False, ACTOR)
+    (version,) = kept.versions.items
+    assert env.artifact_bytes(version.artifact) == b"A\n"
+    assert kept.layer == "removed" and not env.upper.exists()
+    assert (env.root / "a.txt").read_text() == "host\n"

@@ -19,6 +19,7 @@ Blocking I/O: call from a worker thread.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 from typing import Protocol
@@ -29,6 +30,8 @@ from substrate.errors import Refusal
 from substrate.schema.changes import KeptVersion
 from substrate.workspace import paths
 from substrate.workspace.layer.apply import Outcomes
+
+log = logging.getLogger("substrate.workspace.layer.versions")
 
 #: The largest version kept as an artifact, bytes.
 MAX_VERSION_BYTES = 16 << 20
@@ -134,7 +137,8 @@ def _one(
             return KeptVersion(path=path, size=size, reason="set_full")
         try:
             stored = keeper.keep_file(fd, size, owner)
-        except OSError:
+        except Exception:  # a failed copy only holds the layer: never lose the set for it
+            log.exception("keeping the version of a conflict of %s failed", owner)
             stored = None
         if stored is None:
             return KeptVersion(path=path, size=size, reason="failed")
