@@ -40,17 +40,25 @@ class PolicyBlocked(msgspec.Struct, frozen=True, kw_only=True):
 class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What became of one change of a command's working layer (docs/working-layer.md).
     `op`: create | replace | delete | chmod | mkdir (None for what the scan blocked:
-    symlinks, devices, hard links, ...); `reason`: a refusal name or the scan's reason;
-    `rule`: the policy rule that blocked it; `plan_digest`: the plan to grant
-    (`approval.grant`) of a pending change; `current_sha256`/`kept`: a conflict's
-    checkout digest now and the command's version, kept in its layer."""
+    symlinks, devices, hard links, ...); `size`/`mode`: what the command left (a file's
+    bytes and permission bits; none for a delete); `reason`: a refusal name or the
+    scan's reason; `rule`: the policy rule that blocked it; `plan_digest`: the plan to
+    grant (`approval.grant`) of a pending change. A conflict's `current_sha256` is the
+    checkout's digest now; the command's version is the artifact `artifact` (read it
+    with `artifact.read`), or, when it could not be kept as one (`artifact_reason`:
+    `too_large`, `set_full`, `failed`; `empty` for a file of no bytes), `kept` names it
+    in the set's layer, which then stays until `changes.discard`."""
 
     path: str
     op: str | None = None
+    size: int | None = None
+    mode: int | None = None
     reason: str | None = None
     rule: str | None = None
     plan_digest: str | None = None
     current_sha256: str | None = None
+    artifact: str | None = None
+    artifact_reason: str | None = None
     kept: str | None = None
 
 

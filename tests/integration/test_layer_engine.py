@@ -196,10 +196,10 @@ async def test_a_host_edit_during_a_command_is_kept_and_reported(env: Env) -> No
     (conflict,) = result["changes"]["conflicts"]
     assert conflict["path"] == "old.txt"
     assert conflict["reason"] == "host_changed"
-    assert conflict["kept"] == "old.txt"
-    # The command's version stays in its layer (generation 0) for the next session.
-    (kept,) = env.state.glob("layers/*/upper/0/old.txt")
-    assert kept.read_text() == "sandbox\n"
+    # The command's version is an artifact; its layer (generation 0) is gone with it.
+    read = await env.client.call("artifact.read", artifact=conflict["artifact"])
+    assert read["data"] == "sandbox\n" and "kept" not in conflict
+    assert sorted(env.state.glob("layers/*/upper/0")) == []
 
 
 async def test_two_commands_in_a_row_both_apply(env: Env) -> None:
@@ -378,9 +378,10 @@ async def test_review_keeps_the_set_until_changes_apply(env: Env) -> None:
     assert (env.path / "src" / "new.py").read_text() == "new\n"
     assert (env.path / "old.txt").read_text() == "changed\n"
     assert not (env.path / "src" / "app.py").exists()
-    # Applying it again applies nothing twice.
+    # Settled: its layer is gone, and applying it again applies nothing twice.
+    assert applied["layer"] == "removed"
     again = await env.client.call("changes.apply", changeset=changes["changeset"])
-    assert again["applied"] == [] and again["counts"]["unchanged"] == 3
+    assert again["applied"] == [] and again["counts"]["applied"] == 0
 
 
 async def test_changes_apply_with_paths_applies_only_those(env: Env) -> None:
@@ -425,8 +426,9 @@ async def test_apply_mode_names_its_changeset_and_unknown_ids_are_refused(env: E
     cs = result["changes"]["changeset"]
     kept = await env.client.call("changes.get", changeset=cs)
     assert kept["state"] == "applied" and [c["path"] for c in kept["changes"]] == ["a.txt"]
+    assert kept["layer"] == "removed"  # settled when it ended: nothing left to apply
     again = await env.client.call("changes.apply", changeset=cs)
-    assert again["applied"] == [] and again["counts"]["unchanged"] == 1
+    assert again["applied"] == [] and again["counts"]["applied"] == 0
     for method in ("changes.get", "changes.apply", "changes.discard"):
         with pytest.raises(RpcError) as caught:
             await env.client.call(method, changeset="cs_0000000000000000")
