@@ -14,6 +14,7 @@ else `invalid_params`: checked once here for every method.
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import re
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ RequestId = int | str | None
 
 #: Deepest nesting of arrays and objects in a request line (the envelope is level 1).
 MAX_DEPTH = 64
+#: "unknown method" suggests at most this many names, those at least this close
+#: (`difflib` ratio); a name longer than `SUGGEST_MAX_NAME` characters gets none.
+SUGGESTIONS, SUGGEST_CUTOFF, SUGGEST_MAX_NAME = 3, 0.6, 128
 #: The integers params may carry: signed 64 bits.
 INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -157,6 +161,19 @@ def out_of_range_int(value: Any) -> str | None:
     return None
 
 
+def suggest(name: str) -> list[str]:
+    """Up to `SUGGESTIONS` declared method names closest to `name`, best first (difflib's
+    ratio, at least `SUGGEST_CUTOFF`), or none. Also names a method whose last part is
+    `name`'s (`discover` → `rpc.discover`). A name over `SUGGEST_MAX_NAME` characters gets
+    none, so the cost stays bounded: at most a few thousand character comparisons per
+    declared method."""
+    if len(name) > SUGGEST_MAX_NAME:
+        return []
+    close = difflib.get_close_matches(name, METHODS, n=SUGGESTIONS, cutoff=SUGGEST_CUTOFF)
+    tail = [m for m in sorted(METHODS) if m.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]]
+    return list(dict.fromkeys([*close, *tail]))[:SUGGESTIONS]
+
+
 def decode_call(line: bytes) -> Call | Outcome:
     """Decode one request line into a validated `Call`, or the error `Outcome` to send."""
     if nesting_exceeds(line, MAX_DEPTH):
@@ -177,8 +194,15 @@ def decode_call(line: bytes) -> Call | Outcome:
     if spec is None:
         if notification:
             return Outcome(None)
+        suggestions = suggest(envelope.method)
+        hint = f"; did you mean {', '.join(suggestions)}?" if suggestions else ""
         return Outcome(
-            reply_error(request_id, METHOD_NOT_FOUND, f"unknown method {envelope.method!r}")
+            reply_error(
+                request_id,
+                METHOD_NOT_FOUND,
+                f"unknown method {envelope.method[:SUGGEST_MAX_NAME]!r}{hint}",
+                {"suggestions": suggestions},
+            )
         )
     raw = {} if isinstance(envelope.params, msgspec.UnsetType) else envelope.params
     if _LONG_DIGITS.search(line):
