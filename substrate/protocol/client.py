@@ -116,7 +116,8 @@ def _encode_request(
     if max_request_bytes is not None and len(line) > max_request_bytes:
         raise RpcError(
             REFUSAL_CODE,
-            f"request line exceeds {max_request_bytes} bytes (not sent)",
+            f"request line of {len(line)} bytes exceeds the {max_request_bytes} byte limit"
+            " (not sent; a file this big goes by upload_file)",
             {"refusal": "request_too_large", "limit": max_request_bytes},
         )
     return line + b"\n"

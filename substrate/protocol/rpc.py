@@ -113,8 +113,11 @@ _encoder = msgspec.json.Encoder()
 #: A JSON string (escapes included). An unterminated one runs to the end of the line, as
 #: for a parser; that also keeps the search linear (it never fails and restarts inside).
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
-#: Digits enough to be out of the 64-bit range (a fast filter; the walk decides).
-_LONG_DIGITS = re.compile(rb"[0-9]{19,}")
+#: Digits enough to be out of the 64-bit range (a fast filter; the walk decides): with
+#: every digit made "0" and every other byte "x", a run of 19 is a substring search,
+#: several times faster than a regex over a line of base64 (an upload chunk's).
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x78 for b in range(256))
+_LONG_DIGITS = b"0" * 19
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _BRACKET_STEP = [0] * 256
 for _opener, _closer in (b"[]", b"{}"):
@@ -205,7 +208,7 @@ def decode_call(line: bytes) -> Call | Outcome:
             )
         )
     raw = {} if isinstance(envelope.params, msgspec.UnsetType) else envelope.params
-    if _LONG_DIGITS.search(line):
+    if _LONG_DIGITS in line.translate(_DIGITS_AS_ZERO):
         bad = out_of_range_int(raw)
         if bad is not None:
             refusal = InvalidParams(
