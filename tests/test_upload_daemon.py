@@ -142,6 +142,22 @@ def test_an_interrupted_upload_leaves_nothing_and_its_spool_goes_at_restart(
     assert snapshot_tree(root) == before
 
 
+def test_a_stopping_daemon_removes_its_spools(
+    daemon_factory: Callable[..., DaemonProcess], snapshot_tree: Callable[[Path], Any]
+) -> None:
+    d = daemon_factory()
+    root = d.make_workspace("demo", {"a.txt": "a\n"})
+    ws = d.adopt(root)
+    before = snapshot_tree(root)
+    with d.client() as c:
+        upload = begin(c, ws, "new.bin", b"x" * 1000)
+        chunk(c, upload, 0, b"x" * 500)
+    assert spool(d) == [upload]
+    assert d.stop() == 0
+    assert spool(d) == []
+    assert snapshot_tree(root) == before
+
+
 def test_a_dropped_connection_resumes_where_it_stopped(daemon: DaemonProcess) -> None:
     root = daemon.make_workspace("demo", {"a.txt": "a\n"})
     ws = daemon.adopt(root)

@@ -238,17 +238,27 @@ def test_calls_on_one_upload_wait_for_each_other(uploads: Uploads) -> None:
     assert up.received == 0
 
 
-def test_a_new_run_removes_the_spools_of_the_last_one_only(tmp_path: Path, clock: Clock) -> None:
-    first = Uploads(tmp_path, max_bytes=1 << 20, max_open=3, idle_s=60.0, clock=clock)
-    up = begin(first)
-    first.chunk(ME, up.id, 0, DATA[:100])
-    first.close()
+def test_close_removes_every_spool(tmp_path: Path, clock: Clock) -> None:
+    u = Uploads(tmp_path, max_bytes=1 << 20, max_open=3, idle_s=60.0, clock=clock)
+    up = begin(u)
+    u.chunk(ME, up.id, 0, DATA[:100])
+    u.close()
+    assert spool(tmp_path) == []
+
+
+def test_a_start_removes_what_a_crashed_run_left_and_only_that(
+    tmp_path: Path, clock: Clock
+) -> None:
+    (tmp_path / SPOOL_DIR).mkdir(mode=0o700)
+    left = "upl_" + "ab" * 16  # a spool file of a run that crashed
+    (tmp_path / SPOOL_DIR / left).write_bytes(DATA[:100])
     (tmp_path / SPOOL_DIR / "keep-me").write_text("not a spool file")
-    second = Uploads(tmp_path, max_bytes=1 << 20, max_open=3, idle_s=60.0, clock=clock)
+    u = Uploads(tmp_path, max_bytes=1 << 20, max_open=3, idle_s=60.0, clock=clock)
     try:
-        assert second.removed_at_start == 1
+        assert u.removed_at_start == 1
         assert spool(tmp_path) == ["keep-me"]
         with pytest.raises(UploadUnknown):
-            second.chunk(ME, up.id, 100, DATA[100:200])
+            u.chunk(ME, left, 0, DATA[:100])
     finally:
-        second.close()
+        u.close()
+    assert spool(tmp_path) == ["keep-me"]

@@ -91,6 +91,8 @@ REFUSAL_CODE = -32001
 #: The daemon's default `max_request_bytes`: what a client checks a request against
 #: unless told the daemon's own limit (None: no check, the daemon's reply tells).
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+#: How long `AsyncClient.upload_file` waits for the abort of a failed upload, seconds.
+ABORT_TIMEOUT_S = 10.0
 #: What `upload_file` reads from: a file's path or a binary file open for reading.
 Source = str | os.PathLike[str] | BinaryIO
 
@@ -458,8 +460,9 @@ class AsyncClient:
                 return plan
             finally:
                 if not done:
+                    # Shielded (the upload is ours to drop, even when cancelled) but bounded.
                     with (
-                        trio.CancelScope(shield=True),
+                        trio.move_on_after(ABORT_TIMEOUT_S, shield=True),
                         contextlib.suppress(
                             RpcError, ConnectionLost, OSError, trio.BrokenResourceError
                         ),

@@ -12,7 +12,8 @@ which streams the spool into a same-directory temp file and renames it.
 An upload belongs to its caller (socket and uid, `Caller.name`): another caller's id is
 `upload_unknown`, like an id that never was. It outlives the connection that began it (a
 dropped client resumes at `received`), not the daemon: uploads live in memory, and the
-spool directory is emptied of every `upl_*` file when the daemon starts. An upload with
+spool directory is emptied of every `upl_*` file when the daemon stops and when it
+starts (after a crash). An upload with
 no call for `idle_s` expires (`expire`, which the daemon runs periodically), its spool
 removed; one that a call is using is never expired under it.
 
@@ -113,6 +114,10 @@ class Uploads:
         self.removed_at_start = self._remove_all_spools()
 
     def close(self) -> None:
+        """At the daemon's exit: every upload ends with it, so every spool file goes."""
+        with self._lock:
+            self._open.clear()
+        self._remove_all_spools()
         os.close(self._dir_fd)
 
     # -- the wire operations -------------------------------------------------------------
@@ -298,8 +303,8 @@ class Uploads:
             )
 
     def _remove_all_spools(self) -> int:
-        """Remove the spool files of earlier runs (uploads never outlive one); how many.
-        Only names substrate gives spool files are touched."""
+        """Remove every spool file (at start: an earlier run's; uploads never outlive
+        one); how many. Only names substrate gives spool files are touched."""
         removed = 0
         with os.scandir(self._dir_fd) as it:
             names = [e.name for e in it if UPLOAD_ID.fullmatch(e.name)]
