@@ -7,6 +7,8 @@ import base64
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import substrate
 from substrate.protocol.client import Client, RpcError
 from substrate.workspace.temp_files import TEMP_PREFIX
 from substrate.workspace.uploads import SPOOL_DIR
@@ -271,3 +274,23 @@ def test_dry_run_and_plan_digest(daemon: DaemonProcess) -> None:
         plan = c.call("fs.upload.commit", upload=upload, plan_digest=dry["plan_digest"])
     assert plan["applied"] and plan["plan_digest"] == dry["plan_digest"]
     assert (root / "a.txt").read_bytes() == data
+
+
+def test_cli_write_of_a_big_file_goes_by_upload(daemon: DaemonProcess, tmp_path: Path) -> None:
+    root = daemon.make_workspace("demo", {"a.txt": "a\n"})
+    ws = daemon.adopt(root)
+    source = tmp_path / "big.bin"
+    new_sha = write_random(source, 3 * MiB)  # over one request line as base64
+    argv = [sys.executable, "-m", "substrate", "--state-dir", str(daemon.state_dir), "write"]
+    env = {**os.environ, "PYTHONPATH": str(Path(substrate.__file__).resolve().parent.parent)}
+    done = subprocess.run(
+        [*argv, "big.bin", "--workspace", ws, "--create", "--from", str(source)],
+        capture_output=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new_sha256"] == new_sha
+    assert file_sha(root / "big.bin") == new_sha
+    assert [e["data"]["new_sha256"] for e in daemon.journal({"fs.upload"})] == [new_sha]
