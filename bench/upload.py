@@ -8,7 +8,10 @@ Starts a real daemon on a private temp dir and prints, measured in this run:
 2. the baseline: the same bytes copied locally into the same filesystem the way a
    guarded write lands them (read, write a temp file, fsync, rename, fsync the dir);
 3. `fs.write` of a ~700 KiB file per call (the largest one a 1 MiB request line holds),
-   as MB/s, to show what a chunk costs compared with a whole small write.
+   as MB/s, to show what a chunk costs compared with a whole small write;
+4. the daemon's screen of a chunk's request line for out-of-range integers
+   (`rpc.decode_call`: translate + substring search) against the regex it replaced
+   (`[0-9]{19,}`), on the same 1 MiB line.
 
 Figures are medians of `--rounds` rounds after one warm-up; the ratio is upload / local.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import base64
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -33,7 +37,9 @@ sys.path.insert(0, str(REPO))
 
 from benchdaemon import BenchDaemon  # noqa: E402
 
+from substrate.protocol import rpc  # noqa: E402
 from substrate.protocol.client import Client  # noqa: E402
+from substrate.schema.upload import chunk_bytes  # noqa: E402
 
 MiB = 1 << 20
 #: A whole `fs.write` that still fits one 1 MiB request line as base64.
@@ -43,6 +49,27 @@ SMALL_WRITE = 700_000
 def median_of(rounds: int, measure: Callable[[], float]) -> float:
     measure()  # warm-up
     return statistics.median(measure() for _ in range(rounds))
+
+
+def screen_ratio(rounds: int) -> tuple[float, float]:
+    """(regex, translate) seconds to screen one 1 MiB chunk line, medians of 50-line runs."""
+    data = base64.b64encode(os.urandom(chunk_bytes(MiB))).decode()
+    line = rpc.reply_result(1, {"upload": "upl_" + "ab" * 16, "offset": 0, "data_b64": data})
+    regex = re.compile(rb"[0-9]{19,}")
+
+    def by_regex() -> float:
+        t = time.perf_counter()
+        for _ in range(50):
+            regex.search(line)
+        return time.perf_counter() - t
+
+    def by_translate() -> float:
+        t = time.perf_counter()
+        for _ in range(50):
+            _ = rpc._LONG_DIGITS in line.translate(rpc._DIGITS_AS_ZERO)
+        return time.perf_counter() - t
+
+    return median_of(rounds, by_regex) / 50, median_of(rounds, by_translate) / 50
 
 
 def local_copy(source: Path, target_dir: Path, name: str) -> None:
@@ -115,6 +142,11 @@ def main() -> None:
         print(f"local temp+fsync+rename (base) {t_copy:7.3f} s  {size_mb / t_copy:8.1f} MB/s")
         print(f"ratio upload / local throughput: {t_copy / t_upload:.2f}")
         print(f"fs.write of {SMALL_WRITE} bytes: {SMALL_WRITE / 1e6 / t_small:8.1f} MB/s")
+        t_regex, t_translate = screen_ratio(args.rounds)
+        print(
+            f"integer screen of a 1 MiB chunk line: regex {t_regex * 1e3:.2f} ms,"
+            f" translate {t_translate * 1e3:.2f} ms, ratio {t_regex / t_translate:.1f}"
+        )
     finally:
         daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
