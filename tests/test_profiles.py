@@ -119,7 +119,8 @@ def test_default_profile_is_the_promised_confinement() -> None:
         seccomp="strict",
         capabilities=[],
         no_new_privileges=True,
-        env={"LANG": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"},
+        env={"LANG": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/agent"},
+        secrets={},
         argv_allow=[],
         interactive=False,
     )
@@ -146,7 +147,7 @@ def test_interactive_differs_from_default_in_pty_and_term() -> None:
     env = diff.pop("env")
     assert isinstance(env, dict)
     assert env["TERM"] == "xterm-256color"
-    assert env["HOME"] == "/tmp"
+    assert env["HOME"] == "/home/agent"
     assert diff == {}
 
 

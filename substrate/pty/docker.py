@@ -158,7 +158,8 @@ class DockerPtys:
             sandbox = await containers.ensure(ws, prof)
             sandbox.acquire()
             try:
-                env = {"TERM": DEFAULT_TERM, **exec_env(prof, marker)}
+                # The sandbox's profile: with the secrets' values (never the loaded one's).
+                env = {"TERM": DEFAULT_TERM, **exec_env(sandbox.profile, marker)}
                 exec_id = await engine.exec_create(
                     sandbox.id,
                     argv,
