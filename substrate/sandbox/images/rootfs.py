@@ -33,6 +33,12 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = (
     "python3",
     "python3-pytest",
+    # A Python project sets itself up (docs/environments.md): pip, venv (with the pip and
+    # setuptools wheels ensurepip installs), and what builds pure-Python wheels offline.
+    "python3-pip",
+    "python3-venv",
+    "python3-setuptools",
+    "python3-wheel",
     "git",
     "bash",
     "coreutils",
