@@ -40,8 +40,10 @@ from substrate.workspace import fsops
 #: The homes directory's name in the state dir.
 DIR_NAME = "homes"
 #: `usage` reads at most this many entries; past it the sizes are a lower bound
-#: (`truncated`). About 15 ms per 10,000 entries with a warm cache.
-MAX_USAGE_ENTRIES = 200_000
+#: (`truncated`). One lstat per entry: about 70 ms per 10,000 entries measured here
+#: (2 CPUs, shared, warm cache), so at most about 0.7 s. A venv with substrate's dev
+#: dependencies is about 6,300 entries.
+MAX_USAGE_ENTRIES = 100_000
 #: ... and goes at most this deep (a deeper tree counts as truncated, not walked).
 MAX_USAGE_DEPTH = 256
 
