@@ -128,3 +128,12 @@ def test_info_reports_the_home_and_release_keeps_it_unless_told(
     assert entry["workspace"] == ws and entry["data"] == {"root_id": info["root_id"]}
     ws = daemon.adopt(workspace_dir)
     assert c.call("workspace.release", workspace=ws, keep_home=False)["home"] == "none"
+
+
+def test_remove_leaves_alone_what_it_did_not_make(homes: Homes) -> None:
+    homes.directory.mkdir(mode=0o700)
+    planted = homes.directory / home_key(CHECKOUT)
+    planted.write_text("not a home\n")
+    with pytest.raises(OSError):
+        homes.remove(CHECKOUT)
+    assert planted.read_text() == "not a home\n"

@@ -126,7 +126,8 @@ class Homes:
         """Remove the checkout's homes with everything in them; False when there were
         none. Never follows a symlink inside (`fsops.remove_tree`). Raises OSError when
         something appears in a directory while it is removed (ENOTEMPTY) or a directory
-        moves (ESTALE); what was removed stays removed."""
+        moves (ESTALE), what was removed staying removed; and ENOTDIR, touching nothing,
+        for something other than a directory at the checkout's name."""
         key = home_key(dev_ino)
         with self._lock:
             top = self._open_top(create=False)
@@ -137,8 +138,8 @@ class Homes:
                 if st is None:
                     return False
                 if not stat.S_ISDIR(st.st_mode):
-                    os.unlink(key, dir_fd=top)  # never ours; a directory is all we make
-                    return True
+                    # Never ours (a directory is all `prepare` makes): left alone.
+                    raise OSError(errno.ENOTDIR, "not a directory", key)
                 fsops.remove_tree(top, key)
                 os.fsync(top)
                 return True
