@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from substrate.cli import exec as cli_exec
+from substrate.cli import secret as cli_secret
 from substrate.cli.common import client_for, workspace_handle
 from substrate.protocol.client import RpcError
 
@@ -286,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_journal)
 
     cli_exec.add_commands(sub)
+    cli_secret.add_commands(sub)
     return parser
 
 

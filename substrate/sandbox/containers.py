@@ -21,7 +21,9 @@ workspace is released, or the daemon stops. On a cache miss it:
    The facts are journalled (`proc.facts`) and returned with every command's result.
 
 What is mounted read-only over the workspace (every `.git`, the policy's whole-directory
-denies) and the empty resolver file are `substrate.sandbox.mounts`'. What the host kernel
+denies) and the empty resolver file are `substrate.sandbox.mounts`'; the persistent home
+(bound at /home/agent, its `home_identity` required) and the secrets (in
+`Sandbox.profile.env` only, per exec) are `substrate.sandbox.environment`'s. What the host kernel
 shows of a started container comes through a `SandboxHost` (`substrate.sandbox.host`);
 tests of this logic give it `substrate.sandbox.fake_engine`'s fakes.
 
@@ -39,6 +41,7 @@ removed: it belongs to a previous run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -64,6 +67,7 @@ from substrate.sandbox import (
     working_layer,
 )
 from substrate.sandbox.engine import ContainerGone, Engine
+from substrate.sandbox.environment import SandboxEnvironment
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
 from substrate.sandbox.layer_plan import layers_dir
@@ -81,7 +85,9 @@ from substrate.sandbox.spec import (
     spec_digest,
 )
 from substrate.sandbox.working_layer import WorkingLayer
+from substrate.secrets import SecretStore
 from substrate.store.journal import Journal
+from substrate.workspace.homes import Home, Homes
 from substrate.workspace.registry import Workspace
 
 __all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_for"]
@@ -95,6 +101,8 @@ class Sandbox:
 
     id: str
     workspace: str
+    #: The profile as its commands get it: with secrets, `env` holds their values
+    #: (`profiles.with_secrets`). Never serialize it; `.name` is what records carry.
     profile: Profile
     who: RunAs
     init_pid: int
@@ -109,6 +117,10 @@ class Sandbox:
     readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: The working layer of a `workspace = "layer"` sandbox (None for the others).
     layer: WorkingLayer | None = None
+    #: The persistent home bound at /home/agent (None: this daemon keeps none).
+    home: Home | None = None
+    #: `SecretStore.version` of the secrets in `profile.env` when they were read.
+    secrets_version: tuple[object, ...] = ()
 
     def acquire(self) -> None:
         """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
@@ -136,6 +148,8 @@ class Containers:
         files_dir: Path | None = None,
         host: SandboxHost | None = None,
         state_dir: str | None = None,
+        homes: Homes | None = None,
+        secrets: SecretStore | None = None,
     ) -> None:
         self._engine = engine
         self._host: SandboxHost = host if host is not None else HostKernel()
@@ -153,6 +167,8 @@ class Containers:
         self._state_dir = state_dir
         # Set once a previous run's layer mounts are swept: no layer is made before.
         self._layers_swept = trio.Event()
+        #: Secrets and persistent homes (either None: see `SandboxEnvironment`).
+        self.environment = SandboxEnvironment(homes, secrets, fs_limiter)
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -175,24 +191,26 @@ class Containers:
 
         Refuses `confinement_unmet` (root owner without allow_root; a fact that does not
         hold; a labelled container with weaker settings), `runtime_unavailable`,
-        `image_missing`. A warm call costs one procfs read; a cold one a container start
-        and a fact check (a few hundred milliseconds).
+        `image_missing`, `secret_unknown` (a secret the profile names is not set). A warm
+        call costs one procfs read (and one lstat per secret of the profile); a cold one a
+        container start and a fact check (a few hundred milliseconds).
         """
         key = (ws.id, profile.name)
         found = self._live.get(key)
-        if found is not None and self._alive(found):
-            found.last_used = time.monotonic()
-            return found
-        lock = self._locks.setdefault(key, trio.Lock())
-        async with lock:
-            found = self._live.get(key)
-            if found is not None:
-                if self._alive(found):
+        if found is None or not self._alive(found):
+            async with self._locks.setdefault(key, trio.Lock()):
+                found = self._live.get(key)
+                if found is not None and not self._alive(found):
+                    await self._drop(found, "init_changed")
+                    found = None
+                if found is None:
+                    found = self._live[key] = await self._create_verified(ws, profile)
                     return found
-                await self._drop(found, "init_changed")
-            sandbox = await self._create_verified(ws, profile)
-            self._live[key] = sandbox
-            return sandbox
+        found.last_used = time.monotonic()
+        if self.environment.secrets_changed(profile, found.secrets_version):
+            # Set again or removed since they were read (`secret_unknown` once removed).
+            found.profile, found.secrets_version = await self.environment.load_secrets(profile)
+        return found
 
     def _alive(self, sandbox: Sandbox) -> bool:
         """Is the container's init still the process we verified? (procfs, microseconds)"""
@@ -220,6 +238,8 @@ class Containers:
     # -- creation and verification -----------------------------------------------------------
 
     async def _create_verified(self, ws: Workspace, profile: Profile) -> Sandbox:
+        # First: a missing secret refuses before anything is made.
+        exec_profile, secrets_version = await self.environment.load_secrets(profile)
         owner = await trio.to_thread.run_sync(os.fstat, ws.root_fd, limiter=self._fs_limiter)
         who = run_as(profile, owner.st_uid, owner.st_gid)
         if profile.runtime != "runc":
@@ -231,18 +251,21 @@ class Containers:
         ro_dirs = await trio.to_thread.run_sync(
             mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
         )
+        home = await self.environment.prepare_home(ws, who)
         layer = None
         if profile.workspace == "layer":
             passthrough.check_policy(ws.policy, profile.passthrough)
             layer = await self._open_layer(ro_dirs, profile.passthrough)
         try:
-            return await self._create_in(
-                ws, profile, owner, who, image_id, security_opt, ro_dirs, layer
+            sandbox = await self._create_in(
+                ws, profile, owner, who, image_id, security_opt, ro_dirs, layer, home
             )
         except BaseException:
             if layer is not None:
                 await self._close_layer(layer)
             raise
+        sandbox.profile, sandbox.secrets_version = exec_profile, secrets_version
+        return sandbox
 
     async def _create_in(
         self,
@@ -254,6 +277,7 @@ class Containers:
         security_opt: list[str],
         ro_dirs: list[tuple[str, tuple[int, int]]],
         layer: WorkingLayer | None,
+        home: Home | None,
     ) -> Sandbox:
         required = factlib.required_facts(
             profile,
@@ -265,6 +289,8 @@ class Containers:
             image_id=image_id,
             security_opt=security_opt,
         )
+        if home is not None:
+            required["home_identity"] = f"{home.identity[0]}:{home.identity[1]}"
         if layer is None:
             required.update(mounts.identity_required(profile, ro_dirs, owner))
         else:
@@ -284,6 +310,7 @@ class Containers:
             readonly_dirs=ro_rels if layer is None else [],
             security_opt=security_opt,
             resolv_conf=resolv_conf,
+            home_source=None if home is None else home.source,
         )
         labels = {
             **self.labels_for(ws.id, profile.name),
@@ -302,7 +329,9 @@ class Containers:
                         working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
                     )
                     required = {**required, **await self._layer_identities(layer)}
-                sandbox = await self._verify(container, ws, profile, who, required, dict(ro_dirs))
+                sandbox = await self._verify(
+                    container, ws, profile, who, required, dict(ro_dirs), home
+                )
                 sandbox.layer = layer
                 return sandbox
             except (ContainerGone, ProcessLookupError):
@@ -323,6 +352,7 @@ class Containers:
         who: RunAs,
         required: Mapping[str, FactValue],
         readonly: dict[str, tuple[int, int]],
+        home: Home | None,
     ) -> Sandbox:
         inspect = await self._engine.inspect(container)
         init_pid = int(inspect["State"]["Pid"] or 0)
@@ -350,6 +380,7 @@ class Containers:
             facts=observed,
             host_visible=host_visible,
             readonly=readonly,
+            home=home,
         )
         await self._journal_async(
             "proc.facts",
@@ -367,8 +398,12 @@ class Containers:
     async def _observe(
         self, init_pid: int, inspect: dict[str, Any], profile: Profile, ro_rels: Sequence[str]
     ) -> list[Fact]:
+        # Every sandbox of a daemon keeping homes has one: its identity is a fact.
+        observe = self._host.observe
+        if self.environment.homes is not None:
+            observe = functools.partial(observe, home=True)
         return await trio.to_thread.run_sync(
-            self._host.observe, init_pid, inspect, profile, ro_rels, limiter=self._fs_limiter
+            observe, init_pid, inspect, profile, ro_rels, limiter=self._fs_limiter
         )
 
     async def _keepalive_pids(self, cgroups: reaper.CgroupDirs, init_pid: int) -> set[int]:
