@@ -25,8 +25,11 @@ from substrate.sandbox.spec import HOME_TARGET
 from substrate.secrets import SecretStore
 from substrate.workspace.homes import Home, Homes, home_key
 
-SECRET = Profile(name="secret", image=IMAGE, secrets={"API_TOKEN": "api-token"})
-TERM = Profile(name="term", image=IMAGE, interactive=True, secrets={"API_TOKEN": "api-token"})
+# The fake engine keeps no working layers: plain-bind ("rw") profiles.
+SECRET = Profile(name="secret", image=IMAGE, workspace="rw", secrets={"API_TOKEN": "api-token"})
+TERM = Profile(
+    name="term", image=IMAGE, workspace="rw", interactive=True, secrets={"API_TOKEN": "api-token"}
+)
 BOX = PROFILES["box"]
 
 
@@ -120,7 +123,7 @@ async def test_a_terminal_shell_gets_the_secret_too(layer: Layer) -> None:
         containers=layer.containers, engine=layer.engine, profile={"term": TERM}.__getitem__
     )
     pty = await DockerPtys(execution, lambda _: layer.ws)(
-        workspace=layer.ws.id, profile="term", cols=80, rows=24
+        workspace=layer.ws.id, profile="term", cols=80, rows=24, session="s1", actor="agent"
     )
     try:
         (shell,) = [e for e in layer.engine.execs.values() if e.tty]
