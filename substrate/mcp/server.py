@@ -34,14 +34,23 @@ from mcp.shared.exceptions import MCPError
 
 import substrate
 from substrate.config import Config
+from substrate.errors import InvalidParams
 from substrate.mcp import bounds, resources
 from substrate.mcp.output import OutputCollector, OutputParams
-from substrate.mcp.tools import BY_NAME, TOOLS, Tool, input_schema, prepare_arguments
+from substrate.mcp.tools import (
+    BY_NAME,
+    TOOLS,
+    Tool,
+    input_schema,
+    prepare_arguments,
+    unknown_fields,
+)
 from substrate.protocol.client import AsyncClient, ConnectionLost, RpcError, open_client
 from substrate.schema import METHODS
 
 log = logging.getLogger("substrate.mcp")
 
+INVALID_PARAMS_CODE = InvalidParams.code
 #: The longest `proc_output` listens for pieces the daemon already has, seconds.
 OUTPUT_WAIT_S = 10.0
 #: The daemon's default request line limit: longer requests are refused here, unsent.
@@ -184,6 +193,14 @@ class Bridge:
         tool = BY_NAME.get(params.name)
         if tool is None:
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
+        unknown = unknown_fields(tool, params.arguments)
+        if unknown:
+            return error_result(
+                f"Object contains unknown field `{unknown[0]}`",
+                refusal="invalid_params",
+                code=INVALID_PARAMS_CODE,
+                data={"refusal": "invalid_params", "path": f"$.{unknown[0]}"},
+            )
         limit = self.options.result_bytes
         args = prepare_arguments(
             tool, params.arguments, default_workspace=self.workspace, result_bytes=limit
@@ -218,7 +235,11 @@ class Bridge:
         try:
             p = msgspec.convert(args, OutputParams)
         except msgspec.ValidationError as exc:
-            raise RpcError(-32602, str(exc), {"refusal": "invalid_params"}) from None
+            message = str(exc)  # "... - at `$.field`" when a field is to blame
+            at = message.rsplit(" - at `", 1)
+            path = at[1].rstrip("`") if len(at) == 2 else "$"
+            data = {"refusal": "invalid_params", "path": path}
+            raise RpcError(INVALID_PARAMS_CODE, message, data) from None
         status = await self.link.call("proc.status", {"proc": p.proc})
         sizes = {"stdout": int(status["stdout_bytes"]), "stderr": int(status["stderr_bytes"])}
         since = {"stdout": p.stdout_since, "stderr": p.stderr_since}
@@ -229,8 +250,8 @@ class Bridge:
                 async with open_client(self.link.path, notification_buffer=64) as client:
                     start = collector.subscribe_since
                     await client.call("proc.subscribe", proc=p.proc, since=start)
-                    async for message in client.notifications:
-                        if collector.feed(message):
+                    async for notice in client.notifications:
+                        if collector.feed(notice):
                             break
         out = collector.result(str(status["state"]), self.options.result_bytes - 1024)
         return msgspec.to_builtins(out)

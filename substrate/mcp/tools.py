@@ -351,6 +351,13 @@ def _default(cls: type[msgspec.Struct], param: str) -> Any:
     return None
 
 
+def unknown_fields(tool: Tool, arguments: Mapping[str, Any] | None) -> list[str]:
+    """Argument names the tool's params Struct does not have (the daemon would refuse
+    them as `invalid_params`; refused here, as one is a keyword of the client's call)."""
+    fields = tool.params.__struct_fields__
+    return sorted(name for name in arguments or {} if name not in fields)
+
+
 def prepare_arguments(
     tool: Tool,
     arguments: Mapping[str, Any] | None,
