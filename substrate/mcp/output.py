@@ -26,11 +26,24 @@ from typing import Any, Literal
 
 import msgspec
 
-from substrate.process.subscriptions import complete_prefix
 from substrate.schema.common import NonNegative, Params
 from substrate.schema.proc import ProcId
 
 STREAMS = ("stdout", "stderr")
+
+
+def complete_prefix(data: bytes) -> int:
+    """Length of `data` without a multi-byte UTF-8 sequence cut off at its end (as
+    `substrate.process.subscriptions.complete_prefix`; not imported, as that would load
+    the whole execution layer into this client)."""
+    for back in range(1, min(4, len(data) + 1)):
+        b = data[-back]
+        if b < 0x80:
+            return len(data)
+        if b >= 0xC0:
+            need = 2 if b < 0xE0 else 3 if b < 0xF0 else 4 if b < 0xF8 else 1
+            return len(data) - back if need > back else len(data)
+    return len(data)
 
 
 class OutputParams(Params):
