@@ -120,7 +120,10 @@ async def test_a_daemon_without_a_secret_store_refuses_a_profile_naming_one(
 async def test_a_terminal_shell_gets_the_secret_too(layer: Layer) -> None:
     store(layer).set("api-token", b"for-the-shell")
     execution: Any = SimpleNamespace(
-        containers=layer.containers, engine=layer.engine, profile={"term": TERM}.__getitem__
+        containers=layer.containers,
+        engine=layer.engine,
+        profile={"term": TERM}.__getitem__,
+        processes=SimpleNamespace(layer_users=None),  # an rw profile joins no generation
     )
     pty = await DockerPtys(execution, lambda _: layer.ws)(
         workspace=layer.ws.id, profile="term", cols=80, rows=24, session="s1", actor="agent"
