@@ -146,10 +146,11 @@ def test_applies_bytes_modes_owners_and_order(env: Env) -> None:
         "new/f": (0o600, uid, gid),
         "top.txt": (0o644, uid, gid),
     }
+    # Journaled phase by phase: file deletes, then the directories they emptied.
     assert env.entries() == [
         ("changes.apply", "demo:d/sub/y"),
-        ("changes.apply_dir", "demo:d/sub"),
         ("changes.apply", "demo:d/x"),
+        ("changes.apply_dir", "demo:d/sub"),
         ("changes.apply_dir", "demo:d"),
         ("changes.apply_dir", "demo:new"),
         ("changes.apply", "demo:a.txt"),
