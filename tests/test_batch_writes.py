@@ -291,7 +291,8 @@ def test_a_checkpoint_keeps_what_a_batch_replaces(env: Env) -> None:
     assert not (env.root / "created.txt").exists()
 
 
-def test_directories_made_moded_and_removed(env: Env) -> None:
+def test_directories_made_moded_and_removed(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_base, "MAX_DIRS", 2)  # three chunks
     (env.root / "empty").mkdir()
     steps = [
         DirChange("new", "mkdir", 0o2750),  # set-gid never lands

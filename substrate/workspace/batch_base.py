@@ -25,10 +25,11 @@ from substrate.workspace.temp_files import TempFiles
 from substrate.workspace.write_base import Current
 from substrate.workspace.write_intents import Intent, Intents
 
-#: Changes per chunk: bounds the temp files in flight, the rows of one transaction and
-#: how long the commit lock is held at a time.
+#: File changes per chunk: bounds the temp files in flight, the rows of one transaction
+#: and how long the commit lock is held at a time.
 CHUNK = 2048
-#: Distinct parent directories per chunk (each held open until the chunk is done).
+#: Directories a chunk holds open (each until the chunk is done); also the directory
+#: steps per chunk, as each may hold one (the parent a `mkdir` before it made).
 MAX_DIRS = 256
 
 #: What became of a change: `applied` (landed and journaled; in a dry run, would be),
@@ -147,9 +148,10 @@ class BatchCore:
         plan: Planner,
         land: Lander,
         dry: Callable[[int, Step], Landing] | None,
+        chunk: int,
     ) -> list[Landing]:
-        """Plan and land changes `0..count` chunk by chunk (at most `CHUNK` changes and
-        `MAX_DIRS` parent directories each); with `dry`, nothing lands: `dry` says what
+        """Plan and land changes `0..count` chunk by chunk (at most `chunk` changes and
+        `MAX_DIRS` held directories each); with `dry`, nothing lands: `dry` says what
         would. The landings, in order (`applied` unless `land` says otherwise)."""
         out: list[Landing] = [UNCHANGED] * count
         with ws.use():
@@ -158,7 +160,7 @@ class BatchCore:
                 dirs = HeldDirs(ws.root_fd)
                 try:
                     steps: list[Step] = []
-                    while at < count and len(steps) < CHUNK and len(dirs) < MAX_DIRS:
+                    while at < count and len(steps) < chunk and len(dirs) < MAX_DIRS:
                         planned = plan(dirs, at)
                         if isinstance(planned, Landing):
                             out[at] = planned
@@ -197,7 +199,7 @@ class BatchCore:
         dirs: HeldDirs,
         landed: list[Step],
         recorded: list[Temp],
-        ids: list[int],
+        batch: str,
     ) -> bool:
         """Under the commit lock: the landed steps made durable (one fsync per parent
         directory) and journaled in one transaction with their approvals and pre-images;
@@ -220,11 +222,11 @@ class BatchCore:
                 if step.pre is not None and self._preimages is not None:
                     self._preimages.record_in(db, step.pre, entry.seq, step.new_sha256)
             self._temps.forget_many_in(db, ws.id, recorded)
-            self.intents.drop_in(db, ids)
+            self.intents.drop_in(db, batch)
         return any(s.pre is not None for s in landed)
 
     def _abandon(
-        self, ws: Workspace, dirs: HeldDirs, steps: list[Step], recorded: list[Temp], ids: list[int]
+        self, ws: Workspace, dirs: HeldDirs, steps: list[Step], recorded: list[Temp], batch: str
     ) -> None:
         """A chunk failed before anything landed: its temp files and rows go (what
         cannot go now is left for the next start's cleanup)."""
@@ -232,4 +234,4 @@ class BatchCore:
             self._drop_temp(dirs, step)
         with contextlib.suppress(Exception), self._store.transaction() as db:
             self._temps.forget_many_in(db, ws.id, recorded)
-            self.intents.drop_in(db, ids)
+            self.intents.drop_in(db, batch)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from substrate.errors import ApprovalRequired, NotFound, PathDenied, Refusal
-from substrate.workspace import fsops, paths
+from substrate.workspace import batch_base, fsops, paths
 from substrate.workspace.batch_base import UNCHANGED, BatchCore, HeldDirs, Landing, Step
 from substrate.workspace.registry import Workspace
 from substrate.workspace.write_base import (
@@ -55,7 +55,7 @@ class DirBatches(BatchCore):
             return self._land_dirs(ws, dirs, steps)
 
         dry = (lambda _, step: Landing("applied", plan_digest=step.digest)) if dry_run else None
-        return self._chunks(ws, len(changes), plan, land, dry)
+        return self._chunks(ws, len(changes), plan, land, dry, batch_base.MAX_DIRS)
 
     def _plan_dir(
         self,
@@ -123,7 +123,7 @@ class DirBatches(BatchCore):
         per parent and one transaction; the landings of the steps that did not land."""
         out: dict[int, Landing] = {}
         with self._store.transaction() as db:
-            ids = self.intents.add_in(db, ws.id, [s.intent for s in steps])
+            batch = self.intents.add_in(db, ws.id, [s.intent for s in steps])
         landed: list[Step] = []
         with ws.commit_lock:
             try:
@@ -134,7 +134,7 @@ class DirBatches(BatchCore):
                     else:
                         out[step.index] = failed
             finally:
-                self._journal_landed(ws, dirs, landed, [], ids)
+                self._journal_landed(ws, dirs, landed, [], batch)
         return out
 
     def _dir_step(self, ws: Workspace, dirs: HeldDirs, step: Step) -> Landing | None:

@@ -53,7 +53,7 @@ from substrate.errors import (
     Refusal,
     StaleBase,
 )
-from substrate.workspace import fsops, paths
+from substrate.workspace import batch_base, fsops, paths
 from substrate.workspace.batch_base import (
     SOURCE_CHANGED,
     UNCHANGED,
@@ -130,7 +130,9 @@ class BatchWriter(DirBatches):
                     return SOURCE_CHANGED
             return Landing("applied", plan_digest=step.digest)
 
-        return self._chunks(ws, len(changes), plan, land, dry if dry_run else None)
+        return self._chunks(
+            ws, len(changes), plan, land, dry if dry_run else None, batch_base.CHUNK
+        )
 
     def _plan_file(
         self,
@@ -236,7 +238,7 @@ class BatchWriter(DirBatches):
         recorded: list[Temp] = [(s.dirs, s.temp) for s in fresh if s.temp is not None]
         with self._store.transaction() as db:
             self._temps.record_many_in(db, ws.id, recorded)
-            ids = self.intents.add_in(db, ws.id, [s.intent for s in steps])
+            batch = self.intents.add_in(db, ws.id, [s.intent for s in steps])
         try:
             for step in fresh:
                 failed = self._write_temp(ws, dirs, step, source, recorded)
@@ -244,7 +246,7 @@ class BatchWriter(DirBatches):
                     out[step.index] = failed
             make_durable([dirs.get(s.dirs, s.where) for s in fresh if s.temp is not None])
         except BaseException:
-            self._abandon(ws, dirs, steps, recorded, ids)
+            self._abandon(ws, dirs, steps, recorded, batch)
             raise
         ready = [s for s in steps if s.index not in out]
         landed: list[Step] = []
@@ -265,7 +267,7 @@ class BatchWriter(DirBatches):
                     self._drop_temp(dirs, step)
                 raise
             finally:
-                kept = self._journal_landed(ws, dirs, landed, recorded, ids)
+                kept = self._journal_landed(ws, dirs, landed, recorded, batch)
         if kept and self._preimages is not None:
             self._preimages.settle()
         return out

@@ -4,7 +4,7 @@ crash between a change landing and its journal entry never leaves it unjournaled
 Theory of operation. A batch of guarded writes (`substrate.workspace.batch_writes`)
 lands many changes and then journals them all in one transaction. Before the first lands
 it commits, with its temp-file records, one row per change holding the journal entry it
-will write: `(workspace, path, kind, actor, data, epoch)`. The transaction that journals
+will write: `(workspace, batch, path, kind, actor, data, epoch)`. The transaction that journals
 the batch deletes those rows. A row of an earlier run (epoch) is therefore a change whose
 entry was never written: its batch died somewhere between recording and journaling.
 
@@ -21,6 +21,7 @@ Blocking SQLite and file reads: call from a worker thread or before the loop ser
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 import stat
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS write_intents (
     id INTEGER PRIMARY KEY,
     workspace TEXT NOT NULL,
+    batch TEXT NOT NULL,
     path BLOB NOT NULL,
     kind TEXT NOT NULL,
     actor TEXT NOT NULL,
@@ -47,6 +49,7 @@ CREATE TABLE IF NOT EXISTS write_intents (
     epoch INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS write_intents_workspace ON write_intents(workspace, epoch);
+CREATE INDEX IF NOT EXISTS write_intents_batch ON write_intents(batch);
 """
 
 #: The journal kinds of a batch: a file's change, a directory's.
@@ -78,33 +81,32 @@ class Intents:
         self._epoch = journal.epoch
         store.ensure_schema(SCHEMA)
 
-    def add_in(
-        self, db: sqlite3.Connection, workspace: str, intents: Sequence[Intent]
-    ) -> list[int]:
+    def add_in(self, db: sqlite3.Connection, workspace: str, intents: Sequence[Intent]) -> str:
         """Record `intents` inside the caller's transaction (committed before the first
-        change lands); their row ids, for `drop_in`."""
-        ids: list[int] = []
-        for it in intents:
-            cur = db.execute(
-                "INSERT INTO write_intents(workspace, path, kind, actor, data, epoch)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+        change lands); returns the batch's token, for `drop_in`."""
+        batch = secrets.token_hex(8)
+        db.executemany(
+            "INSERT INTO write_intents(workspace, batch, path, kind, actor, data, epoch)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
                 (
                     workspace,
+                    batch,
                     _path_key(it.rel),
                     it.kind,
                     it.actor,
                     canonical(it.data).decode(),
                     self._epoch,
-                ),
-            )
-            assert cur.lastrowid is not None
-            ids.append(cur.lastrowid)
-        return ids
+                )
+                for it in intents
+            ],
+        )
+        return batch
 
     @staticmethod
-    def drop_in(db: sqlite3.Connection, ids: Sequence[int]) -> None:
-        """Delete the rows `ids` inside the transaction that journals their changes."""
-        db.executemany("DELETE FROM write_intents WHERE id = ?", [(i,) for i in ids])
+    def drop_in(db: sqlite3.Connection, batch: str) -> None:
+        """Delete a batch's rows inside the transaction that journals its changes."""
+        db.execute("DELETE FROM write_intents WHERE batch = ?", (batch,))
 
     def stale_workspaces(self) -> list[str]:
         """The workspaces holding rows of earlier runs."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import stat
 from typing import Literal
 
@@ -105,20 +106,29 @@ def _current(ws: Workspace, parts: tuple[str, ...]) -> str | None:
 
 
 class _Upper:
-    """The command's bytes of a change, read from the upper layer through its dir fd
-    (never following a symlink); None when not a regular file of one link."""
+    """The command's bytes of a change, read from the upper layer through dir fds (never
+    following a symlink); None when not a regular file of one link. Holds the last
+    directory it read from (files come sorted by path) until `close`."""
 
     def __init__(self, upper_fd: int) -> None:
         self._fd = upper_fd
+        self._held: tuple[tuple[str, ...], int] | None = None
 
     def __call__(self, path: str) -> bytes | None:
         parts = tuple(path.split("/"))
         try:
-            with paths.opened_dir(self._fd, parts[:-1], path) as parent:
-                fst, data = fsops.read_regular(parent, parts[-1], MAX_FILE_BYTES, path)
+            if self._held is None or self._held[0] != parts[:-1]:
+                self.close()
+                self._held = (parts[:-1], paths.open_dir(self._fd, parts[:-1], path))
+            fst, data = fsops.read_regular(self._held[1], parts[-1], MAX_FILE_BYTES, path)
         except Refusal:
             return None
         return data if fst.st_nlink == 1 else None
+
+    def close(self) -> None:
+        if self._held is not None:
+            os.close(self._held[1])
+            self._held = None
 
 
 #: The apply's phases, in order: file deletes, directory deletes (deepest first), new
@@ -212,9 +222,11 @@ def apply(
                     FileChange(c.path, c.base_sha256, c.new_sha256, c.size, c.mode)
                     for c in (changes[i] for i in indices)
                 ]
-                landings = writer.batch.apply_files(
-                    ws, files, _Upper(upper_fd), actor, dry_run=dry_run
-                )
+                upper = _Upper(upper_fd)
+                try:
+                    landings = writer.batch.apply_files(ws, files, upper, actor, dry_run=dry_run)
+                finally:
+                    upper.close()
             else:
                 dirs = [DirChange(changes[i].path, _DIR_OPS[op], changes[i].mode) for i in indices]
                 landings = writer.batch.apply_dirs(ws, dirs, actor, dry_run=dry_run)
