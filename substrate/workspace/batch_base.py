@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
+import resource
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,6 +118,53 @@ def make_durable(fds: Sequence[int]) -> None:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
 
+
+class Releaser:
+    """Closes the fds of files a batch replaced or deleted, in a background thread.
+
+    The last close of an unlinked file frees its inode and blocks, which on a busy
+    file-system journal can take milliseconds per file; the batch holds each replaced
+    file open across its rename (it read and hashed it through that fd) and hands the
+    fd here, so it never waits for the freeing. At most `bound` fds wait; past that a
+    release closes at once. A crash frees them anyway (the kernel's orphan cleanup)."""
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._thread: threading.Thread | None = None
+
+    def release(self, fd: int) -> None:
+        with self._lock:
+            if self._waiting >= self._bound:
+                os.close(fd)
+                return
+            self._waiting += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="substrate-release", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(fd)
+
+    def _run(self) -> None:
+        while True:
+            fd = self._queue.get()
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with self._lock:
+                self._waiting -= 1
+
+
+def _release_bound() -> int:
+    # A quarter of the soft fd limit (the daemon raises it to the hard one), 64 to 4096.
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, min(4096, soft // 4))
+
+
+#: The process's one releaser.
+RELEASER = Releaser(_release_bound())
 
 #: Plans change `index` with the chunk's held dirs: a Step to land, or its Landing now.
 Planner = Callable[[HeldDirs, int], "Step | Landing"]

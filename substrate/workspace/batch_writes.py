@@ -55,6 +55,7 @@ from substrate.errors import (
 )
 from substrate.workspace import batch_base, fsops, paths
 from substrate.workspace.batch_base import (
+    RELEASER,
     SOURCE_CHANGED,
     UNCHANGED,
     HeldDirs,
@@ -76,6 +77,7 @@ from substrate.workspace.write_base import (
     no_setid,
     plan_digest,
     read_current,
+    read_current_held,
 )
 from substrate.workspace.write_intents import FILE_KIND, Intent
 
@@ -323,9 +325,10 @@ class BatchWriter(DirBatches):
         landing when it did not land (its temp file removed)."""
         assert step.current is not None
         name = step.parts[-1]
+        held: int | None = None
         try:
             parent = dirs.get(step.dirs, step.where)
-            now = read_current(parent, name, step.where, MAX_PATCH_FILE)
+            now, held = read_current_held(parent, name, step.where, MAX_PATCH_FILE)
             if now.sha256 != step.current.sha256:
                 raise StaleBase(
                     f"{step.where}: changed while the write was prepared",
@@ -341,10 +344,16 @@ class BatchWriter(DirBatches):
             else:
                 os.rename(step.temp, name, src_dir_fd=parent, dst_dir_fd=parent)
                 step.temp = None
+            if held is not None:
+                RELEASER.release(held)  # the replaced file is freed off this path
+                held = None
         except Refusal as exc:
             self._drop_temp(dirs, step)
             return Landing("refused", refusal=exc)
         except OSError as exc:
             self._drop_temp(dirs, step)
             return Landing("failed", error=exc)
+        finally:
+            if held is not None:
+                os.close(held)
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import stat
 from dataclasses import dataclass
 from typing import Literal
@@ -60,9 +61,20 @@ class Current:
 def read_current(parent_fd: int, name: str, where: str, limit: int) -> Current:
     """What `name` in `parent_fd` is now. Refuses `symlink_refused`, `not_a_file` and
     `too_large` (over `limit`). Costs an lstat, and for a file a read and a hash."""
+    current, fd = read_current_held(parent_fd, name, where, limit)
+    if fd is not None:
+        os.close(fd)
+    return current
+
+
+def read_current_held(
+    parent_fd: int, name: str, where: str, limit: int
+) -> tuple[Current, int | None]:
+    """`read_current`, and the fd it read a file through, left open (None when absent):
+    the caller closes it, or releases it once the name is replaced (`batch_base`)."""
     st = paths.lstat_at(parent_fd, name)
     if st is None:
-        return Current(exists=False)
+        return Current(exists=False), None
     if not stat.S_ISREG(st.st_mode):
         kind = paths.kind_of(st.st_mode)
         if kind == "symlink":
@@ -71,10 +83,18 @@ def read_current(parent_fd: int, name: str, where: str, limit: int) -> Current:
     if st.st_size > limit:
         raise TooLarge(f"{where}: {st.st_size} bytes is over the {limit} byte bound", limit=limit)
     try:
-        fst, data = fsops.read_regular(parent_fd, name, limit, where)
+        fd = paths.open_regular(parent_fd, name, where)
     except NotFound:
-        return Current(exists=False)  # removed since the lstat: it is absent now
-    return Current(
+        return Current(exists=False), None  # removed since the lstat: it is absent now
+    try:
+        fst = os.fstat(fd)
+        data = None if fst.st_size > limit else fsops.read_fd(fd, limit, expected=fst.st_size)
+        if data is None:
+            raise TooLarge(f"{where}: over the {limit} byte bound", limit=limit)
+    except BaseException:
+        os.close(fd)
+        raise
+    current = Current(
         exists=True,
         data=data,
         sha256=hashlib.sha256(data).hexdigest(),
@@ -82,6 +102,7 @@ def read_current(parent_fd: int, name: str, where: str, limit: int) -> Current:
         uid=fst.st_uid,
         gid=fst.st_gid,
     )
+    return current, fd
 
 
 def check_not_reserved(parts: tuple[str, ...], where: str) -> None:
