@@ -251,12 +251,18 @@ class BatchCore:
         recorded: list[Temp],
         batch: str,
     ) -> bool:
-        """Under the commit lock: the landed steps made durable (one fsync per parent
-        directory) and journaled in one transaction with their approvals and pre-images;
-        every temp record and intent of the chunk goes with it. True when pre-images
-        were recorded (the caller `settle`s the quota once out of the lock)."""
-        for parent in {s.dirs: s for s in landed}.values():
-            os.fsync(dirs.get(parent.dirs, parent.where))
+        """Under the commit lock: the landed steps made durable and journaled in one
+        transaction with their approvals and pre-images; every temp record and intent
+        of the chunk goes with it. True when pre-images were recorded (the caller
+        `settle`s the quota once out of the lock).
+
+        Durable: the one parent directory fsynced, or with several one `syncfs` per
+        file system (one journal commit instead of one per directory)."""
+        parents = [dirs.get(s.dirs, s.where) for s in {s.dirs: s for s in landed}.values()]
+        if len(parents) == 1:
+            os.fsync(parents[0])
+        elif parents:
+            make_durable(parents)
         drafts = []
         for step in landed:
             data = step.intent.data

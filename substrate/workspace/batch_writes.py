@@ -20,7 +20,9 @@ change's new bytes. In chunks of at most `CHUNK` changes it:
 4. under the workspace's commit lock, change by change: the target is read and its base
    checked again right before the rename (a host edit since is `stale_base`, never
    overwritten; the temp file goes), the approval found again, the pre-image kept when
-   a checkpoint is live, then the rename (the unlink for a delete); then each distinct
+   a checkpoint is live, then the rename (the unlink for a delete) - the file replaced
+   was read through an fd kept open across the rename, which `batch_base.RELEASER`
+   closes in the background: freeing its inode is never waited for - then each distinct
    parent directory is fsynced once and ONE transaction journals every change
    (`changes.apply`, one entry each, the chain intact), consumes the approvals,
    records the pre-images, forgets the temp files and drops the intents.
