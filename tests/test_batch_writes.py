@@ -195,6 +195,25 @@ def test_a_host_edit_racing_the_batch_is_never_overwritten(
     env.assert_clean()
 
 
+def test_a_file_the_host_makes_after_the_last_check_is_never_replaced(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = batch_writes.read_current_held
+
+    def then_the_host_creates(parent_fd: int, name: str, where: str, limit: int) -> Any:
+        found = real(parent_fd, name, where, limit)
+        if name == "new.txt":  # checked absent under the lock; the host is faster still
+            (env.root / "new.txt").write_text("the host's\n")
+        return found
+
+    monkeypatch.setattr(batch_writes, "read_current_held", then_the_host_creates)
+    [landing] = env.apply([env.change("new.txt", b"the command's\n")])
+    assert landing.refusal is not None and landing.refusal.name == "already_exists"
+    assert (env.root / "new.txt").read_text() == "the host's\n"
+    assert env.entries() == []
+    env.assert_clean()
+
+
 def test_bytes_other_than_the_digested_ones_never_land(env: Env) -> None:
     change = env.change("a.txt", b"scanned\n")
     env.new["a.txt"] = b"swapped after the scan\n"

@@ -18,6 +18,7 @@ from substrate.process import layer_recovery
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+from substrate.workspace import batch_writes
 from substrate.workspace.layer import Changesets, apply, scan
 from substrate.workspace.registry import WorkspaceRegistry
 from substrate.workspace.writes import Writer
@@ -173,15 +174,18 @@ def _die_after_renames(env: Env, upper: str, work: str, renames: int) -> None:
         try:
             ws = env.registry.all()[0]
             done = [0]
-            real = os.rename
 
-            def rename(*args: Any, **kw: Any) -> None:
-                if done[0] == renames:
-                    os._exit(9)
-                done[0] += 1
-                real(*args, **kw)
+            def dying(real: Callable[..., None]) -> Callable[..., None]:
+                def rename(*args: Any, **kw: Any) -> None:
+                    if done[0] == renames:
+                        os._exit(9)
+                    done[0] += 1
+                    real(*args, **kw)
 
-            os.rename = rename  # type: ignore[assignment]
+                return rename
+
+            os.rename = dying(os.rename)  # type: ignore[assignment]
+            batch_writes.rename_new = dying(batch_writes.rename_new)  # type: ignore[assignment]
             ufd = os.open(upper, DIR)
             changeset = scan(ufd, ws.root_fd)
             env.changesets.record(ws, 7, upper, work, changeset, "applying")

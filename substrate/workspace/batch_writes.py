@@ -65,6 +65,7 @@ from substrate.workspace.batch_base import (
     Step,
     Temp,
     make_durable,
+    rename_new,
 )
 from substrate.workspace.batch_dirs import DirBatches
 from substrate.workspace.checkpoints import Checkpoints, Preimage
@@ -343,6 +344,9 @@ class BatchWriter(DirBatches):
                 keeper.keep(step.pre)
             if step.temp is None:
                 os.unlink(name, dir_fd=parent)
+            elif held is None:  # a new file: never over one the host made since the check
+                rename_new(parent, step.temp, name)
+                step.temp = None
             else:
                 os.rename(step.temp, name, src_dir_fd=parent, dst_dir_fd=parent)
                 step.temp = None
@@ -352,6 +356,9 @@ class BatchWriter(DirBatches):
         except Refusal as exc:
             self._drop_temp(dirs, step)
             return Landing("refused", refusal=exc)
+        except FileExistsError:
+            self._drop_temp(dirs, step)
+            return Landing("refused", refusal=AlreadyExists(f"{step.where}: made meanwhile"))
         except OSError as exc:
             self._drop_temp(dirs, step)
             return Landing("failed", error=exc)
