@@ -46,7 +46,7 @@ class DirBatches(BatchCore):
         `symlink_refused`, `not_found`, ...), failures an OSError's (EEXIST, ENOTEMPTY).
         `dry_run`: the policy checked, nothing done (`approval_required` whenever the
         policy asks for one). Costs per step an lstat and the step; per chunk two
-        transactions and one fsync per parent directory."""
+        transactions and one fsync (or one `syncfs` per file system) for the parents."""
 
         def plan(dirs: HeldDirs, i: int) -> Step | Landing:
             return self._plan_dir(ws, dirs, i, changes[i], actor, dry_run)

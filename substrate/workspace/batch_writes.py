@@ -20,16 +20,18 @@ change's new bytes. In chunks of at most `CHUNK` changes it:
 4. under the workspace's commit lock, change by change: the target is read and its base
    checked again right before the rename (a host edit since is `stale_base`, never
    overwritten; the temp file goes), the approval found again, the pre-image kept when
-   a checkpoint is live, then the rename (the unlink for a delete) - the file replaced
-   was read through an fd kept open across the rename, which `batch_base.RELEASER`
-   closes in the background: freeing its inode is never waited for - then each distinct
-   parent directory is fsynced once and ONE transaction journals every change
+   a checkpoint is live, then the rename (the unlink for a delete; a new file with
+   `RENAME_NOREPLACE`, so one the host made after the check is never replaced) - the
+   file replaced was read through an fd kept open across the rename, which
+   `batch_base.RELEASER` closes in the background: freeing its inode is never waited
+   for - then the parent directories are made durable (one fsync, or one `syncfs` per
+   file system for several) and ONE transaction journals every change
    (`changes.apply`, one entry each, the chain intact), consumes the approvals,
    records the pre-images, forgets the temp files and drops the intents.
 
 `apply_dirs` (`batch_dirs`) does the same for directory steps (`mkdir` with the
 workspace owner's ownership, empty-only `rmdir`, `chmod`; `changes.apply_dir`): plan,
-intents, then under the lock each step, one fsync per parent, one transaction.
+intents, then under the lock each step, the parents made durable, one transaction.
 
 A crash before step 4 lands nothing and leaves recorded temp files (removed at the next
 start); one during or after the renames leaves changes landed without their entries:
@@ -119,7 +121,8 @@ class BatchWriter(DirBatches):
         `dry_run`: every check, nothing written (`approval_required` whenever the policy
         asks for one). Costs per change a read and hash of the target (two when it
         exists), a read and hash of the new bytes, a temp file and a rename; per chunk
-        two transactions, one `syncfs` and one fsync per parent directory."""
+        two transactions, a `syncfs` for the temp files and one for the parents (an
+        fsync when there is one)."""
 
         def plan(dirs: HeldDirs, i: int) -> Step | Landing:
             return self._plan_file(ws, dirs, i, changes[i], actor, dry_run)

@@ -206,8 +206,8 @@ def apply(
     make, or bound to a file an earlier change would write, may be reported as a
     conflict it would not be). Costs, per file, a read and hash of the checkout's file
     (two when it exists) and of the command's, a temp file and a rename; per batch of up
-    to `batch_writes.CHUNK` changes, two transactions, one `syncfs` and one fsync per
-    directory written in."""
+    to `batch_base.CHUNK` files, two transactions, a `syncfs` for the temp files and one
+    for the directories written in (an fsync when there is one)."""
     changes = changeset.changes
     results: list[Outcomes | None] = [None] * len(changes)
     by_phase: list[list[int]] = [[] for _ in _PHASES]
