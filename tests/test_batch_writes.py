@@ -214,6 +214,32 @@ def test_a_file_the_host_makes_after_the_last_check_is_never_replaced(
     env.assert_clean()
 
 
+def test_a_parent_swapped_for_a_symlink_mid_batch_is_never_followed(
+    env: Env, tmp_path: Path
+) -> None:
+    decoy, moved = tmp_path / "decoy", tmp_path / "moved"
+    decoy.mkdir()
+    (decoy / "one.py").write_text("1\n")
+    changes = [env.change("src/one.py", b"ONE\n"), env.change("src/new.py", b"NEW\n")]
+
+    def swapping_source(path: str) -> bytes | None:
+        if path == "src/one.py":  # after the plan, before the temp files and renames
+            (env.root / "src").rename(moved)
+            (env.root / "src").symlink_to(decoy)
+        return env.source(path)
+
+    landings = env.writer.batch.apply_files(env.ws, changes, swapping_source, ACTOR)
+    # Never through the symlink: the decoy is untouched. What landed, landed in the
+    # directory the batch held, wherever it is now.
+    assert sorted(p.name for p in decoy.iterdir()) == ["one.py"]
+    assert (decoy / "one.py").read_text() == "1\n"
+    assert os.readlink(env.root / "src") == str(decoy)
+    assert statuses(landings) == ["applied", "applied"]
+    assert (moved / "one.py").read_text() == "ONE\n" and (moved / "new.py").read_text() == "NEW\n"
+    assert [p.name for p in moved.glob(f"{TEMP_PREFIX}*")] == []
+    env.assert_clean()
+
+
 def test_bytes_other_than_the_digested_ones_never_land(env: Env) -> None:
     change = env.change("a.txt", b"scanned\n")
     env.new["a.txt"] = b"swapped after the scan\n"
