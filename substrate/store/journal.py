@@ -145,6 +145,7 @@ class Journal:
         rows: list[tuple[object, ...]] = []
         for draft in drafts:
             data = msgspec.to_builtins(dict(draft.data))
+            encoded = canonical(data)
             body: dict[str, Any] = {
                 "seq": seq,
                 "epoch": self.epoch,
@@ -152,15 +153,16 @@ class Journal:
                 "kind": draft.kind,
                 "workspace": draft.workspace,
                 "actor": draft.actor,
-                "data": data,
+                # Already canonical: spliced in as is, the same bytes `entry_hash` makes.
+                "data": msgspec.Raw(encoded),
                 "prev": prev,
             }
-            digest = entry_hash(**body)
+            digest = hashlib.sha256(prev.encode() + canonical(body)).hexdigest()
             rows.append(
                 (seq, self.epoch, ts, draft.kind, draft.workspace, draft.actor,
-                 canonical(data).decode(), prev, digest)
+                 encoded.decode(), prev, digest)
             )  # fmt: skip
-            entries.append(Entry(**body, hash=digest))
+            entries.append(Entry(**{**body, "data": data}, hash=digest))
             seq, prev = seq + 1, digest
         db.executemany(
             "INSERT INTO journal(seq, epoch, ts, kind, workspace, actor, data, prev, hash)"

@@ -31,7 +31,7 @@ from substrate.workspace.write_intents import Intent, Intents
 
 #: File changes per chunk: bounds the temp files in flight, the rows of one transaction
 #: and how long the commit lock is held at a time.
-CHUNK = 2048
+CHUNK = 4096
 #: Directories a chunk holds open (each until the chunk is done); also the directory
 #: steps per chunk, as each may hold one (the parent a `mkdir` before it made).
 MAX_DIRS = 256

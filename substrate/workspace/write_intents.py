@@ -3,18 +3,20 @@ crash between a change landing and its journal entry never leaves it unjournaled
 
 Theory of operation. A batch of guarded writes (`substrate.workspace.batch_writes`)
 lands many changes and then journals them all in one transaction. Before the first lands
-it commits, with its temp-file records, one row per change holding the journal entry it
-will write: `(workspace, batch, path, kind, actor, data, epoch)`. The transaction that journals
-the batch deletes those rows. A row of an earlier run (epoch) is therefore a change whose
-entry was never written: its batch died somewhere between recording and journaling.
+it commits, with its temp-file records, one row holding the journal entry each change
+will get: `(batch, workspace, epoch, intents)` (msgpack of `(path, kind, actor, data)`).
+The transaction that journals the batch deletes that row. A row of an earlier run
+(epoch) is therefore a batch whose entries were never written: it died somewhere between
+recording and journaling.
 
 At the next start, before anything writes (`resolve`, from
-`process.layer_recovery.finish_applying`), each such row is checked against the checkout:
-when the path holds exactly what the change makes (a file's digest and mode, absent for
-a delete, a directory made, removed or given its mode), the change landed, and its entry
-is journaled now with `recovered: true`; otherwise it did not land (or something else
-was written there since, which then is not ours to claim) and the row is dropped. Rows
-of a workspace that is not adopted stay until a start that knows it.
+`process.layer_recovery.finish_applying`), each change of such a row is checked against
+the checkout: when the path holds exactly what the change makes (a file's digest and
+mode, absent for a delete, a directory made, removed or given its mode), the change
+landed, and its entry is journaled now with `recovered: true`; otherwise it did not land
+(or something else was written there since, which then is not ours to claim). Then the
+row is dropped. Rows of a workspace that is not adopted stay until a start that knows
+it.
 
 Blocking SQLite and file reads: call from a worker thread or before the loop serves.
 """
@@ -25,31 +27,25 @@ import secrets
 import sqlite3
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from substrate.errors import NotFound, Refusal
 from substrate.store.db import Store
-from substrate.store.journal import Draft, Journal, canonical
+from substrate.store.journal import Draft, Journal
 from substrate.workspace import paths
 from substrate.workspace.registry import Workspace
 from substrate.workspace.write_base import MAX_PATCH_FILE, read_current
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS write_intents (
-    id INTEGER PRIMARY KEY,
+    batch TEXT PRIMARY KEY,
     workspace TEXT NOT NULL,
-    batch TEXT NOT NULL,
-    path BLOB NOT NULL,
-    kind TEXT NOT NULL,
-    actor TEXT NOT NULL,
-    data TEXT NOT NULL,
-    epoch INTEGER NOT NULL
+    epoch INTEGER NOT NULL,
+    intents BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS write_intents_workspace ON write_intents(workspace, epoch);
-CREATE INDEX IF NOT EXISTS write_intents_batch ON write_intents(batch);
 """
 
 #: The journal kinds of a batch: a file's change, a directory's.
@@ -57,8 +53,7 @@ FILE_KIND = "changes.apply"
 DIR_KIND = "changes.apply_dir"
 
 
-@dataclass(frozen=True)
-class Intent:
+class Intent(msgspec.Struct, frozen=True, array_like=True):
     """One change's journal entry-to-be: `rel` is its workspace-relative path."""
 
     rel: str
@@ -67,13 +62,12 @@ class Intent:
     data: dict[str, Any]
 
 
-def _path_key(rel: str) -> bytes:
-    # A BLOB: a name may hold lone surrogates, which SQLite text cannot.
-    return rel.encode("utf-8", "surrogatepass")
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(list[Intent])
 
 
 class Intents:
-    """The `write_intents` table, for one run (`epoch`)."""
+    """The `write_intents` table, for one run (`epoch`): one row per batch in flight."""
 
     def __init__(self, store: Store, journal: Journal) -> None:
         self._store = store
@@ -82,30 +76,19 @@ class Intents:
         store.ensure_schema(SCHEMA)
 
     def add_in(self, db: sqlite3.Connection, workspace: str, intents: Sequence[Intent]) -> str:
-        """Record `intents` inside the caller's transaction (committed before the first
-        change lands); returns the batch's token, for `drop_in`."""
+        """Record a batch's `intents` inside the caller's transaction (committed before
+        its first change lands); returns the batch's token, for `drop_in`. Costs one
+        row (the intents as msgpack)."""
         batch = secrets.token_hex(8)
-        db.executemany(
-            "INSERT INTO write_intents(workspace, batch, path, kind, actor, data, epoch)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [
-                (
-                    workspace,
-                    batch,
-                    _path_key(it.rel),
-                    it.kind,
-                    it.actor,
-                    canonical(it.data).decode(),
-                    self._epoch,
-                )
-                for it in intents
-            ],
+        db.execute(
+            "INSERT INTO write_intents(batch, workspace, epoch, intents) VALUES (?, ?, ?, ?)",
+            (batch, workspace, self._epoch, _encoder.encode(list(intents))),
         )
         return batch
 
     @staticmethod
     def drop_in(db: sqlite3.Connection, batch: str) -> None:
-        """Delete a batch's rows inside the transaction that journals its changes."""
+        """Delete a batch's row inside the transaction that journals its changes."""
         db.execute("DELETE FROM write_intents WHERE batch = ?", (batch,))
 
     def stale_workspaces(self) -> list[str]:
@@ -119,19 +102,17 @@ class Intents:
     def resolve(self, ws: Workspace) -> int:
         """Journal, `recovered: true`, every change of an earlier run's batch in `ws` that
         landed (the checkout holds its result) but was never journaled, and drop every
-        row of earlier runs in `ws`; returns how many were journaled. For a path named by
-        several rows only the latest counts. Costs a query, and a read per row."""
+        row of earlier runs in `ws`; returns how many were journaled. For a path named
+        in several batches only the latest counts. Costs a query, and a read per intent."""
         rows = self._store.query(
-            "SELECT id, path, kind, actor, data FROM write_intents"
-            " WHERE workspace = ? AND epoch < ? ORDER BY id",
+            "SELECT batch, intents FROM write_intents WHERE workspace = ? AND epoch < ?"
+            " ORDER BY rowid",
             (ws.id, self._epoch),
         )
         latest: dict[tuple[str, str], Intent] = {}
         for row in rows:
-            rel = bytes(row["path"]).decode("utf-8", "surrogatepass")
-            latest[(row["kind"], rel)] = Intent(
-                rel, row["kind"], row["actor"], msgspec.json.decode(row["data"])
-            )
+            for it in _decoder.decode(row["intents"]):
+                latest[(it.kind, it.rel)] = it
         landed: list[Draft] = []
         with ws.use():
             for it in latest.values():
@@ -140,7 +121,9 @@ class Intents:
                     landed.append(Draft(it.kind, data, ws.id, it.actor))
         with self._store.transaction() as db:
             self._journal.append_many_in(db, landed)
-            db.executemany("DELETE FROM write_intents WHERE id = ?", [(r["id"],) for r in rows])
+            db.executemany(
+                "DELETE FROM write_intents WHERE batch = ?", [(r["batch"],) for r in rows]
+            )
         return len(landed)
 
 
