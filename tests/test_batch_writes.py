@@ -363,3 +363,24 @@ def test_directories_made_moded_and_removed(env: Env, monkeypatch: pytest.Monkey
     ]
     assert statuses(env.writer.batch.apply_dirs(env.ws, steps[:4], ACTOR)) == ["unchanged"] * 4
     env.assert_clean()
+
+
+def test_rename_new_never_replaces_also_without_renameat2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for libc in ("real", "without renameat2"):
+        if libc != "real":
+            monkeypatch.setattr(batch_base, "_libc", object())  # no renameat2: the fallback
+        d = tmp_path / libc
+        d.mkdir()
+        (d / "tmp").write_text("new\n")
+        (d / "taken").write_text("the host's\n")
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(FileExistsError):
+                batch_base.rename_new(fd, "tmp", "taken")
+            batch_base.rename_new(fd, "tmp", "free")
+        finally:
+            os.close(fd)
+        assert (d / "taken").read_text() == "the host's\n"
+        assert (d / "free").read_text() == "new\n" and not (d / "tmp").exists()

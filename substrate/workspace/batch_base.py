@@ -173,15 +173,20 @@ _RENAME_NOREPLACE = 1
 def rename_new(dir_fd: int, temp: str, name: str) -> None:
     """Rename `temp` to `name` in `dir_fd` only if nothing holds `name`: `renameat2(2)`
     with `RENAME_NOREPLACE`, so a file the host made since the check is never replaced
-    (FileExistsError). Where the file system cannot (EINVAL), a plain rename after an
-    lstat."""
-    if _libc.renameat2(dir_fd, os.fsencode(temp), dir_fd, os.fsencode(name), _RENAME_NOREPLACE):
+    (FileExistsError). Where the file system or libc cannot (EINVAL), a plain rename
+    after an lstat."""
+    renameat2 = getattr(_libc, "renameat2", None)  # glibc 2.28 and later
+    if renameat2 is None:
+        err = errno.EINVAL
+    elif renameat2(dir_fd, os.fsencode(temp), dir_fd, os.fsencode(name), _RENAME_NOREPLACE):
         err = ctypes.get_errno()
-        if err != errno.EINVAL:
-            raise OSError(err, os.strerror(err), name)
-        if paths.lstat_at(dir_fd, name) is not None:
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
-        os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    else:
+        return
+    if err != errno.EINVAL:
+        raise OSError(err, os.strerror(err), name)
+    if paths.lstat_at(dir_fd, name) is not None:
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
+    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 #: Plans change `index` with the chunk's held dirs: a Step to land, or its Landing now.

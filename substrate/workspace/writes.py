@@ -16,6 +16,10 @@ The file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.wr
 While the workspace has a checkpoint, the bytes a write replaces are kept first (the
 `preimages` hook, `substrate.workspace.checkpoints`), recorded with its journal entry.
 
+A change set's files and directories go through `Writer.batch`
+(`substrate.workspace.batch_writes`: the same checks, many files per transaction and
+flush); what both share is `substrate.workspace.write_base`.
+
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
 next start removes: each temp file is recorded in the database before it is created
 (`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with
@@ -62,15 +66,19 @@ from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.preview import unified_preview
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TempFiles
-from substrate.workspace.write_base import DEFAULT_DIR_MODE as DEFAULT_DIR_MODE
-from substrate.workspace.write_base import DEFAULT_FILE_MODE as DEFAULT_FILE_MODE
-from substrate.workspace.write_base import MAX_PATCH_FILE as MAX_PATCH_FILE
+from substrate.workspace.write_base import (
+    DEFAULT_DIR_MODE,
+    DEFAULT_FILE_MODE,
+    MAX_PATCH_FILE,
+    Op,
+    no_setid,
+    plan_digest,
+)
 from substrate.workspace.write_base import Current as _Current
-from substrate.workspace.write_base import Op as Op
 from substrate.workspace.write_base import check_not_reserved as _check_not_reserved
-from substrate.workspace.write_base import no_setid
-from substrate.workspace.write_base import plan_digest as plan_digest
 from substrate.workspace.write_base import read_current as _read_current
+
+__all__ = ["MAX_PATCH_FILE", "WRITE_KINDS", "Writer", "drift_report", "plan_digest"]
 
 
 @dataclass
