@@ -30,6 +30,7 @@ from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.restore import restore
 from substrate.workspace.temp_files import TEMP_PREFIX
 from substrate.workspace.writes import Writer
+from tests.harness.waiting import wait_until
 
 ACTOR = "agent:0"
 FILES: dict[str, str | bytes] = {
@@ -384,3 +385,17 @@ def test_rename_new_never_replaces_also_without_renameat2(
             os.close(fd)
         assert (d / "taken").read_text() == "the host's\n"
         assert (d / "free").read_text() == "new\n" and not (d / "tmp").exists()
+
+
+def test_replaced_and_deleted_files_are_released_not_leaked(env: Env) -> None:
+    (env.root / "many").mkdir()
+    for i in range(40):
+        (env.root / "many" / f"f{i}").write_text("old\n")
+    before = len(os.listdir("/proc/self/fd"))
+    changes = [env.change(f"many/f{i}", b"new\n") for i in range(20)]
+    changes += [env.change(f"many/f{i}", None, None) for i in range(20, 40)]
+    assert statuses(env.apply(changes)) == ["applied"] * 40
+    # The old files' fds go to the background releaser; none stays open.
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before, message="fds left open")
+    assert sorted(os.listdir(env.root / "many")) == sorted(f"f{i}" for i in range(20))
+    env.assert_clean()
