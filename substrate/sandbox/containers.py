@@ -68,6 +68,7 @@ from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
 from substrate.sandbox.layer_plan import layers_dir
 from substrate.sandbox.profiles import Profile
+from substrate.sandbox.proxy_link import ProxyLink, ProxyLinks
 from substrate.sandbox.spec import (
     HOST_VISIBLE_RUNTIMES,
     LABEL_CONFIG,
@@ -109,6 +110,8 @@ class Sandbox:
     readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: The working layer of a `workspace = "layer"` sandbox (None for the others).
     layer: WorkingLayer | None = None
+    #: The proxy link of a `network = "egress"` sandbox (None for the others).
+    egress: ProxyLink | None = None
 
     def acquire(self) -> None:
         """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
@@ -136,6 +139,7 @@ class Containers:
         files_dir: Path | None = None,
         host: SandboxHost | None = None,
         state_dir: str | None = None,
+        egress: ProxyLinks | None = None,
     ) -> None:
         self._engine = engine
         self._host: SandboxHost = host if host is not None else HostKernel()
@@ -153,6 +157,8 @@ class Containers:
         self._state_dir = state_dir
         # Set once a previous run's layer mounts are swept: no layer is made before.
         self._layers_swept = trio.Event()
+        # Links egress sandboxes to the daemon's proxy; None: "egress" profiles are refused.
+        self._egress = egress
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -209,6 +215,8 @@ class Containers:
         try:
             await self._engine.remove(sandbox.id)
         finally:
+            if sandbox.egress is not None:
+                await sandbox.egress.aclose()
             if sandbox.layer is not None:
                 await self._close_layer(sandbox.layer)
         await self._journal_async(
@@ -265,12 +273,18 @@ class Containers:
             image_id=image_id,
             security_opt=security_opt,
         )
+        ro_rels = [rel for rel, _ in ro_dirs]
         if layer is None:
             required.update(mounts.identity_required(profile, ro_dirs, owner))
-        else:
-            layer.required = dict(required)
-        ro_rels = [rel for rel, _ in ro_dirs]
         await self._remove_foreign(ws, profile, required, ro_rels)
+        ca = None  # an egress profile's CA bundle: (host path of the copy, digest)
+        if profile.network == "egress":
+            if self._egress is None:
+                raise RuntimeUnavailable("this daemon runs no egress proxy")
+            ca = await self._egress.ca_bundle(profile)
+        required.update(factlib.egress_required(profile, ca_bundle=ca and ca[1]))
+        if layer is not None:
+            layer.required = dict(required)
         resolv_conf = None
         if self._files_dir is not None:
             resolv_conf = await trio.to_thread.run_sync(
@@ -284,6 +298,7 @@ class Containers:
             readonly_dirs=ro_rels if layer is None else [],
             security_opt=security_opt,
             resolv_conf=resolv_conf,
+            ca_bundle=ca and ca[0],
         )
         labels = {
             **self.labels_for(ws.id, profile.name),
@@ -292,6 +307,7 @@ class Containers:
         }
         name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
         container = await self._engine.create_container(name=name, labels=labels, **spec)
+        links: list[ProxyLink] = []  # an egress sandbox's, closed if it does not verify
         try:
             try:
                 await self._engine.start(container)
@@ -302,7 +318,9 @@ class Containers:
                         working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
                     )
                     required = {**required, **await self._layer_identities(layer)}
-                sandbox = await self._verify(container, ws, profile, who, required, dict(ro_dirs))
+                sandbox = await self._verify(
+                    container, ws, profile, who, required, dict(ro_dirs), links
+                )
                 sandbox.layer = layer
                 return sandbox
             except (ContainerGone, ProcessLookupError):
@@ -312,6 +330,8 @@ class Containers:
                 ) from None
         except BaseException:
             with trio.CancelScope(shield=True):
+                for link in links:
+                    await link.aclose()
                 await self._engine.remove(container)
             raise
 
@@ -323,12 +343,21 @@ class Containers:
         who: RunAs,
         required: Mapping[str, FactValue],
         readonly: dict[str, tuple[int, int]],
+        links: list[ProxyLink] | None = None,
     ) -> Sandbox:
+        """`links` receives an egress sandbox's proxy link (the caller closes it when
+        this raises)."""
         inspect = await self._engine.inspect(container)
         init_pid = int(inspect["State"]["Pid"] or 0)
         if not inspect["State"].get("Running") or init_pid <= 0:
             raise ContainerGone(container)
         observed = await self._observe(init_pid, inspect, profile, list(readonly))
+        link = None
+        if self._egress is not None and profile.network == "egress" and links is not None:
+            ca = "ca_bundle" in required
+            link = await self._egress.open(container, ws.id, profile, init_pid, ca=ca)
+            links.append(link)
+            observed += await trio.to_thread.run_sync(link.observe, limiter=self._fs_limiter)
         await self._check(container, ws, profile, required, observed)
         init = self._host.identity(init_pid)
         if init is None:
@@ -350,6 +379,7 @@ class Containers:
             facts=observed,
             host_visible=host_visible,
             readonly=readonly,
+            egress=link,
         )
         await self._journal_async(
             "proc.facts",
@@ -483,6 +513,10 @@ class Containers:
         observed = await self._observe(
             sandbox.init_pid, inspect, sandbox.profile, list(sandbox.readonly)
         )
+        if sandbox.egress is not None:
+            observed += await trio.to_thread.run_sync(
+                sandbox.egress.observe, limiter=self._fs_limiter
+            )
         await self._check(sandbox.id, ws, sandbox.profile, required, observed)
         sandbox.facts = observed
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from substrate.egress.cabundle import CA_BUNDLE_TARGET
 from substrate.errors import ConfinementUnmet
 from substrate.sandbox import profiles
 from substrate.sandbox.profiles import Profile
@@ -33,6 +34,13 @@ HOST_VISIBLE_RUNTIMES = frozenset({"runc"})
 #: The engine copies the host's resolver file here (even with no network); substrate
 #: binds an empty read-only file over it, so a sandbox learns no name server address.
 RESOLV_CONF_TARGET = "/etc/resolv.conf"
+#: Where an egress sandbox finds its proxy: a listener the daemon holds inside the
+#: sandbox's own network namespace (`substrate.sandbox.proxy_link`).
+PROXY_HOST = "127.0.0.1"
+PROXY_PORT = 3128
+PROXY_URL = f"http://{PROXY_HOST}:{PROXY_PORT}"
+#: Names an egress sandbox reaches without the proxy (its own loopback).
+NO_PROXY = "localhost,127.0.0.1,::1"
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,22 @@ def tmpfs_options(size: str) -> str:
     return f"rw,nosuid,nodev,exec,mode=1777,size={size}"
 
 
+def egress_env(profile: Profile, *, ca_bundle: bool) -> dict[str, str]:
+    """The environment an egress sandbox gets besides its profile's: the proxy for every
+    tool's spelling of it and, with a CA bundle, every tool's name for that (pure; {} for
+    a `network = "none"` profile). `profiles.EGRESS_ENV` lists the names."""
+    if profile.network != "egress":
+        return {}
+    env = {name: PROXY_URL for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")}
+    env |= {name.lower(): value for name, value in env.items()}
+    env |= {"NO_PROXY": NO_PROXY, "no_proxy": NO_PROXY}
+    if ca_bundle:
+        names = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "CURL_CA_BUNDLE")
+        env |= {name: CA_BUNDLE_TARGET for name in (*names, "GIT_SSL_CAINFO")}
+        env["NODE_EXTRA_CA_CERTS"] = CA_BUNDLE_TARGET
+    return env
+
+
 def container_spec(
     profile: Profile,
     *,
@@ -85,6 +109,7 @@ def container_spec(
     readonly_dirs: Sequence[str],
     security_opt: Sequence[str],
     resolv_conf: str | None = None,
+    ca_bundle: str | None = None,
 ) -> dict[str, Any]:
     """The engine's create request for `profile` (pure): everything comes from the profile.
 
@@ -94,7 +119,10 @@ def container_spec(
     parts are the layer's own mounts); `readonly_dirs` are workspace-relative directories (or `.git` files) bound
     read-only over it; `security_opt` is `profiles.security_opts(profile, ...)`
     (no-new-privileges, seccomp); `resolv_conf` is the host path of an empty file bound
-    read-only at /etc/resolv.conf (the engine then leaves the host's resolver out).
+    read-only at /etc/resolv.conf (the engine then leaves the host's resolver out);
+    `ca_bundle` the host path of the daemon's copy of an egress profile's CA bundle,
+    bound read-only at `CA_BUNDLE_TARGET`. The network is the engine's "none" whatever
+    the profile says: an egress sandbox's way out is a listener the daemon adds.
     """
     mounts: list[dict[str, Any]] = []
     if workspace_source is not None and profile.workspace == "layer":
@@ -105,6 +133,8 @@ def container_spec(
             mounts.append(_bind(f"{workspace_source}/{rel}", f"{WORKSPACE_TARGET}/{rel}", True))
     if resolv_conf is not None:
         mounts.append(_bind(resolv_conf, RESOLV_CONF_TARGET, True))
+    if ca_bundle is not None:
+        mounts.append(_bind(ca_bundle, CA_BUNDLE_TARGET, True))
     host_config: dict[str, Any] = {
         "mounts": mounts,
         "tmpfs": {path: tmpfs_options(size) for path, size in profile.tmpfs.items()},
@@ -130,7 +160,7 @@ def container_spec(
         "image": profile.image,
         "command": list(KEEPALIVE),
         "user": str(who),
-        "environment": dict(profile.env),
+        "environment": {**profile.env, **egress_env(profile, ca_bundle=ca_bundle is not None)},
         "working_dir": WORKSPACE_TARGET if profile.workspace != "none" else "/",
         "host_config": host_config,
     }
