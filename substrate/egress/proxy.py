@@ -42,6 +42,7 @@ from typing import Any
 
 import trio
 
+from substrate.egress import splice
 from substrate.egress.allow import AllowList
 from substrate.egress.request import (
     CONNECTED,
@@ -65,6 +66,8 @@ Addresses = list[tuple[int, tuple[Any, ...]]]
 Resolver = Callable[[str, int], Awaitable[Addresses]]
 #: Errors of `accept` that mean "not now" (no descriptors, no memory), not "broken".
 _ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: What a side that went away raises.
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 @dataclass(frozen=True)
@@ -358,21 +361,31 @@ class EgressProxy:
         self, a: trio.abc.HalfCloseableStream, b: trio.abc.HalfCloseableStream
     ) -> None:
         """Copy both ways until both directions ended (each end's EOF passed on as a
-        half-close) or nothing moved for `idle_timeout_s`."""
+        half-close) or nothing moved for `idle_timeout_s`. Between two sockets the bytes
+        never enter Python (`substrate.egress.splice`)."""
         idle_s = self.limits.idle_timeout_s
         chunk = self.limits.chunk
         with trio.move_on_after(idle_s) as idle:
+
+            def moved() -> None:
+                idle.deadline = trio.current_time() + idle_s
+
             async with trio.open_nursery() as nursery:
 
                 async def pump(
-                    src: trio.abc.ReceiveStream, dst: trio.abc.HalfCloseableStream
+                    src: trio.abc.HalfCloseableStream, dst: trio.abc.HalfCloseableStream
                 ) -> None:
                     try:
+                        if isinstance(src, trio.SocketStream) and isinstance(
+                            dst, trio.SocketStream
+                        ):
+                            await splice.pump(src.socket, dst.socket, moved)
+                            return
                         while data := await src.receive_some(chunk):
                             await dst.send_all(data)
-                            idle.deadline = trio.current_time() + idle_s
+                            moved()
                         await dst.send_eof()
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    except _GONE:
                         nursery.cancel_scope.cancel()
 
                 nursery.start_soon(pump, a, b)
@@ -396,9 +409,6 @@ async def _read_head(stream: trio.abc.ReceiveStream, limit: int) -> tuple[bytes,
         done = reader.feed(data)
         if done is not None:
             return done
-
-
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 async def _send_quietly(stream: trio.abc.SendStream, data: bytes) -> None:
