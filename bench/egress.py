@@ -29,7 +29,6 @@ by uid 1000). Reaches no address but loopback, except the package index with
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shutil
 import socket
@@ -203,7 +202,10 @@ async def run(args: argparse.Namespace, port: int, base: Path) -> None:
             direct: list[tuple[int, float]] = []
             proxied: list[tuple[int, float]] = []
             sandboxed: list[tuple[int, float]] = []
-            run_client = functools.partial(trio.to_thread.run_sync, client)
+
+            async def run_client(host: str, port_: int, path: str, count: int) -> Samples:
+                return await trio.to_thread.run_sync(client, host, port_, path, count)
+
             for _ in range(args.runs):
                 direct += await run_client("127.0.0.1", port, "/big", 1)
                 proxied += await run_client("127.0.0.1", pport, f"http://{MIRROR}/big", 1)
