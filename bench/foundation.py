@@ -59,6 +59,8 @@ TREE_BYTES = 50 << 20
 SEARCH_PATTERN = r"def \w+_handler\("
 #: A second one that starts with a class, so no literal prefix helps the engine.
 SEARCH_PATTERN_CLASS = r"[A-Z][a-z]+Error\(\w+"
+#: A third with no literal every match must contain: screened by RE2 (`search_re2`).
+SEARCH_PATTERN_NO_LITERAL = r"[0-9]{5}"
 
 
 # --- the daemon --------------------------------------------------------------------------
@@ -292,6 +294,8 @@ def make_tree(root: Path, files: int, total: int, seed: int = 2) -> int:
             pool.append(f"    def on_{w[0]}_handler(self, {w[1]}):\n")
         elif r < 0.004:
             pool.append(f"        raise {rng.choice(kinds)}Error({w[0]}_{w[1]})\n")
+        elif r < 0.005:
+            pool.append(f"    {w[0]}_timeout = {rng.randint(10000, 99999)}\n")
         elif r < 0.3:
             pool.append(f"    {w[0]} = {w[1]}({w[2]}, {w[3]}={w[4]})  # {w[5]}\n")
         elif r < 0.5:
@@ -428,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         grep_env = dict(os.environ, LC_ALL="C")
         searches = []
-        for pattern in (SEARCH_PATTERN, SEARCH_PATTERN_CLASS):
+        for pattern in (SEARCH_PATTERN, SEARCH_PATTERN_CLASS, SEARCH_PATTERN_NO_LITERAL):
             count = same_matches(client, ws, pattern, ws_dir / "tree", grep_env)
             ours_cpu: list[float] = []
             grep_cpu: list[float] = []

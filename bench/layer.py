@@ -106,7 +106,7 @@ def chown_tree(path: Path) -> None:
 def make_profiles(base: Path) -> Path:
     profiles = base / "profiles"
     profiles.mkdir()
-    agent = (REPO / "profiles" / "agent.toml").read_text()
+    agent = (REPO / "profiles" / "default.toml").read_text()
     assert 'workspace = "layer"' in agent
     (profiles / f"{LAYER}.toml").write_text(agent)
     (profiles / f"{RW}.toml").write_text(agent.replace('workspace = "layer"', 'workspace = "rw"'))

@@ -49,6 +49,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
     #: checkpoint pre-images kept, bytes; past it the oldest checkpoint expires (§11)
     preimage_quota_bytes: int = 1 << 30
+    #: change sets a workspace keeps for review or approval; past it "apply"/"review" runs are refused (§11)
+    max_kept_changesets: int = 64
     # `[policy]`: the operator's default policy of every checkout (docs/protocol.md §2); agents add to it.
     policy: Policy = msgspec.field(default_factory=Policy)
 
@@ -81,6 +83,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         raise ConfigError("inline_hash_bytes: must not be negative")
     if config.preimage_quota_bytes < 0:
         raise ConfigError("preimage_quota_bytes: must not be negative")
+    if config.max_kept_changesets < 1:
+        raise ConfigError("max_kept_changesets: must be at least 1")
     try:
         compile_policy(config.policy)
     except Refusal as exc:

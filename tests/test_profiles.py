@@ -107,7 +107,7 @@ def test_default_profile_is_the_promised_confinement() -> None:
         runtime="runc",
         user="owner",
         allow_root=False,
-        workspace="rw",
+        workspace="layer",
         network="none",
         read_only_rootfs=True,
         tmpfs={"/tmp": "256m"},
@@ -137,7 +137,14 @@ def test_readonly_differs_from_default_only_in_workspace() -> None:
 
 def test_gvisor_differs_from_default_in_runtime_and_seccomp() -> None:
     # pids is higher: gVisor's Sentry threads count against the container's pids limit.
-    assert _differences("gvisor") == {"runtime": "runsc", "seccomp": "engine-default", "pids": 1024}
+    # workspace is "rw": the working layer reaches a container by mount propagation, which
+    # gVisor's gofer does not follow.
+    assert _differences("gvisor") == {
+        "runtime": "runsc",
+        "seccomp": "engine-default",
+        "pids": 1024,
+        "workspace": "rw",
+    }
 
 
 def test_interactive_differs_from_default_in_pty_and_term() -> None:
@@ -147,7 +154,9 @@ def test_interactive_differs_from_default_in_pty_and_term() -> None:
     assert isinstance(env, dict)
     assert env["TERM"] == "xterm-256color"
     assert env["HOME"] == "/tmp"
-    assert diff == {}
+    # A person's terminal writes the checkout directly (the reactive gate, which never
+    # reverts what it cannot attribute to the sandbox: docs/write-gate.md).
+    assert diff == {"workspace": "rw"}
 
 
 def test_tiny_differs_from_default_in_image_and_limits() -> None:
@@ -155,6 +164,9 @@ def test_tiny_differs_from_default_in_image_and_limits() -> None:
         "image": "substrate-tiny:latest",
         "memory": "256m",
         "pids": 128,
+        # The fast-test profile keeps the plain bind: the rw path and its gate are tested
+        # with it.
+        "workspace": "rw",
     }
 
 
@@ -310,10 +322,11 @@ def test_a_layer_workspace_is_accepted_under_runc_only(tmp_path: Path) -> None:
     )
     body = "\n".join(ln for ln in body.splitlines() if not ln.startswith("runtime ="))
     msg = _refusal(tmp_path, body + '\nruntime = "runsc"\n')
-    assert ': $.workspace: "layer" needs runtime "runc"' in msg
+    assert ': $.workspace: "layer" (the default) needs runtime "runc"' in msg
+    # A terminal on a layer profile shares its generation (docs/terminals.md).
     body = _with("workspace", 'workspace = "layer"') + "interactive = true\n"
-    msg = _refusal(tmp_path / "i", body)
-    assert ': $.interactive: terminals on a "layer" workspace are not supported yet' in msg
+    terminal = load_profile(_write(tmp_path / "i", body), SECCOMP)
+    assert (terminal.workspace, terminal.interactive) == ("layer", True)
 
 
 def test_runsc_with_a_seccomp_policy_is_refused(tmp_path: Path) -> None:

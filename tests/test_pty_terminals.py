@@ -26,13 +26,19 @@ class GatedPtys:
     waiting: int = 0
     inner: FakePtys = field(default_factory=FakePtys)
     arrived: trio.Event = field(default_factory=trio.Event)  # set (and renewed) per arrival
+    seen: list[tuple[str, str]] = field(default_factory=list)  # (session, actor) per start
 
-    async def __call__(self, *, workspace: str, profile: str, cols: int, rows: int) -> FakePty:
+    async def __call__(
+        self, *, workspace: str, profile: str, cols: int, rows: int, session: str, actor: str
+    ) -> FakePty:
         self.waiting += 1
+        self.seen.append((session, actor))
         self.arrived.set()
         self.arrived = trio.Event()
         await self.gate.wait()
-        return await self.inner(workspace=workspace, profile=profile, cols=cols, rows=rows)
+        return await self.inner(
+            workspace=workspace, profile=profile, cols=cols, rows=rows, session=session, actor=actor
+        )
 
 
 @dataclass
@@ -40,6 +46,7 @@ class Env:
     terminals: Terminals
     grants: Grants
     ptys: GatedPtys
+    journal: Journal
 
     def token(self) -> str:
         _, token = self.grants.issue(
@@ -73,7 +80,7 @@ async def make_env(tmp_path: Path) -> AsyncIterator[MakeEnv]:
                 settings=TerminalSettings(**settings),
             )
             await nursery.start(terminals.run)
-            return Env(terminals, grants, ptys)
+            return Env(terminals, grants, ptys, journal)
 
         yield make
         nursery.cancel_scope.cancel()
@@ -147,3 +154,21 @@ async def test_a_refused_open_gives_its_slots_back(make_env: MakeEnv) -> None:
         assert not isinstance(info.value, LimitExceeded)
     attached = await env.terminals.open(Open(token=env.token(), cols=80, rows=24), _kick)
     assert attached.mode == "control"
+
+
+async def test_the_spawner_learns_the_session_and_pty_closed_says_how_it_ended(
+    make_env: MakeEnv,
+) -> None:
+    env = await make_env()
+    env.ptys.gate.set()
+    attached = await env.terminals.open(Open(token=env.token(), cols=80, rows=24), _kick)
+    session = attached.live.session
+    assert env.ptys.seen == [(session.id, f"terminal:{session.grant}")]
+    # On a layer profile the backend fills `ended` as it terminates (pty.docker).
+    (pty,) = env.ptys.inner.spawned
+    pty.ended["changes"] = {"generation": 4, "mode": "apply", "counts": {"applied": 1}}
+    await env.terminals.close_frame(attached)
+    await env.terminals.settle()
+    (closed,) = [e for e in env.journal.read(limit=100) if e.kind == "pty.closed"]
+    assert closed.data["session"] == session.id
+    assert closed.data["changes"] == {"generation": 4, "mode": "apply", "counts": {"applied": 1}}

@@ -1,5 +1,7 @@
 """Handlers of `changes.*` (docs/protocol.md §11): the kept change sets of commands run
-on `workspace = "layer"` profiles (`substrate.workspace.layer.Changesets`).
+on `workspace = "layer"` profiles (`substrate.workspace.layer.Changesets`). A set of a
+released workspace answers `changes.get`; `changes.apply`/`discard` refuse
+`unknown_workspace` until its checkout is adopted again (`workspace.adopt` reattaches).
 
 Apply and discard run in threads that are never abandoned, like guarded writes.
 """
@@ -8,11 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
 import trio
 
 from substrate.api.base import Caller, handles
 from substrate.process.layering import MAX_CHANGE_ENTRIES, entries
 from substrate.schema.changes import (
+    Change,
     ChangesApplyParams,
     ChangesApplyResult,
     ChangesDiscardResult,
@@ -22,12 +26,16 @@ from substrate.schema.changes import (
 from substrate.schema.proc import ChangeCounts
 from substrate.workspace.layer import Kept
 
+#: At most this many bytes of `diff` text in one `changes.get` answer (each diff is
+#: bounded by the preview already; 1,000 of them would not be).
+MAX_DIFF_BYTES = 1 << 20
+
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
 
 
 def info(kept: Kept) -> ChangesetInfo:
-    """The wire view of a kept set (bounded lists)."""
+    """The wire view of a kept set (bounded lists, at most `MAX_DIFF_BYTES` of diffs)."""
     cs = kept.changeset
     return ChangesetInfo(
         changeset=kept.id,
@@ -36,11 +44,29 @@ def info(kept: Kept) -> ChangesetInfo:
         state=kept.state,
         created=kept.created,
         updated=kept.updated,
-        changes=list(cs.changes[:MAX_CHANGE_ENTRIES]),
+        changes=bounded_diffs(cs.changes[:MAX_CHANGE_ENTRIES], MAX_DIFF_BYTES),
         blocked=list(cs.blocked[:MAX_CHANGE_ENTRIES]),
         total_changes=len(cs.changes),
         total_blocked=len(cs.blocked),
+        layer=kept.layer,
+        versions=list(kept.versions.items[:MAX_CHANGE_ENTRIES]),
     )
+
+
+def bounded_diffs(changes: tuple[Change, ...], budget: int) -> list[Change]:
+    """`changes` with their diffs while their UTF-8 bytes fit `budget` in all; past it a
+    change carries no diff (`diff_truncated`)."""
+    shown: list[Change] = []
+    for c in changes:
+        cost = len(c.diff.encode("utf-8"))
+        if cost > budget:
+            budget = 0
+            if c.diff:
+                c = msgspec.structs.replace(c, diff="", diff_truncated=True)
+        else:
+            budget -= cost
+        shown.append(c)
+    return shown
 
 
 @handles("changes.get")
@@ -57,14 +83,15 @@ async def apply(daemon: Daemon, caller: Caller, p: ChangesApplyParams) -> Change
     kept, result, unmatched = await trio.to_thread.run_sync(
         changesets.apply, daemon.writer, ws, p.changeset, p.paths, p.dry_run, caller.name
     )
+    by_path = {c.path: c for c in kept.changeset.changes}
     return ChangesApplyResult(
         changeset=kept.id,
         state=kept.state,
         dry_run=p.dry_run,
-        applied=entries(result.applied),
-        blocked=entries(result.blocked),
-        pending=entries(result.pending),
-        conflicts=entries(result.conflicts),
+        applied=entries(result.applied, by_path),
+        blocked=entries(result.blocked, by_path),
+        pending=entries(result.pending, by_path),
+        conflicts=entries(result.conflicts, by_path, kept.versions),
         counts=ChangeCounts(
             applied=len(result.applied),
             unchanged=len(result.unchanged),
@@ -73,6 +100,7 @@ async def apply(daemon: Daemon, caller: Caller, p: ChangesApplyParams) -> Change
             conflicts=len(result.conflicts),
         ),
         unmatched=unmatched[:MAX_CHANGE_ENTRIES],
+        layer=kept.layer,
     )
 
 

@@ -6,9 +6,11 @@ import base64
 import binascii
 from typing import TYPE_CHECKING
 
+import trio
+
 from substrate.api.base import Caller, handles
 from substrate.errors import InvalidParams
-from substrate.process import intents
+from substrate.process import intents, layer_keep
 from substrate.process.runner import RunRequest
 from substrate.schema.proc import (
     ListParams,
@@ -74,16 +76,34 @@ def run_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRequest:
     )
 
 
+async def checked_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRequest:
+    """`run_request`, and on a `workspace = "layer"` profile the cap on change sets kept
+    per workspace (`limit_exceeded`, `scope: "kept_changesets"`; docs/working-layer.md):
+    refused before anything runs."""
+    req = run_request(daemon, caller, p)
+    execution = execution_of(daemon)
+    profile = execution.profiles.get(p.profile)
+    if profile is not None and profile.workspace == "layer":
+        await trio.to_thread.run_sync(
+            layer_keep.check_room,
+            execution.changesets,
+            req.ws.id,
+            p.changes,
+            execution.config.max_kept_changesets,
+        )
+    return req
+
+
 @handles("proc.run")
 async def run(daemon: Daemon, caller: Caller, p: RunParams) -> ProcResult:
     execution = execution_of(daemon)
-    return await execution.processes.run(run_request(daemon, caller, p))
+    return await execution.processes.run(await checked_request(daemon, caller, p))
 
 
 @handles("proc.start")
 async def start(daemon: Daemon, caller: Caller, p: RunParams) -> StartResult:
     execution = execution_of(daemon)
-    proc = await execution.processes.start(run_request(daemon, caller, p))
+    proc = await execution.processes.start(await checked_request(daemon, caller, p))
     return StartResult(proc=proc)
 
 

@@ -50,6 +50,8 @@ async def adopt(daemon: Daemon, caller: Caller, p: AdoptParams) -> WorkspaceInfo
     ws = await trio.to_thread.run_sync(
         daemon.workspaces.adopt, p.path, p.root_id, p.policy, caller.name
     )
+    # Change sets kept from an earlier adoption of this checkout are this one's now.
+    await trio.to_thread.run_sync(daemon.execution.changesets.reattach, ws)
     await _restart_sandboxes(daemon, before)
     return await trio.to_thread.run_sync(ws.info)
 

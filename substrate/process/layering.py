@@ -1,14 +1,16 @@
 """The end of a command on a `workspace = "layer"` sandbox: swap, scan, apply
 (docs/working-layer.md).
 
-Theory of operation. Commands on one layer sandbox take turns (`WorkingLayer.turn`,
-held by `Processes.run` from before the exec to after this): a second concurrent
-command waits until the first has ended and its changes were applied, so every change
-belongs to exactly one generation and is applied once. When a command has ended — also
-killed, timed out or cancelled, under the runner's shielded conclusion — `conclude`:
+Theory of operation. Commands and terminals on one layer sandbox that overlap share its
+generation (`process.layer_users`, `sandbox.generation`): none waits for another, and the
+generation concludes once, when the last of them ends (a newcomer waits only while that
+conclusion runs, then joins the next generation), so every change belongs to exactly one
+generation and is applied once. When the last user has ended — also killed, timed out or
+cancelled, under the runner's shielded conclusion — `conclude`, given the last user's
+request with the users' combined mode and the actor of the last that ran:
 
 1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
-   stays on disk, untouched (review, discard and artifacts for conflicts come next);
+   stays on disk, untouched, until the set settles (step 3) or is discarded;
 2. observes the sandbox's facts again against the new generation
    (`Containers.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
 3. scans the old upper dir against the checkout and, by the request's `changes` mode:
@@ -17,12 +19,16 @@ killed, timed out or cancelled, under the runner's shielded conclusion — `conc
    (`workspace.layer.Changesets`, `applied` or `pending`) for `changes.get/apply/
    discard`; "discard" scans nothing, removes the old upper (and work) dir and keeps
    nothing. A file the host changed during the command is kept in the set as blocked
-   (`host_changed`): no later `changes.apply` overwrites it;
-4. returns a bounded summary (`schema.proc.ProcChanges`).
+   (`host_changed`): no later `changes.apply` overwrites it. Each conflict's version
+   (the command's bytes) is kept as an artifact (`Changesets.keep_versions`,
+   `process.layer_keep`); an applied set with nothing pending and every version kept
+   is settled: its upper and work dirs are removed (`Changesets.finish`);
+4. returns a bounded summary (`schema.proc.ProcChanges`), each conflict naming the
+   artifact of its version.
 
 A generation still in use (EBUSY: a process of the sandbox holds it) is kept: nothing is
-applied now (`layer_busy`) and its changes go, whole, with the next command's (in that
-command's mode).
+applied now (`layer_busy`) and its changes go, whole, with the next conclusion's (in a
+mode that counts its users': `Users.concluded(kept=True)`).
 The reactive write gate never runs for a layer sandbox: the layer never writes the
 checkout.
 """
@@ -32,12 +38,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
+from substrate.process import layer_keep
 from substrate.sandbox import working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.layer_plan import LayerPlan
@@ -54,6 +62,7 @@ from substrate.workspace.layer import (
     remove_layer,
     scan,
 )
+from substrate.workspace.layer.versions import Versions
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -114,7 +123,7 @@ async def conclude(
             await trio.to_thread.run_sync(remove_layer, old.upper, old.work, limiter=limiter)
             return ProcChanges(generation=old.generation, mode="discard", error=error)
         review = mode == "review"
-        result, scanned, kept, changeset_id = await trio.to_thread.run_sync(
+        result, scanned, kept, changeset_id, versions = await trio.to_thread.run_sync(
             _scan_apply, writer, ws, old, actor, layer, review, changesets, limiter=limiter
         )
     except (Refusal, OSError) as exc:
@@ -129,6 +138,7 @@ async def conclude(
         changeset_id=changeset_id,
         mode=mode,
         review=kept.changes if review else (),
+        versions=versions,
     )
 
 
@@ -145,13 +155,16 @@ def _scan_apply(
     layer: working_layer.WorkingLayer,
     review: bool,
     changesets: Changesets | None,
-) -> tuple[ApplyResult, ChangeSet, ChangeSet, str | None]:
+) -> tuple[ApplyResult, ChangeSet, ChangeSet, str | None, Versions]:
     """Scan `old`'s upper dir; keep the set (`pending` when `review`), or apply it.
-    Returns the outcomes, the set as scanned, the set kept and its id. The set kept has the
-    host's edits moved to its `blocked` as `host_changed`. An applied set is recorded
-    `applying` before its first change and marked `applied` with its summary entry after
-    its last (`Changesets.finish`): a crash between leaves it for the next start to
-    apply whole (docs/working-layer.md, "Crash and cancel")."""
+    Returns the outcomes, the set as scanned, the set kept, its id and its conflicts'
+    versions. The set kept has the host's edits moved to its `blocked` as
+    `host_changed`. An applied set is recorded `applying` before its first change and
+    marked `applied` with its summary entry after its last (`Changesets.finish`, which
+    also removes a settled set's layer): a crash between leaves it for the next start
+    to apply whole (docs/working-layer.md, "Crash and cancel"). The conflicts' versions
+    are copied before it is marked: the host's edits' are recorded with the set, so a
+    crash never lets its layer go before they are copied."""
     upper_fd = os.open(old.upper, _DIR_FLAGS)
     try:
         with ws.use():
@@ -163,12 +176,19 @@ def _scan_apply(
             )
             to_keep = msgspec.structs.replace(kept, blocked=held)
             cs_id = None
+            versions = Versions()
             if changesets is not None:
                 state: Literal["pending", "applying"] = "pending" if review else "applying"
-                cs_id = changesets.record(ws, old.generation, old.upper, old.work, to_keep, state)
+                versioned = [o.path for o in host_changed if o.kept is not None]
+                cs_id = changesets.record(
+                    ws, old.generation, old.upper, old.work, to_keep, state, versioned
+                )
             result = ApplyResult() if review else apply(writer, ws, upper_fd, kept, actor)
-            if changesets is not None and cs_id is not None and not review:
-                changesets.finish(cs_id, ws, old.generation, result, "changes.applied")
+            if changesets is not None and cs_id is not None:
+                row = changesets.keep_versions(cs_id, upper_fd, result.conflicts)
+                versions = row.versions
+                if not review:
+                    changesets.finish(cs_id, ws, old.generation, result, "changes.applied")
         done = {o.path for o in (*result.applied, *result.unchanged)}
         layer.landed = {
             c.path: c.new_sha256
@@ -176,7 +196,8 @@ def _scan_apply(
             if c.path in done and c.new_sha256 is not None
         }
         conflicts = (*result.conflicts, *host_changed)
-        return msgspec.structs.replace(result, conflicts=conflicts), changeset, to_keep, cs_id
+        result = msgspec.structs.replace(result, conflicts=conflicts)
+        return result, changeset, to_keep, cs_id, versions
     finally:
         os.close(upper_fd)
 
@@ -218,20 +239,14 @@ def _host_changes(
     return msgspec.structs.replace(changeset, changes=tuple(kept)), tuple(conflicts)
 
 
-def entries(outcomes: tuple[Outcomes, ...]) -> list[ChangeEntry]:
-    """The wire entries of outcomes, at most `MAX_CHANGE_ENTRIES`."""
-    return [
-        ChangeEntry(
-            path=o.path,
-            op=o.op,
-            reason=o.reason,
-            rule=o.rule,
-            plan_digest=o.plan_digest,
-            current_sha256=o.current_sha256,
-            kept=o.kept,
-        )
-        for o in outcomes[:MAX_CHANGE_ENTRIES]
-    ]
+def entries(
+    outcomes: tuple[Outcomes, ...],
+    changes: Mapping[str, Change] | None = None,
+    versions: Versions | None = None,
+) -> list[ChangeEntry]:
+    """The wire entries of outcomes, at most `MAX_CHANGE_ENTRIES` (`layer_keep.entries`:
+    `size`/`mode` from `changes`, a conflict's artifact from `versions`)."""
+    return layer_keep.entries(outcomes[:MAX_CHANGE_ENTRIES], changes, versions)
 
 
 def summary(
@@ -243,22 +258,25 @@ def summary(
     changeset_id: str | None = None,
     mode: ChangesMode = "apply",
     review: tuple[Change, ...] = (),
+    versions: Versions | None = None,
 ) -> ProcChanges:
     """The bounded `changes` of a result: the apply's lists plus what the scan blocked
-    (and, kept for review, the changes awaiting `changes.apply`)."""
+    (and, kept for review, the changes awaiting `changes.apply`); `size`/`mode` of each
+    change, never its diff (`changes.get` has that), and a conflict's artifact."""
     scan_blocked = [
         ChangeEntry(path=b.path, reason=b.reason) for b in changeset.blocked[:MAX_CHANGE_ENTRIES]
     ]
-    blocked = (entries(result.blocked) + scan_blocked)[:MAX_CHANGE_ENTRIES]
+    by_path = {c.path: c for c in changeset.changes}
+    blocked = (entries(result.blocked, by_path) + scan_blocked)[:MAX_CHANGE_ENTRIES]
     return ProcChanges(
         generation=generation,
         changeset=changeset_id,
         mode=mode,
-        review=[ChangeEntry(path=c.path, op=c.op) for c in review[:MAX_CHANGE_ENTRIES]],
-        applied=entries(result.applied),
+        review=[layer_keep.change_entry(c) for c in review[:MAX_CHANGE_ENTRIES]],
+        applied=entries(result.applied, by_path),
         blocked=blocked,
-        pending=entries(result.pending),
-        conflicts=entries(result.conflicts),
+        pending=entries(result.pending, by_path),
+        conflicts=entries(result.conflicts, by_path, versions),
         counts=ChangeCounts(
             applied=len(result.applied),
             unchanged=len(result.unchanged),

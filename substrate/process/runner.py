@@ -24,8 +24,8 @@ and `_conclude` runs the gate and finishes the record with the output it had
 Each shielded step is bounded (`driver.SETTLE_S`, `GATE_WAIT_S`).
 
 Collaborators (engine, containers, driver, records, artifacts, subscriptions, write gate)
-are given, never built here: `substrate.process.service` wires them. On a `layer`
-sandbox, `substrate.process.layering` takes turns and applies the change set (no gate).
+are given, never built here: `substrate.process.service` wires them. On a `layer` sandbox
+commands share a generation, applied when the last ends (`process.layer_users`; no gate).
 Hot path (a warm `["true"]`): three engine calls, two commits, one procfs scan of the
 container's cgroup; facts are observed once per container, never per command.
 """
@@ -48,7 +48,6 @@ from substrate.artifacts.sink import OutputSink
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.errors import LimitExceeded, RuntimeUnavailable
-from substrate.process import layering
 from substrate.process.argv import (
     ENGINE_START_FAILED,
     effective_timeout,
@@ -59,9 +58,10 @@ from substrate.process.argv import (
     workdir_for,
 )
 from substrate.process.driver import Entry, ExecDriver, Run
+from substrate.process.layer_users import LayerUsers, Use
 from substrate.process.records import Outcome, ProcessRecords
 from substrate.process.subscriptions import Subscriptions
-from substrate.sandbox import reaper, working_layer
+from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
@@ -136,6 +136,7 @@ class _Launched:
     t0: float  # trio clock at the record's start
     limit_s: float
     snapshot: object  # the write gate's, None when the gate does not look
+    use: Use | None  # its hold on a layer sandbox's generation
 
 
 class Processes:
@@ -159,8 +160,8 @@ class Processes:
         changesets: Changesets | None = None,
     ) -> None:
         self._engine = engine
-        self._writer = writer  # applies layer sandboxes' change sets
-        self._changesets = changesets  # and keeps them by id
+        #: Layer sandboxes' shared generations, concluded and applied (and kept by id).
+        self.layer_users = LayerUsers(containers, writer, changesets, journal, fs_limiter)
         self._containers = containers
         self.driver = driver
         self.records = records
@@ -271,15 +272,11 @@ class Processes:
                 proc = "p_" + secrets.token_hex(8)
                 sandbox = await self._containers.ensure(req.ws, checked.profile)
                 sandbox.acquire()
+                use = None
                 try:
-                    if sandbox.layer is None:
-                        return await self._run_in(req, checked, sandbox, proc, on_started)
-                    # One command at a time per layer (docs/working-layer.md).
-                    async with sandbox.layer.turn:
-                        if sandbox.layer.closed:
-                            raise ContainerGone(sandbox.id)  # dropped while we waited
-                        working_layer.begin(sandbox.layer)
-                        return await self._run_in(req, checked, sandbox, proc, on_started)
+                    if sandbox.layer is not None:  # shares the generation mounted now
+                        use = await self.layer_users.join(sandbox, proc, req)
+                    return await self._run_in(req, checked, sandbox, proc, on_started, use)
                 except ContainerGone:
                     # Removed or stopped under us before the exec started: once more
                     # with a fresh, freshly verified container.
@@ -289,6 +286,8 @@ class Processes:
                             "the sandbox container keeps disappearing"
                         ) from None
                 finally:
+                    if use is not None:  # a no-op once its conclusion ran
+                        await self.layer_users.abandon(use)
                     sandbox.release()
             raise AssertionError("unreachable")
         finally:
@@ -315,6 +314,7 @@ class Processes:
         sandbox: Sandbox,
         proc: str,
         on_started: Callable[[Entry], None] | None,
+        use: Use | None,
     ) -> ProcResult:
         profile = sandbox.profile
         snapshot = None
@@ -377,6 +377,7 @@ class Processes:
             t0=t0,
             limit_s=checked.limit_s,
             snapshot=snapshot,
+            use=use,
         )
         self._live[proc] = entry
         try:
@@ -456,11 +457,9 @@ class Processes:
         if exit_code == ENGINE_START_FAILED:
             exit_code = await self._start_failed(run, exit_code)
         blocked = await self._gate_after(ws, launched.snapshot)
-        changes = None  # a layer sandbox's change set, applied (docs/working-layer.md)
-        if run.sandbox.layer is not None and self._writer is not None:
-            changes = await layering.conclude(
-                self._containers, self._writer, run.sandbox, launched.req, self._changesets
-            )
+        changes = None  # a layer sandbox's change set, or deferred (docs/working-layer.md)
+        if launched.use is not None:
+            changes = await self.layer_users.end(launched.use)
         outcome = Outcome(
             exit_code=exit_code,
             signal=signal_of(exit_code),

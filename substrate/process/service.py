@@ -25,6 +25,7 @@ from substrate.egress import EgressProxy
 from substrate.errors import Refusal
 from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
+from substrate.process.layer_keep import ArtifactKeeper
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
 from substrate.process.subscriptions import Subscriptions
@@ -100,8 +101,9 @@ class Execution:
             fs_limiter=fs_limiter,
         )
         self._writer = writer if writer is not None else Writer(store, journal)
-        #: Layer sandboxes' change sets kept by id (`changes.*`).
-        self.changesets = Changesets(store, journal)
+        #: Layer sandboxes' change sets kept by id (`changes.*`); conflicts' versions
+        #: go to the artifact store.
+        self.changesets = Changesets(store, journal, ArtifactKeeper(self.artifacts))
         # The previous runs' layers, listed before this run makes any (crash recovery).
         self._previous_layers = layer_recovery.sandbox_dirs(str(state_dir))
         self.processes = Processes(

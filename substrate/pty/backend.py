@@ -20,6 +20,9 @@ class PtyProcess(Protocol):
 
     #: What the journal records about how it was started (facts, container), no bytes.
     info: dict[str, Any]
+    #: What the journal records about how it ended, filled by `terminate`: on a layer
+    #: sandbox, `changes` (the generation's change summary, counts only). No bytes.
+    ended: dict[str, Any]
 
     async def read(self, max_bytes: int) -> bytes:
         """The next output bytes; b"" once the process closed its terminal."""
@@ -38,15 +41,17 @@ class PtyProcess(Protocol):
         ...
 
     async def terminate(self) -> None:
-        """End the process and release its terminal. Idempotent."""
+        """End the process and release its terminal (on a layer sandbox, conclude its
+        generation if it was the last user: docs/terminals.md). Idempotent."""
         ...
 
 
 class PtySpawner(Protocol):
-    """Starts the process of a new session. Refuses like any command would."""
+    """Starts the process of a new session (`session` its id, `actor` who opened it, for
+    the journal). Refuses like any command would."""
 
     async def __call__(
-        self, *, workspace: str, profile: str, cols: int, rows: int
+        self, *, workspace: str, profile: str, cols: int, rows: int, session: str, actor: str
     ) -> PtyProcess: ...
 
 
@@ -62,6 +67,7 @@ class FakePty:
     cols: int
     rows: int
     info: dict[str, Any] = field(default_factory=lambda: {"backend": "fake"})
+    ended: dict[str, Any] = field(default_factory=dict)
     _out: bytearray = field(default_factory=bytearray)
     _line: bytearray = field(default_factory=bytearray)
     _ready: trio.Event = field(default_factory=trio.Event)
@@ -141,7 +147,9 @@ class FakePtys:
     non_interactive: set[str] = field(default_factory=set)
     spawned: list[FakePty] = field(default_factory=list)
 
-    async def __call__(self, *, workspace: str, profile: str, cols: int, rows: int) -> FakePty:
+    async def __call__(
+        self, *, workspace: str, profile: str, cols: int, rows: int, session: str, actor: str
+    ) -> FakePty:
         await trio.lowlevel.checkpoint()
         if profile in self.non_interactive:
             raise GrantInvalid(f"profile {profile} is not interactive", profile=profile)

@@ -10,6 +10,13 @@ ending the session ends every process it started. The shell is the profile's
 The engine's hijacked exec socket is raw with a TTY (not multiplexed); it is driven
 directly by Trio (non-blocking), so a session costs no worker thread while idle. Resizes
 go to `exec_resize`; the exit code comes from `exec_inspect` once the stream ends.
+
+On a `workspace = "layer"` profile the session is a user of the sandbox's generation like
+a command (`process.layer_users`), from before its exec to its end: what the shell
+changes is applied through the guarded path (mode "apply", as `terminal:<grant>`) when
+the generation concludes — when the session ends if nothing else uses it then, else with
+the last command's. `terminate` records the summary in `ended["changes"]` for `pty.closed`
+(docs/terminals.md).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import trio
 
 from substrate.errors import GrantInvalid, RuntimeUnavailable
 from substrate.process.argv import exec_env, validate_argv, workdir_for
+from substrate.process.layer_users import LayerUsers, Use, journal_summary
+from substrate.process.runner import RunRequest
 from substrate.sandbox import reaper
 from substrate.sandbox.engine import ContainerGone, Engine, ExecStream
 from substrate.sandbox.profiles import Profile
@@ -60,8 +69,11 @@ class DockerPty:
         stream: ExecStream,
         marker: str,
         info: dict[str, Any],
+        layer: tuple[LayerUsers, Use] | None = None,
     ) -> None:
         self.info = info
+        self.ended: dict[str, Any] = {}
+        self._layer = layer  # its hold on a layer sandbox's generation
         self._engine = engine
         self._containers = containers
         self._sandbox = sandbox
@@ -129,6 +141,13 @@ class DockerPty:
                 # (the next command gets a fresh, verified one).
                 await self._containers.forget(sandbox, "terminal_closed")
         finally:
+            if self._layer is not None:
+                # Its processes are gone: the generation may conclude (never cut short).
+                users, use = self._layer
+                with trio.CancelScope(shield=True):
+                    changes = await users.end(use)
+                if changes is not None:
+                    self.ended["changes"] = journal_summary(changes)
             sandbox.release()
             await self._stream.aclose()
 
@@ -140,11 +159,14 @@ class DockerPtys:
         self._execution = execution
         self._workspace = workspace
 
-    async def __call__(self, *, workspace: str, profile: str, cols: int, rows: int) -> DockerPty:
+    async def __call__(
+        self, *, workspace: str, profile: str, cols: int, rows: int, session: str, actor: str
+    ) -> DockerPty:
         """Start the shell. Refuses `unknown_workspace`, `profile_unknown`, `grant_invalid`
         (profile no longer interactive), `argv_denied`, `confinement_unmet`,
         `image_missing`, `runtime_unavailable`, like any command. Costs a container start
-        and a fact check when the sandbox is cold, else three engine calls."""
+        and a fact check when the sandbox is cold, else three engine calls. On a layer
+        profile it joins the generation first: it waits while one concludes."""
         execution = self._execution
         ws = self._workspace(workspace)
         prof: Profile = execution.profile(profile)
@@ -153,11 +175,16 @@ class DockerPtys:
         argv = shell_argv(prof)
         containers: Containers = execution.containers
         engine: Engine = execution.engine
+        users: LayerUsers = execution.processes.layer_users
+        req = RunRequest(ws=ws, profile=prof.name, argv=tuple(argv), actor=actor)
         marker = "t_" + secrets.token_hex(8)
         for attempt in (1, 2):
             sandbox = await containers.ensure(ws, prof)
             sandbox.acquire()
+            use = None
             try:
+                if sandbox.layer is not None:  # the session shares the generation
+                    use = await users.join(sandbox, session, req)
                 env = {"TERM": DEFAULT_TERM, **exec_env(prof, marker)}
                 exec_id = await engine.exec_create(
                     sandbox.id,
@@ -170,12 +197,16 @@ class DockerPtys:
                 )
                 stream = await engine.exec_start(exec_id, tty=True)
             except ContainerGone:
+                if use is not None:
+                    await users.abandon(use)
                 sandbox.release()
                 await containers.forget(sandbox, "gone")
                 if attempt == 2:
                     raise RuntimeUnavailable("the sandbox container keeps disappearing") from None
                 continue
             except BaseException:
+                if use is not None:
+                    await users.abandon(use)
                 sandbox.release()
                 raise
             pty = DockerPty(
@@ -192,6 +223,7 @@ class DockerPtys:
                     "argv": argv,
                     "runtime": prof.runtime,
                 },
+                None if use is None else (users, use),
             )
             try:
                 await pty.resize(cols, rows)

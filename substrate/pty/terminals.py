@@ -250,10 +250,15 @@ class Terminals:
         grant = await trio.to_thread.run_sync(lambda: self.grants.check(f.token, need_use=True))
         if self._check_workspace is not None:
             self._check_workspace(grant.workspace)
-        proc = await self._spawner(
-            workspace=grant.workspace, profile=grant.profile, cols=f.cols, rows=f.rows
-        )
         sid = "t-" + secrets.token_hex(8)
+        proc = await self._spawner(
+            workspace=grant.workspace,
+            profile=grant.profile,
+            cols=f.cols,
+            rows=f.rows,
+            session=sid,
+            actor=f"terminal:{grant.id}",
+        )
         try:
             grant = await trio.to_thread.run_sync(
                 lambda: self.grants.use(
@@ -439,6 +444,7 @@ class Terminals:
             rows=s.rows,
             bytes=s.ring.end,
             duration_s=round(trio.current_time() - live.started, 3),
+            **live.proc.ended,
         )
 
     async def revoke_grant(self, grant: str) -> int:

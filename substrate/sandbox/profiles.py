@@ -319,10 +319,10 @@ def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
     if p.workspace == "layer" and p.runtime != "runc":
         # The layer is mounted on the host and reaches the container by mount
         # propagation, which gVisor's gofer does not follow.
-        fail("workspace", '"layer" needs runtime "runc"')
-    if p.workspace == "layer" and p.interactive:
-        # When a person's shell changes would be applied is not decided yet (issue 10).
-        fail("interactive", 'terminals on a "layer" workspace are not supported yet')
+        fail(
+            "workspace",
+            '"layer" (the default) needs runtime "runc"; say workspace = "rw", "ro" or "none"',
+        )
     if p.passthrough and p.workspace != "layer":
         fail("passthrough", 'only a "layer" workspace has passthrough directories')
     passthrough.check_declared(p.passthrough, fail)

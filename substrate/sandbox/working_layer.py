@@ -4,7 +4,9 @@ the facts that tie the container's `/workspace` to the overlay the daemon mounte
 `substrate.sandbox.containers` makes one at sandbox creation (`open_layer`, then the
 container binds the base `rslave`, then `mount_first`), re-checks it after every swap
 (`identity_required` against what the container shows) and tears it down with the
-container (`close`). `substrate.process.layering` swaps it between commands.
+container (`close`). `substrate.process.layering` swaps it when a generation concludes:
+when the last of the commands and terminals sharing it ends (`users`,
+`substrate.sandbox.generation`).
 
 Facts: the container's `/workspace` must be the very overlay mounted on the host's base
 (`workspace_identity`: its st_dev:st_ino, which is the overlay superblock's), and each
@@ -25,10 +27,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import trio
-
 from substrate.sandbox import layers, passthrough
 from substrate.sandbox.facts import FactValue
+from substrate.sandbox.generation import Users
 from substrate.sandbox.layer_plan import LayerPlan, plan
 from substrate.workspace.paths import open_dir
 
@@ -39,10 +40,9 @@ _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
 @dataclass
 class WorkingLayer:
-    """One sandbox's layer. `turn` serializes its commands (one at a time: a second
-    command waits for the first to end and its changes to be applied); `mounting`
-    guards the mounts against a teardown racing a swap (a thread lock: both run in
-    worker threads)."""
+    """One sandbox's layer. `users` counts the commands and terminals sharing its current
+    generation (it concludes when the last ends); `mounting` guards the mounts against a
+    teardown racing a swap (a thread lock: both run in worker threads)."""
 
     plan: LayerPlan  # the generation mounted now
     #: The profile's passthrough dirs; each generation binds those that exist then.
@@ -50,14 +50,14 @@ class WorkingLayer:
     #: The facts every generation must show, apart from its identities.
     required: Mapping[str, FactValue] = field(default_factory=dict)
     closed: bool = False  # torn down: nothing may be mounted on the base again
-    #: (generation, ns): when the first command of that generation started, less
+    #: (generation, ns): when its first user (command or terminal) started, less
     #: `CTIME_SLACK_NS`. A checkout file changed since (ctime) was not changed by the
     #: layer: the change set never overwrites it (`process.layering`).
     began: tuple[int, int] = (-1, 0)
     #: path → sha256 of what the last change set put in the checkout: those files are
     #: newer than `began` because the layer wrote them, not the host.
     landed: dict[str, str] = field(default_factory=dict)
-    turn: trio.Lock = field(default_factory=trio.Lock)
+    users: Users = field(default_factory=Users)
     mounting: threading.Lock = field(default_factory=threading.Lock)
 
 

@@ -16,6 +16,10 @@ ChangesetId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 MAX_APPLY_PATHS = 10_000
 #: `applying`: being applied whole now (a crash leaves it so: the next start finishes it).
 ChangesetState = Literal["pending", "applying", "applied", "discarded"]
+#: A set's layer (upper and work dirs): `kept` on disk, or `removed` once the set was
+#: applied whole with nothing pending and every conflict's version kept as an artifact
+#: (or discarded). A removed layer has nothing left to apply.
+LayerState = Literal["kept", "removed"]
 
 
 class ChangesetParams(Params):
@@ -55,11 +59,29 @@ class Blocked(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class KeptVersion(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The command's version of a file that conflicted (the host changed it meanwhile,
+    or the checkout was not at its base), kept as the artifact `artifact` (`proc` is the
+    change set's id, `stream` "conflict"; read with `artifact.read`). Without an
+    artifact, `reason` says why: `too_large` (over the per-file cap), `set_full` (the
+    set's cap of kept bytes or files), `failed` (it could not be read or stored), or
+    `empty` (no bytes: nothing to keep). `sha256`/`size` are the version's."""
+
+    path: str
+    size: int
+    sha256: str | None = None
+    artifact: str | None = None
+    reason: str | None = None
+
+
 class ChangesetInfo(Result):
     """A kept change set. `state`: `pending` (kept for review), `applied` (applied once
     as a whole; applying it again applies nothing twice) or `discarded`. `changes` and
     `blocked` hold at most 1,000 entries each; `total_changes`/`total_blocked` count
-    them all."""
+    them all. Each change's `diff` is bounded, and one answer carries at most 1 MiB of
+    diff text (later changes then have none, `diff_truncated`). `layer`: whether the
+    set's layer is still on disk; `versions`: its conflicts' versions kept as artifacts
+    (at most 1,000)."""
 
     changeset: str
     workspace: str
@@ -71,6 +93,8 @@ class ChangesetInfo(Result):
     blocked: list[Blocked]
     total_changes: int
     total_blocked: int
+    layer: LayerState = "kept"
+    versions: list[KeptVersion] = msgspec.field(default_factory=list)
 
 
 class ChangesApplyParams(Params):
@@ -84,7 +108,10 @@ class ChangesApplyResult(Result):
     """What became of each change (the lists of `proc.run`'s `changes`, at most 1,000
     entries each, `counts` the totals; `unchanged`: the checkout held it already).
     `unmatched`: the `paths` that named no change. With `dry_run`, `applied` lists what
-    would be applied."""
+    would be applied. A conflict's `artifact` is the command's version (`ChangeEntry`).
+    `layer`: "removed" once the set is settled (applied whole, nothing pending, every
+    conflict's version an artifact): a later apply has nothing left and answers empty
+    lists."""
 
     changeset: str
     state: ChangesetState
@@ -95,6 +122,7 @@ class ChangesApplyResult(Result):
     conflicts: list[ChangeEntry]
     counts: ChangeCounts
     unmatched: list[str] = msgspec.field(default_factory=list)
+    layer: LayerState = "kept"
 
 
 class ChangesDiscardResult(Result):

@@ -50,17 +50,25 @@ class EgressBlocked(msgspec.Struct, frozen=True, kw_only=True):
 class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What became of one change of a command's working layer (docs/working-layer.md).
     `op`: create | replace | delete | chmod | mkdir (None for what the scan blocked:
-    symlinks, devices, hard links, ...); `reason`: a refusal name or the scan's reason;
-    `rule`: the policy rule that blocked it; `plan_digest`: the plan to grant
-    (`approval.grant`) of a pending change; `current_sha256`/`kept`: a conflict's
-    checkout digest now and the command's version, kept in its layer."""
+    symlinks, devices, hard links, ...); `size`/`mode`: what the command left (a file's
+    bytes and permission bits; none for a delete); `reason`: a refusal name or the
+    scan's reason; `rule`: the policy rule that blocked it; `plan_digest`: the plan to
+    grant (`approval.grant`) of a pending change. A conflict's `current_sha256` is the
+    checkout's digest now; the command's version is the artifact `artifact` (read it
+    with `artifact.read`), or, when it could not be kept as one (`artifact_reason`:
+    `too_large`, `set_full`, `failed`; `empty` for a file of no bytes), `kept` names it
+    in the set's layer, which then stays until `changes.discard`."""
 
     path: str
     op: str | None = None
+    size: int | None = None
+    mode: int | None = None
     reason: str | None = None
     rule: str | None = None
     plan_digest: str | None = None
     current_sha256: str | None = None
+    artifact: str | None = None
+    artifact_reason: str | None = None
     kept: str | None = None
 
 
@@ -79,14 +87,19 @@ class ChangeCounts(msgspec.Struct, frozen=True, kw_only=True):
 
 class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The change set of a command on a `workspace = "layer"` sandbox, applied when it
-    ended. Each list holds at most 1,000 entries (`counts` has the totals). `error`:
-    why nothing (or not everything) was applied: `layer_busy` (the layer was still in
-    use; its changes apply after the next command), `layer_unverified` (the next
-    generation did not verify: the sandbox is dropped), or a refusal name. `mode` is the
-    run's `changes`; `changeset` the id under which the set is kept (`changes.get`),
-    absent for "discard"; `review` the changes awaiting `changes.apply` (mode "review")."""
+    ended. Each list holds at most 1,000 entries (`counts` has the totals). `deferred`:
+    other commands or terminals still used the generation when this one ended, so its
+    changes wait in it and are applied (once, with theirs) when the last of them ends;
+    that one's result carries the set (docs/protocol.md §11). `error`: why nothing (or
+    not everything) was applied: `layer_busy` (the layer was still in use; its changes
+    apply after the next command), `layer_unverified` (the next generation did not
+    verify: the sandbox is dropped), or a refusal name. `mode` is the mode the set was
+    concluded in (the most conservative its users asked; the run's own `changes` when
+    deferred); `changeset` the id under which the set is kept (`changes.get`), absent for
+    "discard"; `review` the changes awaiting `changes.apply` (mode "review")."""
 
     generation: int  # the layer generation that held the changes (upper/<generation>)
+    deferred: bool = False
     changeset: str | None = None
     mode: ChangesMode = "apply"
     review: list[ChangeEntry] = msgspec.field(default_factory=list)

@@ -19,7 +19,7 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     runtime: Literal["runc", "runsc"] = "runc"  # OCI runtime registered in the engine
     user: str = "owner"  # "owner" (uid:gid of the workspace root) or "UID:GID"
     allow_root: bool = False  # may a root-owned workspace run as root
-    workspace: Literal["rw", "ro", "none", "layer"] = "rw"  # /workspace: bind mode, or "layer"
+    workspace: Literal["rw", "ro", "none", "layer"] = "layer"  # /workspace: overlay, or bind mode
     #: Checkout dirs bound read-write over a "layer" workspace (caches, build output).
     passthrough: list[str] = msgspec.field(default_factory=list)
     #: "none": lo only, no routes; "egress": the same, plus the daemon's allow-listing

@@ -5,7 +5,10 @@ symlink, `.git` and temp files skipped) and read whole, at most `SEARCH_MAX_FILE
 each. `_Prefilter` derives from the stdlib's own parse of the pattern a literal every
 match must contain (grep's "must" string): files without it are rejected by
 `bytes.find`, and where no match can leave its line only the lines holding it are
-searched. The results are those of `regex.search` over every file, whatever is skipped.
+searched. A pattern with no such literal is screened by RE2 instead
+(`substrate.workspace.search_re2`): a file where a pattern matching a superset of the
+original's finds nothing is skipped, and `re` starts at the line of its first hit. The
+results are those of `regex.search` over every file, whatever is skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from substrate.workspace import fsops, paths
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.reads import walk_entries
 from substrate.workspace.registry import Workspace
+from substrate.workspace.search_re2 import superset_of
 
 #: The stdlib's own regex parser (private, stable since 3.11): see `_Prefilter`.
 _sre: Any = importlib.import_module("re._constants")
@@ -49,10 +53,11 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     and `read_deny` paths. A path that is not UTF-8 is reported as `fs.walk` does.
     `column` is the 1-based byte column. Refuses `invalid_params` for a bad pattern or
     glob. Costs one read of every scanned file, plus regex work only where a literal
-    every match must contain occurs (see `_Prefilter`); stops at `max_matches`.
+    every match must contain occurs (see `_Prefilter`), or else where RE2 finds a match
+    of the pattern's superset (`search_re2`); stops at `max_matches`.
     """
     regex = _compile_search(p)
-    prefilter = _Prefilter.of(regex)
+    prefilter = _Prefilter.for_search(regex)
     try:
         globs = GlobSet.of([p.glob]) if p.glob else None
     except InvalidParams as exc:
@@ -115,6 +120,16 @@ class _Prefilter:
     literal: bytes = b""
     fold: bool = False
     line_bound: bool = False
+    #: Without a literal: an RE2 pattern matching wherever the regex can, or None.
+    screen: Any = None
+
+    @classmethod
+    def for_search(cls, regex: re.Pattern[bytes]) -> _Prefilter:
+        """The literal prefilter, or else the RE2 screen (`search_re2`)."""
+        literal = cls.of(regex)
+        if literal.literal:
+            return literal
+        return cls(screen=superset_of(regex), line_bound=literal.line_bound)
 
     @classmethod
     def of(cls, regex: re.Pattern[bytes]) -> _Prefilter:
@@ -132,7 +147,7 @@ class _Prefilter:
         return cls(
             literal=literal.lower() if fold else literal,
             fold=fold,
-            line_bound=bool(literal) and not dotall and _line_bound(parsed.data),
+            line_bound=not dotall and _line_bound(parsed.data),
         )
 
 
@@ -253,6 +268,14 @@ def _collect(
     hay = data.lower() if literal and prefilter.fold else data
     if literal and hay.find(literal) < 0:
         return False
+    screen = prefilter.screen
+    pos = 0
+    if screen is not None:
+        hit = screen.search(data)
+        if hit is None:
+            return False
+        # `re`'s first match starts at or after RE2's first (a superset): start at its line.
+        pos = data.rfind(b"\n", 0, hit.start()) + 1
     path, path_b64 = paths.wire_name(rel)
     line_no = 1
     counted_to = 0
@@ -267,7 +290,22 @@ def _collect(
         )
         return len(out) >= limit
 
-    if prefilter.line_bound:
+    if screen is not None and prefilter.line_bound:
+        # Only lines where RE2 finds the superset can match; a match never leaves its line.
+        while hit is not None:
+            start = data.rfind(b"\n", 0, hit.start()) + 1
+            end = data.find(b"\n", hit.start())
+            end = len(data) if end < 0 else end
+            # Up to and with the newline: an empty line is not an empty string (`\B`); a
+            # match there starting past the newline is the next line's.
+            m = regex.search(data, start, min(end + 1, len(data)))
+            if m is not None and m.start() > end:
+                m = None
+            if m is not None and add(start, end, m.start() - start + 1):
+                return True
+            hit = screen.search(data, end + 1) if end < len(data) else None
+        return False
+    if literal and prefilter.line_bound:
         # Only lines holding the literal can match; a match never leaves its line.
         at = hay.find(literal)
         while at >= 0:
@@ -279,7 +317,6 @@ def _collect(
                 return True
             at = hay.find(literal, end + 1)
         return False
-    pos = 0
     while pos <= len(data):
         m = regex.search(data, pos)
         if m is None:

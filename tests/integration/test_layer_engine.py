@@ -196,10 +196,10 @@ async def test_a_host_edit_during_a_command_is_kept_and_reported(env: Env) -> No
     (conflict,) = result["changes"]["conflicts"]
     assert conflict["path"] == "old.txt"
     assert conflict["reason"] == "host_changed"
-    assert conflict["kept"] == "old.txt"
-    # The command's version stays in its layer (generation 0) for the next session.
-    (kept,) = env.state.glob("layers/*/upper/0/old.txt")
-    assert kept.read_text() == "sandbox\n"
+    # The command's version is an artifact; its layer (generation 0) is gone with it.
+    read = await env.client.call("artifact.read", artifact=conflict["artifact"])
+    assert read["data"] == "sandbox\n" and "kept" not in conflict
+    assert sorted(env.state.glob("layers/*/upper/0")) == []
 
 
 async def test_two_commands_in_a_row_both_apply(env: Env) -> None:
@@ -214,27 +214,128 @@ async def test_two_commands_in_a_row_both_apply(env: Env) -> None:
     assert facts["workspace_mount"] == "layer"
 
 
-async def test_concurrent_commands_take_turns(env: Env) -> None:
-    first = await env.client.call(
+def _applied_paths(env: Env) -> list[str]:
+    """The workspace-relative path of every `changes.apply` entry in the journal."""
+    entries = env.daemon.journal.read(limit=10000)
+    return [e.data["path"].split(":", 1)[1] for e in entries if e.kind == "changes.apply"]
+
+
+def _deferred(result: dict[str, Any]) -> tuple[int, bool, str]:
+    """(generation, deferred, mode) of a result's changes, which list and keep nothing."""
+    changes = result["changes"]
+    assert set(changes) <= {"generation", "deferred", "mode", "counts"}, changes
+    assert not any(changes["counts"].values())
+    return changes["generation"], changes.get("deferred", False), changes.get("mode", "apply")
+
+
+def _shared(env: Env) -> list[Any]:
+    return [e for e in env.daemon.journal.read(limit=10000) if e.kind == "changes.shared"]
+
+
+async def test_overlapping_commands_share_a_generation_and_both_land_once(env: Env) -> None:
+    # `one` waits for a file `two` makes: they overlap, and either may end last.
+    started = await env.client.call(
         "proc.start",
         workspace=env.ws,
         profile="layer",
-        argv=["sh", "-c", "echo 1 > one.txt && touch m && sleep 60"],
+        argv=["sh", "-c", "echo 1 > one.txt && touch m && while [ ! -e go ]; do sleep 0.05; done"],
     )
     await _marker(env, "m")
-    second: dict[str, Any] = {}
-
-    async def run_second() -> None:
-        second.update(await env.sh("cat one.txt; echo 2 > two.txt"))
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run_second)
-        await trio.lowlevel.checkpoint()
-        await env.client.call("proc.signal", proc=first["proc"], signal="KILL")
-    # The second ran after the first's changes were applied: it saw them.
-    assert second["stdout"]["inline"] == "1\n"
-    assert second["changes"]["generation"] == 1
+    two = await env.sh("cat one.txt && echo 2 > two.txt && touch go")
+    one = await env.client.call("proc.wait", proc=started["proc"])
+    assert two["stdout"]["inline"] == "1\n"  # the same generation: it saw one's write
+    results = [one["changes"], two["changes"]]
+    assert [c["generation"] for c in results] == [0, 0]
+    (deferred,) = [c for c in results if c.get("deferred")]
+    (last,) = [c for c in results if not c.get("deferred")]
+    assert "applied" not in deferred and "changeset" not in deferred
+    assert _paths(last, "applied") == [
+        ("go", "create"),
+        ("m", "create"),
+        ("one.txt", "create"),
+        ("two.txt", "create"),
+    ]
+    assert (env.path / "one.txt").read_text() == "1\n"
     assert (env.path / "two.txt").read_text() == "2\n"
+    assert sorted(_applied_paths(env)) == ["go", "m", "one.txt", "two.txt"]  # each once
+    (shared,) = _shared(env)
+    assert sorted(shared.data["procs"]) == sorted([started["proc"], two["proc"]])
+    assert shared.data["changeset"] == last["changeset"]
+    # The next command runs on the next generation, alone, and sees both.
+    after = await env.sh("cat one.txt two.txt")
+    assert after["stdout"]["inline"] == "1\n2\n"
+    assert after["changes"]["generation"] == 1 and "deferred" not in after["changes"]
+
+
+async def test_a_long_start_does_not_block_a_short_run(env: Env) -> None:
+    server = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", "echo s > served.txt && touch m && sleep 60"],
+    )
+    await _marker(env, "m")
+    with trio.fail_after(30):  # it used to wait for the sleeper to end
+        short = await env.sh("cat served.txt && echo c > client.txt", changes="review")
+    assert short["exit_code"] == 0 and short["stdout"]["inline"] == "s\n"
+    assert _deferred(short) == (0, True, "review")
+    # Deferred: nothing of either is in the checkout while the server runs.
+    assert not (env.path / "client.txt").exists()
+    assert not (env.path / "served.txt").exists()
+    # A command that times out beside the server is deferred too.
+    late = await env.sh("echo t > timed.txt && sleep 30", timeout_s=1)
+    assert late["timed_out"] is True
+    assert _deferred(late) == (0, True, "apply")
+    await env.client.call("proc.signal", proc=server["proc"], signal="KILL")
+    result = await env.client.call("proc.wait", proc=server["proc"])
+    assert result["signal"] == "KILL"
+    changes = result["changes"]
+    # The killed server ended last: it concludes the generation, in "review" (one of
+    # its users asked it): nothing lands until `changes.apply`.
+    assert changes["mode"] == "review" and changes["generation"] == 0
+    assert _paths(changes, "review") == [
+        ("client.txt", "create"),
+        ("m", "create"),
+        ("served.txt", "create"),
+        ("timed.txt", "create"),
+    ]
+    assert not (env.path / "client.txt").exists()
+    applied = await env.client.call("changes.apply", changeset=changes["changeset"])
+    assert applied["counts"]["applied"] == 4
+    assert (env.path / "timed.txt").read_text() == "t\n"
+    assert (env.path / "served.txt").read_text() == "s\n"
+    again = await env.client.call("changes.apply", changeset=changes["changeset"])
+    assert again["counts"]["unchanged"] == 4 and again["applied"] == []
+    assert sorted(_applied_paths(env)) == ["client.txt", "m", "served.txt", "timed.txt"]
+    (shared,) = _shared(env)
+    assert sorted(shared.data["procs"]) == sorted([server["proc"], short["proc"], late["proc"]])
+    assert shared.data["mode"] == "review"
+
+
+async def test_a_busy_generation_concludes_whole_with_the_next_command(env: Env) -> None:
+    await env.sh("true")  # the sandbox and its layer exist; generation 1 is mounted
+    (merged,) = env.state.glob("layers/*/merged")
+    # An fd on the overlay holds it as a stray process would: the swap finds it busy.
+    held = os.open(merged, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        busy = await env.sh("echo a > a.txt", changes="review")
+    finally:
+        os.close(held)
+    assert busy["changes"]["error"] == "layer_busy" and busy["changes"]["generation"] == 1
+    assert not (env.path / "a.txt").exists()
+    # The generation stayed: the next command shares it, and its conclusion carries the
+    # first one's changes, in the first one's mode ("review" is the more conservative).
+    after = await env.sh("cat a.txt && echo b > b.txt")
+    assert after["stdout"]["inline"] == "a\n"
+    changes = after["changes"]
+    assert (changes["generation"], changes["mode"]) == (1, "review")
+    assert _paths(changes, "review") == [("a.txt", "create"), ("b.txt", "create")]
+    assert not (env.path / "a.txt").exists() and not (env.path / "b.txt").exists()
+    (shared,) = _shared(env)
+    assert shared.data["procs"] == [busy["proc"], after["proc"]]
+    applied = await env.client.call("changes.apply", changeset=changes["changeset"])
+    assert applied["counts"]["applied"] == 2
+    assert sorted(_applied_paths(env)) == ["a.txt", "b.txt"]
 
 
 async def test_rw_profiles_are_unchanged(env: Env) -> None:
@@ -277,9 +378,10 @@ async def test_review_keeps_the_set_until_changes_apply(env: Env) -> None:
     assert (env.path / "src" / "new.py").read_text() == "new\n"
     assert (env.path / "old.txt").read_text() == "changed\n"
     assert not (env.path / "src" / "app.py").exists()
-    # Applying it again applies nothing twice.
+    # Settled: its layer is gone, and applying it again applies nothing twice.
+    assert applied["layer"] == "removed"
     again = await env.client.call("changes.apply", changeset=changes["changeset"])
-    assert again["applied"] == [] and again["counts"]["unchanged"] == 3
+    assert again["applied"] == [] and again["counts"]["applied"] == 0
 
 
 async def test_changes_apply_with_paths_applies_only_those(env: Env) -> None:
@@ -324,8 +426,9 @@ async def test_apply_mode_names_its_changeset_and_unknown_ids_are_refused(env: E
     cs = result["changes"]["changeset"]
     kept = await env.client.call("changes.get", changeset=cs)
     assert kept["state"] == "applied" and [c["path"] for c in kept["changes"]] == ["a.txt"]
+    assert kept["layer"] == "removed"  # settled when it ended: nothing left to apply
     again = await env.client.call("changes.apply", changeset=cs)
-    assert again["applied"] == [] and again["counts"]["unchanged"] == 1
+    assert again["applied"] == [] and again["counts"]["applied"] == 0
     for method in ("changes.get", "changes.apply", "changes.discard"):
         with pytest.raises(RpcError) as caught:
             await env.client.call(method, changeset="cs_0000000000000000")

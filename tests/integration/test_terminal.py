@@ -28,6 +28,7 @@ from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.pty.client import open_terminal
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from substrate.sandbox.layers import mounted_under, unmount_under
 from tests.harness import wait_until_async
 from tests.harness.ws_frames import read_until as _read_until
 from tests.harness.ws_frames import recv, send, until_closed
@@ -39,6 +40,11 @@ PROFILES = {
         'env = { PATH = "/bin", HOME = "/tmp", SHELL = "/bin/sh", PS1 = "$ " }\n'
     ),
     "plain-tiny": 'image = "substrate-tiny:latest"\nmemory = "64m"\n',
+    "term-layer": (
+        'image = "substrate-tiny:latest"\nmemory = "64m"\ninteractive = true\n'
+        'workspace = "layer"\n'
+        'env = { PATH = "/bin", HOME = "/tmp", SHELL = "/bin/sh", PS1 = "$ " }\n'
+    ),
 }
 
 
@@ -60,9 +66,15 @@ class Env:
     def origin(self) -> str:
         return f"http://127.0.0.1:{self.daemon.terminals.http.port}"
 
-    async def grant(self, profile: str = "term-tiny", **params: Any) -> str:
+    async def grant(
+        self, profile: str = "term-tiny", workspace: str | None = None, **params: Any
+    ) -> str:
         issued = await self.operator.call(
-            "grant.issue", kind="interactive_terminal", workspace=self.ws, profile=profile, **params
+            "grant.issue",
+            kind="interactive_terminal",
+            workspace=workspace or self.ws,
+            profile=profile,
+            **params,
         )
         token: str = issued["token"]
         return token
@@ -109,6 +121,10 @@ def leftovers(docker_client: Any, dirs: tuple[Path, Path, Path]) -> Iterator[str
         all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"}
     ):
         ctr.remove(force=True, v=True)
+    left = [m.mount_point for m in mounted_under(str(dirs[0]))]
+    if left:  # a layer profile's mounts: never leave one behind, and fail for it
+        unmount_under(str(dirs[0]), keep_base=False)
+    assert left == []
 
 
 @pytest.fixture
@@ -401,3 +417,86 @@ async def test_slow_and_silent_clients_never_stall_the_pty(env: Env) -> None:
         await stream.aclose()
         await send(ctl, type="input", data="echo still-$((1+2))\r")
         await read_until(ctl, "still-3\r\n")
+
+
+async def _layered(env: Env) -> tuple[str, Path]:
+    """A checkout with a `.git`, adopted under `write_deny = ["*.lock"]`."""
+    project = env.ws_path.parent / "layered"
+    (project / ".git").mkdir(parents=True)
+    for path in (project, project / ".git"):
+        os.chown(path, OWNER, OWNER)
+    adopted = await env.agent.call(
+        "workspace.adopt", path=str(project), policy={"write_deny": ["*.lock"]}
+    )
+    return adopted["workspace"], project
+
+
+async def test_a_shell_on_a_layer_profile_lands_its_changes_when_it_ends(env: Env) -> None:
+    ws, project = await _layered(env)
+    token = await env.grant("term-layer", workspace=ws)
+    async with open_terminal(env.url) as term:
+        o = await opened(term, token)
+        await read_until(term, "$ ")
+        await send(
+            term,
+            type="input",
+            data="echo shell > made.txt; echo x > deps.lock; touch .git/x; echo do$((1+1))ne\r",
+        )
+        await read_until(term, "do2ne\r\n")
+        # While the session runs: its writes are in its layer only.
+        assert not (project / "made.txt").exists()
+        assert not (project / "deps.lock").exists()
+        await send(term, type="close")
+        await until_closed(term)
+    # Closed: the generation concluded, through the guarded path, as the terminal's grant.
+    assert (project / "made.txt").read_text() == "shell\n"
+    assert (project / "made.txt").stat().st_uid == OWNER
+    assert not (project / "deps.lock").exists()  # denied: never in the checkout
+    assert not (project / ".git" / "x").exists()  # read-only in the layer
+    entries = await env.journal()
+    applied = [e for e in entries if e["kind"] == "changes.apply"]
+    grant = next(e for e in entries if e["kind"] == "pty.opened")["data"]["grant"]
+    assert [(e["data"]["path"], e["actor"]) for e in applied] == [
+        ("layered:made.txt", f"terminal:{grant}")
+    ]
+    closed = next(e for e in entries if e["kind"] == "pty.closed")
+    assert closed["data"]["session"] == o["session"]
+    changes = closed["data"]["changes"]
+    assert changes["mode"] == "apply" and changes["changeset"].startswith("cs_")
+    assert (changes["counts"]["applied"], changes["counts"]["blocked"]) == (1, 1)
+    kept = await env.agent.call("changes.get", changeset=changes["changeset"])
+    assert kept["state"] == "applied"
+    await env.agent.call("workspace.release", workspace=ws)
+
+
+async def test_an_open_shell_defers_a_command_beside_it_and_concludes_both(env: Env) -> None:
+    ws, project = await _layered(env)
+    token = await env.grant("term-layer", workspace=ws)
+    async with open_terminal(env.url) as term:
+        o = await opened(term, token)
+        await read_until(term, "$ ")
+        await send(term, type="input", data="echo person > notes.txt; echo do$((1+1))ne\r")
+        await read_until(term, "do2ne\r\n")
+        # An agent's command on the same sandbox neither waits for the shell nor lands
+        # while the shell is open: it shares the generation, deferred.
+        with trio.fail_after(30):
+            ran = await env.agent.call(
+                "proc.run",
+                workspace=ws,
+                profile="term-layer",
+                argv=["sh", "-c", "cat notes.txt && echo agent > agent.txt"],
+            )
+        assert ran["stdout"]["inline"] == "person\n"
+        assert ran["changes"]["deferred"] is True
+        assert not (project / "agent.txt").exists()
+        await send(term, type="input", data="exit\r")
+        await until_closed(term)
+    assert (project / "agent.txt").read_text() == "agent\n"
+    assert (project / "notes.txt").read_text() == "person\n"
+    entries = await env.journal()
+    (shared,) = [e for e in entries if e["kind"] == "changes.shared"]
+    assert (shared["data"]["procs"], shared["data"]["sessions"]) == ([ran["proc"]], [o["session"]])
+    closed = next(e for e in entries if e["kind"] == "pty.closed")
+    assert closed["data"]["changes"]["changeset"] == shared["data"]["changeset"]
+    assert closed["data"]["changes"]["counts"]["applied"] == 2
+    await env.agent.call("workspace.release", workspace=ws)

@@ -13,31 +13,51 @@ changed since is a conflict, never overwritten). Applying a set again applies no
 twice (what landed is `unchanged`). `changes.discard` removes the upper dir (iteratively,
 never following a symlink) and marks the row `discarded`.
 
-Bounds: a workspace remembers at most `MAX_DISCARDED` discarded rows (the oldest go);
-pending and applied rows stay, like their upper dirs (docs/working-layer.md: their
-cleanup is not built yet). `apply` and `discard` of kept sets take one lock, so a
-discard never removes a layer an apply is reading.
+Conflicts: the command's version of each file that conflicted (at the command's end,
+`host_changed`, or at any later apply) is copied into the artifact store
+(`layer.versions`, through the `FileKeeper` given) and listed in the row's `versions`;
+the host's edits' are recorded with the set (`unkept`) before anything is applied, so a
+crash never lets the layer go without them.
+
+Cleanup: a set is *settled* once applied whole with nothing `pending` and every
+conflict's version kept (`versions.settled`); then its upper and work dirs are removed
+(`layer: "removed"`) and a later apply has nothing left to do. A set kept for review,
+one with pending (require_approval) changes or with a version only its layer holds
+keeps its layer until it settles or `changes.discard`. `count_kept` counts those per
+workspace (the execution layer refuses new commands past a cap). Rows whose layer is
+gone (settled or discarded) are pruned to `MAX_SETTLED` per workspace, oldest first.
+
+Release: rows and layers outlive their workspace; `reattach` hands them to the
+workspace that adopts the same checkout (its st_dev:st_ino) again.
+
+`apply` and `discard` of kept sets take one lock, so a discard never removes a layer an
+apply is reading.
 
 Blocking I/O and SQLite throughout: call from worker threads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
 
 from substrate.errors import ChangesetUnknown
-from substrate.schema.changes import ChangesetState
+from substrate.schema.changes import ChangesetState, LayerState
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import fsops
-from substrate.workspace.layer.apply import ApplyResult, apply
+from substrate.workspace.checkouts import checkout_key
+from substrate.workspace.layer import versions as kept_versions
+from substrate.workspace.layer.apply import ApplyResult, Outcomes, apply
 from substrate.workspace.layer.changeset import ChangeSet
+from substrate.workspace.layer.versions import FileKeeper, Versions
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -55,12 +75,16 @@ CREATE TABLE IF NOT EXISTS changesets (
 );
 CREATE INDEX IF NOT EXISTS changesets_workspace ON changesets(workspace, state, updated);
 """
+#: Columns a database made by an older release lacks: the checkout's st_dev:st_ino (to
+#: reattach after a release), the kept versions (msgpack `Versions`), the layer's state.
+ADDED_COLUMNS = {"checkout": "TEXT", "versions": "BLOB", "layer": "TEXT NOT NULL DEFAULT 'kept'"}
 
 #: `applying`: being applied by a command's conclusion, or by a whole `changes.apply`;
 #: a row left so by a crash is finished, whole, at the next start (`finish_applying`).
 State = ChangesetState
-#: Discarded change sets remembered per workspace (to answer `discarded: true`).
-MAX_DISCARDED = 256
+#: Settled or discarded change sets (their layer gone) remembered per workspace, to
+#: answer `changes.get` and `discarded: true`.
+MAX_SETTLED = 256
 #: At most this many `paths` in one `changes.apply`.
 MAX_PATHS = 10_000
 
@@ -68,6 +92,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LISTS = ("applied", "unchanged", "blocked", "pending", "conflicts")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ChangeSet)
+_versions_decoder = msgspec.msgpack.Decoder(Versions)
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,9 @@ class Kept:
     state: State
     created: float
     updated: float
+    layer: LayerState = "kept"
+    versions: Versions = dataclasses.field(default_factory=Versions)
+    checkout: str | None = None
 
 
 def remove_layer(upper: str, work: str) -> None:
@@ -105,11 +133,13 @@ def remove_layer(upper: str, work: str) -> None:
 class Changesets:
     """The kept change sets of every workspace (one SQLite table)."""
 
-    def __init__(self, store: Store, journal: Journal) -> None:
+    def __init__(self, store: Store, journal: Journal, keeper: FileKeeper | None = None) -> None:
         self._store = store
         self._journal = journal
+        self._keeper = keeper  # where conflicts' versions go; None: they stay in the layer
         self._lock = threading.Lock()  # apply and discard of kept sets, one at a time
         store.ensure_schema(SCHEMA)
+        store.ensure_columns("changesets", ADDED_COLUMNS)
 
     def record(
         self,
@@ -119,15 +149,20 @@ class Changesets:
         work: str,
         changeset: ChangeSet,
         state: State,
+        held: Iterable[str] = (),
     ) -> str:
-        """Keep `changeset` (scanned from `upper`) as `state`; return its new id. A
-        `pending` one is journaled `changes.kept` (counts only)."""
+        """Keep `changeset` (scanned from `upper`) as `state`; return its new id. `held`:
+        files whose command's version must be kept before the layer may go (the host
+        changed them meanwhile), recorded as not kept yet (`keep_versions` copies them).
+        A `pending` one is journaled `changes.kept` (counts only)."""
         cs_id = "cs_" + secrets.token_hex(8)
         now = time.time()
+        versions = kept_versions.placeholders(held)
         with self._store.transaction() as db:
             db.execute(
                 "INSERT INTO changesets(id, workspace, generation, upper, work, changeset,"
-                " state, created, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " state, created, updated, checkout, versions)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     cs_id,
                     ws.id,
@@ -138,6 +173,8 @@ class Changesets:
                     state,
                     now,
                     now,
+                    checkout_key(ws.dev_ino),
+                    _encoder.encode(versions) if versions.items else None,
                 ),
             )
         if state == "pending":
@@ -170,6 +207,9 @@ class Changesets:
             state=row["state"],
             created=row["created"],
             updated=row["updated"],
+            layer=row["layer"],
+            versions=_versions_decoder.decode(row["versions"]) if row["versions"] else Versions(),
+            checkout=row["checkout"],
         )
 
     def apply(
@@ -184,8 +224,11 @@ class Changesets:
         """Apply the kept set `cs_id` to `ws` (its workspace), all of it or the changes at
         or beneath the paths `only` names, through the guarded path (`layer.apply`);
         return the set, the outcomes and the paths of `only` that matched no change. A
-        whole, real apply marks it `applied`. Refuses `changeset_unknown` (unknown, of
-        another workspace, or discarded). Costs what `layer.apply` costs for the changes."""
+        whole, real apply marks it `applied`, and removes its layer when that settles it
+        (`_settle`); the versions of conflicts found (any real apply) are kept. A set
+        whose layer was removed has nothing left: empty outcomes. Refuses
+        `changeset_unknown` (unknown, of another workspace, or discarded). Costs what
+        `layer.apply` costs for the changes, plus a copy per conflict's version."""
         with self._lock:
             kept = self._live(ws, cs_id)
             changeset = kept.changeset
@@ -205,16 +248,26 @@ class Changesets:
                     changeset, changes=tuple(c for c in changeset.changes if named(c.path))
                 )
                 unmatched = sorted(wanted - matched)
-            upper_fd = os.open(kept.upper, _DIR_FLAGS)
-            whole = only is None and not dry_run and kept.state != "applied"
-            if whole:  # a crash from here on: the next start applies it whole
+            if kept.layer == "removed":
+                return kept, ApplyResult(), unmatched
+            try:
+                upper_fd = os.open(kept.upper, _DIR_FLAGS)
+            except FileNotFoundError:  # gone already (a crash after `_settle` removed it)
+                return self._mark(kept, kept.state, "removed"), ApplyResult(), unmatched
+            whole = only is None and not dry_run
+            first = whole and kept.state != "applied"
+            if first:  # a crash from here on: the next start applies it whole
                 kept = self._mark(kept, "applying")
             try:
                 result = apply(writer, ws, upper_fd, changeset, actor, dry_run=dry_run)
+                if not dry_run:
+                    kept = self._keep_versions(kept, upper_fd, result.conflicts)
             finally:
                 os.close(upper_fd)
-            if whole:
+            if first:
                 kept = self.finish(kept.id, ws, kept.generation, result, "changes.applied")
+            elif whole:  # applied before; pending changes may have been approved since
+                kept = self._settle(kept, result)
             return kept, result, unmatched
 
     def finish(
@@ -227,8 +280,9 @@ class Changesets:
         extra: dict[str, str] | None = None,
     ) -> Kept:
         """Mark the set `applied` in the same transaction as its journal summary `kind`
-        (`changes.applied`, or `changes.recovered` at start): counts only. Costs one
-        transaction."""
+        (`changes.applied`, or `changes.recovered` at start): counts only. Then remove
+        its layer if that settles it (`_settle`). Call after its conflicts' versions
+        were kept. Costs one transaction (and the removal)."""
         now = time.time()
         with self._store.transaction() as db:
             db.execute(
@@ -245,7 +299,40 @@ class Changesets:
                 },
                 workspace=ws.id,
             )
-        return self.get(cs_id)
+        return self._settle(self.get(cs_id), result)
+
+    def keep_versions(self, cs_id: str, upper_fd: int, conflicts: Iterable[Outcomes]) -> Kept:
+        """Keep the command's version of each of `conflicts` (read from `upper_fd`, the
+        set's upper dir) as an artifact, unless the set has it already; record them.
+        Costs a copy and a commit per new version, one transaction to record them."""
+        return self._keep_versions(self.get(cs_id), upper_fd, conflicts)
+
+    def _keep_versions(self, kept: Kept, upper_fd: int, conflicts: Iterable[Outcomes]) -> Kept:
+        wanted = [o.path for o in conflicts if kept_versions.needs_version(o)]
+        if self._keeper is None or not (wanted or kept.versions.items):
+            return kept
+        found = kept_versions.keep(self._keeper, upper_fd, kept.id, wanted, kept.versions)
+        if found == kept.versions:
+            return kept
+        with self._store.transaction() as db:
+            db.execute(
+                "UPDATE changesets SET versions = ? WHERE id = ?", (_encoder.encode(found), kept.id)
+            )
+        return dataclasses.replace(kept, versions=found)
+
+    def _settle(self, kept: Kept, result: ApplyResult) -> Kept:
+        """After a whole apply with `result`: when nothing is pending and every conflict's
+        version is kept elsewhere, remove the set's upper and work dirs (first, so a
+        crash between leaves a row whose dir is gone, never a dir no row explains) and
+        mark its layer `removed`; prune old rows. Otherwise nothing changes."""
+        if kept.layer == "removed" or result.pending:
+            return kept
+        if not kept_versions.settled(result.conflicts, kept.versions):
+            return kept
+        remove_layer(kept.upper, kept.work)
+        kept = self._mark(kept, kept.state, "removed")
+        self._prune(kept.workspace)
+        return kept
 
     def applying(self) -> list[Kept]:
         """The sets a crash left `applying`, oldest first (at start, before any command)."""
@@ -279,6 +366,7 @@ class Changesets:
                 return None
             try:
                 result = apply(writer, ws, upper_fd, kept.changeset, "daemon")
+                kept = self._keep_versions(kept, upper_fd, result.conflicts)
             finally:
                 os.close(upper_fd)
             self.finish(
@@ -290,11 +378,37 @@ class Changesets:
         """The upper dir of every set recorded: a generation whose command concluded."""
         return {row["upper"] for row in self._store.query("SELECT upper FROM changesets")}
 
+    def count_kept(self, workspace: str) -> int:
+        """How many sets of `workspace` keep their layer on disk: kept for review, or
+        applied with pending changes or a version only the layer holds. One query."""
+        rows = self._store.query(
+            "SELECT COUNT(*) FROM changesets WHERE workspace = ? AND layer = 'kept'"
+            " AND state != 'discarded'",
+            (workspace,),
+        )
+        return int(rows[0][0])
+
+    def reattach(self, ws: Workspace) -> int:
+        """Hand the sets of an earlier workspace of the same checkout (released, or
+        adopted before a restart under another id) to `ws`; return how many, journaled
+        `changes.reattached` (a count) when any. One transaction."""
+        with self._store.transaction() as db:
+            moved = db.execute(
+                "UPDATE changesets SET workspace = ? WHERE checkout = ? AND workspace != ?",
+                (ws.id, checkout_key(ws.dev_ino), ws.id),
+            ).rowcount
+            if moved:
+                self._journal.append_in(
+                    db, "changes.reattached", {"changesets": moved}, workspace=ws.id
+                )
+        return moved
+
     def discard(self, ws: Workspace, cs_id: str, actor: str) -> Kept:
-        """Remove the kept set's upper dir (what an applied set left there too: its
-        conflicts' versions) and mark it `discarded`; journaled `changes.discarded`.
-        Discarding it again answers the same. Refuses `changeset_unknown` (unknown or of
-        another workspace). Costs an unlink per file of the layer."""
+        """Remove what is left of the set's layer (for an applied set: versions of its
+        conflicts not kept as artifacts, pending changes) and mark it `discarded`;
+        journaled `changes.discarded`. Artifacts already kept stay (artifact collection
+        takes them). Discarding it again answers the same. Refuses `changeset_unknown`
+        (unknown or of another workspace). Costs an unlink per file of the layer."""
         with self._lock:
             kept = self.get(cs_id)
             if kept.workspace != ws.id:
@@ -302,7 +416,7 @@ class Changesets:
             if kept.state == "discarded":
                 return kept
             remove_layer(kept.upper, kept.work)
-            kept = self._mark(kept, "discarded")
+            kept = self._mark(kept, "discarded", "removed")
             self._journal.append(
                 "changes.discarded",
                 {"changeset": cs_id, "generation": kept.generation},
@@ -320,21 +434,23 @@ class Changesets:
             raise ChangesetUnknown(f"change set {cs_id!r} was discarded", discarded=True)
         return kept
 
-    def _mark(self, kept: Kept, state: State) -> Kept:
+    def _mark(self, kept: Kept, state: State, layer: LayerState | None = None) -> Kept:
         now = time.time()
+        layer = layer or kept.layer
         with self._store.transaction() as db:
             db.execute(
-                "UPDATE changesets SET state = ?, updated = ? WHERE id = ?", (state, now, kept.id)
+                "UPDATE changesets SET state = ?, layer = ?, updated = ? WHERE id = ?",
+                (state, layer, now, kept.id),
             )
-        return Kept(**{**kept.__dict__, "state": state, "updated": now})
+        return dataclasses.replace(kept, state=state, layer=layer, updated=now)
 
     def _prune(self, workspace: str) -> None:
         with self._store.transaction() as db:
             db.execute(
                 "DELETE FROM changesets WHERE id IN (SELECT id FROM changesets"
-                " WHERE workspace = ? AND state = 'discarded'"
+                " WHERE workspace = ? AND layer = 'removed' AND state != 'applying'"
                 " ORDER BY updated DESC LIMIT -1 OFFSET ?)",
-                (workspace, MAX_DISCARDED),
+                (workspace, MAX_SETTLED),
             )
 
 

@@ -1,0 +1,188 @@
+"""A linear-time prefilter for `fs.search` patterns that hold no required literal.
+
+Python's `re` walks every byte with a backtracking engine; a pattern like `\\d{5}` or
+`[A-Z][a-z]+Error\\(` gives the literal prefilter of `substrate.workspace.search` nothing
+to look for, and searching a tree costs ~10 times grep. RE2 (google-re2, a DFA) scans the
+same bytes several times faster. It does not replace `re`: its syntax and semantics
+differ (no backreferences or lookarounds, another `\\s`, Unicode case folding), so the
+results are still `re`'s, and RE2 only says where `re` need not look.
+
+Theory of operation. `superset_of(regex)` translates the stdlib's own parse of the
+pattern into an RE2 pattern (Latin-1, so one byte is one character) whose language is a
+**superset** of the original's at every position: every character class is spelled out
+as explicit byte ranges (ASCII case folding added under IGNORECASE, as `re` does for
+bytes), anchors and repeats keep their meaning, and constraints RE2 lacks are dropped
+(a lookaround matches more without its condition; a lazy, possessive or atomic repeat
+becomes a greedy one). A backreference, a conditional group, a scoped flag or a repeat
+bound over RE2's 1,000 gives None: no prefilter. Hence: if RE2 finds no match in a
+file, `re` finds none; and `re`'s first match starts at or after RE2's first, so `re`
+may start at the line holding it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+#: google-re2 ships no type information.
+re2: Any = importlib.import_module("re2")
+_sre: Any = importlib.import_module("re._constants")
+_sre_parser: Any = importlib.import_module("re._parser")
+
+#: RE2's largest repeat count; larger bounds are not translated.
+_RE2_MAX_REPEAT = 1000
+
+_DIGIT = frozenset(range(0x30, 0x3A))
+_WORD = frozenset([*range(0x30, 0x3A), *range(0x41, 0x5B), *range(0x61, 0x7B), 0x5F])
+#: Python's bytes `\s`: [ \t\n\r\f\v] (RE2's lacks \v).
+_SPACE = frozenset([0x20, 0x09, 0x0A, 0x0D, 0x0C, 0x0B])
+_ALL = frozenset(range(256))
+_CATEGORIES = {
+    _sre.CATEGORY_DIGIT: _DIGIT,
+    _sre.CATEGORY_NOT_DIGIT: _ALL - _DIGIT,
+    _sre.CATEGORY_WORD: _WORD,
+    _sre.CATEGORY_NOT_WORD: _ALL - _WORD,
+    _sre.CATEGORY_SPACE: _SPACE,
+    _sre.CATEGORY_NOT_SPACE: _ALL - _SPACE,
+}
+_ANCHORS = {
+    # The search pattern is compiled with MULTILINE (`search._compile_search`): `^` and
+    # `$` are line anchors there, as under RE2's `(?m)`.
+    _sre.AT_BEGINNING: "^",
+    _sre.AT_BEGINNING_LINE: "^",
+    _sre.AT_END: "$",
+    _sre.AT_END_LINE: "$",
+    _sre.AT_BEGINNING_STRING: r"\A",
+    _sre.AT_END_STRING: r"\z",
+    _sre.AT_BOUNDARY: r"\b",
+    _sre.AT_NON_BOUNDARY: r"\B",
+}
+
+
+class _Untranslatable(Exception):
+    """The pattern uses something with no superset in RE2."""
+
+
+def superset_of(regex: re.Pattern[bytes]) -> Any | None:
+    """An RE2 pattern matching wherever `regex` can (see the module doc), or None when
+    there is no such translation. Costs one parse of the pattern and one RE2 compile
+    (bounded by RE2's own memory budget, 8 MiB by default: a pattern over it gives None).
+    """
+    if not regex.flags & re.MULTILINE or regex.flags & re.LOCALE:
+        return None
+    try:
+        parsed = _sre_parser.parse(regex.pattern, regex.flags)
+        flags = parsed.state.flags
+        translator = _Translator(
+            fold=bool(flags & _sre.SRE_FLAG_IGNORECASE),
+            dotall=bool(flags & _sre.SRE_FLAG_DOTALL),
+        )
+        source = "(?m)" + translator.sequence(parsed.data)
+    except (_Untranslatable, RecursionError):
+        return None
+    except Exception:  # a parse tree this code does not know: no prefilter
+        return None
+    options = re2.Options()
+    options.encoding = re2.Options.Encoding.LATIN1
+    options.never_capture = True
+    options.log_errors = False
+    try:
+        return re2.compile(source.encode("ascii"), options)
+    except re2.error:
+        return None
+
+
+class _Translator:
+    def __init__(self, *, fold: bool, dotall: bool) -> None:
+        self.fold = fold
+        self.dotall = dotall
+
+    def sequence(self, items: Any) -> str:
+        return "".join(self.item(op, av) for op, av in items)
+
+    def item(self, op: Any, av: Any) -> str:
+        if op is _sre.LITERAL:
+            return self.byte_set({av})
+        if op is _sre.NOT_LITERAL:
+            return _byte_class(_ALL - self.folded({av}))
+        if op is _sre.ANY:
+            return _byte_class(_ALL if self.dotall else _ALL - {0x0A})
+        if op is _sre.IN:
+            return self.byte_set(self.class_bytes(av))
+        if op is _sre.CATEGORY:
+            return _byte_class(_CATEGORIES[av])
+        if op is _sre.AT:
+            return _ANCHORS[av]
+        if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
+            low, high, sub = av
+            if low > _RE2_MAX_REPEAT or (high is not _sre.MAXREPEAT and high > _RE2_MAX_REPEAT):
+                raise _Untranslatable
+            bound = f"{{{low},}}" if high is _sre.MAXREPEAT else f"{{{low},{high}}}"
+            return f"(?:{self.sequence(sub)}){bound}"
+        if op is _sre.SUBPATTERN:
+            _group, add_flags, del_flags, sub = av
+            if add_flags or del_flags:
+                raise _Untranslatable
+            return f"(?:{self.sequence(sub)})"
+        if op is _sre.ATOMIC_GROUP:
+            return f"(?:{self.sequence(av)})"
+        if op is _sre.BRANCH:
+            return "(?:" + "|".join(self.sequence(alt) for alt in av[1]) + ")"
+        if op in (_sre.ASSERT, _sre.ASSERT_NOT):
+            return ""  # without its condition, the rest matches at least where it did
+        raise _Untranslatable  # GROUPREF, GROUPREF_EXISTS, anything newer
+
+    def folded(self, values: set[int] | frozenset[int]) -> frozenset[int]:
+        """`values` plus their ASCII other case under IGNORECASE (how `re` folds bytes)."""
+        if not self.fold:
+            return frozenset(values)
+        out = set(values)
+        for v in values:
+            if 0x41 <= v <= 0x5A:
+                out.add(v + 0x20)
+            elif 0x61 <= v <= 0x7A:
+                out.add(v - 0x20)
+        return frozenset(out)
+
+    def byte_set(self, values: set[int] | frozenset[int]) -> str:
+        return _byte_class(self.folded(values))
+
+    def class_bytes(self, items: Any) -> frozenset[int]:
+        """The bytes a `[...]` matches, before folding."""
+        chosen: set[int] = set()
+        negate = False
+        for op, av in items:
+            if op is _sre.NEGATE:
+                negate = True
+            elif op is _sre.LITERAL:
+                chosen.add(av)
+            elif op is _sre.RANGE:
+                chosen.update(range(av[0], av[1] + 1))
+            elif op is _sre.CATEGORY:
+                chosen.update(_CATEGORIES[av])
+            else:
+                raise _Untranslatable
+        if negate:
+            # Folding happens before the negation in `re`: [^a] under IGNORECASE
+            # excludes A too.
+            return _ALL - self.folded(chosen)
+        return frozenset(chosen)
+
+
+def _byte_class(values: frozenset[int]) -> str:
+    """An RE2 character class of exactly these bytes (Latin-1 code points)."""
+    if not values:
+        return "[^\\x00-\\x{ff}]"  # matches nothing
+    runs: list[str] = []
+    ordered = sorted(values)
+    start = prev = ordered[0]
+    for v in [*ordered[1:], -1]:
+        if v == prev + 1:
+            prev = v
+            continue
+        runs.append(
+            f"\\x{{{start:02x}}}" if start == prev else f"\\x{{{start:02x}}}-\\x{{{prev:02x}}}"
+        )
+        start = prev = v
+    return "[" + "".join(runs) + "]"
