@@ -34,9 +34,12 @@ IMAGE = "fake:img"
 IMAGE_ID = "sha256:" + "1" * 64
 #: Profiles as the fake engine can run them: the shipped confinement, a fake image.
 PROFILES = {
-    "box": Profile(name="box", image=IMAGE),
-    "other": Profile(name="other", image=IMAGE, memory="512m"),
-    "gv": Profile(name="gv", image=IMAGE, runtime="runsc", seccomp="engine-default"),
+    # The fake engine keeps no working layers: these are the plain-bind ("rw") profiles.
+    "box": Profile(name="box", image=IMAGE, workspace="rw"),
+    "other": Profile(name="other", image=IMAGE, memory="512m", workspace="rw"),
+    "gv": Profile(
+        name="gv", image=IMAGE, runtime="runsc", seccomp="engine-default", workspace="rw"
+    ),
     "bare": Profile(name="bare", image=IMAGE, workspace="none"),
 }
 

@@ -20,14 +20,16 @@ from substrate.sandbox.spec import (
 
 
 def test_owner_runs_and_root_needs_allow_root() -> None:
-    assert run_as(Profile(name="p"), 1000, 1001) == RunAs(1000, 1001)
-    assert run_as(Profile(name="p", user="2000:3000"), 1000, 1000) == RunAs(2000, 3000)
+    assert run_as(Profile(name="p", workspace="rw"), 1000, 1001) == RunAs(1000, 1001)
+    assert run_as(Profile(name="p", workspace="rw", user="2000:3000"), 1000, 1000) == RunAs(
+        2000, 3000
+    )
     with pytest.raises(ConfinementUnmet) as caught:
-        run_as(Profile(name="p"), 0, 0)
+        run_as(Profile(name="p", workspace="rw"), 0, 0)
     assert "chown" in caught.value.message
-    assert run_as(Profile(name="p", allow_root=True), 0, 0) == RunAs(0, 0)
+    assert run_as(Profile(name="p", workspace="rw", allow_root=True), 0, 0) == RunAs(0, 0)
     with pytest.raises(ConfinementUnmet):
-        run_as(Profile(name="p", user="0:0"), 1000, 1000)
+        run_as(Profile(name="p", workspace="rw", user="0:0"), 1000, 1000)
 
 
 def spec(profile: Profile, **kw: object) -> dict[str, object]:
@@ -42,7 +44,9 @@ def spec(profile: Profile, **kw: object) -> dict[str, object]:
 
 
 def test_spec_comes_from_the_profile_only() -> None:
-    profile = Profile(name="p", memory="256m", pids=64, cpus=1.5, capabilities=["CHOWN"])
+    profile = Profile(
+        name="p", workspace="rw", memory="256m", pids=64, cpus=1.5, capabilities=["CHOWN"]
+    )
     out = spec(profile)
     host = out["host_config"]
     assert isinstance(host, dict)
@@ -70,7 +74,9 @@ def test_spec_comes_from_the_profile_only() -> None:
 
 
 def test_an_empty_resolver_file_is_bound_read_only() -> None:
-    host = spec(Profile(name="p"), resolv_conf="/state/sandbox-files/resolv.conf")["host_config"]
+    host = spec(Profile(name="p", workspace="rw"), resolv_conf="/state/sandbox-files/resolv.conf")[
+        "host_config"
+    ]
     assert isinstance(host, dict)
     assert host["mounts"][-1] == {
         "Type": "bind",
@@ -93,10 +99,10 @@ def test_workspace_modes() -> None:
 
 
 def test_digest_changes_with_any_setting() -> None:
-    base = spec_digest(spec(Profile(name="p")))
-    assert base == spec_digest(spec(Profile(name="p")))
-    assert base != spec_digest(spec(Profile(name="p", read_only_rootfs=False)))
-    assert base != spec_digest(spec(Profile(name="p"), readonly_dirs=[]))
+    base = spec_digest(spec(Profile(name="p", workspace="rw")))
+    assert base == spec_digest(spec(Profile(name="p", workspace="rw")))
+    assert base != spec_digest(spec(Profile(name="p", workspace="rw", read_only_rootfs=False)))
+    assert base != spec_digest(spec(Profile(name="p", workspace="rw"), readonly_dirs=[]))
 
 
 def test_an_egress_sandbox_gets_the_proxy_and_its_bundle_and_no_network() -> None:
