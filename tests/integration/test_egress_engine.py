@@ -12,8 +12,10 @@ resolver records every question, and none is asked for it.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,6 @@ from typing import Any
 import docker
 import pytest
 import trio
-from pyroute2 import NetNS
 
 from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon, open_daemon
@@ -39,6 +40,22 @@ LOCAL = """\
 description = "egress to mirror.test only (tests)"
 network = "egress"
 egress_allow = ["mirror.test"]
+"""
+#: Links and routes of the network namespace at argv[1], with pyroute2, as JSON.
+NETNS_QUERY = """\
+import json, sys
+from pyroute2 import NetNS
+ns = NetNS(sys.argv[1], flags=0)
+try:
+    links = {int(link["index"]): link.get_attr("IFLA_IFNAME") for link in ns.get_links()}
+    routes = [
+        (r.get_attr("RTA_GATEWAY"), r.get_attr("RTA_OIF"))
+        for family in (2, 10)
+        for r in ns.get_routes(family=family)
+    ]
+finally:
+    ns.close()
+print(json.dumps({"links": links, "routes": routes}))
 """
 #: A command that fetches URL argv[1] with urllib and prints the status (or the error).
 FETCH = """\
@@ -185,18 +202,20 @@ async def test_the_namespace_has_only_lo_and_the_daemons_listener(env: Env) -> N
     assert facts["network_mode"] == "none"
     assert facts["egress_listeners"] == ["127.0.0.1:3128=substrate"]
     assert facts["egress_allow_digest"] == AllowList.of([MIRROR]).digest
-    # Seen from here with pyroute2, independently of the daemon's own reader.
-    ns = NetNS(f"/proc/{env.sandbox_pid('local')}/ns/net", flags=0)
-    try:
-        links = {int(link["index"]): link.get_attr("IFLA_IFNAME") for link in ns.get_links()}
-        routes = [*ns.get_routes(family=2), *ns.get_routes(family=10)]
-    finally:
-        ns.close()
+    # Seen with pyroute2, independently of the daemon's own reader; in a fresh process, as
+    # pyroute2's NetNS forks a helper (a fork of this threaded process could hang).
+    path = f"/proc/{env.sandbox_pid('local')}/ns/net"
+    with trio.fail_after(60):
+        done = await trio.run_process(
+            [sys.executable, "-c", NETNS_QUERY, path], capture_stdout=True
+        )
+    seen = json.loads(done.stdout)
+    links = {int(index): name for index, name in seen["links"].items()}
     assert list(links.values()) == ["lo"]
-    assert routes, "the local table's loopback routes are always there"
-    for route in routes:
-        assert route.get_attr("RTA_GATEWAY") is None
-        assert links[route.get_attr("RTA_OIF")] == "lo"
+    assert seen["routes"], "the local table's loopback routes are always there"
+    for gateway, oif in seen["routes"]:
+        assert gateway is None
+        assert links[oif] == "lo"
     # The port is the daemon's: a command cannot take it over.
     taken = await env.run(
         "local",
