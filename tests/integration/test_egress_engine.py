@@ -216,6 +216,12 @@ async def test_the_namespace_has_only_lo_and_the_daemons_listener(env: Env) -> N
     for gateway, oif in seen["routes"]:
         assert gateway is None
         assert links[oif] == "lo"
+    # No resolver of its own: names are the proxy's to resolve (and only allowed ones).
+    lookup = await env.run(
+        "local", ["python3", "-c", "import socket; socket.getaddrinfo('mirror.test', 80)"]
+    )
+    assert lookup["exit_code"] != 0 and "gaierror" in lookup["stderr"]["inline"]
+    assert env.resolved == []
     # The port is the daemon's: a command cannot take it over.
     taken = await env.run(
         "local",
