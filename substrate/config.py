@@ -51,6 +51,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     preimage_quota_bytes: int = 1 << 30
     #: change sets a workspace keeps for review or approval; past it "apply"/"review" runs are refused (§11)
     max_kept_changesets: int = 64
+    max_upload_bytes: int = 1 << 30  # one chunked upload's declared size (§14); more: too_large
+    max_uploads: int = 8  # open uploads per caller (socket and uid); more: limit_exceeded
+    upload_idle_s: float = 600.0  # an upload with no call for this long expires, spool removed
     # `[policy]`: the operator's default policy of every checkout (docs/protocol.md §2); agents add to it.
     policy: Policy = msgspec.field(default_factory=Policy)
 
@@ -89,6 +92,12 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         compile_policy(config.policy)
     except Refusal as exc:
         raise ConfigError(f"{path or 'flags'}: [policy]: {exc.message}") from exc
+    if config.max_upload_bytes < 0:
+        raise ConfigError("max_upload_bytes: must not be negative")
+    if config.max_uploads < 1:
+        raise ConfigError("max_uploads: must be at least 1")
+    if config.upload_idle_s <= 0:
+        raise ConfigError("upload_idle_s: must be positive")
     if config.max_connections_per_uid < 1:
         raise ConfigError("max_connections_per_uid: must be at least 1")
     if config.idle_timeout_s <= 0:

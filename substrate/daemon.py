@@ -36,6 +36,8 @@ from substrate.store.journal import Journal
 from substrate.workspace import reads
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.registry import WorkspaceRegistry
+from substrate.workspace.upload_writes import UploadWriter
+from substrate.workspace.uploads import Uploads
 from substrate.workspace.writes import Writer
 
 __all__ = ["Daemon", "StartupError", "open_daemon"]
@@ -93,6 +95,9 @@ class Daemon:
     terminals: TerminalService
     #: The allow-listing proxy of egress sandboxes (docs/egress.md), served by `serve`.
     egress: EgressProxy
+    #: Chunked uploads in progress (fs.upload.*) and the writer that commits them.
+    uploads: Uploads
+    upload_writer: UploadWriter
     #: Blocking file work shares one limiter so a flood of reads cannot starve writes of
     #: threads forever; writes are never abandoned once started.
     fs_limiter: trio.CapacityLimiter
@@ -121,12 +126,23 @@ class Daemon:
                 await nursery.start(self.egress.serve)  # before any sandbox links to it
                 await nursery.start(self.execution.run)  # reaps, sweeps, stops sandboxes
                 await nursery.start(self.terminals.serve)
+                nursery.start_soon(self._expire_uploads)
                 task_status.started()
                 async for signum in signals:
                     log.info("signal %s: stopping", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
                     break
         await trio.to_thread.run_sync(self.journal.append, "daemon.stopped", {"reason": "signal"})
+
+    async def _expire_uploads(self) -> None:
+        """Drop uploads idle for `upload_idle_s` (and their spools), checking a few times
+        per idle period (at most every 30 s)."""
+        period = min(max(self.config.upload_idle_s / 4, 0.05), 30.0)
+        while True:
+            await trio.sleep(period)
+            expired = await trio.to_thread.run_sync(self.uploads.expire)
+            if expired:
+                log.info("uploads expired (idle): %d", len(expired))
 
 
 @contextlib.asynccontextmanager
@@ -159,6 +175,15 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     closing.callback(checkpoints.close)
     checkpoints.sweep()  # blobs a crash left without a row; no write runs yet
     fs_limiter = trio.CapacityLimiter(16)
+    digests = reads.Digests()
+    # Uploads never outlive a run: the spools of earlier runs are removed here.
+    uploads = Uploads(
+        state_dir,
+        max_bytes=config.max_upload_bytes,
+        max_open=config.max_uploads,
+        idle_s=config.upload_idle_s,
+    )
+    closing.callback(uploads.close)
     # One writer for fs.* and the working layers' change sets, keeping pre-images for both.
     writer = Writer(store, journal, checkpoints)
     # Chained to the upstream proxy the daemon's own environment names, if any.
@@ -185,4 +210,7 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         terminals=TerminalService(config, store, journal, execution, workspaces),
         fs_limiter=fs_limiter,
         egress=egress,
+        digests=digests,
+        uploads=uploads,
+        upload_writer=UploadWriter(store, journal, digests, checkpoints),
     )

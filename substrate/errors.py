@@ -247,6 +247,42 @@ class ChangesetUnknown(Refusal):
     name = "changeset_unknown"
 
 
+class UploadUnknown(Refusal):
+    """No open upload has this id for this caller: never begun, committed, aborted, expired
+    (idle past `upload_idle_s`), begun by another caller, or lost with a daemon restart."""
+
+    name = "upload_unknown"
+
+
+class UploadConflict(Refusal):
+    """A chunk does not continue its upload: its offset is past the bytes received
+    (`data.received`), it runs past the declared `size`, or it re-sends a received range
+    with other bytes."""
+
+    name = "upload_conflict"
+
+
+class UploadIncomplete(Refusal):
+    """`fs.upload.commit` before every declared byte arrived (`data.received`, `data.size`)."""
+
+    name = "upload_incomplete"
+
+
+class UploadMismatch(Refusal):
+    """The uploaded bytes' SHA-256 is not the one declared at `fs.upload.begin`
+    (`data.sha256`, `data.received_sha256`); nothing is written."""
+
+    name = "upload_mismatch"
+
+
+class SecretUnknown(Refusal):
+    """A profile names an operator secret that is not set (`substrate secret set NAME`), or
+    `secret rm` names one that is not there; `data.secrets` lists the missing names (never
+    a value). Raised when the profile's secrets are loaded for its sandbox."""
+
+    name = "secret_unknown"
+
+
 class LimitExceeded(Refusal):
     """A configured cap (connections, processes, quota) would be passed."""
 

@@ -8,7 +8,11 @@ filled on purpose.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
+import os
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -16,7 +20,14 @@ import pytest
 import trio
 import trio.testing
 
-from substrate.protocol.client import AsyncClient, Client, RpcError, open_client
+from substrate.protocol.client import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    AsyncClient,
+    Client,
+    RpcError,
+    open_client,
+)
+from substrate.schema.upload import chunk_bytes
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -29,8 +40,12 @@ MiB = 1 << 20
 def test_oversized_request_is_request_too_large(
     daemon_factory: Callable[..., DaemonProcess], size: int
 ) -> None:
+    """Unchecked by the client (`max_request_bytes=None`): the daemon's refusal arrives."""
     d = daemon_factory(max_request_bytes=LIMIT)
-    with Client(d.agent_path, timeout=30) as c, pytest.raises(RpcError) as info:
+    with (
+        Client(d.agent_path, timeout=30, max_request_bytes=None) as c,
+        pytest.raises(RpcError) as info,
+    ):
         c.call("journal.read", workspace="x" * size)
     assert info.value.refusal == "request_too_large"
     assert info.value.data["limit"] == LIMIT
@@ -51,7 +66,7 @@ async def test_async_oversized_request_is_request_too_large(
     daemon_factory: Callable[..., DaemonProcess], size: int
 ) -> None:
     d = daemon_factory(max_request_bytes=LIMIT)
-    async with open_client(d.agent_path) as c:
+    async with open_client(d.agent_path, max_request_bytes=None) as c:
         with pytest.raises(RpcError) as info, trio.fail_after(30):
             await c.call("journal.read", workspace="x" * size)
     assert info.value.refusal == "request_too_large"
@@ -60,6 +75,97 @@ async def test_async_oversized_request_is_request_too_large(
             await c.call("journal.read", workspace="x" * size)
         assert info.value.refusal == "request_too_large"
         assert (await c.call("daemon.status"))["version"]
+
+
+def test_by_default_a_line_over_the_daemons_default_limit_is_not_sent(
+    daemon: DaemonProcess,
+) -> None:
+    """A write too big for one request line is a named refusal, never a broken pipe."""
+    root = daemon.make_workspace("demo", {"a.txt": "a\n"})
+    ws = daemon.adopt(root)
+    with Client(daemon.agent_path, timeout=30) as c:
+        assert c.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == MiB
+        with pytest.raises(RpcError) as info:
+            c.call("fs.write", workspace=ws, path="big.bin", base_sha256=None, content="x" * MiB)
+        assert (info.value.refusal, info.value.data["limit"]) == ("request_too_large", MiB)
+        assert c.call("daemon.status")["version"]  # nothing was sent: still connected
+    assert not (root / "big.bin").exists()
+
+
+class CountingClient(Client):
+    """A `Client` that records the methods it called."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.methods: list[str] = []
+
+    def call(self, method: str, **params: Any) -> Any:
+        self.methods.append(method)
+        return super().call(method, **params)
+
+
+@pytest.mark.parametrize("mode", ["path", "file"])
+def test_upload_file_chunks_what_one_line_cannot_hold(
+    daemon: DaemonProcess, tmp_path: Path, mode: str
+) -> None:
+    root = daemon.make_workspace("demo", {"a.txt": "a\n"})
+    ws = daemon.adopt(root)
+    data = os.urandom(3 * MiB + 7)
+    source = tmp_path / "source.bin"
+    source.write_bytes(data)
+    limit = 256 * 1024
+    with CountingClient(daemon.agent_path, timeout=60, max_request_bytes=limit) as c:
+        if mode == "path":
+            plan = c.upload_file(ws, "sub/big.bin", source, base_sha256=None, create_parents=True)
+        else:
+            with open(source, "rb") as f:
+                f.read(5)  # the helper sends from offset 0 whatever the position
+                plan = c.upload_file(ws, "sub/big.bin", f, base_sha256=None, create_parents=True)
+    assert plan["applied"] and plan["new_sha256"] == hashlib.sha256(data).hexdigest()
+    assert (root / "sub" / "big.bin").read_bytes() == data
+    # Chunks small enough for the client's own 256 KiB limit, however big the daemon's.
+    chunks = c.methods.count("fs.upload.chunk")
+    assert chunks == -(-len(data) // chunk_bytes(limit))
+    assert c.methods == ["fs.upload.begin", *["fs.upload.chunk"] * chunks, "fs.upload.commit"]
+    assert [e["data"]["size"] for e in daemon.journal({"fs.upload"})] == [len(data)]
+    assert os.listdir(daemon.state_dir / "uploads") == []
+
+
+def test_upload_file_refused_or_dry_run_aborts_its_upload(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    root = daemon.make_workspace("demo", {"a.txt": "a\n"})
+    ws = daemon.adopt(root)
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"new\n")
+    with Client(daemon.agent_path, timeout=60) as c:
+        dry = c.upload_file(
+            ws, "a.txt", source, base_sha256=hashlib.sha256(b"a\n").hexdigest(), dry_run=True
+        )
+        assert not dry["applied"] and "+new" in dry["diff"]
+        (root / "a.txt").write_text("edited\n")
+        with pytest.raises(RpcError) as info:
+            # The dry run's digest is of the plan against "a\n": this one's differs.
+            c.upload_file(
+                ws,
+                "a.txt",
+                source,
+                base_sha256=hashlib.sha256(b"edited\n").hexdigest(),
+                plan_digest=dry["plan_digest"],
+            )
+        assert info.value.refusal == "plan_mismatch"
+    assert (root / "a.txt").read_text() == "edited\n"
+    assert os.listdir(daemon.state_dir / "uploads") == []
+
+
+async def test_async_upload_file(daemon: DaemonProcess) -> None:
+    root = daemon.make_workspace("demo", {"a.txt": "a\n"})
+    ws = await trio.to_thread.run_sync(daemon.adopt, root)
+    data = os.urandom(2 * MiB)
+    async with open_client(daemon.agent_path) as c:
+        plan = await c.upload_file(ws, "big.bin", io.BytesIO(data), base_sha256=None)
+    assert plan["applied"]
+    assert (root / "big.bin").read_bytes() == data
 
 
 def test_connection_refusal_answers_the_waiting_call(

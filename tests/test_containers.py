@@ -178,7 +178,9 @@ async def test_a_missing_image_or_runtime_is_refused_before_anything_is_made(
     layer: Layer,
 ) -> None:
     with pytest.raises(ImageMissing):
-        await layer.containers.ensure(layer.ws, Profile(name="x", image="absent:img", workspace="rw"))
+        await layer.containers.ensure(
+            layer.ws, Profile(name="x", image="absent:img", workspace="rw")
+        )
     layer.engine.registered.discard("runsc")
     with pytest.raises(RuntimeUnavailable):
         await layer.containers.ensure(layer.ws, PROFILES["gv"])

@@ -83,7 +83,7 @@ def temp_files(root: Path) -> list[str]:
 
 def write_until_killed(d: DaemonProcess, ws: str, names: list[str], stream: Stream) -> None:
     try:
-        client = Client(d.agent_path, timeout=PATIENCE_S)
+        client = Client(d.agent_path, timeout=PATIENCE_S, max_request_bytes=d.max_request_bytes)
     except OSError:
         return
     try:

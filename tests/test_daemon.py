@@ -285,7 +285,7 @@ def test_sigterm_lets_an_in_flight_write_finish(
 
     def write() -> None:
         try:
-            with Client(d.agent_path, timeout=120) as c:
+            with Client(d.agent_path, timeout=120, max_request_bytes=256 * MiB) as c:
                 outcome["plan"] = c.call(
                     "fs.write",
                     workspace=ws,

@@ -185,6 +185,30 @@ def test_unknown_method() -> None:
     assert "fs.nope" in error["error"]["message"]
 
 
+def test_unknown_method_suggests_the_nearest_names() -> None:
+    error = reply(rpc.decode_call(request("workspace.adpot", {}, id=1)))["error"]
+    assert error["data"]["suggestions"][0] == "workspace.adopt"
+    assert len(error["data"]["suggestions"]) <= rpc.SUGGESTIONS
+    assert "did you mean workspace.adopt" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("name", "first"),
+    [("fs.reed", "fs.read"), ("proc.runn", "proc.run"), ("discover", "rpc.discover")],
+)
+def test_suggest(name: str, first: str) -> None:
+    assert rpc.suggest(name)[0] == first
+
+
+def test_suggest_nothing_close_or_too_long() -> None:
+    assert rpc.suggest("qqqqqqq") == []
+    long = "fs.read" + "x" * rpc.SUGGEST_MAX_NAME
+    assert rpc.suggest(long) == []
+    error = reply(rpc.decode_call(request(long, {}, id=1)))["error"]
+    assert error["data"] == {"suggestions": []}
+    assert len(error["message"]) < 2 * rpc.SUGGEST_MAX_NAME
+
+
 def test_notification_of_a_known_method_is_a_call_without_reply_id() -> None:
     call = rpc.decode_call(request("fs.stat", {"workspace": "w", "path": "a"}))
     assert isinstance(call, rpc.Call)

@@ -50,6 +50,7 @@ CONTRACT_REFUSALS = [
     "controller_busy",
     "limit_exceeded",
     "changeset_unknown",
+    "upload_unknown",
     "internal",
 ]
 
@@ -73,6 +74,7 @@ def test_method_properties_are_declared_with_each_method() -> None:
         "fs.write",
         "fs.patch",
         "fs.delete",
+        "fs.upload.commit",
         "proc.run",
         "proc.start",
         "workspace.checkpoint",
@@ -84,6 +86,7 @@ def test_method_properties_are_declared_with_each_method() -> None:
         "fs.write",
         "fs.patch",
         "fs.delete",
+        "fs.upload.commit",
         "workspace.restore",
         "changes.apply",
         "changes.discard",

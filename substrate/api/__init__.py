@@ -7,7 +7,19 @@ Importing this package imports every handler module, which registers its handler
 from __future__ import annotations
 
 # Imported for their registrations (`@handles`), in no particular order.
-from substrate.api import artifact, changes, fs, grant, journal, proc, profile, pty, workspace
+from substrate.api import (
+    artifact,
+    changes,
+    discover,
+    fs,
+    grant,
+    journal,
+    proc,
+    profile,
+    pty,
+    upload,
+    workspace,
+)
 from substrate.api.base import HANDLERS, Actor, Caller, Handler, dispatcher, handles
 
 __all__ = [
@@ -17,6 +29,7 @@ __all__ = [
     "Handler",
     "artifact",
     "changes",
+    "discover",
     "dispatcher",
     "fs",
     "grant",
@@ -25,5 +38,6 @@ __all__ = [
     "proc",
     "profile",
     "pty",
+    "upload",
     "workspace",
 ]

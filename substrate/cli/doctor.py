@@ -113,6 +113,7 @@ def run_checks(config: Config) -> list[Check]:
     add("agent socket", lambda: _socket(state / "substrate.sock", 0o660))
     add("operator socket", lambda: _socket(state / "operator.sock", 0o600))
     add("profiles", lambda: _profiles(config))
+    add("secrets", lambda: _secrets(config))
     return checks
 
 
@@ -141,6 +142,23 @@ def _profiles(config: Config) -> tuple[bool, str]:
 
     loaded = load_profiles(Path(config.profiles_dir), Path(config.seccomp_dir))
     return True, ", ".join(sorted(loaded))
+
+
+def _secrets(config: Config) -> tuple[bool, str]:
+    """Every secret a profile names is set (names only, never a value)."""
+    from substrate.sandbox.profiles import load_profiles
+    from substrate.secrets import SecretStore
+
+    loaded = load_profiles(Path(config.profiles_dir), Path(config.seccomp_dir))
+    have = set(SecretStore(config.state_path()).names())
+    missing = sorted(
+        f"{name}: {secret}"
+        for name, profile in loaded.items()
+        for secret in set(profile.secrets.values()) - have
+    )
+    if missing:
+        return False, "not set: " + ", ".join(missing) + " (substrate secret set NAME)"
+    return True, f"{len(have)} set; every one the profiles name is"
 
 
 def render(checks: list[Check]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from substrate.cli import exec as cli_exec
+from substrate.cli import secret as cli_secret
 from substrate.cli.common import client_for, workspace_handle
 from substrate.protocol.client import RpcError
 
@@ -85,19 +87,34 @@ def cmd_read(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Bigger content goes by a chunked upload (`fs.upload.*`) instead of one `fs.write` line.
+WRITE_INLINE_BYTES = 512 << 10
+
+
 def cmd_write(args: argparse.Namespace) -> int:
     content = Path(args.source).read_bytes() if args.source else sys.stdin.buffer.read()
+    base = None if args.create else args.base
     with client_for(args) as c:
         ws = workspace_handle(c, args.workspace)
-        plan = c.call(
-            "fs.write",
-            workspace=ws,
-            path=args.path,
-            content_b64=base64.b64encode(content).decode(),
-            base_sha256=None if args.create else args.base,
-            create_parents=args.parents,
-            dry_run=args.dry_run,
-        )
+        if len(content) > WRITE_INLINE_BYTES:
+            plan = c.upload_file(
+                ws,
+                args.path,
+                io.BytesIO(content),
+                base_sha256=base,
+                create_parents=args.parents,
+                dry_run=args.dry_run,
+            )
+        else:
+            plan = c.call(
+                "fs.write",
+                workspace=ws,
+                path=args.path,
+                content_b64=base64.b64encode(content).decode(),
+                base_sha256=base,
+                create_parents=args.parents,
+                dry_run=args.dry_run,
+            )
     _print_json(plan)
     return 0
 
@@ -270,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_journal)
 
     cli_exec.add_commands(sub)
+    cli_secret.add_commands(sub)
     return parser
 
 

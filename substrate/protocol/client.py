@@ -4,10 +4,14 @@ Both speak newline-delimited JSON-RPC 2.0 and raise `RpcError` for error replies
 the named refusal in `.refusal`. Results come back as plain JSON values (dicts, lists).
 
 A request longer than the daemon's line limit is `RpcError` `request_too_large`, never a
-broken pipe: refused before sending when the client is given `max_request_bytes`, else
-read from the daemon's error reply (sent before it closes). An error the daemon sends
-with id null (`unauthorized`, `limit_exceeded` at connect, `request_too_large`) answers
-the call that was waiting.
+broken pipe: refused before sending when longer than the client's `max_request_bytes`
+(by default the daemon's default limit, 1 MiB), else read from the daemon's error reply
+(sent before it closes). An error the daemon sends with id null (`unauthorized`,
+`limit_exceeded` at connect, `request_too_large`) answers the call that was waiting.
+
+A file too big for one request line goes by chunks: `upload_file` (both clients) hashes
+it, then sends it with `fs.upload.begin`/`chunk`/`commit` (docs/protocol.md §14), holding
+one chunk in memory at a time.
 
 `AsyncClient` queues notifications (bounded). When the queue is full it drops
 `proc.output` pieces, never anything else (`proc.exit` always arrives), counts them in
@@ -21,16 +25,20 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
+import hashlib
 import itertools
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 import trio
+
+from substrate.schema.upload import chunk_bytes
 
 AGENT_SOCKET = "substrate.sock"
 OPERATOR_SOCKET = "operator.sock"
@@ -80,6 +88,13 @@ class ConnectionLost(Exception):
 
 #: The JSON-RPC code of every named refusal (`substrate.errors.REFUSAL_CODE`).
 REFUSAL_CODE = -32001
+#: The daemon's default `max_request_bytes`: what a client checks a request against
+#: unless told the daemon's own limit (None: no check, the daemon's reply tells).
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+#: How long `AsyncClient.upload_file` waits for the abort of a failed upload, seconds.
+ABORT_TIMEOUT_S = 10.0
+#: What `upload_file` reads from: a file's path or a binary file open for reading.
+Source = str | os.PathLike[str] | BinaryIO
 
 
 def _error_of(reply: dict[str, Any]) -> RpcError:
@@ -103,7 +118,8 @@ def _encode_request(
     if max_request_bytes is not None and len(line) > max_request_bytes:
         raise RpcError(
             REFUSAL_CODE,
-            f"request line exceeds {max_request_bytes} bytes (not sent)",
+            f"request line of {len(line)} bytes exceeds the {max_request_bytes} byte limit"
+            " (not sent; a file this big goes by upload_file)",
             {"refusal": "request_too_large", "limit": max_request_bytes},
         )
     return line + b"\n"
@@ -117,8 +133,8 @@ def _is_connection_error(message: dict[str, Any]) -> bool:
 class Client:
     """Synchronous client: one request at a time; notifications are kept in `notifications`.
 
-    `max_request_bytes`: the daemon's line limit when known; a longer request is refused
-    here (`request_too_large`) without being sent.
+    `max_request_bytes`: the daemon's line limit (default: its default, 1 MiB); a longer
+    request is refused here (`request_too_large`) without being sent. None sends any.
     """
 
     def __init__(
@@ -126,7 +142,7 @@ class Client:
         path: str | os.PathLike[str],
         timeout: float | None = 300.0,
         *,
-        max_request_bytes: int | None = None,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -181,6 +197,54 @@ class Client:
             if _is_connection_error(message):
                 raise _error_of(message)
 
+    def upload_file(
+        self,
+        workspace: str,
+        path: str,
+        source: Source,
+        *,
+        base_sha256: str | None,
+        mode: int | None = None,
+        create_parents: bool = False,
+        dry_run: bool = False,
+        plan_digest: str | None = None,
+    ) -> Any:
+        """Write `source` to `path` through a chunked upload; the commit's plan.
+
+        Bound to `base_sha256` like `fs.write` (None: create). Refuses (`RpcError`) as
+        `fs.upload.*` do; on any failure, and after a dry run, the upload is aborted.
+        Reads `source` twice (a hash, then the chunks), holding one chunk at a time.
+        """
+        with _opened(source) as f:
+            size, sha256 = _digest(f)
+            begun = self.call(
+                "fs.upload.begin",
+                workspace=workspace,
+                path=path,
+                base_sha256=base_sha256,
+                size=size,
+                sha256=sha256,
+                mode=mode,
+                create_parents=create_parents,
+            )
+            upload, step = begun["upload"], _step(begun, self.max_request_bytes)
+            done = False
+            try:
+                offset = 0
+                while block := f.read(step):
+                    data_b64 = base64.b64encode(block).decode("ascii")
+                    self.call("fs.upload.chunk", upload=upload, offset=offset, data_b64=data_b64)
+                    offset += len(block)
+                plan = self.call(
+                    "fs.upload.commit", upload=upload, dry_run=dry_run, plan_digest=plan_digest
+                )
+                done = bool(plan.get("applied"))
+                return plan
+            finally:
+                if not done:
+                    with contextlib.suppress(RpcError, ConnectionLost, OSError):
+                        self.call("fs.upload.abort", upload=upload)
+
     def _raise_connection_error(self) -> None:
         """Raise the daemon's id-null error if one is waiting; return if there is none."""
         while True:
@@ -205,7 +269,7 @@ class AsyncClient:
         nursery: trio.Nursery,
         *,
         notification_buffer: int = 10000,
-        max_request_bytes: int | None = None,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     ) -> None:
         self._stream = stream
         self._ids = itertools.count(1)
@@ -354,6 +418,57 @@ class AsyncClient:
             raise self._lost()
         return _raise_or_result(box[0])
 
+    async def upload_file(
+        self,
+        workspace: str,
+        path: str,
+        source: Source,
+        *,
+        base_sha256: str | None,
+        mode: int | None = None,
+        create_parents: bool = False,
+        dry_run: bool = False,
+        plan_digest: str | None = None,
+    ) -> Any:
+        """`Client.upload_file`, with the file read in worker threads."""
+        with _opened(source) as f:
+            size, sha256 = await trio.to_thread.run_sync(_digest, f)
+            begun = await self.call(
+                "fs.upload.begin",
+                workspace=workspace,
+                path=path,
+                base_sha256=base_sha256,
+                size=size,
+                sha256=sha256,
+                mode=mode,
+                create_parents=create_parents,
+            )
+            upload, step = begun["upload"], _step(begun, self.max_request_bytes)
+            done = False
+            try:
+                offset = 0
+                while block := await trio.to_thread.run_sync(f.read, step):
+                    data_b64 = base64.b64encode(block).decode("ascii")
+                    await self.call(
+                        "fs.upload.chunk", upload=upload, offset=offset, data_b64=data_b64
+                    )
+                    offset += len(block)
+                plan = await self.call(
+                    "fs.upload.commit", upload=upload, dry_run=dry_run, plan_digest=plan_digest
+                )
+                done = bool(plan.get("applied"))
+                return plan
+            finally:
+                if not done:
+                    # Shielded (the upload is ours to drop, even when cancelled) but bounded.
+                    with (
+                        trio.move_on_after(ABORT_TIMEOUT_S, shield=True),
+                        contextlib.suppress(
+                            RpcError, ConnectionLost, OSError, trio.BrokenResourceError
+                        ),
+                    ):
+                        await self.call("fs.upload.abort", upload=upload)
+
     def _lost(self) -> Exception:
         """The daemon's id-null error if it sent one before closing, else `ConnectionLost`."""
         if self._connection_error is not None:
@@ -362,6 +477,34 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+@contextlib.contextmanager
+def _opened(source: Source) -> Iterator[BinaryIO]:
+    """`source` as a binary file at offset 0 (opened and closed here when a path)."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            yield f
+    else:
+        source.seek(0)
+        yield source
+
+
+def _digest(f: BinaryIO) -> tuple[int, str]:
+    """(size, SHA-256) of `f` from its offset to the end; `f` is left at offset 0."""
+    h = hashlib.sha256()
+    size = 0
+    while block := f.read(1 << 20):
+        h.update(block)
+        size += len(block)
+    f.seek(0)
+    return size, h.hexdigest()
+
+
+def _step(begun: dict[str, Any], max_request_bytes: int | None) -> int:
+    """The chunk size: the daemon's advice, no more than our own known limit allows."""
+    step = int(begun["chunk_bytes"])
+    return step if max_request_bytes is None else min(step, chunk_bytes(max_request_bytes))
 
 
 def _output_key(message: dict[str, Any]) -> tuple[str, str] | None:
@@ -390,7 +533,7 @@ async def open_client(
     path: str | os.PathLike[str],
     *,
     notification_buffer: int = 10000,
-    max_request_bytes: int | None = None,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
 ) -> AsyncIterator[AsyncClient]:
     """Connect to a daemon socket for the duration of the block."""
     stream = await trio.open_unix_socket(os.fspath(path))

@@ -21,7 +21,9 @@ workspace is released, or the daemon stops. On a cache miss it:
    The facts are journalled (`proc.facts`) and returned with every command's result.
 
 What is mounted read-only over the workspace (every `.git`, the policy's whole-directory
-denies) and the empty resolver file are `substrate.sandbox.mounts`'. What the host kernel
+denies) and the empty resolver file are `substrate.sandbox.mounts`'; the persistent home
+(bound at /home/agent, its `home_identity` required) and the secrets (in
+`Sandbox.profile.env` only, per exec) are `substrate.sandbox.environment`'s. What the host kernel
 shows of a started container comes through a `SandboxHost` (`substrate.sandbox.host`);
 tests of this logic give it `substrate.sandbox.fake_engine`'s fakes.
 
@@ -39,7 +41,7 @@ removed: it belongs to a previous run.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import logging
 import os
 import secrets
@@ -59,11 +61,12 @@ from substrate.sandbox import (
     mounts,
     passthrough,
     profiles,
+    proxy_link,
     reaper,
-    seccomp,
     working_layer,
 )
 from substrate.sandbox.engine import ContainerGone, Engine
+from substrate.sandbox.environment import SandboxEnvironment
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
 from substrate.sandbox.layer_plan import layers_dir
@@ -78,11 +81,14 @@ from substrate.sandbox.spec import (
     LABEL_WORKSPACE,
     RunAs,
     container_spec,
+    daemon_id_for,
     run_as,
     spec_digest,
 )
 from substrate.sandbox.working_layer import WorkingLayer
+from substrate.secrets import SecretStore
 from substrate.store.journal import Journal
+from substrate.workspace.homes import Home, Homes
 from substrate.workspace.registry import Workspace
 
 __all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_for"]
@@ -96,6 +102,8 @@ class Sandbox:
 
     id: str
     workspace: str
+    #: The profile as its commands get it: with secrets, `env` holds their values
+    #: (`profiles.with_secrets`). Never serialize it; `.name` is what records carry.
     profile: Profile
     who: RunAs
     init_pid: int
@@ -110,8 +118,11 @@ class Sandbox:
     readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: The working layer of a `workspace = "layer"` sandbox (None for the others).
     layer: WorkingLayer | None = None
-    #: The proxy link of a `network = "egress"` sandbox (None for the others).
-    egress: ProxyLink | None = None
+    egress: ProxyLink | None = None  # a `network = "egress"` sandbox's link to the proxy
+    #: The persistent home bound at /home/agent (None: this daemon keeps none).
+    home: Home | None = None
+    #: `SecretStore.version` of the secrets in `profile.env` when they were read.
+    secrets_version: tuple[object, ...] = ()
 
     def acquire(self) -> None:
         """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
@@ -140,6 +151,8 @@ class Containers:
         host: SandboxHost | None = None,
         state_dir: str | None = None,
         egress: ProxyLinks | None = None,
+        homes: Homes | None = None,
+        secrets: SecretStore | None = None,
     ) -> None:
         self._engine = engine
         self._host: SandboxHost = host if host is not None else HostKernel()
@@ -157,8 +170,9 @@ class Containers:
         self._state_dir = state_dir
         # Set once a previous run's layer mounts are swept: no layer is made before.
         self._layers_swept = trio.Event()
-        # Links egress sandboxes to the daemon's proxy; None: "egress" profiles are refused.
-        self._egress = egress
+        self._egress = egress  # links egress sandboxes to the proxy; None: they are refused
+        #: Secrets and persistent homes (either None: see `SandboxEnvironment`).
+        self.environment = SandboxEnvironment(homes, secrets, fs_limiter)
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -181,24 +195,26 @@ class Containers:
 
         Refuses `confinement_unmet` (root owner without allow_root; a fact that does not
         hold; a labelled container with weaker settings), `runtime_unavailable`,
-        `image_missing`. A warm call costs one procfs read; a cold one a container start
-        and a fact check (a few hundred milliseconds).
+        `image_missing`, `secret_unknown` (a secret the profile names is not set). A warm
+        call costs one procfs read (and one lstat per secret of the profile); a cold one a
+        container start and a fact check (a few hundred milliseconds).
         """
         key = (ws.id, profile.name)
         found = self._live.get(key)
-        if found is not None and self._alive(found):
-            found.last_used = time.monotonic()
-            return found
-        lock = self._locks.setdefault(key, trio.Lock())
-        async with lock:
-            found = self._live.get(key)
-            if found is not None:
-                if self._alive(found):
+        if found is None or not self._alive(found):
+            async with self._locks.setdefault(key, trio.Lock()):
+                found = self._live.get(key)
+                if found is not None and not self._alive(found):
+                    await self._drop(found, "init_changed")
+                    found = None
+                if found is None:
+                    found = self._live[key] = await self._create_verified(ws, profile)
                     return found
-                await self._drop(found, "init_changed")
-            sandbox = await self._create_verified(ws, profile)
-            self._live[key] = sandbox
-            return sandbox
+        found.last_used = time.monotonic()
+        if self.environment.secrets_changed(profile, found.secrets_version):
+            # Set again or removed since they were read (`secret_unknown` once removed).
+            found.profile, found.secrets_version = await self.environment.load_secrets(profile)
+        return found
 
     def _alive(self, sandbox: Sandbox) -> bool:
         """Is the container's init still the process we verified? (procfs, microseconds)"""
@@ -228,29 +244,34 @@ class Containers:
     # -- creation and verification -----------------------------------------------------------
 
     async def _create_verified(self, ws: Workspace, profile: Profile) -> Sandbox:
+        # First: a missing secret refuses before anything is made.
+        exec_profile, secrets_version = await self.environment.load_secrets(profile)
         owner = await trio.to_thread.run_sync(os.fstat, ws.root_fd, limiter=self._fs_limiter)
         who = run_as(profile, owner.st_uid, owner.st_gid)
         if profile.runtime != "runc":
             await self._engine.require_runtime(profile.runtime)
         image_id = await self._engine.image_id(profile.image)
         security_opt = await trio.to_thread.run_sync(
-            _security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
+            profiles.checked_security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
         )
         ro_dirs = await trio.to_thread.run_sync(
             mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
         )
+        home = await self.environment.prepare_home(ws, who)
         layer = None
         if profile.workspace == "layer":
             passthrough.check_policy(ws.policy, profile.passthrough)
             layer = await self._open_layer(ro_dirs, profile.passthrough)
         try:
-            return await self._create_in(
-                ws, profile, owner, who, image_id, security_opt, ro_dirs, layer
+            sandbox = await self._create_in(
+                ws, profile, owner, who, image_id, security_opt, ro_dirs, layer, home
             )
         except BaseException:
             if layer is not None:
                 await self._close_layer(layer)
             raise
+        sandbox.profile, sandbox.secrets_version = exec_profile, secrets_version
+        return sandbox
 
     async def _create_in(
         self,
@@ -262,6 +283,7 @@ class Containers:
         security_opt: list[str],
         ro_dirs: list[tuple[str, tuple[int, int]]],
         layer: WorkingLayer | None,
+        home: Home | None,
     ) -> Sandbox:
         required = factlib.required_facts(
             profile,
@@ -274,15 +296,13 @@ class Containers:
             security_opt=security_opt,
         )
         ro_rels = [rel for rel, _ in ro_dirs]
+        if home is not None:
+            required["home_identity"] = f"{home.identity[0]}:{home.identity[1]}"
         if layer is None:
             required.update(mounts.identity_required(profile, ro_dirs, owner))
         await self._remove_foreign(ws, profile, required, ro_rels)
-        ca = None  # an egress profile's CA bundle: (host path of the copy, digest)
-        if profile.network == "egress":
-            if self._egress is None:
-                raise RuntimeUnavailable("this daemon runs no egress proxy")
-            ca = await self._egress.ca_bundle(profile)
-        required.update(factlib.egress_required(profile, ca_bundle=ca and ca[1]))
+        ca_bundle, egress_required = await proxy_link.prepare(self._egress, profile)
+        required.update(egress_required)
         if layer is not None:
             layer.required = dict(required)
         resolv_conf = None
@@ -298,7 +318,8 @@ class Containers:
             readonly_dirs=ro_rels if layer is None else [],
             security_opt=security_opt,
             resolv_conf=resolv_conf,
-            ca_bundle=ca and ca[0],
+            ca_bundle=ca_bundle,
+            home_source=None if home is None else home.source,
         )
         labels = {
             **self.labels_for(ws.id, profile.name),
@@ -319,7 +340,7 @@ class Containers:
                     )
                     required = {**required, **await self._layer_identities(layer)}
                 sandbox = await self._verify(
-                    container, ws, profile, who, required, dict(ro_dirs), links
+                    container, ws, profile, who, required, dict(ro_dirs), home, links
                 )
                 sandbox.layer = layer
                 return sandbox
@@ -343,21 +364,17 @@ class Containers:
         who: RunAs,
         required: Mapping[str, FactValue],
         readonly: dict[str, tuple[int, int]],
-        links: list[ProxyLink] | None = None,
+        home: Home | None,
+        links: list[ProxyLink],  # gets an egress sandbox's link (closed by the caller)
     ) -> Sandbox:
-        """`links` receives an egress sandbox's proxy link (the caller closes it when
-        this raises)."""
         inspect = await self._engine.inspect(container)
         init_pid = int(inspect["State"]["Pid"] or 0)
         if not inspect["State"].get("Running") or init_pid <= 0:
             raise ContainerGone(container)
         observed = await self._observe(init_pid, inspect, profile, list(readonly))
-        link = None
-        if self._egress is not None and profile.network == "egress" and links is not None:
-            ca = "ca_bundle" in required
-            link = await self._egress.open(container, ws.id, profile, init_pid, ca=ca)
-            links.append(link)
-            observed += await trio.to_thread.run_sync(link.observe, limiter=self._fs_limiter)
+        observed += await proxy_link.link(
+            self._egress, links, container, ws.id, profile, init_pid, required
+        )
         await self._check(container, ws, profile, required, observed)
         init = self._host.identity(init_pid)
         if init is None:
@@ -379,7 +396,8 @@ class Containers:
             facts=observed,
             host_visible=host_visible,
             readonly=readonly,
-            egress=link,
+            egress=links[0] if links else None,
+            home=home,
         )
         await self._journal_async(
             "proc.facts",
@@ -397,8 +415,12 @@ class Containers:
     async def _observe(
         self, init_pid: int, inspect: dict[str, Any], profile: Profile, ro_rels: Sequence[str]
     ) -> list[Fact]:
+        # Every sandbox of a daemon keeping homes has one: its identity is a fact.
+        observe = self._host.observe
+        if self.environment.homes is not None:
+            observe = functools.partial(observe, home=True)
         return await trio.to_thread.run_sync(
-            self._host.observe, init_pid, inspect, profile, ro_rels, limiter=self._fs_limiter
+            observe, init_pid, inspect, profile, ro_rels, limiter=self._fs_limiter
         )
 
     async def _keepalive_pids(self, cgroups: reaper.CgroupDirs, init_pid: int) -> set[int]:
@@ -513,10 +535,7 @@ class Containers:
         observed = await self._observe(
             sandbox.init_pid, inspect, sandbox.profile, list(sandbox.readonly)
         )
-        if sandbox.egress is not None:
-            observed += await trio.to_thread.run_sync(
-                sandbox.egress.observe, limiter=self._fs_limiter
-            )
+        observed += await proxy_link.observe_again(sandbox.egress, self._fs_limiter)
         await self._check(sandbox.id, ws, sandbox.profile, required, observed)
         sandbox.facts = observed
 
@@ -574,24 +593,3 @@ class Containers:
 
     async def _journal_async(self, kind: str, data: dict[str, Any], workspace: str | None) -> None:
         await trio.to_thread.run_sync(lambda: self._journal.append(kind, data, workspace=workspace))
-
-
-def _security_opts(profile: Profile, seccomp_dir: Path) -> list[str]:
-    try:
-        return profiles.security_opts(profile, seccomp_dir)
-    except seccomp.SeccompError as exc:
-        # The policy file went bad since the profile was loaded: nothing may run under it.
-        # The reason names a host path: it goes to the log, not to the client.
-        log.error("profile %s: seccomp policy no longer loads: %s", profile.name, exc)
-        raise ConfinementUnmet(
-            f"the seccomp policy of profile {profile.name!r} no longer loads (see the log)",
-            required={"seccomp": profile.seccomp},
-            observed={"seccomp": "invalid"},
-        ) from None
-
-
-def daemon_id_for(state_dir: os.PathLike[str] | str) -> str:
-    """A stable id for the daemon owning `state_dir` (device, inode and path)."""
-    st = os.stat(state_dir)
-    raw = f"{st.st_dev}:{st.st_ino}:{os.fspath(state_dir)}".encode()
-    return hashlib.sha256(raw).hexdigest()[:16]

@@ -33,6 +33,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from substrate.errors import ConfinementUnmet, RuntimeUnavailable
 from substrate.sandbox import facts as F
 from substrate.sandbox import parsers as P
 from substrate.sandbox import reaper
-from substrate.sandbox.facts import Fact
+from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.netns import socket_in
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.readings import why
@@ -203,6 +204,50 @@ class ProxyLink:
         await self.attachment.aclose()
 
 
+async def prepare(
+    links: ProxyLinks | None, profile: Profile
+) -> tuple[str | None, dict[str, FactValue]]:
+    """Before a sandbox of `profile` is created: (host path of its CA bundle copy, or
+    None; the egress facts it must show, `facts.egress_required`), both empty for a
+    `network = "none"` profile. Refuses `runtime_unavailable` (an egress profile, and
+    this daemon runs no proxy) and `ProxyLinks.ca_bundle`'s refusal."""
+    if profile.network != "egress":
+        return None, {}
+    if links is None:
+        raise RuntimeUnavailable("this daemon runs no egress proxy")
+    ca = await links.ca_bundle(profile)
+    return (None if ca is None else ca[0]), F.egress_required(
+        profile, ca_bundle=None if ca is None else ca[1]
+    )
+
+
+async def link(
+    links: ProxyLinks | None,
+    held: list[ProxyLink],
+    container: str,
+    workspace: str,
+    profile: Profile,
+    init_pid: int,
+    required: Mapping[str, FactValue],
+) -> list[Fact]:
+    """A started egress sandbox: open its link (appended to `held`, which the caller
+    closes if the sandbox is not used) and return its facts; [] for other profiles.
+    Refuses as `ProxyLinks.open`."""
+    if links is None or profile.network != "egress":
+        return []
+    made = await links.open(container, workspace, profile, init_pid, ca="ca_bundle" in required)
+    held.append(made)
+    return await trio.to_thread.run_sync(made.observe, limiter=links.limiter)
+
+
+async def observe_again(made: ProxyLink | None, limiter: trio.CapacityLimiter | None) -> list[Fact]:
+    """The egress facts of a sandbox observed again (a working layer's swap); [] when it
+    has no link."""
+    if made is None:
+        return []
+    return await trio.to_thread.run_sync(made.observe, limiter=limiter)
+
+
 class ProxyLinks:
     """Makes the links of one daemon's egress sandboxes (`Containers` holds it)."""
 
@@ -217,7 +262,7 @@ class ProxyLinks:
         self.proxy = proxy
         self._journal = journal
         self._files_dir = files_dir
-        self._limiter = limiter
+        self.limiter = limiter
 
     async def ca_bundle(self, profile: Profile) -> tuple[str, str] | None:
         """(host path of the daemon's copy, digest) of `profile`'s CA bundle; None when it
@@ -233,7 +278,7 @@ class ProxyLinks:
             return str(path), digest
 
         try:
-            return await trio.to_thread.run_sync(copy, limiter=self._limiter)
+            return await trio.to_thread.run_sync(copy, limiter=self.limiter)
         except (OSError, ValueError) as exc:
             log.error("profile %s: the CA bundle no longer reads: %s", profile.name, exc)
             raise ConfinementUnmet(
@@ -249,7 +294,7 @@ class ProxyLinks:
         Refuses `runtime_unavailable` (the sandbox is gone, the port is taken, the proxy
         is not running). Cost: about 1 ms."""
         try:
-            sock = await trio.to_thread.run_sync(open_listener, init_pid, limiter=self._limiter)
+            sock = await trio.to_thread.run_sync(open_listener, init_pid, limiter=self.limiter)
         except OSError as exc:
             raise RuntimeUnavailable(
                 f"the egress listener of profile {profile.name!r} could not be opened: "
@@ -260,7 +305,7 @@ class ProxyLinks:
         ledger = SandboxLedger()
         short = container[:12]
         journal = self._journal
-        limiter = self._limiter
+        limiter = self.limiter
 
         async def denied(peer_port: int, host: str, port: int) -> None:
             proc = None

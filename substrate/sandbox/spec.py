@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,9 @@ LABEL_PROFILE = "substrate.profile"
 LABEL_CONFIG = "substrate.config"
 #: Where the workspace is mounted inside every sandbox.
 WORKSPACE_TARGET = "/workspace"
+#: Where the workspace's persistent home is bound read-write: the images' user's home
+#: (`agent`, uid 1000, in both images' passwd) and the shipped profiles' `HOME`.
+HOME_TARGET = "/home/agent"
 #: The keep-alive command under the engine's init; both images' `sleep` take `infinity`.
 KEEPALIVE = ("sleep", "infinity")
 #: Runtimes whose sandboxed processes are host processes (so `reaper` may signal them).
@@ -110,6 +114,7 @@ def container_spec(
     security_opt: Sequence[str],
     resolv_conf: str | None = None,
     ca_bundle: str | None = None,
+    home_source: str | None = None,
 ) -> dict[str, Any]:
     """The engine's create request for `profile` (pure): everything comes from the profile.
 
@@ -120,9 +125,13 @@ def container_spec(
     read-only over it; `security_opt` is `profiles.security_opts(profile, ...)`
     (no-new-privileges, seccomp); `resolv_conf` is the host path of an empty file bound
     read-only at /etc/resolv.conf (the engine then leaves the host's resolver out);
-    `ca_bundle` the host path of the daemon's copy of an egress profile's CA bundle,
+    `ca_bundle` is the host path of the daemon's copy of an egress profile's CA bundle,
     bound read-only at `CA_BUNDLE_TARGET`. The network is the engine's "none" whatever
     the profile says: an egress sandbox's way out is a listener the daemon adds.
+    `home_source` is the workspace's persistent home, bound read-write at `HOME_TARGET`.
+    The environment here is the profile's `env` (and an egress profile's proxy
+    variables) only: secrets are given per exec
+    (`process.argv.exec_env`), so the container's configuration never holds one.
     """
     mounts: list[dict[str, Any]] = []
     if workspace_source is not None and profile.workspace == "layer":
@@ -135,6 +144,8 @@ def container_spec(
         mounts.append(_bind(resolv_conf, RESOLV_CONF_TARGET, True))
     if ca_bundle is not None:
         mounts.append(_bind(ca_bundle, CA_BUNDLE_TARGET, True))
+    if home_source is not None:
+        mounts.append(_bind(home_source, HOME_TARGET, False))
     host_config: dict[str, Any] = {
         "mounts": mounts,
         "tmpfs": {path: tmpfs_options(size) for path, size in profile.tmpfs.items()},
@@ -183,3 +194,11 @@ def spec_digest(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(
         json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
+
+
+def daemon_id_for(state_dir: os.PathLike[str] | str) -> str:
+    """A stable id for the daemon owning `state_dir` (device, inode and path): the
+    `substrate.daemon` label. Cost: one stat."""
+    st = os.stat(state_dir)
+    raw = f"{st.st_dev}:{st.st_ino}:{os.fspath(state_dir)}".encode()
+    return hashlib.sha256(raw).hexdigest()[:16]

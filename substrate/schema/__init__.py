@@ -11,12 +11,14 @@ from __future__ import annotations
 from substrate.schema import (
     artifact,
     changes,
+    discover,
     fs,
     grant,
     journal,
     proc,
     profile,
     pty,
+    upload,
     workspace,
 )
 from substrate.schema.common import METHODS, Empty, MethodSpec, Params, Result, method
@@ -30,6 +32,7 @@ __all__ = [
     "Result",
     "artifact",
     "changes",
+    "discover",
     "fs",
     "grant",
     "journal",
@@ -39,5 +42,6 @@ __all__ = [
     "profile",
     "pty",
     "render",
+    "upload",
     "workspace",
 ]

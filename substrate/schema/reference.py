@@ -53,6 +53,11 @@ SECTION_OF = {
     "pty": 7,
     "journal": 8,
     "daemon": 9,
+    "fs.upload.begin": 14,
+    "fs.upload.chunk": 14,
+    "fs.upload.commit": 14,
+    "fs.upload.abort": 14,
+    "rpc": 14,
 }
 #: Defaults that are not JSON values: set at run time, or left out.
 COMPUTED, UNSET = "(computed)", "(unset)"
@@ -294,7 +299,7 @@ def field_comments(cls: type) -> dict[str, str]:
     return found
 
 
-def _doc(cls: type) -> str:
+def class_doc(cls: type) -> str:
     """The class's own docstring as paragraphs of single lines ("" when it has none)."""
     raw = cls.__dict__.get("__doc__")
     if not isinstance(raw, str) or not raw.strip():
@@ -326,7 +331,7 @@ def render_refusals() -> str:
     """The refusal table: wire name, JSON-RPC code, when it is raised (its docstring)."""
     rows = ["| refusal | code | meaning |", "|---|---|---|"]
     for name, cls in sorted(all_refusals().items()):
-        rows.append(f"| `{name}` | {cls.code} | {_cell(prose(_doc(cls)))} |")
+        rows.append(f"| `{name}` | {cls.code} | {_cell(prose(class_doc(cls)))} |")
     return _NOTICE.format(source="`substrate/errors.py`") + "\n" + "\n".join(rows) + "\n"
 
 
@@ -382,7 +387,7 @@ def _struct_block(
     cls: type, names: Mapping[type, str], role: Role, *, label: str | None
 ) -> list[str]:
     out: list[str] = [f"{label} (`{names[cls]}`):", ""] if label else []
-    doc = prose(_doc(cls))
+    doc = prose(class_doc(cls))
     if doc:
         out += [doc, ""]
     fields = _field_lines(cls, names, role)

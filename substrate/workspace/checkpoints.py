@@ -165,6 +165,16 @@ class Checkpoints:
             self._store_blob(pre.sha256, pre.data)
         return True
 
+    def has_live(self, workspace: str) -> bool:
+        """Whether `workspace` has a live checkpoint (so a write there keeps a pre-image).
+        Costs a query."""
+        return bool(
+            self._store.query(
+                "SELECT 1 FROM checkpoints WHERE workspace = ? AND expired IS NULL LIMIT 1",
+                (workspace,),
+            )
+        )
+
     def record_in(
         self, db: sqlite3.Connection, pre: Preimage, seq: int, new_sha256: str | None
     ) -> None:

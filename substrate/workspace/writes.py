@@ -63,6 +63,7 @@ from substrate.store.db import Store
 from substrate.store.journal import Journal, canonical
 from substrate.workspace import fsops, patching, paths
 from substrate.workspace.checkpoints import Checkpoints, Preimage
+from substrate.workspace.digests import hash_fd
 from substrate.workspace.preview import unified_preview
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
@@ -535,7 +536,14 @@ class Writer:
         return pre if self._preimages.keep(pre) else None
 
 
-WRITE_KINDS = ("fs.write", "fs.patch", "fs.delete", "changes.apply", "workspace.restore_file")
+WRITE_KINDS = (
+    "fs.write",
+    "fs.patch",
+    "fs.delete",
+    "fs.upload",
+    "changes.apply",
+    "workspace.restore_file",
+)
 
 
 def drift_report(
@@ -565,7 +573,11 @@ def drift_report(
             try:
                 parts = paths.split_relpath(rel)
                 with paths.opened_dir(ws.root_fd, parts[:-1], path) as parent:
-                    current = _read_current(parent, parts[-1], path, 1 << 62).sha256
+                    fd = paths.open_regular(parent, parts[-1], path)
+                try:  # hashed as a stream: an uploaded file may be large
+                    current = hash_fd(fd)
+                finally:
+                    os.close(fd)
             except NotFound:
                 current = None
             except Exception:

@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import substrate
-from substrate.protocol.client import AsyncClient, Client, open_client
+from substrate.protocol.client import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    AsyncClient,
+    Client,
+    open_client,
+)
 from tests.harness.prewarmed import ForkedDaemon, shared_launcher
 from tests.harness.waiting import WaitTimeout, wait_until
 from tests.harness.workspaces import create_workspace, remove_tree
@@ -243,22 +248,28 @@ class DaemonProcess:
 
     # -- clients -----------------------------------------------------------------------------
 
+    @property
+    def max_request_bytes(self) -> int:
+        """The daemon's line limit, which its clients check requests against."""
+        return int(self.config.get("max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+
     def client(self, timeout: float | None = 60.0) -> Client:
         """A synchronous agent client (closed at teardown or on stop/kill)."""
-        c = Client(self.agent_path, timeout=timeout)
+        c = Client(self.agent_path, timeout=timeout, max_request_bytes=self.max_request_bytes)
         self._clients.append(c)
         return c
 
     def operator(self, timeout: float | None = 60.0) -> Client:
         """A synchronous operator client."""
-        c = Client(self.operator_path, timeout=timeout)
+        c = Client(self.operator_path, timeout=timeout, max_request_bytes=self.max_request_bytes)
         self._clients.append(c)
         return c
 
     @contextlib.asynccontextmanager
     async def async_client(self, operator: bool = False) -> AsyncIterator[AsyncClient]:
         """A Trio client for the duration of the block."""
-        async with open_client(self.operator_path if operator else self.agent_path) as c:
+        path = self.operator_path if operator else self.agent_path
+        async with open_client(path, max_request_bytes=self.max_request_bytes) as c:
             yield c
 
     def raw(self, operator: bool = False, timeout: float = 30.0) -> socket.socket:

@@ -304,8 +304,10 @@ async def test_a_long_start_does_not_block_a_short_run(env: Env) -> None:
     assert applied["counts"]["applied"] == 4
     assert (env.path / "timed.txt").read_text() == "t\n"
     assert (env.path / "served.txt").read_text() == "s\n"
+    # Settled: its layer is gone, and applying it again applies nothing twice.
+    assert applied["layer"] == "removed"
     again = await env.client.call("changes.apply", changeset=changes["changeset"])
-    assert again["counts"]["unchanged"] == 4 and again["applied"] == []
+    assert again["applied"] == [] and again["counts"]["applied"] == 0
     assert sorted(_applied_paths(env)) == ["client.txt", "m", "served.txt", "timed.txt"]
     (shared,) = _shared(env)
     assert sorted(shared.data["procs"]) == sorted([server["proc"], short["proc"], late["proc"]])
