@@ -25,8 +25,11 @@ from substrate.sandbox.spec import HOME_TARGET
 from substrate.secrets import SecretStore
 from substrate.workspace.homes import Home, Homes, home_key
 
-SECRET = Profile(name="secret", image=IMAGE, secrets={"API_TOKEN": "api-token"})
-TERM = Profile(name="term", image=IMAGE, interactive=True, secrets={"API_TOKEN": "api-token"})
+# The fake engine keeps no working layers: plain-bind ("rw") profiles.
+SECRET = Profile(name="secret", image=IMAGE, workspace="rw", secrets={"API_TOKEN": "api-token"})
+TERM = Profile(
+    name="term", image=IMAGE, workspace="rw", interactive=True, secrets={"API_TOKEN": "api-token"}
+)
 BOX = PROFILES["box"]
 
 
@@ -117,10 +120,13 @@ async def test_a_daemon_without_a_secret_store_refuses_a_profile_naming_one(
 async def test_a_terminal_shell_gets_the_secret_too(layer: Layer) -> None:
     store(layer).set("api-token", b"for-the-shell")
     execution: Any = SimpleNamespace(
-        containers=layer.containers, engine=layer.engine, profile={"term": TERM}.__getitem__
+        containers=layer.containers,
+        engine=layer.engine,
+        profile={"term": TERM}.__getitem__,
+        processes=SimpleNamespace(layer_users=None),  # an rw profile joins no generation
     )
     pty = await DockerPtys(execution, lambda _: layer.ws)(
-        workspace=layer.ws.id, profile="term", cols=80, rows=24
+        workspace=layer.ws.id, profile="term", cols=80, rows=24, session="s1", actor="agent"
     )
     try:
         (shell,) = [e for e in layer.engine.execs.values() if e.tty]
