@@ -42,7 +42,7 @@ def test_every_source_of_an_index_url_is_allowed() -> None:
 
 def test_only_http_indexes_need_egress() -> None:
     items = [
-        ("global.extra-index-url", "file:///opt/pypi/simple /opt/local"),
+        ("global.extra-index-url", "file:///opt/mirror/simple /opt/local"),
         (":env:.find-links", "/opt/wheels"),
         ("global.index-url", "https://user:pw@Mirror.Example:8443/simple"),
     ]

@@ -472,7 +472,7 @@ def test_the_shipped_setup_profile_allows_only_pips_index(tmp_path: Path) -> Non
         (EGRESS + 'egress_allow = ["*"]\n', "$.egress_allow[0]", "whole first label"),
         (EGRESS + 'egress_allow = ["a.example", "a b"]\n', "$.egress_allow[1]", "not a host"),
         (EGRESS + 'egress_allow = ["*.org"]\n', "$.egress_allow[0]", "two labels"),
-        (EGRESS + 'egress_allow = ["@pypi"]\n', "$.egress_allow[0]", "not a host"),
+        (EGRESS + 'egress_allow = ["@index"]\n', "$.egress_allow[0]", "not a host"),
         (EGRESS + 'ca_bundle = "certs.pem"\n', "$.ca_bundle", "absolute file path"),
         (EGRESS + 'ca_bundle = "/nonexistent/ca.pem"\n', "$.ca_bundle", "cannot open"),
         (EGRESS + 'ca_bundle = "/etc"\n', "$.ca_bundle", "not a regular file"),
