@@ -25,6 +25,7 @@ import trio
 from substrate import __version__
 from substrate.api import dispatcher
 from substrate.config import Config
+from substrate.egress import EgressProxy, from_environ
 from substrate.errors import StartupError
 from substrate.process.service import Execution
 from substrate.protocol.server import Backend, serve_socket
@@ -92,6 +93,8 @@ class Daemon:
     checkpoints: Checkpoints
     execution: Execution
     terminals: TerminalService
+    #: The allow-listing proxy of egress sandboxes (docs/egress.md), served by `serve`.
+    egress: EgressProxy
     #: Chunked uploads in progress (fs.upload.*) and the writer that commits them.
     uploads: Uploads
     upload_writer: UploadWriter
@@ -120,6 +123,7 @@ class Daemon:
                 await nursery.start(serve_socket, backend, agent, 0o660, "agent")
                 await nursery.start(serve_socket, backend, operator, 0o600, "operator")
                 nursery.start_soon(trio.to_thread.run_sync, self.workspaces.clean_stale_temp_files)
+                await nursery.start(self.egress.serve)  # before any sandbox links to it
                 await nursery.start(self.execution.run)  # reaps, sweeps, stops sandboxes
                 await nursery.start(self.terminals.serve)
                 nursery.start_soon(self._expire_uploads)
@@ -182,9 +186,11 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     closing.callback(uploads.close)
     # One writer for fs.* and the working layers' change sets, keeping pre-images for both.
     writer = Writer(store, journal, checkpoints)
+    # Chained to the upstream proxy the daemon's own environment names, if any.
+    egress = EgressProxy(upstream=from_environ(os.environ))
     try:
         execution = Execution(
-            config, store, journal, state_dir, fs_limiter=fs_limiter, writer=writer
+            config, store, journal, state_dir, fs_limiter=fs_limiter, writer=writer, egress=egress
         )
     except ProfileError as exc:
         raise StartupError(str(exc)) from None
@@ -203,6 +209,7 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         execution=execution,
         terminals=TerminalService(config, store, journal, execution, workspaces),
         fs_limiter=fs_limiter,
+        egress=egress,
         digests=digests,
         uploads=uploads,
         upload_writer=UploadWriter(store, journal, digests, checkpoints),

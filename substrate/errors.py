@@ -183,6 +183,14 @@ class ImageMissing(Refusal):
     name = "image_missing"
 
 
+class EgressDenied(Refusal):
+    """An egress sandbox asked its proxy for a host or port its profile's `egress_allow`
+    does not list (or a name that resolves to the host's own addresses); answered by the
+    proxy as HTTP 403 before any resolution, reported as `egress_blocked`."""
+
+    name = "egress_denied"
+
+
 class ProcessUnknown(Refusal):
     """No process has this handle."""
 

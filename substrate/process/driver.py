@@ -46,7 +46,7 @@ from substrate.process import stream as exec_stream
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
-from substrate.schema.proc import ProcResult
+from substrate.schema.proc import EgressBlocked, ProcResult
 
 log = logging.getLogger("substrate.process.runner")
 
@@ -250,6 +250,12 @@ class ExecDriver:
             await self._terminate(run, alone=alone)
         return oom_after
 
+    def egress_blocked(self, run: Run) -> EgressBlocked | None:
+        """What an egress sandbox's proxy refused to the command (None: nothing, or not an
+        egress sandbox); its filing ends here. Called once, as the run concludes."""
+        link = run.sandbox.egress
+        return None if link is None else link.ledger.close_run(run.proc)
+
     async def settle(self, run: Run, exit_code: int | None) -> tuple[int | None, int]:
         """A run cut off after its exec started: end whatever of the command is left and
         read its exit code (bounded by `SETTLE_S`); return (exit code, OOM-kill count).
@@ -283,6 +289,8 @@ class ExecDriver:
         deliver held signals. Cancelled, it kills the command and drains its stream
         before it returns (see `_supervise`): the pump thread is never abandoned, so
         nothing writes to a sink after the run closed it."""
+        if run.sandbox.egress is not None:  # its refused connections are filed from now on
+            run.sandbox.egress.ledger.open_run(run.proc)
         try:
             async with trio.open_nursery() as signals:
                 signals.start_soon(self._release_held, run)

@@ -469,6 +469,7 @@ class Processes:
             reaped=run.reaped,
             killed=run.killed,
             cancelled=cancelled,
+            egress_blocked=self.driver.egress_blocked(run),
         )
         try:
             entry.result = await trio.to_thread.run_sync(
@@ -588,6 +589,7 @@ class Processes:
             facts=list(run.sandbox.facts),
             policy_blocked=blocked,
             changes=changes,
+            egress_blocked=outcome.egress_blocked,
         )
 
 

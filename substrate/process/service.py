@@ -21,6 +21,7 @@ import trio
 
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
+from substrate.egress import EgressProxy
 from substrate.errors import Refusal
 from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
@@ -31,6 +32,7 @@ from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.profiles import Profile, find_profile, load_profiles
+from substrate.sandbox.proxy_link import ProxyLinks
 from substrate.schema.journal import EngineStatus
 from substrate.secrets import SecretStore
 from substrate.store.db import Store
@@ -60,6 +62,7 @@ class Execution:
         fs_limiter: trio.CapacityLimiter | None = None,
         engine: Engine | None = None,
         writer: Writer | None = None,
+        egress: EgressProxy | None = None,
     ) -> None:
         self.config = config
         self.journal = journal
@@ -90,6 +93,12 @@ class Execution:
             state_dir=str(state_dir),
             homes=self.homes,
             secrets=self.secrets,
+            # Without the daemon's proxy, "egress" profiles are refused.
+            egress=None
+            if egress is None
+            else ProxyLinks(
+                egress, journal, files_dir=state_dir / "sandbox-files", limiter=fs_limiter
+            ),
         )
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.

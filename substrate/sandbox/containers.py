@@ -42,7 +42,6 @@ removed: it belongs to a previous run.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import secrets
@@ -62,8 +61,8 @@ from substrate.sandbox import (
     mounts,
     passthrough,
     profiles,
+    proxy_link,
     reaper,
-    seccomp,
     working_layer,
 )
 from substrate.sandbox.engine import ContainerGone, Engine
@@ -72,6 +71,7 @@ from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
 from substrate.sandbox.layer_plan import layers_dir
 from substrate.sandbox.profiles import Profile
+from substrate.sandbox.proxy_link import ProxyLink, ProxyLinks
 from substrate.sandbox.spec import (
     HOST_VISIBLE_RUNTIMES,
     LABEL_CONFIG,
@@ -81,6 +81,7 @@ from substrate.sandbox.spec import (
     LABEL_WORKSPACE,
     RunAs,
     container_spec,
+    daemon_id_for,
     run_as,
     spec_digest,
 )
@@ -117,6 +118,7 @@ class Sandbox:
     readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
     #: The working layer of a `workspace = "layer"` sandbox (None for the others).
     layer: WorkingLayer | None = None
+    egress: ProxyLink | None = None  # a `network = "egress"` sandbox's link to the proxy
     #: The persistent home bound at /home/agent (None: this daemon keeps none).
     home: Home | None = None
     #: `SecretStore.version` of the secrets in `profile.env` when they were read.
@@ -148,6 +150,7 @@ class Containers:
         files_dir: Path | None = None,
         host: SandboxHost | None = None,
         state_dir: str | None = None,
+        egress: ProxyLinks | None = None,
         homes: Homes | None = None,
         secrets: SecretStore | None = None,
     ) -> None:
@@ -167,6 +170,7 @@ class Containers:
         self._state_dir = state_dir
         # Set once a previous run's layer mounts are swept: no layer is made before.
         self._layers_swept = trio.Event()
+        self._egress = egress  # links egress sandboxes to the proxy; None: they are refused
         #: Secrets and persistent homes (either None: see `SandboxEnvironment`).
         self.environment = SandboxEnvironment(homes, secrets, fs_limiter)
 
@@ -227,6 +231,8 @@ class Containers:
         try:
             await self._engine.remove(sandbox.id)
         finally:
+            if sandbox.egress is not None:
+                await sandbox.egress.aclose()
             if sandbox.layer is not None:
                 await self._close_layer(sandbox.layer)
         await self._journal_async(
@@ -246,7 +252,7 @@ class Containers:
             await self._engine.require_runtime(profile.runtime)
         image_id = await self._engine.image_id(profile.image)
         security_opt = await trio.to_thread.run_sync(
-            _security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
+            profiles.checked_security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
         )
         ro_dirs = await trio.to_thread.run_sync(
             mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
@@ -289,14 +295,16 @@ class Containers:
             image_id=image_id,
             security_opt=security_opt,
         )
+        ro_rels = [rel for rel, _ in ro_dirs]
         if home is not None:
             required["home_identity"] = f"{home.identity[0]}:{home.identity[1]}"
         if layer is None:
             required.update(mounts.identity_required(profile, ro_dirs, owner))
-        else:
-            layer.required = dict(required)
-        ro_rels = [rel for rel, _ in ro_dirs]
         await self._remove_foreign(ws, profile, required, ro_rels)
+        ca_bundle, egress_required = await proxy_link.prepare(self._egress, profile)
+        required.update(egress_required)
+        if layer is not None:
+            layer.required = dict(required)
         resolv_conf = None
         if self._files_dir is not None:
             resolv_conf = await trio.to_thread.run_sync(
@@ -310,6 +318,7 @@ class Containers:
             readonly_dirs=ro_rels if layer is None else [],
             security_opt=security_opt,
             resolv_conf=resolv_conf,
+            ca_bundle=ca_bundle,
             home_source=None if home is None else home.source,
         )
         labels = {
@@ -319,6 +328,7 @@ class Containers:
         }
         name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
         container = await self._engine.create_container(name=name, labels=labels, **spec)
+        links: list[ProxyLink] = []  # an egress sandbox's, closed if it does not verify
         try:
             try:
                 await self._engine.start(container)
@@ -330,7 +340,7 @@ class Containers:
                     )
                     required = {**required, **await self._layer_identities(layer)}
                 sandbox = await self._verify(
-                    container, ws, profile, who, required, dict(ro_dirs), home
+                    container, ws, profile, who, required, dict(ro_dirs), home, links
                 )
                 sandbox.layer = layer
                 return sandbox
@@ -341,6 +351,8 @@ class Containers:
                 ) from None
         except BaseException:
             with trio.CancelScope(shield=True):
+                for link in links:
+                    await link.aclose()
                 await self._engine.remove(container)
             raise
 
@@ -353,12 +365,16 @@ class Containers:
         required: Mapping[str, FactValue],
         readonly: dict[str, tuple[int, int]],
         home: Home | None,
+        links: list[ProxyLink],  # gets an egress sandbox's link (closed by the caller)
     ) -> Sandbox:
         inspect = await self._engine.inspect(container)
         init_pid = int(inspect["State"]["Pid"] or 0)
         if not inspect["State"].get("Running") or init_pid <= 0:
             raise ContainerGone(container)
         observed = await self._observe(init_pid, inspect, profile, list(readonly))
+        observed += await proxy_link.link(
+            self._egress, links, container, ws.id, profile, init_pid, required
+        )
         await self._check(container, ws, profile, required, observed)
         init = self._host.identity(init_pid)
         if init is None:
@@ -380,6 +396,7 @@ class Containers:
             facts=observed,
             host_visible=host_visible,
             readonly=readonly,
+            egress=links[0] if links else None,
             home=home,
         )
         await self._journal_async(
@@ -518,6 +535,7 @@ class Containers:
         observed = await self._observe(
             sandbox.init_pid, inspect, sandbox.profile, list(sandbox.readonly)
         )
+        observed += await proxy_link.observe_again(sandbox.egress, self._fs_limiter)
         await self._check(sandbox.id, ws, sandbox.profile, required, observed)
         sandbox.facts = observed
 
@@ -575,24 +593,3 @@ class Containers:
 
     async def _journal_async(self, kind: str, data: dict[str, Any], workspace: str | None) -> None:
         await trio.to_thread.run_sync(lambda: self._journal.append(kind, data, workspace=workspace))
-
-
-def _security_opts(profile: Profile, seccomp_dir: Path) -> list[str]:
-    try:
-        return profiles.security_opts(profile, seccomp_dir)
-    except seccomp.SeccompError as exc:
-        # The policy file went bad since the profile was loaded: nothing may run under it.
-        # The reason names a host path: it goes to the log, not to the client.
-        log.error("profile %s: seccomp policy no longer loads: %s", profile.name, exc)
-        raise ConfinementUnmet(
-            f"the seccomp policy of profile {profile.name!r} no longer loads (see the log)",
-            required={"seccomp": profile.seccomp},
-            observed={"seccomp": "invalid"},
-        ) from None
-
-
-def daemon_id_for(state_dir: os.PathLike[str] | str) -> str:
-    """A stable id for the daemon owning `state_dir` (device, inode and path)."""
-    st = os.stat(state_dir)
-    raw = f"{st.st_dev}:{st.st_ino}:{os.fspath(state_dir)}".encode()
-    return hashlib.sha256(raw).hexdigest()[:16]

@@ -37,6 +37,16 @@ class PolicyBlocked(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None = None
 
 
+class EgressBlocked(msgspec.Struct, frozen=True, kw_only=True):
+    """Connections an egress sandbox's proxy refused while the command ran (docs/egress.md):
+    `count` every refused attempt; `hosts` the distinct `host:port` asked for, in the
+    order first refused, at most 32. One whose process could not be told apart is
+    counted in every command running in that sandbox at the time."""
+
+    count: int
+    hosts: list[str]
+
+
 class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What became of one change of a command's working layer (docs/working-layer.md).
     `op`: create | replace | delete | chmod | mkdir (None for what the scan blocked:
@@ -129,6 +139,7 @@ class ProcResult(Result):
     facts: list[Fact]
     policy_blocked: list[PolicyBlocked]
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
+    egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
 
 
 method(
@@ -183,6 +194,7 @@ class WaitResult(Result):
     facts: list[Fact] | None = None
     policy_blocked: list[PolicyBlocked] | None = None
     changes: ProcChanges | None = None
+    egress_blocked: EgressBlocked | None = None
 
 
 SignalName = Literal["INT", "TERM", "KILL"]
@@ -203,8 +215,8 @@ class SignalResult(Result):
 
 class ProcStatus(Result):
     """A process as recorded; byte counts grow while it runs. `proc.status` of a finished
-    process adds the `facts`, `policy_blocked` and `changes` of its result (`proc.list`
-    does not)."""
+    process adds the `facts`, `policy_blocked`, `changes` and `egress_blocked` of its
+    result (`proc.list` does not)."""
 
     proc: str
     workspace: str
@@ -221,6 +233,7 @@ class ProcStatus(Result):
     facts: list[Fact] | None = None
     policy_blocked: list[PolicyBlocked] | None = None
     changes: ProcChanges | None = None
+    egress_blocked: EgressBlocked | None = None
 
 
 class ListParams(Params):
