@@ -125,7 +125,8 @@ def cmd_patch(args: argparse.Namespace) -> int:
     else:
         if not args.edit:
             raise SystemExit("substrate: give --edit OLD NEW (repeatable) or --diff FILE")
-        params["edits"] = [{"old": old, "new": new} for old, new in args.edit]
+        count: int | str = "all" if args.all else 1
+        params["edits"] = [{"old": old, "new": new, "count": count} for old, new in args.edit]
     with client_for(args) as c:
         params["workspace"] = workspace_handle(c, args.workspace)
         _print_json(c.call("fs.patch", **params))
@@ -246,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workspace", help=ws_help)
     p.add_argument("--base", required=True)
     p.add_argument("--edit", nargs=2, action="append", metavar=("OLD", "NEW"))
+    p.add_argument(
+        "--all", action="store_true", help='replace every occurrence of each OLD (count "all")'
+    )
     p.add_argument("--diff", help="a unified diff file")
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(func=cmd_patch)

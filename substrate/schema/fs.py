@@ -172,7 +172,8 @@ class WriteParams(Params):
 class Edit(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     old: Annotated[str, msgspec.Meta(min_length=1)]
     new: str
-    count: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # How many times `old` must occur (every one is replaced); "all": at least once.
+    count: Annotated[int, msgspec.Meta(ge=1)] | Literal["all"] = 1
 
 
 class PatchParams(Params):
