@@ -340,3 +340,11 @@ def test_bounds_are_named_refusals(
     with pytest.raises(InvalidParams) as bad:
         walk(tree_ws, exclude=["!negated"])
     assert bad.value.data["path"] == "$.exclude"
+
+
+def test_git_internals_are_never_subject_to_ignore_rules(tree_ws: Workspace, tree: Path) -> None:
+    (tree / ".gitignore").write_text("HEAD\n.git\n")
+    (tree / "HEAD").write_text("a file named HEAD\n")
+    kept = walk(tree_ws, gitignore=True, include_git=True, max_entries=100000)
+    assert "HEAD" not in kept
+    assert ".git" in kept and ".git/HEAD" in kept
