@@ -283,3 +283,13 @@ def test_cli_serve_log_level_flag_wins_over_the_config() -> None:
 
     args: Any = build_parser().parse_args(["serve", "--log-level", "debug"])
     assert args.log_level == "debug"
+
+
+def test_human_times_converts_time_fields_only() -> None:
+    from substrate.cli.common import human_times, iso_time
+
+    value = {"ts": 1.7e9, "size": 1.7e9, "ended": None, "adopted": 0.0, "x": [{"expires": 2e9}]}
+    shown = human_times(value)
+    assert shown["ts"] == iso_time(1.7e9) and shown["x"][0]["expires"] == iso_time(2e9)
+    assert (shown["size"], shown["ended"], shown["adopted"]) == (1.7e9, None, 0.0)
+    assert datetime.datetime.fromisoformat(shown["ts"]).timestamp() == pytest.approx(1.7e9)

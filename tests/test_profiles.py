@@ -390,3 +390,33 @@ def test_shipped_profiles_load_from_a_copy(tmp_path: Path) -> None:
     shutil.copytree(SECCOMP, tmp_path / "seccomp")
     loaded = load_profiles(tmp_path / "profiles", tmp_path / "seccomp")
     assert loaded == load_profiles(PROFILES, SECCOMP)
+
+
+# -- reloads: digests and what changed -----------------------------------------------------------
+
+
+def test_a_profile_set_digests_each_profile_and_its_seccomp_policy(tmp_path: Path) -> None:
+    seccomp_dir = tmp_path / "seccomp"
+    shutil.copytree(SECCOMP, seccomp_dir)
+    _write(tmp_path / "profiles", GOOD, "a")
+    _write(tmp_path / "profiles", _with("pids", "pids = 64"), "b")
+    first = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert sorted(first.profiles) == ["a", "b"] and len(set(first.digests.values())) == 2
+    # Same files, same digests: nothing changed.
+    again = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert again.changes(first.digests) == ([], [], [])
+    # The seccomp policy both name, edited in place: its bytes are in the digest.
+    policy = json.loads((seccomp_dir / "strict.json").read_text())
+    policy["syscalls"][0]["names"] = policy["syscalls"][0]["names"][:-1]  # one call fewer
+    (seccomp_dir / "strict.json").write_text(json.dumps(policy))
+    (tmp_path / "profiles" / "a.toml").unlink()
+    _write(tmp_path / "profiles", GOOD, "c")
+    edited = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert edited.changes(first.digests) == (["c"], ["a"], ["b"])
+
+
+def test_replace_in_place_keeps_the_dict_readers_hold() -> None:
+    held = {"a": Profile(name="a"), "b": Profile(name="b")}
+    same = held
+    profiles.replace_in_place(held, {"c": Profile(name="c")})
+    assert same is held and list(held) == ["c"]
