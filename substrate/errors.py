@@ -274,6 +274,14 @@ class UploadMismatch(Refusal):
     name = "upload_mismatch"
 
 
+class SecretUnknown(Refusal):
+    """A profile names an operator secret that is not set (`substrate secret set NAME`), or
+    `secret rm` names one that is not there; `data.secrets` lists the missing names (never
+    a value). Raised when the profile's secrets are loaded for its sandbox."""
+
+    name = "secret_unknown"
+
+
 class LimitExceeded(Refusal):
     """A configured cap (connections, processes, quota) would be passed."""
 

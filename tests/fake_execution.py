@@ -24,8 +24,10 @@ from substrate.sandbox.containers import Containers
 from substrate.sandbox.fake_engine import FakeEngine, FakeExec, FakeHost
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.reaper import MARKER
+from substrate.secrets import SecretStore
 from substrate.store.db import Store
 from substrate.store.journal import Journal
+from substrate.workspace.homes import Homes
 from substrate.workspace.policy import Policy
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 
@@ -70,9 +72,17 @@ class Layer:
 
 @contextlib.contextmanager
 def fake_layer(
-    root: Path, state: Path, adopt_root: Path, *, policy: Policy | None = None
+    root: Path,
+    state: Path,
+    adopt_root: Path,
+    *,
+    policy: Policy | None = None,
+    profiles: dict[str, Profile] | None = None,
+    environment: bool = False,
 ) -> Iterator[Layer]:
-    """The layer for workspace `root` (a dir under `adopt_root`), state under `state`."""
+    """The layer for workspace `root` (a dir under `adopt_root`), state under `state`;
+    `profiles` instead of `PROFILES`; with `environment`, secrets (`state/secrets`) and
+    persistent homes (`state/homes`) as the daemon wires them."""
     state.mkdir(mode=0o700)
     store = Store(state / "substrate.db")
     journal = Journal(store)
@@ -90,6 +100,8 @@ def fake_layer(
             idle_s=60.0,
             files_dir=state / "sandbox-files",
             host=FakeHost(engine),
+            homes=Homes(state) if environment else None,
+            secrets=SecretStore(state) if environment else None,
         )
         records = ProcessRecords(store, journal)
         artifacts = ArtifactStore(store, state / "artifacts", quota_bytes=1 << 30, max_age_s=3600)
@@ -105,7 +117,7 @@ def fake_layer(
             write_gate=None,
             journal=journal,
             config=config,
-            profiles=PROFILES,
+            profiles=PROFILES if profiles is None else profiles,
         )
         yield Layer(root, state, store, journal, ws, engine, containers, processes, records)
     finally:

@@ -12,12 +12,16 @@ import pytest
 
 from substrate.sandbox import profiles
 from substrate.sandbox.profiles import (
+    MAX_PROFILE_SECRETS,
     Profile,
     ProfileError,
     load_profile,
     load_profiles,
     parse_size,
+    profile_public,
+    with_secrets,
 )
+from substrate.sandbox.spec import HOME_TARGET, WORKSPACE_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "profiles"
@@ -119,7 +123,8 @@ def test_default_profile_is_the_promised_confinement() -> None:
         seccomp="strict",
         capabilities=[],
         no_new_privileges=True,
-        env={"LANG": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"},
+        env={"LANG": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/agent"},
+        secrets={},
         argv_allow=[],
         interactive=False,
     )
@@ -153,7 +158,7 @@ def test_interactive_differs_from_default_in_pty_and_term() -> None:
     env = diff.pop("env")
     assert isinstance(env, dict)
     assert env["TERM"] == "xterm-256color"
-    assert env["HOME"] == "/tmp"
+    assert env["HOME"] == "/home/agent"
     # A person's terminal writes the checkout directly (the reactive gate, which never
     # reverts what it cannot attribute to the sandbox: docs/write-gate.md).
     assert diff == {"workspace": "rw"}
@@ -291,6 +296,13 @@ def test_name_key_is_refused(tmp_path: Path) -> None:
         ('env = { "1X" = "a" }', "$.env.1X", "variable name"),
         ('env = { "A=B" = "a" }', "$.env.A=B", "variable name"),
         ('env = { A = "a\\u0000b" }', "$.env.A", "NUL"),
+        ('secrets = { "1X" = "tok" }', "$.secrets.1X", "variable name"),
+        ('secrets = { SUBSTRATE_PROC = "tok" }', "$.secrets.SUBSTRATE_PROC", "variable name"),
+        ('secrets = { LANG = "tok" }', "$.secrets.LANG", "also set in env"),
+        ('secrets = { T = "../x" }', "$.secrets.T", "secret name must match"),
+        ('secrets = { T = "" }', "$.secrets.T", "secret name must match"),
+        ("secrets = { T = 1 }", "$.secrets[...]", "Expected `str`, got `int`"),
+        ('tmpfs = { "/home/agent" = "1m" }', "$.tmpfs.'/home/agent'", "may not cover"),
         ('argv_allow = [""]', "$.argv_allow[0]", "empty"),
         ('runtime = "kata"', "$.runtime", "Invalid enum value 'kata'"),
         ('workspace = "rwx"', "$.workspace", "Invalid enum value"),
@@ -390,6 +402,23 @@ def test_shipped_profiles_load_from_a_copy(tmp_path: Path) -> None:
     shutil.copytree(SECCOMP, tmp_path / "seccomp")
     loaded = load_profiles(tmp_path / "profiles", tmp_path / "seccomp")
     assert loaded == load_profiles(PROFILES, SECCOMP)
+
+
+def test_secrets_name_variables_and_secret_names_only(tmp_path: Path) -> None:
+    body = _with("secrets", 'secrets = { API_TOKEN = "api-token", B = "api-token" }')
+    profile = load_profile(_write(tmp_path / "profiles", body), SECCOMP)
+    assert profile.secrets == {"API_TOKEN": "api-token", "B": "api-token"}
+    assert profile_public(profile)["secrets"] == {"API_TOKEN": "api-token", "B": "api-token"}
+    given = with_secrets(profile, {"api-token": "v"})
+    assert given.env == {**profile.env, "API_TOKEN": "v", "B": "v"}
+    assert "v" not in profile.env.values()  # the loaded profile is untouched
+    assert with_secrets(load_profile(PROFILES / "default.toml", SECCOMP), {}).secrets == {}
+    many = ", ".join(f'V{i} = "s"' for i in range(MAX_PROFILE_SECRETS + 1))
+    assert "at most" in _refusal(tmp_path, _with("secrets", f"secrets = {{ {many} }}"))
+
+
+def test_the_home_and_workspace_targets_are_never_covered_by_a_tmpfs() -> None:
+    assert {WORKSPACE_TARGET, HOME_TARGET} <= set(profiles._TMPFS_FORBIDDEN)
 
 
 # -- reloads: digests and what changed -----------------------------------------------------------

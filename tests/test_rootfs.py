@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -127,3 +128,20 @@ def test_rootfs_tar_carries_file_bytes(tmp_path: Path) -> None:
 
 def test_mounts_under_finds_nothing_in_a_fresh_dir(tmp_path: Path) -> None:
     assert rootfs.mounts_under(tmp_path) == []
+
+
+def test_trees_of_different_recipes_live_side_by_side(tmp_path: Path) -> None:
+    other = {**rootfs.RECIPE, "include": ["python3"]}
+    assert rootfs.cache_slot(rootfs.RECIPE) == rootfs.cache_slot(dict(rootfs.RECIPE))
+    assert rootfs.cache_slot(other) != rootfs.cache_slot(rootfs.RECIPE)
+    # Another recipe's tree (and the old single slot) stay as they are; ours is used.
+    for slot, recipe in (("rootfs", other), (rootfs.cache_slot(other), other)):
+        (tmp_path / slot).mkdir()
+        (tmp_path / f"{slot}.json").write_text(json.dumps(recipe))
+    mine = tmp_path / rootfs.cache_slot(rootfs.RECIPE)
+    mine.mkdir()
+    (tmp_path / f"{mine.name}.json").write_text(json.dumps(rootfs.RECIPE))
+    lines: list[str] = []
+    assert rootfs.ensure_rootfs(tmp_path, False, lines.append, None) == mine
+    assert lines == [f"rootfs: cached at {mine}"]
+    assert (tmp_path / "rootfs").is_dir() and (tmp_path / rootfs.cache_slot(other)).is_dir()

@@ -86,6 +86,23 @@ def test_an_empty_resolver_file_is_bound_read_only() -> None:
     assert [m["Target"] for m in none["mounts"]] == ["/etc/resolv.conf"]  # type: ignore[index]
 
 
+def test_the_home_is_bound_read_write_and_the_env_is_the_profiles_only() -> None:
+    prof = Profile(name="p", secrets={"TOKEN": "tok"})
+    out = spec(prof, home_source="/state/homes/1-2/1000")
+    host = out["host_config"]
+    assert isinstance(host, dict)
+    assert host["mounts"][-1] == {
+        "Type": "bind",
+        "Source": "/state/homes/1-2/1000",
+        "Target": "/home/agent",
+        "ReadOnly": False,
+        "BindOptions": {"Propagation": "rprivate"},
+    }
+    # Secrets are per exec: never in the container's environment.
+    assert out["environment"] == prof.env and "TOKEN" not in repr(out)
+    assert prof.env["HOME"] == "/home/agent"
+
+
 def test_workspace_modes() -> None:
     ro = spec(Profile(name="p", workspace="ro"))["host_config"]
     assert isinstance(ro, dict)

@@ -1,21 +1,27 @@
 """Handlers of `workspace.*` and `approval.grant`.
 
 Checkpoint and restore run in threads that are never abandoned, like guarded writes.
+`workspace.info` measures the persistent home and `workspace.release {keep_home: false}`
+removes it (`substrate.workspace.homes`, docs/environments.md).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+import msgspec
 import trio
 
 from substrate.api.base import Caller, handles
+from substrate.errors import Internal
 from substrate.schema.workspace import (
     AdoptParams,
     ApprovalGrantParams,
     ApprovalGrantResult,
     CheckpointParams,
     CheckpointResult,
+    ReleaseParams,
     ReleaseResult,
     RestoreParams,
     RestoreResult,
@@ -29,6 +35,8 @@ from substrate.workspace.restore import restore as restore_checkpoint
 
 if TYPE_CHECKING:
     from substrate.daemon import Daemon
+
+log = logging.getLogger("substrate.api.workspace")
 
 
 def _mounts(daemon: Daemon) -> dict[str, list[str]]:
@@ -74,15 +82,45 @@ async def list_(daemon: Daemon, caller: Caller, p: WorkspaceListParams) -> Works
 @handles("workspace.info")
 async def info(daemon: Daemon, caller: Caller, p: WorkspaceRef) -> WorkspaceInfo:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(ws.info)
+    found = await trio.to_thread.run_sync(ws.info)
+    homes = daemon.execution.homes
+    # A bounded walk (homes.MAX_USAGE_ENTRIES): at most a few hundred milliseconds.
+    home = await trio.to_thread.run_sync(homes.usage, ws.dev_ino, limiter=daemon.fs_limiter)
+    return msgspec.structs.replace(found, home=home)
 
 
 @handles("workspace.release")
-async def release(daemon: Daemon, caller: Caller, p: WorkspaceRef) -> ReleaseResult:
+async def release(daemon: Daemon, caller: Caller, p: ReleaseParams) -> ReleaseResult:
     ws = daemon.workspaces.get(p.workspace)
     await daemon.execution.release_workspace(ws)
     await trio.to_thread.run_sync(daemon.workspaces.release, ws.id, caller.name)
-    return ReleaseResult(workspace=ws.id, released=True)
+    if p.keep_home:
+        return ReleaseResult(workspace=ws.id, released=True, home="kept")
+    # Its sandboxes are gone and the checkout is no longer adopted: nothing uses the home.
+    removed = await trio.to_thread.run_sync(
+        _remove_home, daemon, ws.dev_ino, ws.root_id, ws.id, caller.name
+    )
+    return ReleaseResult(workspace=ws.id, released=True, home="removed" if removed else "none")
+
+
+def _remove_home(
+    daemon: Daemon, dev_ino: tuple[int, int], root_id: str, workspace: str, actor: str
+) -> bool:
+    """Remove the checkout's home (`Homes.remove`) and journal it; False: it had none.
+    Refuses `internal` when it cannot be removed whole (the workspace stays released)."""
+    try:
+        if not daemon.execution.homes.remove(dev_ino):
+            return False
+    except OSError as exc:
+        # The reason names a host path: the log has it, the client does not.
+        log.error("workspace %s: its home could not be removed whole: %s", workspace, exc)
+        raise Internal(
+            "the workspace was released, but its home could not be removed whole (see the log)"
+        ) from None
+    daemon.journal.append(
+        "workspace.home_removed", {"root_id": root_id}, workspace=workspace, actor=actor
+    )
+    return True
 
 
 @handles("approval.grant")

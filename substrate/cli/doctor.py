@@ -145,6 +145,7 @@ def run_checks(config: Config, running: RunningDaemon | None = None) -> list[Che
     add("agent socket", lambda: _socket(state / "substrate.sock", 0o660))
     add("operator socket", lambda: _socket(state / "operator.sock", 0o600))
     add("profiles", lambda: _profiles(config, running))
+    add("secrets", lambda: _secrets(config))
     if running is not None:
         engine = running.info["engine"]
         checks.append(
@@ -184,6 +185,23 @@ def _profiles(config: Config, running: RunningDaemon | None) -> tuple[bool, str]
         return True, f"{config.profiles_dir}: " + (", ".join(names) or "none") + " (in force)"
     loaded = load_profiles(Path(config.profiles_dir), Path(config.seccomp_dir))
     return True, f"{config.profiles_dir}: " + ", ".join(sorted(loaded))
+
+
+def _secrets(config: Config) -> tuple[bool, str]:
+    """Every secret a profile names is set (names only, never a value)."""
+    from substrate.sandbox.profiles import load_profiles
+    from substrate.secrets import SecretStore
+
+    loaded = load_profiles(Path(config.profiles_dir), Path(config.seccomp_dir))
+    have = set(SecretStore(config.state_path()).names())
+    missing = sorted(
+        f"{name}: {secret}"
+        for name, profile in loaded.items()
+        for secret in set(profile.secrets.values()) - have
+    )
+    if missing:
+        return False, "not set: " + ", ".join(missing) + " (substrate secret set NAME)"
+    return True, f"{len(have)} set; every one the profiles name is"
 
 
 def render(checks: list[Check]) -> str:

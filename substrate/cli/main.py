@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from substrate.cli import exec as cli_exec
+from substrate.cli import secret as cli_secret
 from substrate.cli.common import (
     STATE_DIR_HELP,
     StateDirParser,
@@ -209,6 +210,24 @@ def cmd_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """`substrate mcp`: an MCP server over stdio for one client (docs/mcp.md)."""
+    from substrate.mcp import Options, run
+    from substrate.protocol.client import socket_path
+
+    if args.max_result_bytes < 4096:
+        raise SystemExit("substrate: --max-result-bytes must be at least 4096")
+    workspace = args.workspace
+    if workspace is not None and workspace.startswith("."):
+        workspace = os.path.abspath(workspace)  # a relative path, as for other commands
+    options = Options(
+        socket=socket_path(args.state_dir),
+        workspace=workspace,
+        result_bytes=args.max_result_bytes,
+    )
+    return run(options)
+
+
 # -- parser ----------------------------------------------------------------------------------
 
 
@@ -344,7 +363,23 @@ def build_parser() -> argparse.ArgumentParser:
     jp.add_argument("--workspace", required=True, help=ws_help)
     p.set_defaults(func=cmd_journal)
 
+    # `--state-dir` after `mcp` too (every subcommand takes it): MCP client configs list
+    # the arguments of one command.
+    p = sub.add_parser("mcp", help="serve the agent methods as MCP tools over stdio")
+    p.add_argument(
+        "--workspace",
+        help="default workspace of every tool: a handle, root id, or path to adopt",
+    )
+    p.add_argument(
+        "--max-result-bytes",
+        type=int,
+        default=64 << 10,
+        help="largest tool result, bytes of JSON; more is cut and says so (default 65536)",
+    )
+    p.set_defaults(func=cmd_mcp)
+
     cli_exec.add_commands(sub)
+    cli_secret.add_commands(sub)
     return parser
 
 

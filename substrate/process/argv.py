@@ -80,7 +80,11 @@ def workdir_for(profile: Profile, cwd: str) -> str:
 
 
 def exec_env(profile: Profile, proc: str) -> dict[str, str]:
-    """The command's whole environment: the profile's plus the reaper's marker."""
+    """The command's whole environment: the profile's plus the reaper's marker.
+
+    Given the sandbox's profile (`Sandbox.profile`), `env` already holds the values of its
+    secrets (`profiles.with_secrets`): they reach each exec, never the container's
+    configuration (docs/environments.md)."""
     return {**profile.env, reaper.MARKER: proc}
 
 

@@ -32,9 +32,11 @@ from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.profiles import Profile, find_profile, load_profiles
 from substrate.schema.journal import EngineStatus
+from substrate.secrets import SecretStore
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.gate import SnapshotGate
+from substrate.workspace.homes import Homes
 from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
@@ -66,6 +68,10 @@ class Execution:
         )
         self.engine = engine if engine is not None else Engine()
         self.daemon_id = daemon_id_for(state_dir)
+        #: Operator secrets (`substrate secret set`) and the workspaces' persistent homes.
+        self.secrets = SecretStore(state_dir)
+        self.homes = Homes(state_dir)
+        self._warn_missing_secrets()
         self.artifacts = ArtifactStore(
             store,
             state_dir / "artifacts",
@@ -82,6 +88,8 @@ class Execution:
             fs_limiter=fs_limiter,
             files_dir=state_dir / "sandbox-files",
             state_dir=str(state_dir),
+            homes=self.homes,
+            secrets=self.secrets,
         )
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
@@ -120,6 +128,20 @@ class Execution:
         lost = self.processes.mark_lost(journal.epoch)
         if lost:
             log.info("%d process record(s) of a previous run marked lost", lost)
+
+    def _warn_missing_secrets(self) -> None:
+        """At start: name (never a value) each secret a profile needs that is not set.
+        Not fatal: it can be set without a restart; until then that profile's commands
+        are refused `secret_unknown`."""
+        try:
+            have = set(self.secrets.names())
+        except Refusal as exc:
+            log.warning("secrets cannot be listed: %s", exc.message)
+            return
+        for name, profile in sorted(self.profiles.items()):
+            missing = sorted(set(profile.secrets.values()) - have)
+            if missing:
+                log.warning("profile %s names secrets that are not set: %s", name, missing)
 
     def finish_applying(self, workspace: Callable[[str], Workspace]) -> None:
         """At start, before any socket accepts: apply whole every change set a crash left

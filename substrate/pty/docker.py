@@ -185,7 +185,8 @@ class DockerPtys:
             try:
                 if sandbox.layer is not None:  # the session shares the generation
                     use = await users.join(sandbox, session, req)
-                env = {"TERM": DEFAULT_TERM, **exec_env(prof, marker)}
+                # The sandbox's profile: with the secrets' values (never the loaded one's).
+                env = {"TERM": DEFAULT_TERM, **exec_env(sandbox.profile, marker)}
                 exec_id = await engine.exec_create(
                     sandbox.id,
                     argv,

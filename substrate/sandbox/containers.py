@@ -21,14 +21,17 @@ workspace is released, or the daemon stops. On a cache miss it:
    The facts are journalled (`proc.facts`) and returned with every command's result.
 
 What is mounted read-only over the workspace (every `.git`, the policy's whole-directory
-denies) and the empty resolver file are `substrate.sandbox.mounts`'. What the host kernel
+denies) and the empty resolver file are `substrate.sandbox.mounts`'; the persistent home
+(bound at /home/agent, its `home_identity` required) and the secrets (in
+`Sandbox.profile.env` only, per exec) are `substrate.sandbox.environment`'s. What the host kernel
 shows of a started container comes through a `SandboxHost` (`substrate.sandbox.host`);
 tests of this logic give it `substrate.sandbox.fake_engine`'s fakes.
 
 A profile reload retires the sandboxes of changed profiles (`retire`): their commands
 go on, new ones get a sandbox of the new profile. On a cache hit the only check is that
-the container's init is still the same process (its pid and start time, from procfs:
-tens of microseconds): a restarted or replaced container is verified again from scratch. Settings changed on a running container through the
+the container's init is still the same process
+(its pid and start time, from procfs: tens of microseconds): a restarted or replaced
+container is verified again from scratch. Settings changed on a running container through the
 engine (`docker update`) are not re-observed per command; that needs engine access,
 which is root-equivalent anyway (docs/execution.md).
 
@@ -40,13 +43,13 @@ removed: it belongs to a previous run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import secrets
 import time
-from collections.abc import Collection, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +68,12 @@ from substrate.sandbox import (
     working_layer,
 )
 from substrate.sandbox.engine import ContainerGone, Engine
+from substrate.sandbox.environment import SandboxEnvironment
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
 from substrate.sandbox.layer_plan import layers_dir
 from substrate.sandbox.profiles import Profile
+from substrate.sandbox.sandboxes import Sandbox
 from substrate.sandbox.spec import (
     HOST_VISIBLE_RUNTIMES,
     LABEL_CONFIG,
@@ -82,43 +87,14 @@ from substrate.sandbox.spec import (
     spec_digest,
 )
 from substrate.sandbox.working_layer import WorkingLayer
+from substrate.secrets import SecretStore
 from substrate.store.journal import Journal
+from substrate.workspace.homes import Home, Homes
 from substrate.workspace.registry import Workspace
 
 __all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_for"]
 
 log = logging.getLogger("substrate.sandbox.containers")
-
-
-@dataclass
-class Sandbox:
-    """A verified container. `running` counts commands (and terminals) using it now."""
-
-    id: str
-    workspace: str
-    profile: Profile
-    who: RunAs
-    init_pid: int
-    init: Hashable  # the init's identity (`reaper.ProcInfo.ident`): pid reuse aside
-    protected: frozenset[int]
-    cgroups: reaper.CgroupDirs
-    facts: list[Fact]
-    host_visible: bool
-    running: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
-    readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
-    #: The working layer of a `workspace = "layer"` sandbox (None for the others).
-    layer: WorkingLayer | None = None
-
-    def acquire(self) -> None:
-        """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
-        self.running += 1
-        self.last_used = time.monotonic()
-
-    def release(self) -> None:
-        self.running -= 1
-        self.last_used = time.monotonic()
 
 
 class Containers:
@@ -137,6 +113,8 @@ class Containers:
         files_dir: Path | None = None,
         host: SandboxHost | None = None,
         state_dir: str | None = None,
+        homes: Homes | None = None,
+        secrets: SecretStore | None = None,
     ) -> None:
         self._engine = engine
         self._host: SandboxHost = host if host is not None else HostKernel()
@@ -157,6 +135,8 @@ class Containers:
         self._state_dir = state_dir
         # Set once a previous run's layer mounts are swept: no layer is made before.
         self._layers_swept = trio.Event()
+        #: Secrets and persistent homes (either None: see `SandboxEnvironment`).
+        self.environment = SandboxEnvironment(homes, secrets, fs_limiter)
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -180,27 +160,29 @@ class Containers:
 
         Refuses `confinement_unmet` (root owner without allow_root; a fact that does not
         hold; a labelled container with weaker settings), `runtime_unavailable`,
-        `image_missing`. A warm call costs one procfs read; a cold one a container start
-        and a fact check (a few hundred milliseconds).
+        `image_missing`, `secret_unknown` (a secret the profile names is not set). A warm
+        call costs one procfs read (and one lstat per secret of the profile); a cold one a
+        container start and a fact check (a few hundred milliseconds).
         """
         key = (ws.id, profile.name)
         found = self._live.get(key)
-        if found is not None and found.profile == profile and self._alive(found):
-            found.last_used = time.monotonic()
-            return found
-        lock = self._locks.setdefault(key, trio.Lock())
-        async with lock:
-            found = self._live.get(key)
-            if found is not None and found.profile != profile:
-                # The profile was reloaded: nothing new runs under the old one.
-                await self._retire(found)
-            elif found is not None:
-                if self._alive(found):
+        if found is None or found.declared != profile or not self._alive(found):
+            async with self._locks.setdefault(key, trio.Lock()):
+                found = self._live.get(key)
+                if found is not None and found.declared != profile:
+                    await self._retire(found)  # reloaded: nothing new runs under the old one
+                    found = None
+                if found is not None and not self._alive(found):
+                    await self._drop(found, "init_changed")
+                    found = None
+                if found is None:
+                    found = self._live[key] = await self._create_verified(ws, profile)
                     return found
-                await self._drop(found, "init_changed")
-            sandbox = await self._create_verified(ws, profile)
-            self._live[key] = sandbox
-            return sandbox
+        found.last_used = time.monotonic()
+        if self.environment.secrets_changed(profile, found.secrets_version):
+            # Set again or removed since they were read (`secret_unknown` once removed).
+            found.profile, found.secrets_version = await self.environment.load_secrets(profile)
+        return found
 
     def _alive(self, sandbox: Sandbox) -> bool:
         """Is the container's init still the process we verified? (procfs, microseconds)"""
@@ -251,6 +233,8 @@ class Containers:
     # -- creation and verification -----------------------------------------------------------
 
     async def _create_verified(self, ws: Workspace, profile: Profile) -> Sandbox:
+        # First: a missing secret refuses before anything is made.
+        exec_profile, secrets_version = await self.environment.load_secrets(profile)
         owner = await trio.to_thread.run_sync(os.fstat, ws.root_fd, limiter=self._fs_limiter)
         who = run_as(profile, owner.st_uid, owner.st_gid)
         if profile.runtime != "runc":
@@ -262,18 +246,21 @@ class Containers:
         ro_dirs = await trio.to_thread.run_sync(
             mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
         )
+        home = await self.environment.prepare_home(ws, who)
         layer = None
         if profile.workspace == "layer":
             passthrough.check_policy(ws.policy, profile.passthrough)
             layer = await self._open_layer(ro_dirs, profile.passthrough)
         try:
-            return await self._create_in(
-                ws, profile, owner, who, image_id, security_opt, ro_dirs, layer
+            sandbox = await self._create_in(
+                ws, profile, owner, who, image_id, security_opt, ro_dirs, layer, home
             )
         except BaseException:
             if layer is not None:
                 await self._close_layer(layer)
             raise
+        sandbox.profile, sandbox.secrets_version = exec_profile, secrets_version
+        return sandbox
 
     async def _create_in(
         self,
@@ -285,6 +272,7 @@ class Containers:
         security_opt: list[str],
         ro_dirs: list[tuple[str, tuple[int, int]]],
         layer: WorkingLayer | None,
+        home: Home | None,
     ) -> Sandbox:
         required = factlib.required_facts(
             profile,
@@ -296,6 +284,8 @@ class Containers:
             image_id=image_id,
             security_opt=security_opt,
         )
+        if home is not None:
+            required["home_identity"] = f"{home.identity[0]}:{home.identity[1]}"
         if layer is None:
             required.update(mounts.identity_required(profile, ro_dirs, owner))
         else:
@@ -315,6 +305,7 @@ class Containers:
             readonly_dirs=ro_rels if layer is None else [],
             security_opt=security_opt,
             resolv_conf=resolv_conf,
+            home_source=None if home is None else home.source,
         )
         labels = {
             **self.labels_for(ws.id, profile.name),
@@ -333,7 +324,9 @@ class Containers:
                         working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
                     )
                     required = {**required, **await self._layer_identities(layer)}
-                sandbox = await self._verify(container, ws, profile, who, required, dict(ro_dirs))
+                sandbox = await self._verify(
+                    container, ws, profile, who, required, dict(ro_dirs), home
+                )
                 sandbox.layer = layer
                 return sandbox
             except (ContainerGone, ProcessLookupError):
@@ -354,6 +347,7 @@ class Containers:
         who: RunAs,
         required: Mapping[str, FactValue],
         readonly: dict[str, tuple[int, int]],
+        home: Home | None,
     ) -> Sandbox:
         inspect = await self._engine.inspect(container)
         init_pid = int(inspect["State"]["Pid"] or 0)
@@ -373,6 +367,7 @@ class Containers:
             id=container,
             workspace=ws.id,
             profile=profile,
+            declared=profile,
             who=who,
             init_pid=init_pid,
             init=init,
@@ -381,6 +376,7 @@ class Containers:
             facts=observed,
             host_visible=host_visible,
             readonly=readonly,
+            home=home,
         )
         await self._journal_async(
             "proc.facts",
@@ -398,8 +394,12 @@ class Containers:
     async def _observe(
         self, init_pid: int, inspect: dict[str, Any], profile: Profile, ro_rels: Sequence[str]
     ) -> list[Fact]:
+        # Every sandbox of a daemon keeping homes has one: its identity is a fact.
+        observe = self._host.observe
+        if self.environment.homes is not None:
+            observe = functools.partial(observe, home=True)
         return await trio.to_thread.run_sync(
-            self._host.observe, init_pid, inspect, profile, ro_rels, limiter=self._fs_limiter
+            observe, init_pid, inspect, profile, ro_rels, limiter=self._fs_limiter
         )
 
     async def _keepalive_pids(self, cgroups: reaper.CgroupDirs, init_pid: int) -> set[int]:

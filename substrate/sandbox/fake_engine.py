@@ -41,7 +41,7 @@ from substrate.sandbox.engine import ContainerGone, Engine, ExecStream
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.parsers import workspace_view
 from substrate.sandbox.profiles import Profile
-from substrate.sandbox.spec import WORKSPACE_TARGET
+from substrate.sandbox.spec import HOME_TARGET, WORKSPACE_TARGET
 from substrate.schema.journal import EngineStatus
 
 if TYPE_CHECKING:
@@ -401,7 +401,11 @@ def inspect_of(c: FakeContainer) -> dict[str, Any]:
 
 
 def facts_of(
-    inspect: Mapping[str, Any], readonly_dirs: Sequence[str], profile: Profile
+    inspect: Mapping[str, Any],
+    readonly_dirs: Sequence[str],
+    profile: Profile,
+    *,
+    home: bool = False,
 ) -> list[Fact]:
     """The facts an honest engine and kernel show for a container made as `inspect` says
     (pure, apart from the lstat of the bind sources for the workspace identities)."""
@@ -458,6 +462,8 @@ def facts_of(
         values["workspace_identity"] = _identity(binds.get(WORKSPACE_TARGET))
         for rel in readonly_dirs:
             values[f"workspace_identity:{rel}"] = _identity(binds.get(f"{WORKSPACE_TARGET}/{rel}"))
+    if home:
+        values["home_identity"] = _identity(binds.get(HOME_TARGET))
     return [F.make_fact(n, v, source="fake") for n, v in values.items()]
 
 
@@ -485,10 +491,12 @@ class FakeHost:
         inspect: Mapping[str, Any],
         profile: Profile,
         readonly_dirs: Sequence[str],
+        *,
+        home: bool = False,
     ) -> list[Fact]:
         if self._engine.by_pid(init_pid) is None:
             raise ProcessLookupError(init_pid)
-        return facts_of(inspect, readonly_dirs, profile)
+        return facts_of(inspect, readonly_dirs, profile, home=home)
 
     def identity(self, pid: int) -> Hashable | None:
         found = self._engine.by_pid(pid)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from substrate.sandbox import observe, reaper
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.profiles import Profile
-from substrate.sandbox.spec import WORKSPACE_TARGET
+from substrate.sandbox.spec import HOME_TARGET, WORKSPACE_TARGET
 
 
 class SandboxHost(Protocol):
@@ -30,9 +30,12 @@ class SandboxHost(Protocol):
         inspect: Mapping[str, Any],
         profile: Profile,
         readonly_dirs: Sequence[str],
+        *,
+        home: bool = False,
     ) -> list[Fact]:
         """Every confinement fact of the container whose init is `init_pid`, with the
-        identities of its workspace mounts. Raises ProcessLookupError when it is gone."""
+        identities of its workspace mounts (and of its persistent home, with `home`).
+        Raises ProcessLookupError when it is gone."""
         ...
 
     def identity(self, pid: int) -> Hashable | None:
@@ -58,6 +61,8 @@ class HostKernel:
         inspect: Mapping[str, Any],
         profile: Profile,
         readonly_dirs: Sequence[str],
+        *,
+        home: bool = False,
     ) -> list[Fact]:
         """`observe.observe` plus `observe.identities` (about 2 ms of CPU)."""
         found = observe.observe(
@@ -66,9 +71,14 @@ class HostKernel:
             workspace_target=WORKSPACE_TARGET,
             layer=profile.workspace == "layer",
         )
-        if profile.workspace != "none":
+        mounted = profile.workspace != "none"
+        if mounted or home:
             found += observe.identities(
-                init_pid, readonly_dirs, runtime=profile.runtime, workspace_target=WORKSPACE_TARGET
+                init_pid,
+                readonly_dirs,
+                runtime=profile.runtime,
+                workspace_target=WORKSPACE_TARGET if mounted else None,
+                home_target=HOME_TARGET if home else None,
             )
         return found
 

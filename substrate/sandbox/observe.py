@@ -107,10 +107,17 @@ def observe(
 
 
 def identities(
-    pid: int, readonly_dirs: Sequence[str], *, runtime: str, workspace_target: str = "/workspace"
+    pid: int,
+    readonly_dirs: Sequence[str],
+    *,
+    runtime: str,
+    workspace_target: str | None = "/workspace",
+    home_target: str | None = None,
 ) -> list[Fact]:
     """`workspace_identity` facts: (st_dev, st_ino) of the workspace mount and of each
-    read-only path over it (`workspace_identity:<rel>`), as the container sees them.
+    read-only path over it (`workspace_identity:<rel>`), as the container sees them; with
+    `home_target`, `home_identity` of the persistent home mounted there. No workspace
+    facts when `workspace_target` is None (a profile that mounts none).
 
     Read through `/proc/<p>/root` of the process whose root shows the container's mounts:
     `pid` (the init) under runc, its gofer under runsc (`observe_gvisor.gofer_pid`); with
@@ -122,9 +129,14 @@ def identities(
         gofer = observe_gvisor.gofer_pid(pid)
         fs_pid = -1 if gofer is None else gofer
     found: list[Fact] = []
-    targets = [("workspace_identity", workspace_target)] + [
-        (f"workspace_identity:{rel}", f"{workspace_target}/{rel}") for rel in readonly_dirs
-    ]
+    targets: list[tuple[str, str]] = []
+    if workspace_target is not None:
+        targets.append(("workspace_identity", workspace_target))
+        targets += [
+            (f"workspace_identity:{rel}", f"{workspace_target}/{rel}") for rel in readonly_dirs
+        ]
+    if home_target is not None:
+        targets.append(("home_identity", home_target))
     for name, target in targets:
         path = f"/proc/{fs_pid}/root{target}"
         try:

@@ -32,6 +32,7 @@ import msgspec
 from substrate.errors import ProfileUnknown
 from substrate.sandbox import passthrough, seccomp
 from substrate.schema.profile import Profile as Profile  # the declared shape; re-exported
+from substrate.secrets import NAME_RE as SECRET_NAME_RE
 
 
 class ProfileError(Exception):
@@ -117,8 +118,13 @@ _USER_RE = re.compile(r"(?P<uid>[0-9]{1,10}):(?P<gid>[0-9]{1,10})")
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _TMPFS_PATH_RE = re.compile(r"(/[A-Za-z0-9._-]{1,255}){1,32}")
 _IMAGE_RE = re.compile(r"[a-z0-9][A-Za-z0-9._:/@+-]{0,254}")
-#: Mount points a tmpfs may not cover: the root, the workspace, kernel interfaces.
-_TMPFS_FORBIDDEN = ("/workspace", "/proc", "/sys", "/dev")
+#: Mount points a tmpfs may not cover: the workspace and the persistent home
+#: (`spec.WORKSPACE_TARGET`, `spec.HOME_TARGET`), kernel interfaces.
+_TMPFS_FORBIDDEN = ("/workspace", "/home/agent", "/proc", "/sys", "/dev")
+#: At most this many secrets in one profile.
+MAX_PROFILE_SECRETS = 64
+#: The variable the reaper marks each exec with (`reaper.MARKER`): no profile sets it.
+_RESERVED_ENV = frozenset({"SUBSTRATE_PROC"})
 
 
 def parse_size(s: str) -> int:
@@ -181,6 +187,17 @@ def security_opts(p: Profile, seccomp_dir: Path) -> list[str]:
     if p.seccomp != ENGINE_DEFAULT:
         opts.append(seccomp.security_opt(seccomp.load_seccomp(seccomp_dir / f"{p.seccomp}.json")))
     return opts
+
+
+def with_secrets(p: Profile, values: Mapping[str, str]) -> Profile:
+    """`p` as its commands get it: `env` plus each secret's value under its variable
+    (`values`: secret name → value, `SecretStore.load`). Only a sandbox holds the result
+    (`Sandbox.profile`), for `process.argv.exec_env`; never serialize it: `profile.get`
+    answers from the loaded profiles, which name secrets only."""
+    if not p.secrets:
+        return p
+    added = {var: values[name] for var, name in p.secrets.items()}
+    return msgspec.structs.replace(p, env={**p.env, **added})
 
 
 def profile_public(p: Profile) -> dict[str, Any]:
@@ -330,6 +347,7 @@ def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
             fail(f"env.{key}", "not a valid environment variable name")
         if "\x00" in value:
             fail(f"env.{key}", "NUL in value")
+    _check_secrets(p, fail)
     for i, arg0 in enumerate(p.argv_allow):
         if not arg0 or "\x00" in arg0:
             fail(f"argv_allow[{i}]", "empty or containing NUL")
@@ -349,6 +367,21 @@ def _check_user(p: Profile, fail: _Fail) -> None:
         fail("user", "runs as root; set allow_root = true to mean it")
 
 
+def _check_secrets(p: Profile, fail: _Fail) -> None:
+    """Variable names as `env`'s, none also in `env` (which value would win?), secret
+    names as `substrate secret set` takes them. Whether they are set is checked when the
+    profile's sandbox loads them (`secret_unknown`), not here: a secret may be set later."""
+    if len(p.secrets) > MAX_PROFILE_SECRETS:
+        fail("secrets", f"at most {MAX_PROFILE_SECRETS} secrets")
+    for key, name in p.secrets.items():
+        if not _ENV_KEY_RE.fullmatch(key) or key in _RESERVED_ENV:
+            fail(f"secrets.{key}", "not a valid environment variable name")
+        if key in p.env:
+            fail(f"secrets.{key}", "also set in env; a variable comes from one place")
+        if not SECRET_NAME_RE.fullmatch(name):
+            fail(f"secrets.{key}", f"a secret name must match {SECRET_NAME_RE.pattern}")
+
+
 def _check_tmpfs(p: Profile, fail: _Fail) -> None:
     for path, size in p.tmpfs.items():
         key = f"tmpfs.{path!r}"
@@ -358,7 +391,9 @@ def _check_tmpfs(p: Profile, fail: _Fail) -> None:
         if path != "/dev/shm" and any(
             path == f or path.startswith(f + "/") for f in _TMPFS_FORBIDDEN
         ):
-            fail(key, "may not cover /workspace, /proc, /sys or /dev (except /dev/shm)")
+            fail(
+                key, "may not cover /workspace, /home/agent, /proc, /sys or /dev (except /dev/shm)"
+            )
         try:
             if parse_size(size) == 0:
                 fail(key, "size 0 would mean unlimited")

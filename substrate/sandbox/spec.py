@@ -26,6 +26,9 @@ LABEL_PROFILE = "substrate.profile"
 LABEL_CONFIG = "substrate.config"
 #: Where the workspace is mounted inside every sandbox.
 WORKSPACE_TARGET = "/workspace"
+#: Where the workspace's persistent home is bound read-write: the images' user's home
+#: (`agent`, uid 1000, in both images' passwd) and the shipped profiles' `HOME`.
+HOME_TARGET = "/home/agent"
 #: The keep-alive command under the engine's init; both images' `sleep` take `infinity`.
 KEEPALIVE = ("sleep", "infinity")
 #: Runtimes whose sandboxed processes are host processes (so `reaper` may signal them).
@@ -85,6 +88,7 @@ def container_spec(
     readonly_dirs: Sequence[str],
     security_opt: Sequence[str],
     resolv_conf: str | None = None,
+    home_source: str | None = None,
 ) -> dict[str, Any]:
     """The engine's create request for `profile` (pure): everything comes from the profile.
 
@@ -94,7 +98,10 @@ def container_spec(
     parts are the layer's own mounts); `readonly_dirs` are workspace-relative directories (or `.git` files) bound
     read-only over it; `security_opt` is `profiles.security_opts(profile, ...)`
     (no-new-privileges, seccomp); `resolv_conf` is the host path of an empty file bound
-    read-only at /etc/resolv.conf (the engine then leaves the host's resolver out).
+    read-only at /etc/resolv.conf (the engine then leaves the host's resolver out);
+    `home_source` is the workspace's persistent home, bound read-write at `HOME_TARGET`.
+    The environment here is the profile's `env` only: secrets are given per exec
+    (`process.argv.exec_env`), so the container's configuration never holds one.
     """
     mounts: list[dict[str, Any]] = []
     if workspace_source is not None and profile.workspace == "layer":
@@ -105,6 +112,8 @@ def container_spec(
             mounts.append(_bind(f"{workspace_source}/{rel}", f"{WORKSPACE_TARGET}/{rel}", True))
     if resolv_conf is not None:
         mounts.append(_bind(resolv_conf, RESOLV_CONF_TARGET, True))
+    if home_source is not None:
+        mounts.append(_bind(home_source, HOME_TARGET, False))
     host_config: dict[str, Any] = {
         "mounts": mounts,
         "tmpfs": {path: tmpfs_options(size) for path, size in profile.tmpfs.items()},

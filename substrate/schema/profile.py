@@ -37,9 +37,11 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
         default_factory=lambda: {
             "LANG": "C.UTF-8",
             "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": "/tmp",
+            "HOME": "/home/agent",
         }
-    )  # the whole environment of a command
+    )  # the whole environment of a command (HOME: the workspace's persistent home)
+    #: Variable → operator secret name (`substrate secret set NAME`), added to `env` per exec.
+    secrets: dict[str, str] = msgspec.field(default_factory=dict)
     argv_allow: list[str] = msgspec.field(default_factory=list)  # allowed argv[0]; empty = any
     interactive: bool = False  # may back a PTY session (with a grant)
 

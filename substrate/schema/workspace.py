@@ -41,12 +41,23 @@ class AdoptParams(Params):
     policy: Policy | None = None
 
 
+class HomeUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What the workspace's persistent home holds (docs/protocol.md §12): a bounded walk
+    that never follows a symlink; with `truncated` the figures are a lower bound."""
+
+    bytes: int  # apparent size of the files (st_size), each hard-linked file once
+    files: int  # entries that are not directories (symlinks included)
+    truncated: bool = False
+
+
 class WorkspaceInfo(Result):
     workspace: str
     root_id: str
     vcs: Vcs | None
     policy: Policy
     adopted: float = 0.0
+    #: `workspace.info` only: the persistent home's size (absent before its first sandbox).
+    home: HomeUsage | None = None
 
 
 class WorkspaceRef(Params):
@@ -57,9 +68,18 @@ class WorkspaceList(Result):
     workspaces: list[WorkspaceInfo]
 
 
-class ReleaseResult(Result):
+class ReleaseParams(Params):
+    workspace: WorkspaceId
+    #: false: remove the persistent home with the workspace (the checkout's, for every
+    #: later adoption too); true keeps it for the next adoption of the same checkout.
+    keep_home: bool = True
+
+
+class ReleaseResult(Result, omit_defaults=False):
     workspace: str
     released: bool
+    #: What became of the persistent home: `kept`, `removed`, or `none` (it had none).
+    home: Literal["kept", "removed", "none"] = "kept"
 
 
 class SetPolicyParams(Params):
@@ -80,7 +100,12 @@ class ApprovalGrantResult(Result):
 
 method("workspace.adopt", AdoptParams, WorkspaceInfo, doc="Adopt a checkout as a workspace.")
 method("workspace.info", WorkspaceRef, WorkspaceInfo)
-method("workspace.release", WorkspaceRef, ReleaseResult, doc="Forget it; stop its containers.")
+method(
+    "workspace.release",
+    ReleaseParams,
+    ReleaseResult,
+    doc="Forget it; stop its containers; keep its persistent home unless keep_home is false.",
+)
 method(
     "workspace.set_policy",
     SetPolicyParams,

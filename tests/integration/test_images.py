@@ -58,6 +58,10 @@ def test_sandbox_runs_as_uid_1000_by_default(
         (["git", "--version"], "git version "),
         (["bash", "-c", "echo $BASH_VERSION"], "5."),
         (["ps", "--version"], "ps from procps-ng"),
+        # A project sets itself up: pip, venv (its ensurepip), setuptools and wheel.
+        (["python3", "-m", "pip", "--version"], "pip "),
+        (["python3", "-c", "import ensurepip; print(ensurepip.version())"], "23."),
+        (["python3", "-c", "import setuptools, wheel; print('build ok')"], "build ok"),
         (["ls", "--version"], "ls (GNU coreutils)"),
     ],
 )

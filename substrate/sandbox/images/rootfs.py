@@ -12,6 +12,7 @@ Blocks (subprocesses, disk); argv lists only; never follows a symlink in the tre
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -33,6 +34,12 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = (
     "python3",
     "python3-pytest",
+    # A Python project sets itself up (docs/environments.md): pip, venv (with the pip and
+    # setuptools wheels ensurepip installs), and what builds pure-Python wheels offline.
+    "python3-pip",
+    "python3-venv",
+    "python3-setuptools",
+    "python3-wheel",
     "git",
     "bash",
     "coreutils",
@@ -116,15 +123,25 @@ def tar_action(relpath: str, is_dir: bool) -> str:
     return "keep"
 
 
+def cache_slot(recipe: dict[str, Any]) -> str:
+    """The cache name of a recipe's tree, `rootfs-<12 hex>`: trees of different recipes
+    live side by side, so checkouts with different package lists on one machine each
+    keep theirs instead of re-running debootstrap in turn."""
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+    return f"rootfs-{digest[:12]}"
+
+
 def ensure_rootfs(cache_dir: Path, refresh: bool, progress: Progress, mirror: str | None) -> Path:
-    """A complete debootstrap tree under `cache_dir/rootfs`, made if missing or stale.
+    """A complete debootstrap tree under `cache_dir/<cache_slot(RECIPE)>`, made if missing
+    or stale.
 
     `refresh` re-runs debootstrap even when the cached tree fits the recipe. `mirror`
     defaults to the host's Debian mirror from its apt sources. Refuses with
-    `RuntimeUnavailable` when debootstrap is missing or fails. Costs about a minute
-    and ~40 MiB of downloads fresh (the packages are cached), nothing when cached.
+    `RuntimeUnavailable` when debootstrap is missing or fails. Costs about a minute and
+    a half and ~65 MiB of downloads fresh (the packages are cached), nothing when cached.
     """
-    rootfs, stamp_path = cache_dir / "rootfs", cache_dir / "rootfs.json"
+    slot = cache_slot(RECIPE)
+    rootfs, stamp_path = cache_dir / slot, cache_dir / f"{slot}.json"
     wanted = dict(RECIPE)
     try:
         stamp = json.loads(stamp_path.read_text())
@@ -143,7 +160,7 @@ def ensure_rootfs(cache_dir: Path, refresh: bool, progress: Progress, mirror: st
             "debootstrap is not installed: apt-get install debootstrap", stage="debootstrap"
         )
     mirror = mirror or mirror_from_sources(apt_sources()) or DEFAULT_MIRROR
-    work, debs = cache_dir / "rootfs.tmp", cache_dir / "debs"
+    work, debs = cache_dir / f"{slot}.tmp", cache_dir / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     _remove_tree(work)
     argv = [

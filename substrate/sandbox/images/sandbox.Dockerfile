@@ -25,11 +25,14 @@ ENV LANG=C.UTF-8 \
 RUN set -eu; \
     if ! command -v python3 >/dev/null 2>&1 \
         || ! python3 -m pytest --version >/dev/null 2>&1 \
+        || ! python3 -m pip --version >/dev/null 2>&1 \
+        || ! python3 -c 'import ensurepip, venv, setuptools, wheel' >/dev/null 2>&1 \
         || ! command -v git >/dev/null 2>&1 \
         || ! command -v ps >/dev/null 2>&1; then \
         apt-get update; \
         DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-            python3 python3-pytest git bash coreutils procps ca-certificates; \
+            python3 python3-pytest python3-pip python3-venv python3-setuptools \
+            python3-wheel git bash coreutils procps ca-certificates; \
     fi; \
     rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/apt/archives/*.deb \
         /usr/share/man/* /usr/share/info/*; \
