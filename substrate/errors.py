@@ -159,6 +159,13 @@ class ProfileUnknown(Refusal):
     name = "profile_unknown"
 
 
+class ProfileInvalid(Refusal):
+    """A profile reload found a profile or seccomp file that does not load (the message
+    names the file and key); the profiles in force stay as they were."""
+
+    name = "profile_invalid"
+
+
 class ArgvDenied(Refusal):
     """argv is empty, holds a NUL, or argv[0] is outside the profile's `argv_allow`."""
 

@@ -509,3 +509,33 @@ def test_a_ca_bundle_file_is_accepted(tmp_path: Path) -> None:
     bundle.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     body = EGRESS + f'ca_bundle = "{bundle}"\n'
     assert load_profile(_write(tmp_path / "p", body), SECCOMP).ca_bundle == str(bundle)
+
+
+# -- reloads: digests and what changed -----------------------------------------------------------
+
+
+def test_a_profile_set_digests_each_profile_and_its_seccomp_policy(tmp_path: Path) -> None:
+    seccomp_dir = tmp_path / "seccomp"
+    shutil.copytree(SECCOMP, seccomp_dir)
+    _write(tmp_path / "profiles", GOOD, "a")
+    _write(tmp_path / "profiles", _with("pids", "pids = 64"), "b")
+    first = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert sorted(first.profiles) == ["a", "b"] and len(set(first.digests.values())) == 2
+    # Same files, same digests: nothing changed.
+    again = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert again.changes(first.digests) == ([], [], [])
+    # The seccomp policy both name, edited in place: its bytes are in the digest.
+    policy = json.loads((seccomp_dir / "strict.json").read_text())
+    policy["syscalls"][0]["names"] = policy["syscalls"][0]["names"][:-1]  # one call fewer
+    (seccomp_dir / "strict.json").write_text(json.dumps(policy))
+    (tmp_path / "profiles" / "a.toml").unlink()
+    _write(tmp_path / "profiles", GOOD, "c")
+    edited = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert edited.changes(first.digests) == (["c"], ["a"], ["b"])
+
+
+def test_replace_in_place_keeps_the_dict_readers_hold() -> None:
+    held = {"a": Profile(name="a"), "b": Profile(name="b")}
+    same = held
+    profiles.replace_in_place(held, {"c": Profile(name="c")})
+    assert same is held and list(held) == ["c"]

@@ -27,7 +27,9 @@ denies) and the empty resolver file are `substrate.sandbox.mounts`'; the persist
 shows of a started container comes through a `SandboxHost` (`substrate.sandbox.host`);
 tests of this logic give it `substrate.sandbox.fake_engine`'s fakes.
 
-On a cache hit the only check is that the container's init is still the same process
+A profile reload retires the sandboxes of changed profiles (`retire`): their commands
+go on, new ones get a sandbox of the new profile. On a cache hit the only check is that
+the container's init is still the same process
 (its pid and start time, from procfs: tens of microseconds): a restarted or replaced
 container is verified again from scratch. Settings changed on a running container through the
 engine (`docker update`) are not re-observed per command; that needs engine access,
@@ -46,8 +48,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ from substrate.sandbox.host import HostKernel, SandboxHost
 from substrate.sandbox.layer_plan import layers_dir
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.proxy_link import ProxyLink, ProxyLinks
+from substrate.sandbox.sandboxes import Sandbox
 from substrate.sandbox.spec import (
     HOST_VISIBLE_RUNTIMES,
     LABEL_CONFIG,
@@ -94,44 +96,6 @@ from substrate.workspace.registry import Workspace
 __all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_for"]
 
 log = logging.getLogger("substrate.sandbox.containers")
-
-
-@dataclass
-class Sandbox:
-    """A verified container. `running` counts commands (and terminals) using it now."""
-
-    id: str
-    workspace: str
-    #: The profile as its commands get it: with secrets, `env` holds their values
-    #: (`profiles.with_secrets`). Never serialize it; `.name` is what records carry.
-    profile: Profile
-    who: RunAs
-    init_pid: int
-    init: Hashable  # the init's identity (`reaper.ProcInfo.ident`): pid reuse aside
-    protected: frozenset[int]
-    cgroups: reaper.CgroupDirs
-    facts: list[Fact]
-    host_visible: bool
-    running: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
-    readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
-    #: The working layer of a `workspace = "layer"` sandbox (None for the others).
-    layer: WorkingLayer | None = None
-    egress: ProxyLink | None = None  # a `network = "egress"` sandbox's link to the proxy
-    #: The persistent home bound at /home/agent (None: this daemon keeps none).
-    home: Home | None = None
-    #: `SecretStore.version` of the secrets in `profile.env` when they were read.
-    secrets_version: tuple[object, ...] = ()
-
-    def acquire(self) -> None:
-        """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
-        self.running += 1
-        self.last_used = time.monotonic()
-
-    def release(self) -> None:
-        self.running -= 1
-        self.last_used = time.monotonic()
 
 
 class Containers:
@@ -165,6 +129,9 @@ class Containers:
         self.idle_s = idle_s
         self._fs_limiter = fs_limiter
         self._live: dict[tuple[str, str], Sandbox] = {}
+        #: Sandboxes of a profile that changed (`retire`): no new command enters them;
+        #: the commands they run keep running, and each goes once nothing runs in it.
+        self._retired: list[Sandbox] = []
         self._locks: dict[tuple[str, str], trio.Lock] = {}
         # Working layers live under the state dir; None: "layer" profiles are refused.
         self._state_dir = state_dir
@@ -188,7 +155,8 @@ class Containers:
         return self._live.get((workspace, profile))
 
     def live(self) -> list[Sandbox]:
-        return list(self._live.values())
+        """Every sandbox this daemon holds, retired ones included."""
+        return [*self._live.values(), *self._retired]
 
     async def ensure(self, ws: Workspace, profile: Profile) -> Sandbox:
         """The verified sandbox for (ws, profile), created and verified on first use.
@@ -201,9 +169,12 @@ class Containers:
         """
         key = (ws.id, profile.name)
         found = self._live.get(key)
-        if found is None or not self._alive(found):
+        if found is None or found.declared != profile or not self._alive(found):
             async with self._locks.setdefault(key, trio.Lock()):
                 found = self._live.get(key)
+                if found is not None and found.declared != profile:
+                    await self._retire(found)  # reloaded: nothing new runs under the old one
+                    found = None
                 if found is not None and not self._alive(found):
                     await self._drop(found, "init_changed")
                     found = None
@@ -223,11 +194,34 @@ class Containers:
     async def forget(self, sandbox: Sandbox, reason: str) -> None:
         """Remove a sandbox that stopped working (its container went away under us)."""
         async with self._locks.setdefault((sandbox.workspace, sandbox.profile.name), trio.Lock()):
-            if self._live.get((sandbox.workspace, sandbox.profile.name)) is sandbox:
+            key = (sandbox.workspace, sandbox.profile.name)
+            if self._live.get(key) is sandbox or sandbox in self._retired:
                 await self._drop(sandbox, reason)
 
-    async def _drop(self, sandbox: Sandbox, reason: str) -> None:
+    async def retire(self, profile_names: Collection[str]) -> int:
+        """After a profile reload: `profile_names`' sandboxes take no new command; idle ones
+        go now, busy ones once idle (`reap_idle`). Returns how many; waits for any being made."""
+        keys = {k for k in (*self._live, *self._locks) if k[1] in set(profile_names)}
+        retired = 0
+        for key in sorted(keys):
+            async with self._locks.setdefault(key, trio.Lock()):
+                if (found := self._live.get(key)) is not None:
+                    await self._retire(found)
+                    retired += 1
+        return retired
+
+    async def _retire(self, sandbox: Sandbox) -> None:
         self._live.pop((sandbox.workspace, sandbox.profile.name), None)
+        if sandbox.running == 0:
+            await self._drop(sandbox, "profile_changed")
+        elif sandbox not in self._retired:
+            self._retired.append(sandbox)
+
+    async def _drop(self, sandbox: Sandbox, reason: str) -> None:
+        if self._live.get(key := (sandbox.workspace, sandbox.profile.name)) is sandbox:
+            del self._live[key]
+        if sandbox in self._retired:
+            self._retired.remove(sandbox)
         try:
             await self._engine.remove(sandbox.id)
         finally:
@@ -388,6 +382,7 @@ class Containers:
             id=container,
             workspace=ws.id,
             profile=profile,
+            declared=profile,
             who=who,
             init_pid=init_pid,
             init=init,
@@ -467,7 +462,7 @@ class Containers:
         ro_rels: Sequence[str],
     ) -> None:
         """Containers labelled as ours for this pair that we did not create: never reused."""
-        mine = {s.id for s in self._live.values()}
+        mine = {s.id for s in self.live()}
         for entry in await self._engine.list_labelled(self.labels_for(ws.id, profile.name)):
             container = str(entry["Id"])
             if container in mine:
@@ -572,9 +567,14 @@ class Containers:
         return gone
 
     async def reap_idle(self, now: float | None = None) -> int:
-        """Remove sandboxes unused for `idle_s` with nothing running in them."""
+        """Remove sandboxes unused for `idle_s` with nothing running in them, and retired
+        ones (`retire`) as soon as nothing runs in them."""
         now = time.monotonic() if now is None else now
         removed = 0
+        for sandbox in list(self._retired):
+            if sandbox.running == 0:
+                await self.forget(sandbox, "profile_changed")
+                removed += 1
         for sandbox in list(self._live.values()):
             if sandbox.running == 0 and now - sandbox.last_used >= self.idle_s:
                 await self.forget(sandbox, "idle")
@@ -583,12 +583,12 @@ class Containers:
 
     async def release_workspace(self, workspace: str) -> None:
         """Remove every sandbox of `workspace` (its commands die with it)."""
-        for sandbox in list(self._live.values()):
+        for sandbox in self.live():
             if sandbox.workspace == workspace:
                 await self.forget(sandbox, "released")
 
     async def remove_all(self, reason: str) -> None:
-        for sandbox in list(self._live.values()):
+        for sandbox in self.live():
             await self.forget(sandbox, reason)
 
     async def _journal_async(self, kind: str, data: dict[str, Any], workspace: str | None) -> None:

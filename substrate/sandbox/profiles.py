@@ -3,11 +3,13 @@
 A profile is the whole of what a sandboxed command may get; requests never add to it
 (docs/protocol.md §5). Every field has an explicit default and a one-line comment with its unit.
 
-Loading happens once, at daemon start: `load_profiles` reads every `*.toml` in the
-profiles directory, decodes it strictly (TOML → msgspec, no coercion, unknown keys
-refused), then checks what a type cannot say (sizes parse, limits are sane, capabilities
-exist, the seccomp policy file loads). Any problem is a `ProfileError` naming the file and
-the key; it is a configuration error that stops the start, not a wire refusal.
+Loading happens at daemon start and again on a reload (SIGHUP or `profile.reload`,
+which keeps the profiles in force when any file fails): `load_profiles` reads every
+`*.toml` in the profiles directory, decodes it strictly (TOML → msgspec, no coercion,
+unknown keys refused), then checks what a type cannot say (sizes parse, limits are sane,
+capabilities exist, the seccomp policy file loads). Any problem is a `ProfileError`
+naming the file and the key; it is a configuration error that stops the start (a reload
+answers it as `profile_invalid`).
 
 The helpers below (`memory_bytes`, `tmpfs_bytes`, `nano_cpus`, `cpu_quota_us`,
 `user_ids`, `capability_mask`, `security_opts`) turn a profile into the numbers the engine
@@ -16,11 +18,13 @@ takes and the kernel reports, so containers and confinement facts agree on one r
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import re
 import tomllib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -251,6 +255,51 @@ def find_profile(profiles: Mapping[str, Profile], name: str) -> Profile:
     if found is None:
         raise ProfileUnknown(f"no profile {name!r}", profiles=sorted(profiles))
     return found
+
+
+_canonical = msgspec.json.Encoder(order="sorted")
+
+
+def profile_digest(p: Profile, seccomp_dir: Path) -> str:
+    """SHA-256 of all a sandbox of `p` is made from: the profile's canonical JSON and,
+    unless "engine-default", the bytes of its seccomp policy file (a policy edited in
+    place changes the digest). Raises ProfileError when that file cannot be read. Cost:
+    one encode and one read of at most 1 MiB."""
+    digest = hashlib.sha256(_canonical.encode(p))
+    if p.seccomp != ENGINE_DEFAULT:
+        policy = seccomp_dir / f"{p.seccomp}.json"
+        digest.update(b"\0" + seccomp.read_bounded(policy, seccomp.MAX_POLICY_BYTES, ProfileError))
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ProfileSet:
+    """Profiles as loaded together, with each one's `profile_digest`."""
+
+    profiles: dict[str, Profile]
+    digests: dict[str, str]
+
+    def changes(self, before: Mapping[str, str]) -> tuple[list[str], list[str], list[str]]:
+        """(added, removed, changed) names against the digests `before`, each sorted."""
+        added = sorted(set(self.digests) - set(before))
+        removed = sorted(set(before) - set(self.digests))
+        changed = sorted(n for n in self.digests if n in before and before[n] != self.digests[n])
+        return added, removed, changed
+
+
+def load_profile_set(profiles_dir: Path, seccomp_dir: Path) -> ProfileSet:
+    """`load_profiles` and the digest of each (a reload compares them). Raises
+    ProfileError as `load_profiles` does; nothing is kept from a failed load."""
+    loaded = load_profiles(profiles_dir, seccomp_dir)
+    return ProfileSet(loaded, {n: profile_digest(p, seccomp_dir) for n, p in loaded.items()})
+
+
+def replace_in_place(current: dict[str, Profile], new: Mapping[str, Profile]) -> None:
+    """Make `current` hold exactly `new`. In place, because the execution layer's runner
+    and the handlers look profiles up in that very dict; on the event loop, between two
+    look-ups, so no reader sees a mix."""
+    current.clear()
+    current.update(new)
 
 
 def load_profiles(

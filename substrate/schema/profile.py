@@ -83,7 +83,32 @@ class ProbeResult(Result, omit_defaults=False):
     facts: list[Fact]
 
 
+class ProfileDigest(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    # SHA-256 of the profile's canonical JSON and its seccomp policy file's bytes.
+    digest: str
+
+
+class ProfileReloadResult(Result, omit_defaults=False):
+    """The profiles now in force, and what the reload changed (names, sorted)."""
+
+    profiles: list[ProfileDigest]
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    # Sandboxes of a changed or removed profile: idle ones were removed, busy ones run
+    # their commands to the end and are removed once idle.
+    retired_sandboxes: int
+
+
 method("profile.list", Empty, ProfileListResult, doc="Names and descriptions of the profiles.")
+method(
+    "profile.reload",
+    Empty,
+    ProfileReloadResult,
+    operator_only=True,
+    doc="Load the profiles again; running commands keep theirs, new ones get the new set.",
+)
 method("profile.get", ProfileGetParams, Profile, doc="One whole profile, every field.")
 method(
     "facts.probe",
