@@ -85,6 +85,8 @@ def result_of_row(row: ProcRow) -> ProcResult | ProcPending:
         facts=row.facts,
         policy_blocked=row.policy_blocked,
         changes=row.changes,
+        via=row.via,
+        exec_facts=row.exec_facts,
     )
 
 

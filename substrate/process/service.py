@@ -24,12 +24,14 @@ from substrate.config import Config
 from substrate.errors import Refusal
 from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
+from substrate.process.fastexec import Launcher
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
 from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.profiles import Profile, find_profile, load_profiles
+from substrate.sandbox.supervisor.supervisors import Supervisors
 from substrate.schema.journal import EngineStatus
 from substrate.store.db import Store
 from substrate.store.journal import Journal
@@ -71,6 +73,13 @@ class Execution:
             quota_bytes=config.artifact_quota_bytes,
             max_age_s=config.artifact_max_age_s,
         )
+        # Each sandbox's own supervisor (docs/fast-exec.md); a previous run's directories go.
+        self.supervisors: Supervisors | None = None
+        if config.fast_exec:
+            self.supervisors = Supervisors(
+                self.engine, journal, state_dir / "supervisor", fs_limiter=fs_limiter
+            )
+            self.supervisors.sweep()
         self.containers = Containers(
             self.engine,
             journal,
@@ -81,6 +90,7 @@ class Execution:
             fs_limiter=fs_limiter,
             files_dir=state_dir / "sandbox-files",
             state_dir=str(state_dir),
+            supervisors=self.supervisors,
         )
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
@@ -109,6 +119,7 @@ class Execution:
             fs_limiter=fs_limiter,
             writer=self._writer,
             changesets=self.changesets,
+            launcher=Launcher(self.engine, self.supervisors, fs_limiter=fs_limiter),
         )
         # Before any socket accepts: a previous run's spools and running records are
         # settled first, so nothing new can be confused with them.

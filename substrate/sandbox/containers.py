@@ -80,6 +80,7 @@ from substrate.sandbox.spec import (
     run_as,
     spec_digest,
 )
+from substrate.sandbox.supervisor.supervisors import Supervisors
 from substrate.sandbox.working_layer import WorkingLayer
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace
@@ -136,6 +137,7 @@ class Containers:
         files_dir: Path | None = None,
         host: SandboxHost | None = None,
         state_dir: str | None = None,
+        supervisors: Supervisors | None = None,
     ) -> None:
         self._engine = engine
         self._host: SandboxHost = host if host is not None else HostKernel()
@@ -153,6 +155,8 @@ class Containers:
         self._state_dir = state_dir
         # Set once a previous run's layer mounts are swept: no layer is made before.
         self._layers_swept = trio.Event()
+        # Each runc sandbox's supervisor directory is bound in (docs/fast-exec.md).
+        self._supervisors = supervisors
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -211,6 +215,8 @@ class Containers:
         finally:
             if sandbox.layer is not None:
                 await self._close_layer(sandbox.layer)
+            if self._supervisors is not None:
+                await self._supervisors.detach(sandbox.id)
         await self._journal_async(
             "container.removed",
             {"container": sandbox.id[:12], "profile": sandbox.profile.name, "reason": reason},
@@ -291,7 +297,16 @@ class Containers:
             LABEL_CONFIG: spec_digest(spec),
         }
         name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
-        container = await self._engine.create_container(name=name, labels=labels, **spec)
+        slot = None
+        if self._supervisors is not None and profile.runtime in HOST_VISIBLE_RUNTIMES:
+            slot = await trio.to_thread.run_sync(self._supervisors.prepare, who)
+            spec["host_config"]["mounts"].append(slot.mount)  # after the digest: a fresh dir
+        try:
+            container = await self._engine.create_container(name=name, labels=labels, **spec)
+        except BaseException:
+            if slot is not None:
+                slot.discard()
+            raise
         try:
             try:
                 await self._engine.start(container)
@@ -304,6 +319,8 @@ class Containers:
                     required = {**required, **await self._layer_identities(layer)}
                 sandbox = await self._verify(container, ws, profile, who, required, dict(ro_dirs))
                 sandbox.layer = layer
+                if slot is not None and self._supervisors is not None:
+                    self._supervisors.attach(slot, sandbox)
                 return sandbox
             except (ContainerGone, ProcessLookupError):
                 raise RuntimeUnavailable(
@@ -313,6 +330,8 @@ class Containers:
         except BaseException:
             with trio.CancelScope(shield=True):
                 await self._engine.remove(container)
+                if slot is not None:
+                    slot.discard()
             raise
 
     async def _verify(
