@@ -58,6 +58,10 @@ class ExecChannel(Protocol):
         """Release the streams (after `pump` and `feed` returned, or never started)."""
         ...
 
+    def release(self) -> None:
+        """The run is over: nothing more will be asked; let go of what is left."""
+        ...
+
     async def main_pid(self, *, first_sleep: float) -> int | None:
         """The main process's host pid once it runs; None once it ended without one."""
         ...
@@ -109,6 +113,9 @@ class EngineChannel:
 
     def close(self) -> None:
         self._sock.close()
+
+    def release(self) -> None:
+        self._sock.close()  # closed by `close` already unless the run broke before
 
     async def main_pid(self, *, first_sleep: float) -> int | None:
         """An exec the engine has not started yet also reads `Running: false`, but with no

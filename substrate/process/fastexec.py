@@ -279,7 +279,11 @@ class FastChannel:
     def close(self) -> None:
         _close([self._stdin_w, self._out_r, self._err_r, self._wake_r, self._wake_w])
         self._stdin_w = None
-        self._spawned.close()
+        self._out_r = self._err_r = self._wake_r = self._wake_w = -1
+
+    def release(self) -> None:
+        self.close()
+        self._spawned.close()  # its channel: a command still running is the daemon's
 
     # -- the main process --------------------------------------------------------------
 

@@ -432,11 +432,14 @@ class Processes:
             # the command is ended below and its record finished, then this re-raised.
             cut_off = exc
         with trio.CancelScope(shield=True):
-            if cut_off is not None:
-                exit_code, oom_after = await self.driver.settle(run, exit_code)
-            result = await self._conclude(
-                launched, run, exit_code, oom_after, cancelled=cut_off is not None
-            )
+            try:
+                if cut_off is not None:
+                    exit_code, oom_after = await self.driver.settle(run, exit_code)
+                result = await self._conclude(
+                    launched, run, exit_code, oom_after, cancelled=cut_off is not None
+                )
+            finally:
+                run.channel.release()
         if cut_off is not None:
             raise cut_off
         return result

@@ -503,9 +503,15 @@ def main() -> int:
     control.connect(f"{MOUNT_POINT}/{SOCKET_NAME}")
     control.sendall(encode({"op": "hello", "v": VERSION, "mac": hello_mac(secret)}))
     del secret, line
+    serve(control, environ)
+    return 0
+
+
+def serve(control: socket.socket, environ: dict[str, str]) -> None:
+    """Serve the daemon on `control` until it closes (then every child's process group is
+    killed). `environ`: the base environment of every command."""
     control.setblocking(False)
     _Supervisor(control, environ).run()
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ the supervisor's host process, its pid inside the sandbox is the one the supervi
 reported). Under no-new-privileges exec can only keep or drop what the held child has,
 so what is seen before exec bounds what the command runs with (docs/fast-exec.md).
 
-The supervisor itself is checked on every spawn (`supervisor_problem`): still the same
-process (its pidfd), not traced, still non-dumpable (a non-dumpable process's
-`/proc/<pid>` is owned by root), same confinement as the baseline.
+The supervisor itself is checked when it starts (`supervisor_start_problem`: also its
+confinement, cgroups and namespaces) and on every spawn (`supervisor_problem`): still the
+same process (its pidfd), not traced, not stopped, still non-dumpable (the entries of a
+non-dumpable process's `/proc/<pid>` are owned by root).
 
 Reads go through one `/proc/<pid>` directory fd (all from the same process); a process
 that is gone raises ProcessLookupError. Cost: three small procfs reads and seven `stat`s,
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from substrate.sandbox import parsers as P
@@ -66,7 +67,7 @@ class Reading:
     status: str  # /proc/<pid>/status
     cgroup: str  # /proc/<pid>/cgroup
     namespaces: tuple[int, ...]  # inodes, in NAMESPACES order (-1 when unreadable)
-    owner: int  # uid owning /proc/<pid>: 0 for a non-dumpable process
+    owner: int  # uid owning /proc/<pid>/fd: 0 for a non-dumpable process
 
 
 def baseline(init_pid: int, sandbox_facts: Sequence[Fact]) -> Baseline:
@@ -87,7 +88,9 @@ def read_process(pid: int) -> Reading:
     except FileNotFoundError:
         raise ProcessLookupError(errno.ESRCH, f"no process {pid}") from None
     try:
-        owner = os.fstat(dir_fd).st_uid
+        # The directory keeps its owner; the entries in it belong to root once the
+        # process is non-dumpable.
+        owner = os.stat("fd", dir_fd=dir_fd, follow_symlinks=False).st_uid
         status = read_at(dir_fd, "status")
         cgroup = read_at(dir_fd, "cgroup")
         inodes = []
@@ -173,21 +176,50 @@ def mismatches(found: Sequence[Fact], base: Baseline) -> list[Mismatch]:
     return compare(required(base), found)
 
 
-def supervisor_problem(
-    reading: Reading, base: Baseline, uid: int, *, check_dumpable: bool = True
-) -> str | None:
-    """Why a supervisor process is not to be trusted, or None (pure).
+def read_status(pid: int) -> tuple[str, int]:
+    """(status text, owner of `/proc/<pid>/fd`) of `pid`: the per-spawn look at a
+    supervisor. Raises ProcessLookupError when it is gone."""
+    try:
+        dir_fd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ProcessLookupError(errno.ESRCH, f"no process {pid}") from None
+    try:
+        owner = os.stat("fd", dir_fd=dir_fd, follow_symlinks=False).st_uid
+        return read_at(dir_fd, "status"), owner
+    except FileNotFoundError:
+        raise ProcessLookupError(errno.ESRCH, f"process {pid} went away") from None
+    finally:
+        os.close(dir_fd)
 
-    "traced" (a tracer is attached), "dumpable" (its `/proc` entry is owned by its own
-    uid: it did not, or no longer, refuse ptrace and fd access to its uid; skipped for a
-    root sandbox, where the owner says nothing), "confinement" (status facts differ from
-    the baseline), "cgroup", "namespaces".
+
+def supervisor_problem(status: str, owner: int, uid: int) -> str | None:
+    """Why a running supervisor is not to be trusted now, or None (pure; every spawn).
+
+    "exited" (a zombie), "traced" (a tracer is attached), "stopped" (SIGSTOP: it would
+    not answer),
+    "dumpable" (its `/proc` entries are owned by its own uid: it did not, or no longer,
+    refuse ptrace and fd access to its uid; not checked for a root sandbox, where the
+    owner says nothing).
     """
-    tracer = P.parse_status_field(reading.status, "TracerPid")
+    tracer = P.parse_status_field(status, "TracerPid")
     if tracer not in (None, "0"):
         return "traced"
-    if check_dumpable and uid != 0 and reading.owner != 0:
+    state = (P.parse_status_field(status, "State") or "")[:1]
+    if state in ("Z", "X"):
+        return "exited"
+    if state in ("T", "t"):
+        return "stopped"
+    if uid != 0 and owner != 0:
         return "dumpable"
+    return None
+
+
+def supervisor_start_problem(reading: Reading, base: Baseline, uid: int) -> str | None:
+    """`supervisor_problem`, and at start also: "confinement" (status facts other than
+    the baseline's), "cgroup", "namespaces" (pure)."""
+    problem = supervisor_problem(reading.status, reading.owner, uid)
+    if problem is not None:
+        return problem
     try:
         values = status_values(reading.status)
     except ValueError:
@@ -203,15 +235,3 @@ def supervisor_problem(
 
 def _same_namespaces(reading: Reading, base: Baseline) -> bool:
     return -1 not in reading.namespaces and reading.namespaces == base.namespaces
-
-
-def mismatch_summary(found: Sequence[Mismatch]) -> dict[str, object]:
-    """`{required, observed}` of mismatches, for the refusal and the journal."""
-    return {
-        "required": {m.name: m.required for m in found},
-        "observed": {m.name: m.observed for m in found},
-    }
-
-
-def as_mapping(found: Sequence[Fact]) -> Mapping[str, FactValue]:
-    return {f.name: f.value for f in found}

@@ -138,16 +138,17 @@ class Link:
     broken: str | None = None  # why it is not to be used any more (journal word)
 
     def problem(self) -> str | None:
-        """Why this supervisor cannot be used now, or None. Blocking but tiny (a signal
-        to its pidfd, one stat and one procfs read): called on the event loop."""
+        """Why this supervisor cannot be used now, or None ("exited" or a word of
+        `checks.supervisor_problem`). Blocking but tiny (a signal to its pidfd, one stat,
+        one procfs read): called on the event loop. A zombie counts as exited."""
         if self.broken is not None:
             return self.broken
         try:
             signal.pidfd_send_signal(self.pidfd, 0)
-            reading = checks.read_process(self.pid)
+            status, owner = checks.read_status(self.pid)
         except ProcessLookupError:
             return "exited"
-        return checks.supervisor_problem(reading, self.base, self.uid)
+        return checks.supervisor_problem(status, owner, self.uid)
 
     async def spawn(
         self,

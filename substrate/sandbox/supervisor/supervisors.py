@@ -357,7 +357,7 @@ class Supervisors:
                 reading = checks.read_process(pid)
             except ProcessLookupError:
                 raise StartFailed("exited") from None
-            problem = checks.supervisor_problem(reading, base, sandbox.who.uid)
+            problem = checks.supervisor_start_problem(reading, base, sandbox.who.uid)
             if problem is not None:
                 raise StartFailed(problem)
             secret = secrets.token_bytes(32)
