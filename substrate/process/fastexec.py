@@ -44,6 +44,9 @@ log = logging.getLogger("substrate.process.fastexec")
 
 #: Bytes read from a pipe at a time.
 RECV_BYTES = 1 << 18
+#: The command ended and its supervisor has not reported within this: is it still
+#: serving? (Checked again every period while it is.)
+REPORT_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -184,9 +187,11 @@ class Launcher:
             return FastPrepared(spec, sandbox, spawned, None, out_r, err_r)
         return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r)
 
-    async def _lost(self, sandbox: Sandbox, spawned: Spawned) -> None:
-        if self._supervisors is not None:
-            await self._supervisors.lost(sandbox.id, spawned.generation)
+    async def _lost(self, sandbox: Sandbox, spawned: Spawned) -> bool:
+        """Is the supervisor that forked `spawned` still serving? (Journals it if not.)"""
+        if self._supervisors is None:
+            return False
+        return await self._supervisors.serving(sandbox.id, spawned.generation)
 
 
 def _close(fds: Sequence[int | None]) -> None:
@@ -209,7 +214,7 @@ class FastChannel:
         err_r: int,
         *,
         fs_limiter: trio.CapacityLimiter | None,
-        on_lost: Callable[[], Awaitable[None]],
+        on_lost: Callable[[], Awaitable[bool]],
     ) -> None:
         self._spawned = spawned
         self._stdin_w = stdin_w
@@ -291,12 +296,32 @@ class FastChannel:
         return self._spawned.host_pid if not self._spawned.exited() else None
 
     async def wait_exit(self, *, host_visible: bool) -> int | None:
+        """The supervisor's report of the exit. Without one — its channel closed (it was
+        killed or dropped), or the command ended and no report came within
+        `REPORT_GRACE_S` from a supervisor that no longer serves (stopped, gone) — the
+        code is lost (None), the loss is journalled, and the command itself is waited
+        for by its pidfd."""
         if self._reported:
             return self._code
-        code, err = await self._spawned.wait_exit()
+        found: list[tuple[int | None, int | None]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def report() -> None:
+                found.append(await self._spawned.wait_exit())
+                nursery.cancel_scope.cancel()
+
+            async def watchdog() -> None:
+                await self._spawned.wait_gone()
+                while True:
+                    await trio.sleep(REPORT_GRACE_S)
+                    if not await self._on_lost():  # no longer served: the report is lost
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(report)
+            nursery.start_soon(watchdog)
+        code, err = found[0] if found else (None, None)
         if code is None:
-            # The supervisor went away first (it was killed, or dropped): its report is
-            # lost. Journal that, then wait for the command itself (by its pidfd).
             await self._on_lost()
             await self._spawned.wait_gone()
         self._code, self._errno, self._reported = code, err, True

@@ -44,6 +44,9 @@ STATUS_FACTS = (
     "uid",
     "gid",
 )
+_STATUS_LINES = frozenset(
+    {"NoNewPrivs", "Seccomp", "CapEff", "CapPrm", "CapBnd", "CapAmb", "Uid", "Gid"}
+)
 #: Namespaces compared with the init's (`/proc/<pid>/ns/<name>`).
 NAMESPACES = ("pid", "mnt", "net", "ipc", "uts", "user", "cgroup")
 #: What the per-command facts beyond the status ones must read.
@@ -120,7 +123,11 @@ def pidfd_pid(pidfd: int) -> int | None:
 
 
 def status_values(status_text: str) -> dict[str, FactValue]:
-    """The STATUS_FACTS of a status text (pure). Raises ValueError when malformed."""
+    """The STATUS_FACTS of a status text (pure). Raises ValueError when malformed or
+    when a line is missing (a missing capability line must not read as "none")."""
+    present = {line.partition(":")[0] for line in status_text.splitlines()}
+    if not present >= _STATUS_LINES:
+        raise ValueError("status lines missing: " + ", ".join(sorted(_STATUS_LINES - present)))
     st = P.parse_status(status_text)
     return {
         "no_new_privs": st.no_new_privs,

@@ -431,15 +431,18 @@ class Supervisors:
             extra = {} if report is None else {"mismatches": sorted(report["required"])}
             await self._journal_async(kind, sandbox, link.generation, reason, **extra)
 
-    async def lost(self, container: str, generation: int) -> None:
-        """A command's channel closed before its end was reported: if that supervisor is
-        still the current one and is gone, journal it now (not at the next command)."""
+    async def serving(self, container: str, generation: int) -> bool:
+        """Is supervisor `generation` of `container` still current and serving? Asked when
+        a command's report is late or its channel closed: a supervisor found gone,
+        stopped or tampered with is dropped and journalled now, not at the next command."""
         slot = self._slots.get(container)
         if slot is None or slot.link is None or slot.link.generation != generation:
-            return
+            return False
         problem = slot.link.problem()
-        if problem is not None:
-            await self._drop(slot, slot.link, problem)
+        if problem is None:
+            return True
+        await self._drop(slot, slot.link, problem)
+        return False
 
     async def _journal_async(
         self,
