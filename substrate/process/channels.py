@@ -8,7 +8,8 @@ multiplexed stream, `exec_inspect` for pid and code) here, and
 `substrate.process.fastexec.FastChannel` (the sandbox's supervisor: pipes, a pidfd and
 the supervisor's report; docs/fast-exec.md).
 
-Threading: `pump` and `feed` block and run in worker threads for the life of a command;
+Threading: `feed` blocks and runs in a worker thread; `pump` holds one for the life of
+an engine exec (a supervisor's pipes are read on the event loop while output is small);
 `shutdown` may be called from any thread; the async methods run on the event loop.
 """
 
@@ -42,8 +43,10 @@ class ExecChannel(Protocol):
     #: path, where the command's process is not observed: docs/fast-exec.md).
     facts: list[Fact]
 
-    def pump(self, sinks: Mapping[int, OutputSink]) -> None:
-        """Move stdout (1) and stderr (2) into `sinks` until both end or `shutdown`."""
+    async def pump(self, sinks: Mapping[int, OutputSink], limiter: trio.CapacityLimiter) -> None:
+        """Move stdout (1) and stderr (2) into `sinks` until both end or `shutdown`; never
+        returns early on cancellation (what was read is always in the sinks). Blocking
+        work runs in worker threads under `limiter`."""
         ...
 
     def feed(self, data: bytes) -> None:
@@ -102,8 +105,10 @@ class EngineChannel:
         self._fs_limiter = fs_limiter
         self.facts: list[Fact] = []
 
-    def pump(self, sinks: Mapping[int, OutputSink]) -> None:
-        exec_stream.pump_stream(self._sock, self._initial, sinks)
+    async def pump(self, sinks: Mapping[int, OutputSink], limiter: trio.CapacityLimiter) -> None:
+        await trio.to_thread.run_sync(
+            exec_stream.pump_stream, self._sock, self._initial, sinks, limiter=limiter
+        )
 
     def feed(self, data: bytes) -> None:
         exec_stream.feed_stdin(self._sock, data, True)

@@ -293,9 +293,9 @@ class ExecDriver:
 
     async def _pump(self, run: Run) -> None:
         try:
-            # Not abandoned on cancel: the run ends the command (or shuts the socket) and
+            # Not abandoned on cancel: the run ends the command (or shuts the stream) and
             # this returns once every byte it read is in the sinks.
-            await trio.to_thread.run_sync(run.channel.pump, run.sinks, limiter=self._pump_limiter)
+            await run.channel.pump(run.sinks, self._pump_limiter)
         finally:
             run.pump_done.set()
 

@@ -25,7 +25,6 @@ import functools
 import logging
 import os
 import select
-import selectors
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +43,8 @@ log = logging.getLogger("substrate.process.fastexec")
 
 #: Bytes read from a pipe at a time.
 RECV_BYTES = 1 << 18
+#: A stream is read on the event loop up to this many bytes, then in a worker thread.
+LOOP_PUMP_BYTES = 1 << 20
 #: The command ended and its supervisor has not reported within this: is it still
 #: serving? (Checked again every period while it is.)
 REPORT_GRACE_S = 2.0
@@ -229,28 +230,63 @@ class FastChannel:
 
     # -- streams (worker threads) ------------------------------------------------------
 
-    def pump(self, sinks: Mapping[int, OutputSink]) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._out_r, selectors.EVENT_READ, 1)
-            sel.register(self._err_r, selectors.EVENT_READ, 2)
-            sel.register(self._wake_r, selectors.EVENT_READ, 0)
-            open_streams = 2
-            while open_streams:
-                for key, _ in sel.select():
-                    if key.data == 0:
-                        return  # shutdown: the run gave up on the streams
-                    fd = int(key.fd)
-                    try:
-                        data = os.read(fd, RECV_BYTES)
-                    except OSError:
-                        data = b""
-                    if not data:
-                        sel.unregister(fd)
-                        open_streams -= 1
-                        continue
-                    sink = sinks.get(key.data)
-                    if sink is not None:
-                        sink.write(data)
+    async def pump(self, sinks: Mapping[int, OutputSink], limiter: trio.CapacityLimiter) -> None:
+        """Both pipes into their sinks, until both end or `shutdown`. Read on the event
+        loop (no thread hop for the usual small output) until a stream passed
+        `LOOP_PUMP_BYTES`; the rest of it is read in a worker thread under `limiter`.
+        Shielded: a cancelled run still gets every byte the command wrote until it is
+        woken by `shutdown`."""
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                # The wake pipe ends both drains (a run that gave up on the streams).
+                nursery.start_soon(self._on_wake, nursery.cancel_scope)
+                async with trio.open_nursery() as drains:
+                    drains.start_soon(self._drain, self._out_r, sinks.get(1), limiter)
+                    drains.start_soon(self._drain, self._err_r, sinks.get(2), limiter)
+                nursery.cancel_scope.cancel()
+
+    async def _on_wake(self, scope: trio.CancelScope) -> None:
+        await trio.lowlevel.wait_readable(self._wake_r)
+        scope.cancel()
+
+    async def _drain(self, fd: int, sink: OutputSink | None, limiter: trio.CapacityLimiter) -> None:
+        os.set_blocking(fd, False)
+        moved = 0
+        while moved <= LOOP_PUMP_BYTES:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                data = os.read(fd, RECV_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            moved += len(data)
+            if sink is not None:
+                sink.write(data)  # a spool append: microseconds at this size
+        # Large output: a thread of the pump limiter, as for an engine exec. It stops
+        # on EOF or on the wake pipe (cancelling this task does not stop it).
+        await trio.to_thread.run_sync(self._drain_blocking, fd, sink, limiter=limiter)
+
+    def _drain_blocking(self, fd: int, sink: OutputSink | None) -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            events = poller.poll()
+            if any(ready == self._wake_r for ready, _ in events):
+                return
+            try:
+                data = os.read(fd, RECV_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            if sink is not None:
+                sink.write(data)
 
     def feed(self, data: bytes) -> None:
         fd = self._stdin_w
