@@ -1,26 +1,21 @@
 """Fast exec without Docker: the wire (sans-IO), the host checks (pure), and the
-supervisor program run on this host as a subprocess, driven by the daemon's `Link`.
-
-On the host the "sandbox" is this test process itself: the baseline is its own status,
-cgroups and namespaces, which every child of the supervisor subprocess shares.
+supervisor program run on this host as a subprocess (`tests.harness.host_supervisor`),
+driven by the daemon's `Link`.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import socket
 import struct
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import trio
 
-from substrate.sandbox.facts import make_fact
 from substrate.sandbox.supervisor import agent, checks
 from substrate.sandbox.supervisor.link import Link, LinkBroken
+from tests.harness.host_supervisor import host_link
 
 # -- the wire ---------------------------------------------------------------------------
 
@@ -188,44 +183,10 @@ def test_pidfd_names_its_host_process() -> None:
 # -- the program, on this host --------------------------------------------------------
 
 
-def own_baseline() -> checks.Baseline:
-    """This process as the "sandbox": the supervisor's children share all of it."""
-    values = checks.status_values(checks.read_process(os.getpid()).status)
-    found = [make_fact(n, v, source="kernel:proc-status") for n, v in values.items()]
-    return checks.baseline(os.getpid(), found)
-
-
 @pytest.fixture
 async def link() -> AsyncIterator[Link]:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    program = Path(agent.__file__)
-    code = (
-        "import os, socket, sys; sys.path.insert(0, sys.argv[1]); import agent; "
-        "agent.serve(socket.socket(fileno=int(sys.argv[2])), dict(os.environ))"
-    )
-    proc = await trio.lowlevel.open_process(
-        [sys.executable, "-I", "-c", code, str(program.parent), str(theirs.fileno())],
-        pass_fds=[theirs.fileno()],
-    )
-    theirs.close()
-    pidfd = os.pidfd_open(proc.pid)
-    found = Link(
-        container="host",
-        generation=1,
-        pid=proc.pid,
-        pidfd=pidfd,
-        control=trio.socket.from_stdlib_socket(ours),
-        base=own_baseline(),
-        uid=os.getuid(),
-        started=0.0,
-    )
-    try:
+    async with host_link() as found:
         yield found
-    finally:
-        found.kill()
-        found.close()
-        with trio.fail_after(10):
-            await proc.wait()
 
 
 def pipes() -> tuple[tuple[int, int, int], tuple[int, int, int]]:

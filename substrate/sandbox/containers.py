@@ -80,7 +80,7 @@ from substrate.sandbox.spec import (
     run_as,
     spec_digest,
 )
-from substrate.sandbox.supervisor.supervisors import Supervisors
+from substrate.sandbox.supervisor.supervisors import Supervisors, supervised
 from substrate.sandbox.working_layer import WorkingLayer
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace
@@ -298,7 +298,7 @@ class Containers:
         }
         name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
         slot = None
-        if self._supervisors is not None and profile.runtime in HOST_VISIBLE_RUNTIMES:
+        if self._supervisors is not None and supervised(profile):
             slot = await trio.to_thread.run_sync(self._supervisors.prepare, who)
             spec["host_config"]["mounts"].append(slot.mount)  # after the digest: a fresh dir
         try:

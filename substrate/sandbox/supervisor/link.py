@@ -224,13 +224,16 @@ class Link:
 
     def kill(self) -> None:
         """SIGKILL the supervisor (through its pidfd: never another process)."""
-        with contextlib.suppress(OSError):
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        if self.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
     def close(self) -> None:
+        """Close the connection and the pidfd (idempotent)."""
         self.control.close()
-        with contextlib.suppress(OSError):
+        if self.pidfd >= 0:
             os.close(self.pidfd)
+            self.pidfd = -1
 
 
 async def receive(

@@ -52,7 +52,7 @@ from substrate.errors import ConfinementUnmet, Refusal
 from substrate.sandbox.engine import ContainerGone, Engine, EngineError
 from substrate.sandbox.facts import Fact, mismatch_report
 from substrate.sandbox.profiles import Profile
-from substrate.sandbox.spec import RunAs
+from substrate.sandbox.spec import HOST_VISIBLE_RUNTIMES, RunAs
 from substrate.sandbox.supervisor import agent, checks
 from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned, receive
 from substrate.store.journal import Journal
@@ -68,6 +68,13 @@ RESTART_WINDOW_S = 60.0
 RETRY_S = 60.0
 #: Problems that mean the supervisor cannot be trusted (the others: it is just gone).
 TAMPERED = frozenset({"traced", "dumpable", "confinement", "cgroup", "namespaces", "protocol"})
+
+
+def supervised(profile: Profile) -> bool:
+    """Does a sandbox of `profile` get a supervisor? Its processes must be host processes
+    (runc: the host checks each command's own process) and its root filesystem read-only
+    (else a command could change the interpreter a later supervisor start runs)."""
+    return profile.runtime in HOST_VISIBLE_RUNTIMES and profile.read_only_rootfs
 
 
 class SandboxView(Protocol):
