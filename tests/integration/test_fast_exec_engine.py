@@ -220,6 +220,24 @@ async def test_output_stdin_cwd_env_and_start_failures(env: Env) -> None:
         assert result["via"] == "supervisor"
 
 
+async def test_concurrent_commands_share_one_supervisor(env: Env) -> None:
+    results: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await env.run(["sh", "-c", f"sleep 0.3; echo {i}; echo e{i} >&2"])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(one, i)
+    for i, result in results.items():
+        assert (result["via"], text(result["stdout"]), text(result["stderr"])) == (
+            "supervisor",
+            f"{i}\n",
+            f"e{i}\n",
+        )
+    assert len(env.journal("supervisor.started")) == 1
+
+
 async def test_timeout_kills_the_whole_tree(env: Env) -> None:
     script = "trap '' TERM; (trap '' TERM; sleep 300) & sleep 300"
     result = await env.run(["sh", "-c", script], timeout_s=1)
