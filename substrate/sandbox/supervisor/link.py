@@ -177,7 +177,7 @@ class Link:
                         )
                         while sent < len(frame):
                             sent += await self.control.send(frame[sent:])
-            except (OSError, trio.TooSlowError):
+            except (OSError, trio.TooSlowError, trio.ClosedResourceError):
                 raise LinkBroken("control") from None
             finally:
                 theirs.close()
@@ -193,7 +193,7 @@ class Link:
                 message = await receive(spawned.chan, spawned.decoder, spawned.pending, fds=1)
         except trio.TooSlowError:
             raise LinkBroken("unresponsive") from None
-        except OSError:
+        except (OSError, trio.ClosedResourceError):
             raise LinkBroken("closed") from None
         op = message.get("op")
         if op == "failed":

@@ -301,7 +301,6 @@ class Supervisors:
             return None
         generation = slot.generation + 1
         t0 = trio.current_time()
-        pidfd = -1
         try:
             with trio.fail_after(START_S):
                 base = await trio.to_thread.run_sync(
@@ -311,14 +310,13 @@ class Supervisors:
         except (
             StartFailed,
             trio.TooSlowError,
+            trio.ClosedResourceError,
             Refusal,
             ContainerGone,
             EngineError,
             OSError,
         ) as exc:
             reason = exc.reason if isinstance(exc, StartFailed) else _reason(exc)
-            if pidfd >= 0:
-                os.close(pidfd)
             slot.retry_at = trio.current_time() + RETRY_S
             log.warning("%s: supervisor start failed: %s", sandbox.id[:12], reason)
             await self._journal_async("supervisor.unavailable", sandbox, generation, reason)
@@ -357,9 +355,10 @@ class Supervisors:
         sock = trio.socket.from_stdlib_socket(stream.sock)
         pidfd = -1
         try:
-            await _ready_line(sock, stream.initial)
+            # The pid first: whatever fails after this, the process is killed (its pidfd).
             pid = await self._exec_pid(exec_id)
             pidfd = os.pidfd_open(pid)
+            await _ready_line(sock, stream.initial)
             try:
                 reading = checks.read_process(pid)
             except ProcessLookupError:
@@ -497,6 +496,8 @@ async def _ready_line(sock: trio.socket.SocketType, initial: bytes) -> None:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, trio.TooSlowError):
         return "timeout"
+    if isinstance(exc, trio.ClosedResourceError):
+        return "closed"
     if isinstance(exc, ContainerGone):
         return "container_gone"
     if isinstance(exc, Refusal):
