@@ -17,16 +17,16 @@ Theory of operation (the program):
 2. Serve, single-threaded, from one poll loop over the control connection, each
    command's channel, each child's pidfd and exec-error pipe:
    - `spawn` (on the control connection, with four fds: the command's channel, its
-     stdin, stdout and stderr): fork; the child starts a new session (its own process
+     stdin, stdout and stderr): fork. The child starts a new session (its own process
      group), takes the three fds as 0/1/2, restores default signal handling, closes
-     everything else and waits on a pipe. The supervisor answers `forked` with the pid
-     and a pidfd of the child on the channel; the daemon observes the held child from
-     the host and answers `go` (the child changes directory and execs argv) or
-     `abort` (the child exits 125, nothing ran).
-   - The child exits: the supervisor reaps it and answers `exited` with the code (128 +
-     n for a death by signal n) and, when exec itself failed, its errno.
-   - A channel closed by the daemon: a held child is released to exit; a running one is
-     left to the daemon (it kills commands from the host).
+     everything else, says `forked` on the channel itself (its pid and a pidfd on
+     itself) and waits there: the daemon observes the held child from the host and
+     answers `go` (the child changes directory and execs argv) or `abort` / closes the
+     channel (the child exits 125, nothing ran). The supervisor's own work is off the
+     command's way to exec; it never reads the channel.
+   - The child exits: the supervisor reaps it and answers `exited` on the channel with
+     the code (128 + n for a death by signal n) and, when exec itself failed, its errno
+     (from a close-on-exec pipe the child writes it to).
    - The control connection closes (the daemon went away or dropped this supervisor):
      every child's process group is killed, and the supervisor exits.
 
@@ -208,14 +208,13 @@ def recv_frames(
 
 
 class _Child:
-    """One command: held (forked, waiting for go), then running, then reaped."""
+    """One command: held (forked, talking to the daemon itself), then running, then reaped.
+    The supervisor never reads the child's channel: until exec the child owns it."""
 
-    def __init__(self, pid: int, pidfd: int, chan: socket.socket, go_w: int, err_r: int) -> None:
+    def __init__(self, pid: int, pidfd: int, chan: socket.socket, err_r: int) -> None:
         self.pid = pid
         self.pidfd = pidfd
         self.chan: socket.socket | None = chan
-        self.decoder = Decoder(MAX_REPORT)
-        self.go_w: int | None = go_w
         self.err_r: int | None = err_r
         self.errno: int | None = None
 
@@ -229,8 +228,9 @@ class _Supervisor:
         self.environ = environ
         self.poll = select.poll()
         self.poll.register(control.fileno(), select.POLLIN)
-        # fd → (what, child): "chan", "pidfd" or "err".
+        # fd → (what, child): "pidfd" or "err".
         self.watch: dict[int, tuple[str, _Child]] = {}
+        self.children: dict[int, _Child] = {}
 
     def run(self) -> None:
         while True:
@@ -244,9 +244,7 @@ class _Supervisor:
                 if found is None:
                     continue
                 what, child = found
-                if what == "chan":
-                    self._on_chan(child)
-                elif what == "err":
+                if what == "err":
                     self._on_err(child)
                 else:
                     self._on_exit(child)
@@ -276,63 +274,33 @@ class _Supervisor:
         if request.get("uid") != os.getuid() or request.get("gid") != os.getgid():
             self._refuse(chan, stdio, errno.EPERM, "uid")
             return
-        go_r, go_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             pid = os.fork()
         except OSError as exc:
-            _close_all([go_r, go_w, err_r, err_w])
+            _close_all([err_r, err_w])
             self._refuse(chan, stdio, exc.errno or errno.EAGAIN, "fork")
             return
         if pid == 0:
-            _child(argv, {**self.environ, **env}, cwd, stdio, go_r, err_w)
-        _close_all([go_r, err_w, *stdio])
+            _child(argv, {**self.environ, **env}, cwd, stdio, chan, err_w)
+        # The child reports itself and takes `go` from its channel: nothing more of the
+        # supervisor is on the command's way to exec.
+        _close_all([err_w, *stdio])
         pidfd = os.pidfd_open(pid)
-        child = _Child(pid, pidfd, chan, go_w, err_r)
-        for fd, what in ((chan.fileno(), "chan"), (pidfd, "pidfd"), (err_r, "err")):
+        child = _Child(pid, pidfd, chan, err_r)
+        self.children[pid] = child
+        for fd, what in ((pidfd, "pidfd"), (err_r, "err")):
             self.watch[fd] = (what, child)
             self.poll.register(fd, select.POLLIN)
-        self._send(child, {"op": "forked", "pid": pid}, [pidfd])
 
     def _refuse(self, chan: socket.socket, stdio: Sequence[int], code: int, stage: str) -> None:
         _close_all(stdio)
-        try:
+        with contextlib.suppress(OSError):
             chan.settimeout(5)
             chan.sendall(encode({"op": "failed", "errno": code, "stage": stage}))
-        except OSError:
-            pass
         chan.close()
 
     # -- one command ------------------------------------------------------------------
-
-    def _on_chan(self, child: _Child) -> None:
-        chan = child.chan
-        assert chan is not None
-        try:
-            frames, eof = recv_frames(chan, child.decoder)
-        except (OSError, ProtocolError):
-            frames, eof = [], True
-        for message, fds in frames:
-            _close_all(fds)
-            op = message.get("op")
-            if op == "go" and child.go_w is not None:
-                self._release(child, b"g")
-            elif op == "abort":
-                self._release(child, b"")
-        if eof:
-            self._release(child, b"")  # a held child exits; a running one is the daemon's
-            self._drop_chan(child)
-
-    def _release(self, child: _Child, byte: bytes) -> None:
-        if child.go_w is None:
-            return
-        try:
-            if byte:
-                os.write(child.go_w, byte)
-        except OSError:
-            pass
-        os.close(child.go_w)
-        child.go_w = None
 
     def _on_err(self, child: _Child) -> None:
         assert child.err_r is not None
@@ -352,55 +320,28 @@ class _Supervisor:
             return
         if child.err_r is not None:  # written before the child exited: readable now
             self._on_err(child)
-        self._release(child, b"")
-        report = {"op": "exited", "code": exit_code_of(status), "errno": child.errno}
-        self._send(child, report)
-        self._drop_chan(child)
+        chan = child.chan
+        if chan is not None:
+            report = encode({"op": "exited", "code": exit_code_of(status), "errno": child.errno})
+            with contextlib.suppress(OSError):  # the daemon may have let go of it
+                chan.settimeout(5)
+                chan.sendall(report)
+            chan.close()
+            child.chan = None
         self._forget(child.pidfd)
         os.close(child.pidfd)
+        self.children.pop(child.pid, None)
 
     # -- plumbing ---------------------------------------------------------------------
-
-    def _send(self, child: _Child, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-        chan = child.chan
-        if chan is None:
-            return
-        frame = encode(message, len(fds))
-        try:
-            chan.settimeout(5)
-            if fds:
-                sent = chan.sendmsg(
-                    [frame],
-                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))],
-                )
-                frame = frame[sent:]
-            if frame:
-                chan.sendall(frame)
-        except OSError:
-            self._release(child, b"")
-            self._drop_chan(child)
-        finally:
-            if child.chan is not None:
-                child.chan.setblocking(False)
-
-    def _drop_chan(self, child: _Child) -> None:
-        if child.chan is None:
-            return
-        self._forget(child.chan.fileno())
-        child.chan.close()
-        child.chan = None
-        child.decoder.close_pending()
 
     def _forget(self, fd: int) -> None:
         if self.watch.pop(fd, None) is not None:
             self.poll.unregister(fd)
 
     def _shutdown(self) -> None:
-        """The daemon is gone: nothing it started may run on."""
-        for what, child in list(self.watch.values()):
-            if what != "pidfd":
-                continue
-            self._release(child, b"")
+        """The daemon is gone: nothing it started may run on (a held child also sees its
+        channel close and exits without exec)."""
+        for child in list(self.children.values()):
             with contextlib.suppress(OSError):
                 os.killpg(child.pid, signal.SIGKILL)
 
@@ -419,15 +360,21 @@ def _checked(request: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
 
 
 def _child(
-    argv: list[str], env: dict[str, str], cwd: str, stdio: Sequence[int], go_r: int, err_w: int
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    stdio: Sequence[int],
+    chan: socket.socket,
+    err_w: int,
 ) -> None:
-    """In the forked child: never returns (exec, or `_exit`)."""
+    """In the forked child: report itself on `chan` (its pid, a pidfd on itself), wait
+    for `go`, then exec. Never returns (exec, or `_exit`)."""
     code = errno.EINVAL
     try:
         os.setsid()
         for target, fd in enumerate(stdio):
             os.dup2(fd, target)
-        keep = sorted({go_r, err_w})
+        keep = sorted({chan.fileno(), err_w})
         low = 3
         for fd in keep:  # everything of the supervisor's goes: other commands' pipes too
             os.closerange(low, fd)
@@ -436,9 +383,24 @@ def _child(
         for sig in IGNORED:
             signal.signal(sig, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        if os.read(go_r, 1) != b"g":
+        chan.settimeout(None)
+        me = os.pidfd_open(os.getpid())
+        frame = encode({"op": "forked", "pid": os.getpid()}, 1)
+        sent = chan.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", me))])
+        if sent < len(frame):
+            chan.sendall(frame[sent:])
+        os.close(me)
+        decoder = Decoder(MAX_REPORT)
+        while True:
+            data = chan.recv(4096)
+            if not data:
+                os._exit(ABORTED)  # the daemon let go of it: nothing runs
+            frames = decoder.feed(data)
+            if frames:
+                break
+        if frames[0][0].get("op") != "go":
             os._exit(ABORTED)
-        os.close(go_r)
+        chan.close()  # the supervisor reports the end on its own copy
         os.chdir(cwd)
         os.execvpe(argv[0], argv, env)
     except OSError as exc:
