@@ -11,7 +11,10 @@ warm `default` sandbox (substrate-sandbox:bookworm), driven through their agent 
    <ctr> true` (CLI), the SDK's `exec_run` on the same container, and a host fork/exec
    of /bin/true (`os.posix_spawn` + `waitpid`);
 2. 100 sequential small commands (`ls /workspace`, `cat /workspace/README`,
-   `python3 -c pass`, in turn): total wall time of each side, --rounds times (medians).
+   `python3 -c pass`, in turn): total wall time of each side, --rounds times (medians);
+3. CPU per warm `true` on the fast path: the daemon's, and the supervisor's with its
+   children (the commands), load-independent (the engine's side is shared with whatever
+   else uses the engine on this host, so it is not attributed).
 
 Needs the engine, substrate-sandbox:bookworm, and root (workspaces are chowned to 1000).
 """
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchdaemon import BenchDaemon
 
 from substrate.protocol.client import Client
+from substrate.sandbox.supervisor import agent
 
 SMALL = (["ls", "/workspace"], ["cat", "/workspace/README"], ["python3", "-c", "pass"])
 
@@ -91,6 +96,22 @@ class Side:
         self.daemon.stop()
 
 
+def cpu(proc: psutil.Process) -> float:
+    """User + system seconds of `proc` and its reaped children."""
+    t = proc.cpu_times()
+    return float(t.user + t.system + t.children_user + t.children_system)
+
+
+def find_supervisor() -> psutil.Process:
+    """The one supervisor process on this host (the fast side's sandbox)."""
+    found = [
+        p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == list(agent.COMMAND)
+    ]
+    if len(found) != 1:
+        raise SystemExit(f"expected one supervisor process, found {len(found)}")
+    return found[0]
+
+
 def host_true() -> None:
     pid = os.posix_spawn("/bin/true", ["true"], {})
     os.waitpid(pid, 0)
@@ -131,6 +152,21 @@ def main() -> None:
             f"fast/exec_run {p50['substrate fast'] / p50['SDK exec_run']:.3f}, "
             f"fast/engine path {p50['substrate fast'] / p50['substrate engine']:.3f}, "
             f"fast/host {p50['substrate fast'] / p50['host']:.1f}"
+        )
+
+        # CPU per command (load-independent): the daemon, and the supervisor with its
+        # children (the commands themselves). The engine's side (dockerd, containerd,
+        # runc) is shared with whatever else uses the engine, so it is not attributed.
+        supervisor = find_supervisor()
+        daemon_ps = psutil.Process(fast.daemon.proc.pid)
+        d0, s0 = cpu(daemon_ps), cpu(supervisor)
+        n = 100
+        for _ in range(n):
+            fast.run(["true"])
+        d1, s1 = cpu(daemon_ps), cpu(supervisor)
+        print(
+            f"CPU per warm `true` on the fast path (ms, {n} runs): daemon "
+            f"{(d1 - d0) * 1000 / n:.2f}, supervisor + command {(s1 - s0) * 1000 / n:.2f}"
         )
 
         def batch(one: Callable[[list[str]], object]) -> Callable[[], object]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,22 +123,37 @@ def pidfd_pid(pidfd: int) -> int | None:
     return int(value)
 
 
-def status_values(status_text: str) -> dict[str, FactValue]:
-    """The STATUS_FACTS of a status text (pure). Raises ValueError when malformed or
-    when a line is missing (a missing capability line must not read as "none")."""
-    present = {line.partition(":")[0] for line in status_text.splitlines()}
-    if not present >= _STATUS_LINES:
-        raise ValueError("status lines missing: " + ", ".join(sorted(_STATUS_LINES - present)))
-    st = P.parse_status(status_text)
+def status_fields(status_text: str) -> dict[str, str]:
+    """A status text's lines as {key: value} (pure; one pass)."""
+    out: dict[str, str] = {}
+    for line in status_text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key] = value.strip()
+    return out
+
+
+def status_values(status_text: str, fields: dict[str, str] | None = None) -> dict[str, FactValue]:
+    """The STATUS_FACTS of a status text (pure; `fields`: its `status_fields`, when the
+    caller has them). Raises ValueError when malformed or when a line is missing (a
+    missing capability line must not read as "none")."""
+    f = status_fields(status_text) if fields is None else fields
+    missing = _STATUS_LINES - f.keys()
+    if missing:
+        raise ValueError("status lines missing: " + ", ".join(sorted(missing)))
+
+    def ids(key: str) -> tuple[int, ...]:
+        return tuple(int(v) for v in f[key].split())
+
     return {
-        "no_new_privs": st.no_new_privs,
-        "seccomp_mode": st.seccomp_mode,
-        "cap_eff": st.cap_eff,
-        "cap_prm": st.cap_prm,
-        "cap_bnd": st.cap_bnd,
-        "cap_amb": st.cap_amb,
-        "uid": P.one_id(st.uids),
-        "gid": P.one_id(st.gids),
+        "no_new_privs": f["NoNewPrivs"] == "1",
+        "seccomp_mode": int(f["Seccomp"]),
+        "cap_eff": P.cap_names(int(f["CapEff"], 16)),
+        "cap_prm": P.cap_names(int(f["CapPrm"], 16)),
+        "cap_bnd": P.cap_names(int(f["CapBnd"], 16)),
+        "cap_amb": P.cap_names(int(f["CapAmb"], 16)),
+        "uid": P.one_id(ids("Uid")),
+        "gid": P.one_id(ids("Gid")),
     }
 
 
@@ -150,25 +166,35 @@ def command_facts(
     the pid the supervisor reported, inside the sandbox's pid namespace (the last
     `NSpid` entry). A malformed status gives None values (never meets the baseline).
     """
+    fields = status_fields(reading.status)
     try:
-        values = status_values(reading.status)
+        values = status_values(reading.status, fields)
     except ValueError:
         values = dict.fromkeys(STATUS_FACTS)
-    nspid = (P.parse_status_field(reading.status, "NSpid") or "").split()
-    ppid = P.parse_status_field(reading.status, "PPid")
-    parent = (
-        PARENT
-        if ppid == str(supervisor_pid) and nspid and nspid[-1] == str(reported_pid)
-        else "other"
+    nspid = fields.get("NSpid", "").split()
+    ours = fields.get("PPid") == str(supervisor_pid) and nspid[-1:] == [str(reported_pid)]
+    now = time.time()
+    status_source, cgroup_source, ns_source = (
+        "kernel:proc-status",
+        "kernel:proc-cgroup",
+        "kernel:proc-ns",
     )
     return [
-        *facts(values, "kernel:proc-status"),
-        *facts({"parent": parent}, "kernel:proc-status"),
-        *facts(
-            {"cgroup": SAME if reading.cgroup == base.cgroup else "other"}, "kernel:proc-cgroup"
+        *(Fact(name=n, value=v, source=status_source, observed_at=now) for n, v in values.items()),
+        Fact(
+            name="parent", value=PARENT if ours else "other", source=status_source, observed_at=now
         ),
-        *facts(
-            {"namespaces": SAME if _same_namespaces(reading, base) else "other"}, "kernel:proc-ns"
+        Fact(
+            name="cgroup",
+            value=SAME if reading.cgroup == base.cgroup else "other",
+            source=cgroup_source,
+            observed_at=now,
+        ),
+        Fact(
+            name="namespaces",
+            value=SAME if _same_namespaces(reading, base) else "other",
+            source=ns_source,
+            observed_at=now,
         ),
     ]
 
