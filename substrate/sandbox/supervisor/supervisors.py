@@ -220,11 +220,6 @@ class Supervisors:
                 limiter=self._fs_limiter,
             )
 
-    def generation(self, container: str) -> int:
-        """The generation of `container`'s current supervisor (0: none started yet)."""
-        slot = self._slots.get(container)
-        return 0 if slot is None or slot.link is None else slot.generation
-
     async def spawn(
         self,
         sandbox: SandboxView,
