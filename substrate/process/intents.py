@@ -86,6 +86,8 @@ def result_of_row(row: ProcRow) -> ProcResult | ProcPending:
         policy_blocked=row.policy_blocked,
         changes=row.changes,
         egress_blocked=row.egress_blocked,
+        via=row.via,
+        exec_facts=row.exec_facts,
     )
 
 

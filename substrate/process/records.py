@@ -21,8 +21,8 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgspec
 
@@ -55,7 +55,9 @@ CREATE TABLE IF NOT EXISTS processes (
     facts TEXT,
     policy_blocked TEXT,
     changes TEXT,
-    egress_blocked TEXT
+    egress_blocked TEXT,
+    via TEXT,
+    exec_facts TEXT
 );
 CREATE INDEX IF NOT EXISTS processes_workspace ON processes(workspace, started);
 CREATE TABLE IF NOT EXISTS fact_sets (
@@ -69,6 +71,8 @@ ADDED_COLUMNS = {
     "policy_blocked": "TEXT",
     "changes": "TEXT",
     "egress_blocked": "TEXT",
+    "via": "TEXT",
+    "exec_facts": "TEXT",
 }
 #: The longest argv[0] the journal keeps (the rest is in the digest).
 MAX_ARGV0_CHARS = 256
@@ -98,6 +102,8 @@ class ProcRow:
     policy_blocked: list[PolicyBlocked]
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
     egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
+    via: Literal["supervisor", "engine"] | None = None  # None: rows older than this column
+    exec_facts: list[Fact] = field(default_factory=list)  # its own process's (fast exec)
 
 
 def _ref(raw: object) -> OutputRef | None:
@@ -138,13 +144,16 @@ def _row(r: Any) -> ProcRow:
             if r["egress_blocked"]
             else None
         ),
+        via="supervisor" if r["via"] == "supervisor" else "engine" if r["via"] else None,
+        exec_facts=_decoded(r["exec_facts"], list[Fact]),
     )
 
 
 _ROW_SELECT = (
     "SELECT p.id, p.workspace, p.profile, p.argv, p.cwd, p.state, p.started, p.ended,"
     " p.exit_code, p.signal, p.timed_out, p.oom_killed, p.duration_ms, p.stdout, p.stderr,"
-    " p.epoch, p.policy_blocked, p.changes, p.egress_blocked, f.facts AS fact_list"
+    " p.epoch, p.policy_blocked, p.changes, p.egress_blocked, p.via, p.exec_facts,"
+    " f.facts AS fact_list"
     " FROM processes p LEFT JOIN fact_sets f ON f.digest = p.facts"
 )
 
@@ -173,6 +182,9 @@ class Outcome:
     killed: int  # of those, how many needed KILL
     cancelled: bool = False  # its run was cut off (caller gone, daemon stopping): killed
     egress_blocked: EgressBlocked | None = None  # an egress sandbox's refused connections
+    via: Literal["supervisor", "engine"] | None = None  # how it was started (docs/fast-exec.md)
+    #: Its own process's confinement as the host saw it before it ran (fast exec only).
+    exec_facts: Sequence[Fact] = ()
 
 
 def ref_summary(ref: OutputRef) -> dict[str, Any]:
@@ -301,7 +313,7 @@ class ProcessRecords:
                 "UPDATE processes SET state = 'exited', exit_code = ?, signal = ?,"
                 " timed_out = ?, oom_killed = ?, ended = ?, duration_ms = ?, stdout = ?,"
                 " stderr = ?, artifacts = ?, policy_blocked = ?, changes = ?,"
-                " egress_blocked = ? WHERE id = ?",
+                " egress_blocked = ?, via = ?, exec_facts = ? WHERE id = ?",
                 (
                     outcome.exit_code,
                     outcome.signal,
@@ -317,6 +329,8 @@ class ProcessRecords:
                     None
                     if egress_blocked is None
                     else msgspec.json.encode(egress_blocked).decode(),
+                    outcome.via,
+                    msgspec.json.encode(list(outcome.exec_facts)).decode(),
                     proc,
                 ),
             )
@@ -335,6 +349,7 @@ class ProcessRecords:
                     "reaped": outcome.reaped,
                     "killed": outcome.killed,
                     "cancelled": outcome.cancelled,
+                    **({} if outcome.via is None else {"via": outcome.via}),
                     "policy_blocked": [msgspec.to_builtins(b) for b in blocked],
                     **({} if changes is None else {"changes": msgspec.to_builtins(changes.counts)}),
                     **({} if egress_blocked is None else {"egress_blocked": egress_blocked.count}),

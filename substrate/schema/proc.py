@@ -126,7 +126,12 @@ class RunParams(Params):
 
 class ProcResult(Result):
     """A finished command. `exit_code` is the engine's: 128 + n for a death by signal n
-    (then `signal` names it, e.g. "KILL"); None only if the engine lost it."""
+    (then `signal` names it, e.g. "KILL"); None only if the engine (or the sandbox's
+    supervisor, when it died while the command ran) lost it. `via`: how it was started
+    ("supervisor": fast exec, docs/fast-exec.md; "engine": the engine's exec).
+    `exec_facts`: the command's own process as the host saw it before it ran (fast
+    exec; empty on the engine path): NoNewPrivs, Seccomp, capabilities, ids, and
+    `parent`/`cgroup`/`namespaces` ("supervisor"/"sandbox"/"sandbox")."""
 
     proc: str
     exit_code: int | None
@@ -140,6 +145,8 @@ class ProcResult(Result):
     policy_blocked: list[PolicyBlocked]
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
     egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
+    via: Literal["supervisor", "engine"] | None = None
+    exec_facts: list[Fact] = msgspec.field(default_factory=list)
 
 
 method(
