@@ -49,6 +49,11 @@ log = logging.getLogger("substrate.process.service")
 
 #: How often idle sandboxes are looked for, at most (seconds).
 IDLE_SWEEP_S = 30.0
+#: At shutdown, how long the users of layer sandboxes (terminals, cut-off commands) get
+#: to end and conclude their generations before the sandboxes go (seconds). Each ends
+#: within `pty.terminals` `terminate_timeout_s` (10 s) plus its conclusion; what has not
+#: ended by then is kept for review (`LayerUsers.keep_left`).
+SHUTDOWN_DRAIN_S = 30.0
 
 
 class Execution:
@@ -225,12 +230,31 @@ class Execution:
         await self.containers.release_workspace(ws.id)
 
     async def shutdown(self) -> None:
-        """Remove this run's sandboxes (bounded: an unanswering engine is left alone)."""
+        """Remove this run's sandboxes, concluding or keeping their layers' generations
+        first (docs/working-layer.md, "Shutdown"); bounded, apart from the conclusions
+        already running: an unanswering engine is left alone.
+
+        Order, each step needing the one before: (1) wait up to `SHUTDOWN_DRAIN_S` for
+        every user of a layer sandbox to end and conclude — terminals end concurrently
+        (the terminal service stops too), commands cut off by the stop conclude in their
+        runner, all against live containers; (2) stop concluding (`LayerUsers.stop`,
+        which waits for the conclusions running); (3) remove the containers, which tears
+        down their layers; (4) keep what is left unconcluded as pending sets
+        (`keep_left`); (5) only then sweep the layer directory's own bind: until the
+        last conclusion or scan closed its fds beneath it, unmounting it is EBUSY."""
+        users = self.processes.layer_users
+        with trio.move_on_after(SHUTDOWN_DRAIN_S):
+            await users.quiet()
+        await users.stop()
         with trio.move_on_after(30):
             try:
                 await self.containers.remove_all("shutdown")
             except Refusal as exc:
                 log.warning("shutdown: %s", exc.message)
-            if not self.containers.live():
+        kept = await users.keep_left()
+        if kept:
+            log.warning("%d layer generation(s) kept for review at shutdown", len(kept))
+        if not self.containers.live():
+            with trio.move_on_after(30):
                 await self.containers.sweep_layers()
         self.engine.close()

@@ -93,10 +93,12 @@ class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     that one's result carries the set (docs/protocol.md §11). `error`: why nothing (or
     not everything) was applied: `layer_busy` (the layer was still in use; its changes
     apply after the next command), `layer_unverified` (the next generation did not
-    verify: the sandbox is dropped), or a refusal name. `mode` is the mode the set was
-    concluded in (the most conservative its users asked; the run's own `changes` when
-    deferred); `changeset` the id under which the set is kept (`changes.get`), absent for
-    "discard"; `review` the changes awaiting `changes.apply` (mode "review")."""
+    verify: the sandbox is dropped), `daemon_stopped` (the daemon stopped before the
+    generation concluded: it is kept as a pending set, `changeset` when known), or a
+    refusal name. `mode` is the mode the set was concluded in (the most conservative its
+    users asked; the run's own `changes` when deferred); `changeset` the id under which
+    the set is kept (`changes.get`), absent for "discard"; `review` the changes awaiting
+    `changes.apply` (mode "review")."""
 
     generation: int  # the layer generation that held the changes (upper/<generation>)
     deferred: bool = False
