@@ -103,6 +103,12 @@ async def open_env(state: Path, tmp_path: Path, **config: Any) -> AsyncIterator[
     profiles.mkdir(exist_ok=True)
     for shipped in (PROJECT_ROOT / "profiles").glob("*.toml"):
         shutil.copy(shipped, profiles / shipped.name)
+    # `default` with the plain bind: the reactive write gate on the fast path.
+    default = (profiles / "default.toml").read_text()
+    assert 'workspace = "layer"' in default
+    (profiles / "plain-rw.toml").write_text(
+        default.replace('workspace = "layer"', 'workspace = "rw"')
+    )
     root = tmp_path / "roots"
     project = root / "project"
     (project / ".git").mkdir(parents=True, exist_ok=True)
@@ -289,7 +295,7 @@ async def test_a_run_cut_off_is_killed_and_recorded(env: Env) -> None:
 
 
 async def test_write_gate_on_the_fast_path(env: Env) -> None:
-    result = await env.run(["sh", "-c", "echo x > denied.lock; echo y > kept.txt"])
+    result = await env.run(["sh", "-c", "echo x > denied.lock; echo y > kept.txt"], "plain-rw")
     assert result["via"] == "supervisor"
     blocked = [(b["path"].split(":", 1)[1], b["reverted"]) for b in result["policy_blocked"]]
     assert blocked == [("denied.lock", True)]
@@ -298,11 +304,11 @@ async def test_write_gate_on_the_fast_path(env: Env) -> None:
 
 
 async def test_working_layer_on_the_fast_path(env: Env) -> None:
-    result = await env.run(["sh", "-c", "echo layered > made.txt"], profile="agent")
+    result = await env.run(["sh", "-c", "echo layered > made.txt"], profile="default")
     assert result["via"] == "supervisor"
     assert [e["path"] for e in result["changes"]["applied"]] == ["made.txt"]
     assert (env.path / "made.txt").read_text() == "layered\n"
-    second = await env.run(["cat", "made.txt"], profile="agent")
+    second = await env.run(["cat", "made.txt"], profile="default")
     assert (second["via"], text(second["stdout"])) == ("supervisor", "layered\n")
 
 
