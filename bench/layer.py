@@ -1,7 +1,7 @@
 """Benchmark of the working layer (issue 10): one run, ratios against baselines measured
 in the same run (medians).
 
-    python3 bench/layer.py [--suite-runs 5] [--many-runs 3] [--true-runs 30]
+    python3 bench/layer.py [--suite-runs 5] [--many-runs 5] [--true-runs 30]
 
 Starts a real daemon (`python -m substrate serve --profiles D`) whose profiles dir holds
 the shipped `agent` profile (`workspace = "layer"`) and `agent-rw`, the same profile with
@@ -13,7 +13,7 @@ the shipped `agent` profile (`workspace = "layer"`) and `agent-rw`, the same pro
    the swap, re-verification, scan and apply of the change set);
 2. a command creating 5,000 files of 1 KiB: the layer's after-command time less the rw
    profile's is the apply, in files/s, against `cp -a` of the same 5,000 files on the
-   host into a fresh directory;
+   host into a fresh directory (the copies interleaved with the commands);
 3. warm `proc.run ["true"]` p50 on both profiles: the difference is the per-command cost
    of a layer (swap + scan of an empty layer + re-verification).
 
@@ -164,7 +164,7 @@ def med(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--suite-runs", type=int, default=5)
-    ap.add_argument("--many-runs", type=int, default=3)
+    ap.add_argument("--many-runs", type=int, default=5)
     ap.add_argument("--true-runs", type=int, default=30)
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="substrate-bench-layer-"))
@@ -233,8 +233,8 @@ def main() -> None:
 
         for p in (LAYER, RW):
             bench.run(many[p], p, ["true"])  # warm: the container exists
-        interleaved([many_on(LAYER), many_on(RW)], args.many_runs)
-        interleaved([copy], args.many_runs)
+        # The copies take turns with the commands, so both see the same load.
+        interleaved([many_on(LAYER), many_on(RW), copy], args.many_runs)
         apply_ms = med(mafter[LAYER]) - med(mafter[RW])
         ours, cp = MANY_FILES / (apply_ms / 1000), MANY_FILES / (med(cp_ms) / 1000)
         report += [

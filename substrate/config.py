@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -21,6 +21,10 @@ from substrate.workspace.policy import compile_policy
 
 #: Where the shipped profiles and seccomp policies live (a checkout or an sdist).
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+#: A key whose name holds one of these is never reported (none does today).
+SECRET_WORDS = ("secret", "token", "password")
 
 
 class ConfigError(Exception):
@@ -46,6 +50,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     idle_timeout_s: float = 600.0  # a connection with nothing in flight closes after this
     max_processes: int = 64  # running processes per daemon
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
+    #: commands start through each sandbox's own supervisor (docs/fast-exec.md); false:
+    #: every command is an engine exec (no supervisor, no supervisor directory bound)
+    fast_exec: bool = True
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
     #: checkpoint pre-images kept, bytes; past it the oldest checkpoint expires (§11)
     preimage_quota_bytes: int = 1 << 30
@@ -54,11 +61,18 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     max_upload_bytes: int = 1 << 30  # one chunked upload's declared size (§14); more: too_large
     max_uploads: int = 8  # open uploads per caller (socket and uid); more: limit_exceeded
     upload_idle_s: float = 600.0  # an upload with no call for this long expires, spool removed
+    #: the daemon's log on stderr: "debug" adds one line per refusal (method and name only)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     # `[policy]`: the operator's default policy of every checkout (docs/protocol.md §2); agents add to it.
     policy: Policy = msgspec.field(default_factory=Policy)
 
     def state_path(self) -> Path:
         return Path(self.state_dir).absolute()
+
+    def public(self) -> dict[str, Any]:
+        """Every key and its effective value, but any named like a secret (`daemon.info`)."""
+        values: dict[str, Any] = msgspec.to_builtins(self)
+        return {k: v for k, v in values.items() if not any(w in k for w in SECRET_WORDS)}
 
     def effective_uids(self) -> frozenset[int]:
         return frozenset(self.allowed_uids) if self.allowed_uids else frozenset({os.getuid(), 0})

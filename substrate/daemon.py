@@ -10,6 +10,7 @@ journals `daemon.stopped` and returns.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import resource
@@ -24,12 +25,15 @@ import trio
 
 from substrate import __version__
 from substrate.api import dispatcher
+from substrate.api.journal import terminal_listen
+from substrate.api.profile import reload_profiles
 from substrate.config import Config
-from substrate.errors import StartupError
+from substrate.egress import EgressProxy, from_environ
+from substrate.errors import Refusal, StartupError
 from substrate.process.service import Execution
 from substrate.protocol.server import Backend, serve_socket
 from substrate.pty.service import TerminalService
-from substrate.sandbox.profiles import ProfileError
+from substrate.sandbox.profiles import ProfileError, profile_digest
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import reads
@@ -39,13 +43,30 @@ from substrate.workspace.upload_writes import UploadWriter
 from substrate.workspace.uploads import Uploads
 from substrate.workspace.writes import Writer
 
-__all__ = ["Daemon", "StartupError", "open_daemon"]
+__all__ = ["Daemon", "StartupError", "configure_logging", "open_daemon"]
 
 log = logging.getLogger("substrate")
 
 #: The agent socket (0660) and the operator socket (0600), in the state dir.
 AGENT_SOCKET = "substrate.sock"
 OPERATOR_SOCKET = "operator.sock"
+
+
+class _IsoFormatter(logging.Formatter):
+    """Log lines stamped in ISO 8601 with the local offset, to the millisecond."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        stamp = datetime.datetime.fromtimestamp(record.created).astimezone()
+        return stamp.isoformat(timespec="milliseconds")
+
+
+def configure_logging(level: str) -> None:
+    """The daemon's log: one line per event on stderr, `<ISO 8601 time> <logger>
+    <LEVEL> <message>`, at `level` ("debug", "info", "warning", "error"). Replaces any
+    handler set before (a forked test daemon inherits its parent's)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_IsoFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def prepare_state_dir(path: Path) -> Path:
@@ -92,6 +113,8 @@ class Daemon:
     checkpoints: Checkpoints
     execution: Execution
     terminals: TerminalService
+    #: The allow-listing proxy of egress sandboxes (docs/egress.md), served by `serve`.
+    egress: EgressProxy
     #: Chunked uploads in progress (fs.upload.*) and the writer that commits them.
     uploads: Uploads
     upload_writer: UploadWriter
@@ -103,6 +126,10 @@ class Daemon:
     hash_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(2))
     digests: reads.Digests = field(default_factory=reads.Digests)
     started: float = field(default_factory=time.monotonic)
+    #: `profile_digest` of each profile in force; replaced by each reload.
+    profile_digests: dict[str, str] = field(default_factory=dict)
+    #: One profile reload at a time (SIGHUP, `profile.reload`).
+    profile_lock: trio.Lock = field(default_factory=trio.Lock)
 
     @property
     def epoch(self) -> int:
@@ -114,21 +141,60 @@ class Daemon:
             self.journal.append, "daemon.started", {"version": __version__, "pid": os.getpid()}
         )
         backend = Backend(config=self.config, dispatch=dispatcher(self), record=self.journal.append)
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 agent, operator = self.state_dir / AGENT_SOCKET, self.state_dir / OPERATOR_SOCKET
                 await nursery.start(serve_socket, backend, agent, 0o660, "agent")
                 await nursery.start(serve_socket, backend, operator, 0o600, "operator")
                 nursery.start_soon(trio.to_thread.run_sync, self.workspaces.clean_stale_temp_files)
+                await nursery.start(self.egress.serve)  # before any sandbox links to it
                 await nursery.start(self.execution.run)  # reaps, sweeps, stops sandboxes
                 await nursery.start(self.terminals.serve)
                 nursery.start_soon(self._expire_uploads)
                 task_status.started()
+                nursery.start_soon(self._banner)
                 async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        nursery.start_soon(self._reload_profiles)
+                        continue
                     log.info("signal %s: stopping", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
                     break
         await trio.to_thread.run_sync(self.journal.append, "daemon.stopped", {"reason": "signal"})
+
+    async def _reload_profiles(self) -> None:
+        """SIGHUP: `profile.reload`, its outcome logged (a refusal keeps the set in force)."""
+        log.info("signal SIGHUP: reloading profiles")
+        with contextlib.suppress(Refusal):  # logged and journaled by reload_profiles
+            await reload_profiles(self, actor="operator:signal")
+
+    async def _banner(self) -> None:
+        """Say at start what this daemon is: sockets, terminal URL, state dir, profiles,
+        engine. Logged once the sockets accept; the engine line waits for the engine's
+        answer (bounded by its client's timeout). Never a path inside a workspace, never
+        a secret."""
+        agent, operator = self.state_dir / AGENT_SOCKET, self.state_dir / OPERATOR_SOCKET
+        log.info("substrate %s serving: pid %d, epoch %d", __version__, os.getpid(), self.epoch)
+        log.info("state dir %s", self.state_dir)
+        log.info("agent socket %s (0660), operator socket %s (0600)", agent, operator)
+        listen = terminal_listen(self)
+        log.info("terminals %s", f"http://{listen}/" if listen else "not listening (see above)")
+        names = sorted(self.execution.profiles)
+        log.info(
+            "profiles %s: %d loaded: %s",
+            self.config.profiles_dir,
+            len(names),
+            ", ".join(names) or "(none)",
+        )
+        log.info("log level %s", self.config.log_level)
+        engine = await self.execution.engine_status()
+        if engine.reachable:
+            runtimes = ", ".join(engine.runtimes) or "none"
+            log.info("engine reachable: Docker %s, runtimes %s", engine.version, runtimes)
+        else:
+            log.warning(
+                "engine not reachable: commands are refused runtime_unavailable until it answers"
+            )
 
     async def _expire_uploads(self) -> None:
         """Drop uploads idle for `upload_idle_s` (and their spools), checking a few times
@@ -182,10 +248,19 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     closing.callback(uploads.close)
     # One writer for fs.* and the working layers' change sets, keeping pre-images for both.
     writer = Writer(store, journal, checkpoints)
+    # Chained to the upstream proxy the daemon's own environment names, if any.
+    egress = EgressProxy(upstream=from_environ(os.environ))
     try:
         execution = Execution(
-            config, store, journal, state_dir, fs_limiter=fs_limiter, writer=writer
+            config, store, journal, state_dir, fs_limiter=fs_limiter, writer=writer, egress=egress
         )
+    except ProfileError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        profile_digests = {
+            name: profile_digest(prof, Path(config.seccomp_dir))
+            for name, prof in execution.profiles.items()
+        }
     except ProfileError as exc:
         raise StartupError(str(exc)) from None
     # Before any socket accepts: no change set stays half-applied across a crash.
@@ -203,7 +278,9 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         execution=execution,
         terminals=TerminalService(config, store, journal, execution, workspaces),
         fs_limiter=fs_limiter,
+        egress=egress,
         digests=digests,
         uploads=uploads,
         upload_writer=UploadWriter(store, journal, digests, checkpoints),
+        profile_digests=profile_digests,
     )

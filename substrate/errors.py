@@ -159,6 +159,13 @@ class ProfileUnknown(Refusal):
     name = "profile_unknown"
 
 
+class ProfileInvalid(Refusal):
+    """A profile reload found a profile or seccomp file that does not load (the message
+    names the file and key); the profiles in force stay as they were."""
+
+    name = "profile_invalid"
+
+
 class ArgvDenied(Refusal):
     """argv is empty, holds a NUL, or argv[0] is outside the profile's `argv_allow`."""
 
@@ -181,6 +188,14 @@ class ImageMissing(Refusal):
     """The profile's image is not present in the engine (no registry pull is attempted)."""
 
     name = "image_missing"
+
+
+class EgressDenied(Refusal):
+    """An egress sandbox asked its proxy for a host or port its profile's `egress_allow`
+    does not list (or a name that resolves to the host's own addresses); answered by the
+    proxy as HTTP 403 before any resolution, reported as `egress_blocked`."""
+
+    name = "egress_denied"
 
 
 class ProcessUnknown(Refusal):

@@ -186,3 +186,36 @@ async def test_a_missing_image_or_runtime_is_refused_before_anything_is_made(
         await layer.containers.ensure(layer.ws, PROFILES["gv"])
     assert layer.engine.containers == {} and "create_container" not in layer.engine.calls
     assert IMAGE in layer.engine.images
+
+
+async def test_a_reload_retires_busy_sandboxes_once_idle_and_idle_ones_at_once(
+    layer: Layer,
+) -> None:
+    busy = await layer.containers.ensure(layer.ws, BOX)
+    busy.acquire()  # a command runs in it
+    assert await layer.containers.retire(["box", "other"]) == 1
+    assert busy.id in layer.engine.containers  # its command keeps running
+    assert layer.containers.cached(layer.ws.id, "box") is None
+    assert busy in layer.containers.live()
+    fresh = await layer.containers.ensure(layer.ws, BOX)  # a new command: a new sandbox
+    assert fresh.id != busy.id
+    assert await layer.containers.reap_idle() == 0  # still running: kept
+    busy.release()
+    assert await layer.containers.reap_idle() == 1
+    assert busy.id not in layer.engine.containers and busy not in layer.containers.live()
+    assert await layer.containers.retire(["box"]) == 1  # idle: removed at once
+    assert fresh.id not in layer.engine.containers
+    assert removed(layer) == [(busy.id[:12], "profile_changed"), (fresh.id[:12], "profile_changed")]
+
+
+async def test_a_sandbox_of_a_changed_profile_takes_no_new_command(layer: Layer) -> None:
+    old = await layer.containers.ensure(layer.ws, BOX)
+    old.acquire()
+    stricter = msgspec.structs.replace(BOX, pids=BOX.pids - 1)
+    new = await layer.containers.ensure(layer.ws, stricter)
+    assert new.id != old.id and new.profile == stricter
+    # Labelled for the same pair, the busy old one is not removed as a foreign container.
+    assert old.id in layer.engine.containers and old in layer.containers.live()
+    old.release()
+    await layer.containers.remove_all("shutdown")
+    assert not layer.engine.containers

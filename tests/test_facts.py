@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from substrate.egress.allow import AllowList
 from substrate.sandbox import facts as F
 from substrate.sandbox import observe, observe_gvisor, profiles
 from substrate.sandbox import parsers as P
@@ -300,3 +301,41 @@ def test_mismatch_report_and_wire_shapes(required: dict[str, F.FactValue]) -> No
         "observed": ["SYS_ADMIN"],
         "source": "test:cap_bnd",
     }
+
+
+# -- egress ---------------------------------------------------------------------------------
+
+
+def test_an_egress_sandbox_requires_its_listener_digest_and_bundle() -> None:
+    profile = profiles.Profile(
+        name="e", network="egress", egress_allow=["b.example", "a.example"], ca_bundle="host"
+    )
+    req = F.required_facts(
+        profile,
+        run_uid=1000,
+        run_gid=1000,
+        workspace_mode="rw",
+        readonly_dirs=[],
+        seccomp_expected=True,
+    )
+    assert req["network_mode"] == "none"
+    assert req["net_links"] == ["lo"] and req["net_routes"] == []
+    extra = F.egress_required(profile, ca_bundle="sha256:ab")
+    assert extra == {
+        "egress_allow_digest": AllowList.of(["a.example", "b.example"]).digest,
+        "egress_listeners": ["127.0.0.1:3128=substrate"],
+        "ca_bundle": "sha256:ab",
+    }
+    assert "ca_bundle" not in F.egress_required(profile, ca_bundle=None)
+    assert F.egress_required(profiles.Profile(name="p"), ca_bundle="sha256:ab") == {}
+    ok = observed_as(extra)
+    assert F.compare(extra, ok) == []
+    for name, value in [
+        ("egress_listeners", ["127.0.0.1:3128=substrate", "127.0.0.1:8080=other"]),
+        ("egress_listeners", ["127.0.0.1:3128=other"]),
+        ("egress_listeners", []),
+        ("egress_allow_digest", AllowList.of(["a.example"]).digest),
+        ("ca_bundle", "sha256:cd"),
+        ("ca_bundle", None),
+    ]:
+        assert [m.name for m in F.compare(extra, observed_as(extra, **{name: value}))] == [name]

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from substrate.store.db import Store
-from substrate.store.journal import GENESIS, Entry, Journal, canonical, entry_hash
+from substrate.store.journal import GENESIS, Draft, Entry, Journal, canonical, entry_hash
 
 
 @pytest.fixture
@@ -131,6 +131,31 @@ def test_append_in_commits_with_the_callers_transaction(store: Store, journal: J
     with store.transaction() as db:
         second = journal.append_in(db, "k", {"n": 3})
     assert second.seq == 2 and second.prev == first.hash
+    assert journal.verify() is None
+
+
+def test_append_many_in_chains_each_entry_in_one_transaction(
+    store: Store, journal: Journal
+) -> None:
+    first = journal.append("k", {"n": 0})
+    drafts = [
+        Draft("changes.apply", {"path": f"r:f{i}", "n": i}, "ws_1", "agent:0") for i in range(5)
+    ]
+    with pytest.raises(RuntimeError), store.transaction() as db:
+        journal.append_many_in(db, drafts)
+        raise RuntimeError("the batch failed")
+    assert journal.read() == [first]  # rolled back with the caller's transaction
+    with store.transaction() as db:
+        assert journal.append_many_in(db, []) == []
+        batch = journal.append_many_in(db, drafts)
+    assert journal.read() == [first, *batch]
+    assert [e.seq for e in batch] == [2, 3, 4, 5, 6]
+    assert [e.prev for e in batch] == [first.hash, *(e.hash for e in batch[:-1])]
+    assert all(recompute(e) == e.hash for e in batch)
+    assert [(e.kind, e.workspace, e.actor, e.data["n"]) for e in batch] == [
+        ("changes.apply", "ws_1", "agent:0", i) for i in range(5)
+    ]
+    assert journal.append("k", {"n": 9}).prev == batch[-1].hash
     assert journal.verify() is None
 
 

@@ -146,10 +146,11 @@ def test_applies_bytes_modes_owners_and_order(env: Env) -> None:
         "new/f": (0o600, uid, gid),
         "top.txt": (0o644, uid, gid),
     }
+    # Journaled phase by phase: file deletes, then the directories they emptied.
     assert env.entries() == [
         ("changes.apply", "demo:d/sub/y"),
-        ("changes.apply_dir", "demo:d/sub"),
         ("changes.apply", "demo:d/x"),
+        ("changes.apply_dir", "demo:d/sub"),
         ("changes.apply_dir", "demo:d"),
         ("changes.apply_dir", "demo:new"),
         ("changes.apply", "demo:a.txt"),
@@ -157,6 +158,11 @@ def test_applies_bytes_modes_owners_and_order(env: Env) -> None:
         ("changes.apply", "demo:new/f"),
         ("changes.apply", "demo:top.txt"),
     ]
+    # One entry per change, the chain intact; no temp file, record or intent left.
+    assert env.journal.verify() is None
+    for table in ("temp_files", "write_intents"):
+        assert env.journal.store.query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"] == 0
+    assert [p.name for p in env.root.rglob(".substrate-tmp-*")] == []
     # A second apply of the same set applies nothing twice.
     again = env.apply(cs)
     assert again.applied == ()

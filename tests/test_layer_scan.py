@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import stat
 import subprocess
@@ -13,6 +14,9 @@ import pytest
 
 from substrate.errors import TooLarge
 from substrate.workspace.layer import ChangeSet, scan
+
+# The module (the package exports the function under the same name).
+scan_module = importlib.import_module("substrate.workspace.layer.scan")
 
 DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -173,6 +177,22 @@ def test_preview_is_a_bounded_unified_diff(layers: tuple[Path, Path]) -> None:
     assert by_path["a.txt"].diff == "--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-a\n+b\n"
     assert by_path["big"].diff_truncated
     assert "too large to diff" in by_path["big"].diff
+
+
+def test_only_the_changes_shown_get_a_preview(
+    layers: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(scan_module, "MAX_PREVIEWS", 2)
+    lower, upper = layers
+    for name in ("n1", "n2", "n3"):
+        (upper / name).write_bytes(name.encode() + b"\n")
+    cs = scan_dirs(upper, lower)
+    assert [c.path for c in cs.changes] == ["n1", "n2", "n3"]
+    assert [c.diff for c in cs.changes] == [
+        "--- a/n1\n+++ b/n1\n@@ -0,0 +1 @@\n+n1\n",
+        "--- a/n2\n+++ b/n2\n@@ -0,0 +1 @@\n+n2\n",
+        "",
+    ]
 
 
 # --- a real overlay mount ----------------------------------------------------------------------

@@ -284,3 +284,36 @@ def test_outside_routes() -> None:
     assert P.outside_routes([route(family=10, dst=None, gateway="fe80::1")]) == [
         "inet6 ::/0 via fe80::1 dev eth0 table 254"
     ]
+
+
+#: /proc/<pid>/net/tcp of an egress sandbox: the daemon's listener, a command's
+#: connection to it and the daemon's accepted end (as read from a real container).
+NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:0C38 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 2226741 1 00000000187e77b8 100 0 0 10 0
+   1: 0100007F:B182 0100007F:0C38 01 00000000:00000000 00:00000000 00000000  1000        0 2227622 2 0000000091051cf6 20 0 0 10 -1
+   2: 0100007F:0C38 0100007F:B182 01 00000000:00000000 00:00000000 00000000     0        0 2227585 1 000000000532a292 20 0 0 10 -1
+"""
+NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 99 1 0000000000000000 100 0 0 10 0
+"""
+
+
+def test_parse_proc_net_tcp() -> None:
+    listener, client, accepted = P.parse_proc_net_tcp(NET_TCP)
+    assert listener == P.TcpSocket(
+        local="127.0.0.1:3128", remote="0.0.0.0:0", state=P.TCP_LISTEN, uid=0, inode=2226741
+    )
+    assert (client.local, client.remote, client.uid, client.inode) == (
+        "127.0.0.1:45442",
+        "127.0.0.1:3128",
+        1000,
+        2227622,
+    )
+    assert accepted.local == "127.0.0.1:3128"
+    (v6,) = P.parse_proc_net_tcp(NET_TCP6)
+    assert (v6.local, v6.state, v6.uid) == ("::1:8080", P.TCP_LISTEN, 1000)
+    assert P.parse_proc_net_tcp(NET_TCP.splitlines()[0]) == []
+    with pytest.raises(ValueError):
+        P.parse_proc_net_tcp(NET_TCP.replace("0100007F:B182", "01007F:B182"))

@@ -8,6 +8,7 @@ import subprocess
 import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import pytest
@@ -24,14 +25,14 @@ class EditSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     old: str
     new: str
-    count: int = 1
+    count: int | Literal["all"] = 1
 
 
 @dataclass(frozen=True)
 class Edit:
     old: str
     new: str
-    count: int = 1
+    count: int | Literal["all"] = 1
 
 
 def conflict(excinfo: pytest.ExceptionInfo[PatchConflict]) -> dict[str, object]:
@@ -180,6 +181,43 @@ def test_edit_results_are_bounded_in_utf8_bytes(data: bytes, edits: list[Edit], 
     assert len(apply_edits(data, edits, max_bytes=size)) == size
     with pytest.raises(TooLarge):
         apply_edits(data, edits, max_bytes=size - 1)
+
+
+def test_count_all_replaces_every_occurrence() -> None:
+    out = apply_edits(b"x y x\nx\n", [EditSpec(old="x", new="zz", count="all")])
+    assert out == b"zz y zz\nzz\n"
+    # Each edit sees the previous one's result; "all" counts there too.
+    edits = [EditSpec(old="a", new="ab", count="all"), EditSpec(old="b", new="c", count="all")]
+    assert apply_edits(b"aba", edits) == b"accac"
+
+
+def test_count_all_needs_at_least_one_occurrence() -> None:
+    with pytest.raises(PatchConflict) as excinfo:
+        apply_edits(b"abc", [EditSpec(old="a", new="x"), EditSpec(old="q", new="y", count="all")])
+    assert conflict(excinfo) == {"edit": 1, "occurrences": 0, "expected": "all"}
+    assert "at least once" in excinfo.value.message
+
+
+def test_count_all_is_wire_valid_and_nothing_else_is() -> None:
+    from substrate.schema.fs import Edit as WireEdit
+
+    assert msgspec.convert({"old": "a", "new": "b", "count": "all"}, WireEdit).count == "all"
+    for bad in ("some", 0, "1"):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"old": "a", "new": "b", "count": bad}, WireEdit, strict=True)
+
+
+def test_an_amplifying_count_all_is_refused_before_its_result_is_built() -> None:
+    data = b"b" * 100_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooLarge) as excinfo:
+            apply_edits(data, [Edit(old="b", new="b" * 1000, count="all")])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert excinfo.value.data == {"limit": patching.MAX_RESULT_BYTES}
+    assert peak < 4 << 20
 
 
 def test_a_growing_edit_is_refused_at_the_step_that_passes_the_bound() -> None:

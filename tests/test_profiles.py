@@ -419,3 +419,123 @@ def test_secrets_name_variables_and_secret_names_only(tmp_path: Path) -> None:
 
 def test_the_home_and_workspace_targets_are_never_covered_by_a_tmpfs() -> None:
     assert {WORKSPACE_TARGET, HOME_TARGET} <= set(profiles._TMPFS_FORBIDDEN)
+
+
+# -- egress ---------------------------------------------------------------------------------
+
+EGRESS = GOOD + 'network = "egress"\n'
+
+
+def _no_pip() -> tuple[list[str], str | None]:
+    raise AssertionError("@pip-index was not asked for")
+
+
+def test_an_egress_profile_loads_its_allow_list_normalised(tmp_path: Path) -> None:
+    body = EGRESS + 'egress_allow = ["Pkg.Example.org.", "*.cdn.example", "pkg.example.org"]\n'
+    p = load_profile(_write(tmp_path, body), SECCOMP, pip_index=_no_pip)
+    assert p.network == "egress"
+    assert p.egress_allow == ["*.cdn.example", "pkg.example.org"]
+
+
+def test_pip_index_is_replaced_by_what_pip_names(tmp_path: Path) -> None:
+    body = EGRESS + 'egress_allow = ["@pip-index", "extra.example"]\n'
+    path = _write(tmp_path, body)
+    found = load_profile(
+        path, SECCOMP, pip_index=lambda: (["index.example", "files.example"], None)
+    )
+    assert found.egress_allow == ["extra.example", "files.example", "index.example"]
+    # pip's configuration unreadable: the token allows nothing (and the log says why).
+    nothing = load_profile(path, SECCOMP, pip_index=lambda: ([], "no pip here"))
+    assert nothing.egress_allow == ["extra.example"]
+
+
+def test_the_shipped_setup_profile_allows_only_pips_index(tmp_path: Path) -> None:
+    setup = load_profile(
+        PROFILES / "setup.toml", SECCOMP, pip_index=lambda: (["index.example"], None)
+    )
+    assert setup.egress_allow == ["index.example"]
+    assert (setup.network, setup.ca_bundle) == ("egress", "host")
+    diff = {
+        k: v
+        for k, v in msgspec.to_builtins(setup).items()
+        if v != msgspec.to_builtins(load_profile(PROFILES / "default.toml", SECCOMP))[k]
+        and k not in ("name", "description")
+    }
+    assert diff == {"network": "egress", "egress_allow": ["index.example"], "ca_bundle": "host"}
+
+
+@pytest.mark.parametrize(
+    ("body", "where", "why"),
+    [
+        (GOOD + 'egress_allow = ["a.example"]\n', "$.egress_allow", 'only a network = "egress"'),
+        (GOOD + 'ca_bundle = "host"\n', "$.ca_bundle", 'only a network = "egress"'),
+        (EGRESS + 'egress_allow = ["*"]\n', "$.egress_allow[0]", "whole first label"),
+        (EGRESS + 'egress_allow = ["a.example", "a b"]\n', "$.egress_allow[1]", "not a host"),
+        (EGRESS + 'egress_allow = ["*.org"]\n', "$.egress_allow[0]", "two labels"),
+        (EGRESS + 'egress_allow = ["@index"]\n', "$.egress_allow[0]", "not a host"),
+        (EGRESS + 'ca_bundle = "certs.pem"\n', "$.ca_bundle", "absolute file path"),
+        (EGRESS + 'ca_bundle = "/nonexistent/ca.pem"\n', "$.ca_bundle", "cannot open"),
+        (EGRESS + 'ca_bundle = "/etc"\n', "$.ca_bundle", "not a regular file"),
+        (EGRESS + 'ca_bundle = "/etc/hostname"\n', "$.ca_bundle", "no PEM certificate"),
+    ],
+)
+def test_bad_egress_settings_name_file_and_key(
+    tmp_path: Path, body: str, where: str, why: str
+) -> None:
+    msg = _refusal(tmp_path, body)
+    assert f": {where}: " in msg, msg
+    assert why in msg, msg
+
+
+def test_an_egress_profile_may_not_set_what_substrate_sets(tmp_path: Path) -> None:
+    for name in ("HTTPS_PROXY", "no_proxy", "SSL_CERT_FILE", "PIP_CERT"):
+        body = EGRESS.replace('HOME = "/tmp" }', f'HOME = "/tmp", {name} = "x" }}')
+        msg = _refusal(tmp_path / name, body)
+        assert f": $.env.{name}: substrate sets it" in msg, msg
+    # A profile without egress may set them (they lead nowhere there).
+    plain = GOOD.replace('HOME = "/tmp" }', 'HOME = "/tmp", HTTPS_PROXY = "x" }')
+    assert load_profile(_write(tmp_path / "plain", plain), SECCOMP).env["HTTPS_PROXY"] == "x"
+
+
+def test_egress_needs_runc(tmp_path: Path) -> None:
+    body = EGRESS.replace('runtime = "runc"', 'runtime = "runsc"').replace(
+        'seccomp = "strict"', 'seccomp = "engine-default"'
+    )
+    assert ': $.network: "egress" needs runtime "runc"' in _refusal(tmp_path, body)
+
+
+def test_a_ca_bundle_file_is_accepted(tmp_path: Path) -> None:
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    body = EGRESS + f'ca_bundle = "{bundle}"\n'
+    assert load_profile(_write(tmp_path / "p", body), SECCOMP).ca_bundle == str(bundle)
+
+
+# -- reloads: digests and what changed -----------------------------------------------------------
+
+
+def test_a_profile_set_digests_each_profile_and_its_seccomp_policy(tmp_path: Path) -> None:
+    seccomp_dir = tmp_path / "seccomp"
+    shutil.copytree(SECCOMP, seccomp_dir)
+    _write(tmp_path / "profiles", GOOD, "a")
+    _write(tmp_path / "profiles", _with("pids", "pids = 64"), "b")
+    first = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert sorted(first.profiles) == ["a", "b"] and len(set(first.digests.values())) == 2
+    # Same files, same digests: nothing changed.
+    again = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert again.changes(first.digests) == ([], [], [])
+    # The seccomp policy both name, edited in place: its bytes are in the digest.
+    policy = json.loads((seccomp_dir / "strict.json").read_text())
+    policy["syscalls"][0]["names"] = policy["syscalls"][0]["names"][:-1]  # one call fewer
+    (seccomp_dir / "strict.json").write_text(json.dumps(policy))
+    (tmp_path / "profiles" / "a.toml").unlink()
+    _write(tmp_path / "profiles", GOOD, "c")
+    edited = profiles.load_profile_set(tmp_path / "profiles", seccomp_dir)
+    assert edited.changes(first.digests) == (["c"], ["a"], ["b"])
+
+
+def test_replace_in_place_keeps_the_dict_readers_hold() -> None:
+    held = {"a": Profile(name="a"), "b": Profile(name="b")}
+    same = held
+    profiles.replace_in_place(held, {"c": Profile(name="c")})
+    assert same is held and list(held) == ["c"]

@@ -4,6 +4,7 @@ records of runs over the fake engine (started, exited, lost)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ from substrate.process.records import Outcome, ProcessRecords, argv_summary
 from substrate.sandbox.engine import ContainerGone
 from substrate.sandbox.facts import make_fact
 from substrate.schema.artifact import OutputRef
-from substrate.schema.proc import PolicyBlocked
+from substrate.schema.proc import EgressBlocked, PolicyBlocked
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 
@@ -131,6 +132,38 @@ def test_a_database_of_the_first_release_gains_the_new_columns(
     run_one(records, "p_new", ["true"])
     new = records.get("p_new")
     assert new is not None and (new.facts, new.policy_blocked) == (FACTS, BLOCKED)
+
+
+def test_an_egress_commands_refusals_are_kept_and_counted_in_the_journal(store: Store) -> None:
+    journal = Journal(store)
+    records = ProcessRecords(store, journal)
+    run_one(records, "p_plain", ["true"])
+    records.started(
+        workspace="w",
+        proc="p_eg",
+        profile="setup",
+        argv=["true"],
+        cwd=".",
+        container="c",
+        actor="test",
+        facts=FACTS,
+    )
+    blocked = EgressBlocked(count=3, hosts=["blocked.invalid:80", "other.invalid:443"])
+    records.exited(
+        workspace="w",
+        proc="p_eg",
+        outcome=dataclasses.replace(OUTCOME, egress_blocked=blocked),
+        stdout=output(""),
+        stderr=output(""),
+        blocked=[],
+        actor="test",
+    )
+    row, plain = records.get("p_eg"), records.get("p_plain")
+    assert row is not None and row.egress_blocked == blocked
+    assert plain is not None and plain.egress_blocked is None
+    exited = {e.data["proc"]: e.data for e in journal.read() if e.kind == "proc.exited"}
+    assert exited["p_eg"]["egress_blocked"] == 3
+    assert "egress_blocked" not in exited["p_plain"]
 
 
 # -- records of runs over the fake engine ---------------------------------------------------

@@ -431,3 +431,15 @@ def test_64_bit_integers_pass() -> None:
 def test_out_of_range_int_walks_every_container() -> None:
     assert rpc.out_of_range_int({"a": [0, -(2**63), 2**63 - 1, True, 1.5e300]}) is None
     assert rpc.out_of_range_int([[[], {"k": [2**63]}]]) == "$[0][1].k[0]"
+
+
+def test_decoding_outcomes_name_the_refusal_and_method_for_the_log() -> None:
+    """What the server's debug line says of a request refused at decoding."""
+    unknown = rpc.decode_call(request("fs.nope", {}, id=1))
+    assert isinstance(unknown, rpc.Outcome)
+    assert (unknown.refusal, unknown.method) == ("method_not_found", None)
+    bad = rpc.decode_call(request("fs.stat", {"workspace": 1}, id=2))
+    assert isinstance(bad, rpc.Outcome)
+    assert (bad.refusal, bad.method) == ("invalid_params", "fs.stat")
+    garbage = rpc.decode_call(b"{nope")
+    assert isinstance(garbage, rpc.Outcome) and garbage.refusal == "parse_error"

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from substrate.egress.cabundle import CA_BUNDLE_TARGET
 from substrate.errors import ConfinementUnmet
-from substrate.sandbox.profiles import Profile
+from substrate.sandbox.profiles import EGRESS_ENV, Profile
 from substrate.sandbox.spec import (
     KEEPALIVE,
+    PROXY_URL,
     RunAs,
     container_spec,
+    egress_env,
     run_as,
     spec_digest,
     tmpfs_options,
@@ -117,3 +120,32 @@ def test_digest_changes_with_any_setting() -> None:
     assert base == spec_digest(spec(Profile(name="p", workspace="rw")))
     assert base != spec_digest(spec(Profile(name="p", workspace="rw", read_only_rootfs=False)))
     assert base != spec_digest(spec(Profile(name="p", workspace="rw"), readonly_dirs=[]))
+
+
+def test_an_egress_sandbox_gets_the_proxy_and_its_bundle_and_no_network() -> None:
+    profile = Profile(name="e", network="egress", egress_allow=["pkg.example.org"])
+    out = spec(profile, ca_bundle="/state/sandbox-files/ca-x.crt")
+    host = out["host_config"]
+    assert isinstance(host, dict)
+    assert host["network_mode"] == "none"  # the way out is the daemon's listener
+    env = out["environment"]
+    assert isinstance(env, dict)
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
+        assert env[name] == PROXY_URL == "http://127.0.0.1:3128"
+    assert env["NO_PROXY"] == env["no_proxy"] == "localhost,127.0.0.1,::1"
+    for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "CURL_CA_BUNDLE"):
+        assert env[name] == CA_BUNDLE_TARGET
+    assert set(egress_env(profile, ca_bundle=True)) == EGRESS_ENV
+    assert {k: v for k, v in env.items() if k not in EGRESS_ENV} == profile.env
+    assert host["mounts"][-1] == {
+        "Type": "bind",
+        "Source": "/state/sandbox-files/ca-x.crt",
+        "Target": CA_BUNDLE_TARGET,
+        "ReadOnly": True,
+        "BindOptions": {"Propagation": "rprivate"},
+    }
+    without = spec(profile)["environment"]
+    assert isinstance(without, dict) and "SSL_CERT_FILE" not in without and "HTTPS_PROXY" in without
+    # A profile without egress gets none of it.
+    assert egress_env(Profile(name="p"), ca_bundle=True) == {}
+    assert spec(Profile(name="p"))["environment"] == Profile(name="p").env

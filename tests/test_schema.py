@@ -93,6 +93,8 @@ def test_method_properties_are_declared_with_each_method() -> None:
     }
     assert operator_only == {
         "approval.grant",
+        "daemon.info",
+        "profile.reload",
         "grant.issue",
         "grant.list",
         "grant.revoke",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -11,8 +12,11 @@ import trio
 
 from substrate import __version__
 from substrate.api.base import Caller, handles
+from substrate.api.profile import profile_digests
+from substrate.protocol.client import AGENT_SOCKET, OPERATOR_SOCKET
 from substrate.pty.http import parse_listen
 from substrate.schema.journal import (
+    InfoResult,
     JournalReadParams,
     JournalReadResult,
     JournalVerifyParams,
@@ -73,6 +77,25 @@ async def status(daemon: Daemon, caller: Caller, p: StatusParams) -> StatusResul
         rss_bytes=_measured(lambda: me.memory_info().rss),
         open_fds=_measured(me.num_fds),
         threads=_measured(me.num_threads),
+    )
+
+
+@handles("daemon.info")
+async def info(daemon: Daemon, caller: Caller, p: StatusParams) -> InfoResult:
+    """Operator socket only (its paths are the host's). Never refuses; costs one engine
+    round trip, as `daemon.status`."""
+    return InfoResult(
+        version=__version__,
+        pid=os.getpid(),
+        epoch=daemon.epoch,
+        uptime_s=round(time.monotonic() - daemon.started, 3),
+        state_dir=str(daemon.state_dir),
+        agent_socket=str(daemon.state_dir / AGENT_SOCKET),
+        operator_socket=str(daemon.state_dir / OPERATOR_SOCKET),
+        listen=terminal_listen(daemon),
+        config=daemon.config.public(),
+        profiles=profile_digests(daemon),
+        engine=await daemon.execution.engine_status(),
     )
 
 

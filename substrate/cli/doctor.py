@@ -2,6 +2,10 @@
 
 Each check is a small function returning (ok, detail); none changes anything. The engine
 checks use the same blocking client the daemon uses; this runs outside Trio.
+
+A running daemon is asked first (`daemon.info` on its operator socket, `RunningDaemon`):
+its own configuration, the profiles it has in force and the engine it sees are checked,
+not the defaults. Without one, the checks read `--config` (or the defaults) and say so.
 """
 
 from __future__ import annotations
@@ -9,14 +13,41 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from substrate.config import Config
 from substrate.errors import Refusal
+from substrate.protocol.client import Client, RpcError, socket_path
 from substrate.workspace import paths
 
 Check = tuple[str, bool, str]
+
+
+@dataclass(frozen=True)
+class RunningDaemon:
+    """What a running daemon said of itself: `daemon.info`, and each profile's image."""
+
+    info: dict[str, Any]
+    images: list[str]
+
+
+def ask_daemon(state_dir: str | None) -> tuple[RunningDaemon | None, str]:
+    """The running daemon's account of itself over its operator socket, or None and why
+    not (not running, not ours to ask, or too old to have `daemon.info`)."""
+    path = socket_path(state_dir, operator=True)
+    try:
+        with Client(path, timeout=30) as client:
+            info = client.call("daemon.info")
+            images = sorted(
+                {str(client.call("profile.get", name=p["name"])["image"]) for p in info["profiles"]}
+            )
+    except OSError as exc:
+        return None, f"no daemon answers at {path} ({exc.strerror or exc})"
+    except RpcError as exc:
+        return None, f"the daemon at {path} did not answer daemon.info ({exc.refusal or exc.code})"
+    return RunningDaemon(info, images), f"pid {info['pid']}, substrate {info['version']}"
 
 
 def _engine_info() -> dict[str, Any] | None:
@@ -78,8 +109,9 @@ def _state_dir(path: Path) -> tuple[bool, str]:
     return actual == 0o700, f"mode {actual:04o} (want 0700)"
 
 
-def run_checks(config: Config) -> list[Check]:
-    """Every check, in the order printed."""
+def run_checks(config: Config, running: RunningDaemon | None = None) -> list[Check]:
+    """Every check, in the order printed; with `running`, the daemon's profiles, images
+    and engine as it reports them."""
     checks: list[Check] = []
 
     def add(name: str, fn: Callable[[], tuple[bool, str]]) -> None:
@@ -106,27 +138,35 @@ def run_checks(config: Config) -> list[Check]:
         checks.append(("engine seccomp", "seccomp" in opts, opts or "none"))
         runtimes = sorted((info.get("Runtimes") or {}).keys())
         checks.append(("gVisor runsc", "runsc" in runtimes, "runtimes: " + ", ".join(runtimes)))
-        add("images", lambda: _images(config))
+        add("images", lambda: _images(config, running))
     add("openat2", _openat2)
     state = config.state_path()
     add("state dir", lambda: _state_dir(state))
     add("agent socket", lambda: _socket(state / "substrate.sock", 0o660))
     add("operator socket", lambda: _socket(state / "operator.sock", 0o600))
-    add("profiles", lambda: _profiles(config))
+    add("profiles", lambda: _profiles(config, running))
     add("secrets", lambda: _secrets(config))
+    if running is not None:
+        engine = running.info["engine"]
+        checks.append(
+            (
+                "daemon's engine",
+                bool(engine["reachable"]),
+                f"Docker {engine.get('version')}" if engine["reachable"] else "not reachable",
+            )
+        )
     return checks
 
 
-def _images(config: Config) -> tuple[bool, str]:
+def _images(config: Config, running: RunningDaemon | None) -> tuple[bool, str]:
     from substrate.sandbox.images import build as imagebuild
     from substrate.sandbox.profiles import load_profiles
 
-    wanted = sorted(
-        {
-            p.image
-            for p in load_profiles(Path(config.profiles_dir), Path(config.seccomp_dir)).values()
-        }
-    )
+    if running is not None:
+        wanted = running.images
+    else:
+        loaded = load_profiles(Path(config.profiles_dir), Path(config.seccomp_dir))
+        wanted = sorted({p.image for p in loaded.values()})
     client = imagebuild.engine_client()
     try:
         missing = [tag for tag in wanted if not imagebuild.image_present(client, tag)]
@@ -137,11 +177,14 @@ def _images(config: Config) -> tuple[bool, str]:
     return True, "present: " + ", ".join(wanted)
 
 
-def _profiles(config: Config) -> tuple[bool, str]:
+def _profiles(config: Config, running: RunningDaemon | None) -> tuple[bool, str]:
     from substrate.sandbox.profiles import load_profiles
 
+    if running is not None:
+        names = [p["name"] for p in running.info["profiles"]]
+        return True, f"{config.profiles_dir}: " + (", ".join(names) or "none") + " (in force)"
     loaded = load_profiles(Path(config.profiles_dir), Path(config.seccomp_dir))
-    return True, ", ".join(sorted(loaded))
+    return True, f"{config.profiles_dir}: " + ", ".join(sorted(loaded))
 
 
 def _secrets(config: Config) -> tuple[bool, str]:

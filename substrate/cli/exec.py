@@ -9,9 +9,12 @@ import base64
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from substrate.cli.common import client_for, workspace_handle
+import msgspec
+
+from substrate.cli.common import client_for, iso_time, workspace_handle
 from substrate.protocol.client import Client
 
 
@@ -78,11 +81,24 @@ def cmd_image(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    """The checks of `substrate.cli.doctor`, on the running daemon's own configuration
+    when one answers on its operator socket, else on `--config` or the defaults."""
     from substrate.cli import doctor
-    from substrate.config import load_config
+    from substrate.config import Config, ConfigError, load_config
 
-    config = load_config(None, {"state_dir": args.state_dir})
-    checks = doctor.run_checks(config)
+    running, said = doctor.ask_daemon(args.state_dir)
+    if running is not None:
+        config = msgspec.convert(running.info["config"], Config)
+        print(f"daemon: running ({said}); checking the configuration it runs with")
+    else:
+        try:
+            config = load_config(
+                Path(args.config) if args.config else None, {"state_dir": args.state_dir}
+            )
+        except ConfigError as exc:
+            raise SystemExit(f"substrate: {exc}") from None
+        print(f"daemon: {said}; checking {args.config or 'the default configuration'}")
+    checks = doctor.run_checks(config, running)
     print(doctor.render(checks))
     return 0 if all(ok for _, ok, _ in checks) else 1
 
@@ -108,7 +124,7 @@ def cmd_grant(args: argparse.Namespace) -> int:
     # The token is shown once, here; the daemon keeps only its SHA-256.
     print(f"grant   {result['grant']}")
     print(f"token   {result['token']}")
-    print(f"expires {result.get('expires')}")
+    print(f"expires {iso_time(result['expires'])}")
     print(f"page    http://{listen}/#token={result['token']}")
     print(f"attach  SUBSTRATE_TOKEN={result['token']} substrate attach --url ws://{listen}/pty")
     return 0
@@ -130,13 +146,16 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
+    ws_help = "workspace handle, root id or path (default: the current directory)"
     p = sub.add_parser("grant", help="operator: issue a terminal grant")
     gsub = p.add_subparsers(dest="grant_cmd", required=True)
     g = gsub.add_parser("terminal", help="a short-lived grant for an interactive terminal")
-    g.add_argument("--workspace", help="workspace handle, root id or path (default: cwd)")
-    g.add_argument("--profile", default="interactive")
-    g.add_argument("--ttl", default="10m", help="e.g. 90s, 10m, 1h")
-    g.add_argument("--uses", type=int, default=1)
+    g.add_argument("--workspace", help=ws_help)
+    g.add_argument(
+        "--profile", default="interactive", help="an interactive profile (default interactive)"
+    )
+    g.add_argument("--ttl", default="10m", help="how long it is valid, e.g. 90s, 10m, 1h")
+    g.add_argument("--uses", type=int, default=1, help="how many opens it allows (default 1)")
     g.add_argument("--listen", help="the daemon's terminal HOST:PORT (default: asked of it)")
     p.set_defaults(func=cmd_grant)
 
@@ -150,21 +169,24 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser(
         "doctor", help="what works on this machine: engine, cgroups, seccomp, gVisor"
     )
+    p.add_argument(
+        "--config", help="a substrate.toml to check when no daemon answers (default: defaults)"
+    )
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("exec", help="run a command in the workspace's confined container")
-    p.add_argument("--profile", default="default")
-    p.add_argument("--workspace", help="workspace handle, root id or path (default: cwd)")
-    p.add_argument("--cwd", default=".")
-    p.add_argument("--timeout", type=float)
+    p.add_argument("--profile", default="default", help="the profile to run under (default)")
+    p.add_argument("--workspace", help=ws_help)
+    p.add_argument("--cwd", default=".", help="the working directory, workspace-relative")
+    p.add_argument("--timeout", type=float, help="seconds; may only lower the profile's")
     p.add_argument("--stdin", action="store_true", help="forward standard input")
-    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     p.set_defaults(func=cmd_exec)
 
     p = sub.add_parser("image", help="build sandbox images without a registry")
     isub = p.add_subparsers(dest="image_cmd", required=True)
-    b = isub.add_parser("build")
+    b = isub.add_parser("build", help="build the images the shipped profiles use")
     b.add_argument("--tiny", action="store_true", help="only the tiny busybox image")
     b.add_argument("--all", action="store_true", help="the default and the tiny image")
-    b.add_argument("--force", action="store_true")
+    b.add_argument("--force", action="store_true", help="rebuild even if present and current")
     p.set_defaults(func=cmd_image)

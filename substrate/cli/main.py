@@ -10,7 +10,6 @@ import argparse
 import base64
 import io
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -18,12 +17,19 @@ from typing import Any
 
 from substrate.cli import exec as cli_exec
 from substrate.cli import secret as cli_secret
-from substrate.cli.common import client_for, workspace_handle
+from substrate.cli.common import (
+    STATE_DIR_HELP,
+    StateDirParser,
+    client_for,
+    human_times,
+    workspace_handle,
+)
 from substrate.protocol.client import RpcError
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True))
+    """A result as indented JSON, its unix times in ISO 8601 (`human_times`)."""
+    print(json.dumps(human_times(value), indent=2, sort_keys=True))
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -33,16 +39,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from substrate.config import Config, ConfigError, load_config
-    from substrate.daemon import open_daemon
+    from substrate.daemon import configure_logging, open_daemon
     from substrate.errors import StartupError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     overrides: dict[str, Any] = {
         "state_dir": args.state_dir or os.environ.get("SUBSTRATE_STATE_DIR"),
         "adopt_roots": [os.path.abspath(p) for p in args.adopt_root],
         "profiles_dir": args.profiles,
         "seccomp_dir": args.seccomp,
         "listen": args.listen,
+        "log_level": args.log_level,
     }
 
     async def serve(config: Config) -> None:
@@ -51,6 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(Path(args.config) if args.config else None, overrides)
+        configure_logging(config.log_level)
         trio.run(serve, config)
     except (ConfigError, StartupError) as exc:
         print(f"substrate: {exc}", file=sys.stderr)
@@ -126,7 +133,8 @@ def cmd_patch(args: argparse.Namespace) -> int:
     else:
         if not args.edit:
             raise SystemExit("substrate: give --edit OLD NEW (repeatable) or --diff FILE")
-        params["edits"] = [{"old": old, "new": new} for old, new in args.edit]
+        count: int | str = "all" if args.all else 1
+        params["edits"] = [{"old": old, "new": new, "count": count} for old, new in args.edit]
     with client_for(args) as c:
         params["workspace"] = workspace_handle(c, args.workspace)
         _print_json(c.call("fs.patch", **params))
@@ -146,6 +154,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         }
         if args.glob:
             params["glob"] = args.glob
+        if args.exclude:
+            params["exclude"] = args.exclude
+        if args.gitignore:
+            params["gitignore"] = True
         result = c.call("fs.search", **params)
     for match in result["matches"]:
         print(f"{match['path']}:{match['line']}:{match['column']}:{match['text']}")
@@ -164,7 +176,7 @@ def cmd_journal(args: argparse.Namespace) -> int:
             if args.workspace:
                 params["workspace"] = workspace_handle(c, args.workspace)
             for entry in c.call("journal.read", **params)["entries"]:
-                print(json.dumps(entry, sort_keys=True))
+                print(json.dumps(human_times(entry), sort_keys=True))
             return 0
         if args.journal_cmd == "verify":
             result = c.call("journal.verify")
@@ -220,93 +232,140 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line. `--state-dir` is accepted before the command and after
+    it (after any subcommand); every option says what it does in `--help`."""
     parser = argparse.ArgumentParser(prog="substrate", description=__doc__)
-    parser.add_argument(
-        "--state-dir",
-        help="daemon state dir (default $SUBSTRATE_STATE_DIR or ~/.local/state/substrate)",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--state-dir", help=STATE_DIR_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=StateDirParser)
 
     p = sub.add_parser("serve", help="run the daemon")
-    p.add_argument("--config", help="substrate.toml")
-    p.add_argument("--adopt-root", action="append", default=[], help="dir workspaces may be under")
-    p.add_argument("--profiles", help="profiles dir")
-    p.add_argument("--seccomp", help="seccomp policies dir")
-    p.add_argument("--listen", help="HOST:PORT for terminals")
+    p.add_argument("--config", help="a substrate.toml to read (its keys: docs/configuration.md)")
+    p.add_argument(
+        "--adopt-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory workspaces may be adopted under (repeatable; adds to the config's)",
+    )
+    p.add_argument("--profiles", metavar="DIR", help="the profiles directory (*.toml)")
+    p.add_argument("--seccomp", metavar="DIR", help="the seccomp policies directory (*.json)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="where terminals are served (loopback)")
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="the daemon's log on stderr (default: the config's log_level, else info); "
+        "debug adds a line per refusal",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("adopt", help="adopt a checkout as a workspace")
-    p.add_argument("path")
-    p.add_argument("--root-id")
+    p.add_argument("path", help="the checkout's directory (under an adopt root)")
+    p.add_argument("--root-id", help="the public name of the checkout (default: from its name)")
     p.set_defaults(func=cmd_adopt)
 
     ws_help = "workspace handle, root id or path (default: the current directory)"
     p = sub.add_parser("read", help="read a file")
-    p.add_argument("path")
+    p.add_argument("path", help="the file, relative to the workspace")
     p.add_argument("--workspace", help=ws_help)
-    p.add_argument("--offset", type=int, default=0)
-    p.add_argument("--length", type=int, default=4 << 20)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--offset", type=int, default=0, help="the first byte to read (default 0)")
+    p.add_argument(
+        "--length", type=int, default=4 << 20, help="bytes to read, at most 4 MiB (the default)"
+    )
+    p.add_argument("--json", action="store_true", help="print the whole fs.read result as JSON")
     p.set_defaults(func=cmd_read)
 
     p = sub.add_parser("write", help="guarded write of stdin or --from FILE")
-    p.add_argument("path")
+    p.add_argument("path", help="the file, relative to the workspace")
     p.add_argument("--workspace", help=ws_help)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--base", help="sha256 the file must have now")
     group.add_argument("--create", action="store_true", help="the file must not exist")
-    p.add_argument("--from", dest="source")
-    p.add_argument("--parents", action="store_true")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--from", dest="source", metavar="FILE", help="the new content (default stdin)")
+    p.add_argument("--parents", action="store_true", help="create missing parent directories")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.set_defaults(func=cmd_write)
 
     p = sub.add_parser("patch", help="guarded edits or unified diff")
-    p.add_argument("path")
+    p.add_argument("path", help="the file, relative to the workspace")
     p.add_argument("--workspace", help=ws_help)
-    p.add_argument("--base", required=True)
-    p.add_argument("--edit", nargs=2, action="append", metavar=("OLD", "NEW"))
-    p.add_argument("--diff", help="a unified diff file")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--base", required=True, help="sha256 the file must have now")
+    p.add_argument(
+        "--edit",
+        nargs=2,
+        action="append",
+        metavar=("OLD", "NEW"),
+        help="replace OLD (which must occur exactly once, or see --all) by NEW; repeatable",
+    )
+    p.add_argument(
+        "--all", action="store_true", help='replace every occurrence of each OLD (count "all")'
+    )
+    p.add_argument(
+        "--diff", metavar="FILE", help="a unified diff of this one file, applied strictly"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
     p.set_defaults(func=cmd_patch)
 
     p = sub.add_parser("search", help="search the workspace")
-    p.add_argument("pattern")
+    p.add_argument("pattern", help="a Python regular expression (or a string with --fixed)")
     p.add_argument("--workspace", help=ws_help)
-    p.add_argument("--path", default=".")
-    p.add_argument("--glob")
-    p.add_argument("--fixed", action="store_true")
-    p.add_argument("-i", "--ignore-case", action="store_true")
-    p.add_argument("--max-matches", type=int, default=200)
+    p.add_argument("--path", default=".", help="the directory to search (default: all)")
+    p.add_argument("--glob", help="only paths matching this glob (policy dialect)")
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out paths matching GLOB, directories whole (repeatable)",
+    )
+    p.add_argument(
+        "--gitignore", action="store_true", help="leave out what .gitignore files ignore"
+    )
+    p.add_argument("--fixed", action="store_true", help="the pattern is a literal string")
+    p.add_argument("-i", "--ignore-case", action="store_true", help="match case-insensitively")
+    p.add_argument(
+        "--max-matches", type=int, default=200, help="stop after this many matches (default 200)"
+    )
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("approve", help="operator: approve one apply of a plan digest")
-    p.add_argument("digest")
+    p.add_argument("digest", help="the plan_digest of the plan to approve")
     p.add_argument("--workspace", help=ws_help)
-    p.add_argument("--ttl", type=float, default=600.0)
+    p.add_argument(
+        "--ttl", type=float, default=600.0, help="seconds the approval stays valid (default 600)"
+    )
     p.set_defaults(func=cmd_approve)
 
     p = sub.add_parser("policy", help="operator: set the policy of a checkout")
-    psub = p.add_subparsers(dest="policy_cmd", required=True)
+    psub = p.add_subparsers(dest="policy_cmd", required=True, parser_class=StateDirParser)
     ps = psub.add_parser("set", help="replace the checkout's policy (the default still applies)")
     ps.add_argument("--workspace", help=ws_help)
-    for flag in ("--write-allow", "--write-deny", "--read-deny", "--require-approval"):
-        ps.add_argument(flag, action="append", default=[], metavar="GLOB")
+    for flag, what in (
+        ("--write-allow", "only paths matching these may be written"),
+        ("--write-deny", "paths matching GLOB are never written"),
+        ("--read-deny", "paths matching GLOB are never read"),
+        ("--require-approval", "writes to paths matching GLOB need an operator approval"),
+    ):
+        ps.add_argument(
+            flag, action="append", default=[], metavar="GLOB", help=what + " (repeatable)"
+        )
     p.set_defaults(func=cmd_policy)
 
     p = sub.add_parser("journal", help="read, verify or replay the journal")
-    jsub = p.add_subparsers(dest="journal_cmd", required=True)
-    jr = jsub.add_parser("read")
-    jr.add_argument("--since", type=int, default=0)
-    jr.add_argument("--limit", type=int, default=1000)
-    jr.add_argument("--workspace")
-    jsub.add_parser("verify")
-    jp = jsub.add_parser("replay")
-    jp.add_argument("--workspace", required=True)
+    jsub = p.add_subparsers(dest="journal_cmd", required=True, parser_class=StateDirParser)
+    jr = jsub.add_parser("read", help="print entries, one JSON object a line (times ISO 8601)")
+    jr.add_argument("--since", type=int, default=0, help="entries after this seq (default 0)")
+    jr.add_argument(
+        "--limit", type=int, default=1000, help="at most this many entries (default 1000)"
+    )
+    jr.add_argument("--workspace", help="only this workspace's entries (handle, root id or path)")
+    jsub.add_parser("verify", help="check the hash chain; exit 1 if broken")
+    jp = jsub.add_parser("replay", help="which files substrate wrote still hold its bytes")
+    jp.add_argument("--workspace", required=True, help=ws_help)
     p.set_defaults(func=cmd_journal)
 
+    # `--state-dir` after `mcp` too (every subcommand takes it): MCP client configs list
+    # the arguments of one command.
     p = sub.add_parser("mcp", help="serve the agent methods as MCP tools over stdio")
-    # Also after the subcommand: MCP client configs list the arguments of one command.
-    p.add_argument("--state-dir", default=argparse.SUPPRESS, help="as before the subcommand")
     p.add_argument(
         "--workspace",
         help="default workspace of every tool: a handle, root id, or path to adopt",

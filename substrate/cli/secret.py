@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from substrate.errors import Refusal
 from substrate.protocol.client import state_dir
@@ -55,12 +55,12 @@ def cmd_secret(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("secret", help="operator: set, list or remove secrets profiles name")
     ssub = p.add_subparsers(dest="secret_cmd", required=True)
     ps = ssub.add_parser("set", help="set NAME to the value read from stdin")
-    ps.add_argument("name")
+    ps.add_argument("name", help="the secret's name, as profiles name it")
     pr = ssub.add_parser("rm", help="remove NAME")
-    pr.add_argument("name")
+    pr.add_argument("name", help="the secret's name")
     ssub.add_parser("list", help="the names of the secrets set (never a value)")
     p.set_defaults(func=cmd_secret)

@@ -85,6 +85,9 @@ def result_of_row(row: ProcRow) -> ProcResult | ProcPending:
         facts=row.facts,
         policy_blocked=row.policy_blocked,
         changes=row.changes,
+        egress_blocked=row.egress_blocked,
+        via=row.via,
+        exec_facts=row.exec_facts,
     )
 
 
@@ -173,6 +176,7 @@ def _entry_status(entry: Entry, *, outcome: bool = False) -> ProcStatus:
         facts=result.facts if outcome and result is not None else None,
         policy_blocked=result.policy_blocked if outcome and result is not None else None,
         changes=result.changes if outcome and result is not None else None,
+        egress_blocked=result.egress_blocked if outcome and result is not None else None,
     )
 
 
@@ -201,6 +205,7 @@ def _row_status(processes: Processes, row: ProcRow, outcome: bool = False) -> Pr
         facts=row.facts if outcome and exited else None,
         policy_blocked=row.policy_blocked if outcome and exited else None,
         changes=row.changes if outcome and exited else None,
+        egress_blocked=row.egress_blocked if outcome and exited else None,
     )
 
 

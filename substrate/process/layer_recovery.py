@@ -6,7 +6,10 @@ Theory of operation. A command's layer is either concluded or not. A concluded o
 daemon died between the set's first applied change and its last, so `finish_applying`
 applies it whole again at start, before any socket accepts (the guarded apply is
 idempotent: what landed is `unchanged`, bases are re-checked, a host edit since is a
-conflict), journaled `changes.recovered {outcome: "applied"}`. A generation with no row
+conflict), journaled `changes.recovered {outcome: "applied"}`. Before that, the changes
+of a batch that landed but whose journal transaction the crash lost get their
+`changes.apply`/`changes.apply_dir` entries, `recovered: true`
+(`workspace.write_intents`), so what landed is journaled exactly once. A generation with no row
 never concluded (the daemon was killed during its command, or it was `layer_busy` and its
 sandbox went): its command did not finish, so nothing of it lands; after the previous
 run's mounts are swept its upper and work dirs are removed, journaled
@@ -34,9 +37,20 @@ log = logging.getLogger("substrate.process.layer_recovery")
 def finish_applying(
     changesets: Changesets, writer: Writer, workspace: Callable[[str], Workspace]
 ) -> int:
-    """Apply whole every set a crash left `applying`; return how many. A set whose
-    workspace is no longer adopted stays `applying` (finished at a start that knows it).
-    Costs what applying the sets costs."""
+    """Journal the changes a crash left landed but unjournaled, then apply whole every
+    set a crash left `applying`; return how many sets. A set (or an intent) whose
+    workspace is no longer adopted stays (finished at a start that knows it). Costs a
+    read per intent left, and what applying the sets costs."""
+    intents = writer.batch.intents
+    for ws_id in intents.stale_workspaces():
+        try:
+            ws = workspace(ws_id)
+        except Refusal:
+            log.warning("write intents of workspace %s: not adopted", ws_id)
+            continue
+        recovered = intents.resolve(ws)
+        if recovered:
+            log.info("%d change(s) landed before a crash journaled now", recovered)
     done = 0
     for kept in changesets.applying():
         try:

@@ -21,14 +21,14 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgspec
 
 from substrate.sandbox.facts import Fact
 from substrate.schema.artifact import OutputRef
-from substrate.schema.proc import PolicyBlocked, ProcChanges
+from substrate.schema.proc import EgressBlocked, PolicyBlocked, ProcChanges
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 
@@ -54,7 +54,10 @@ CREATE TABLE IF NOT EXISTS processes (
     epoch INTEGER NOT NULL,
     facts TEXT,
     policy_blocked TEXT,
-    changes TEXT
+    changes TEXT,
+    egress_blocked TEXT,
+    via TEXT,
+    exec_facts TEXT
 );
 CREATE INDEX IF NOT EXISTS processes_workspace ON processes(workspace, started);
 CREATE TABLE IF NOT EXISTS fact_sets (
@@ -63,7 +66,14 @@ CREATE TABLE IF NOT EXISTS fact_sets (
 );
 """
 #: Columns added after the first release (`Store.ensure_columns` adds them to old files).
-ADDED_COLUMNS = {"facts": "TEXT", "policy_blocked": "TEXT", "changes": "TEXT"}
+ADDED_COLUMNS = {
+    "facts": "TEXT",
+    "policy_blocked": "TEXT",
+    "changes": "TEXT",
+    "egress_blocked": "TEXT",
+    "via": "TEXT",
+    "exec_facts": "TEXT",
+}
 #: The longest argv[0] the journal keeps (the rest is in the digest).
 MAX_ARGV0_CHARS = 256
 
@@ -91,6 +101,9 @@ class ProcRow:
     facts: list[Fact]  # of the sandbox it ran in ([] for rows older than this column)
     policy_blocked: list[PolicyBlocked]
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
+    egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
+    via: Literal["supervisor", "engine"] | None = None  # None: rows older than this column
+    exec_facts: list[Fact] = field(default_factory=list)  # its own process's (fast exec)
 
 
 def _ref(raw: object) -> OutputRef | None:
@@ -126,13 +139,21 @@ def _row(r: Any) -> ProcRow:
         facts=_decoded(r["fact_list"], list[Fact]),
         policy_blocked=_decoded(r["policy_blocked"], list[PolicyBlocked]),
         changes=msgspec.json.decode(r["changes"], type=ProcChanges) if r["changes"] else None,
+        egress_blocked=(
+            msgspec.json.decode(r["egress_blocked"], type=EgressBlocked)
+            if r["egress_blocked"]
+            else None
+        ),
+        via="supervisor" if r["via"] == "supervisor" else "engine" if r["via"] else None,
+        exec_facts=_decoded(r["exec_facts"], list[Fact]),
     )
 
 
 _ROW_SELECT = (
     "SELECT p.id, p.workspace, p.profile, p.argv, p.cwd, p.state, p.started, p.ended,"
     " p.exit_code, p.signal, p.timed_out, p.oom_killed, p.duration_ms, p.stdout, p.stderr,"
-    " p.epoch, p.policy_blocked, p.changes, f.facts AS fact_list"
+    " p.epoch, p.policy_blocked, p.changes, p.egress_blocked, p.via, p.exec_facts,"
+    " f.facts AS fact_list"
     " FROM processes p LEFT JOIN fact_sets f ON f.digest = p.facts"
 )
 
@@ -160,6 +181,10 @@ class Outcome:
     reaped: int  # processes of the command signalled after it ended or timed out
     killed: int  # of those, how many needed KILL
     cancelled: bool = False  # its run was cut off (caller gone, daemon stopping): killed
+    egress_blocked: EgressBlocked | None = None  # an egress sandbox's refused connections
+    via: Literal["supervisor", "engine"] | None = None  # how it was started (docs/fast-exec.md)
+    #: Its own process's confinement as the host saw it before it ran (fast exec only).
+    exec_facts: Sequence[Fact] = ()
 
 
 def ref_summary(ref: OutputRef) -> dict[str, Any]:
@@ -281,12 +306,14 @@ class ProcessRecords:
         actor: str,
         changes: ProcChanges | None = None,
     ) -> None:
+        egress_blocked = outcome.egress_blocked
         artifacts = [r.artifact for r in (stdout, stderr) if r.artifact is not None]
         with self._store.transaction() as db:
             db.execute(
                 "UPDATE processes SET state = 'exited', exit_code = ?, signal = ?,"
                 " timed_out = ?, oom_killed = ?, ended = ?, duration_ms = ?, stdout = ?,"
-                " stderr = ?, artifacts = ?, policy_blocked = ?, changes = ? WHERE id = ?",
+                " stderr = ?, artifacts = ?, policy_blocked = ?, changes = ?,"
+                " egress_blocked = ?, via = ?, exec_facts = ? WHERE id = ?",
                 (
                     outcome.exit_code,
                     outcome.signal,
@@ -299,6 +326,11 @@ class ProcessRecords:
                     msgspec.json.encode(artifacts).decode(),
                     msgspec.json.encode(list(blocked)).decode(),
                     None if changes is None else msgspec.json.encode(changes).decode(),
+                    None
+                    if egress_blocked is None
+                    else msgspec.json.encode(egress_blocked).decode(),
+                    outcome.via,
+                    msgspec.json.encode(list(outcome.exec_facts)).decode(),
                     proc,
                 ),
             )
@@ -317,8 +349,10 @@ class ProcessRecords:
                     "reaped": outcome.reaped,
                     "killed": outcome.killed,
                     "cancelled": outcome.cancelled,
+                    **({} if outcome.via is None else {"via": outcome.via}),
                     "policy_blocked": [msgspec.to_builtins(b) for b in blocked],
                     **({} if changes is None else {"changes": msgspec.to_builtins(changes.counts)}),
+                    **({} if egress_blocked is None else {"egress_blocked": egress_blocked.count}),
                 },
                 workspace=workspace,
                 actor=actor,

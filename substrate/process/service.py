@@ -21,9 +21,11 @@ import trio
 
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
+from substrate.egress import EgressProxy
 from substrate.errors import Refusal
 from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
+from substrate.process.fastexec import Launcher
 from substrate.process.layer_keep import ArtifactKeeper
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
@@ -31,6 +33,8 @@ from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.profiles import Profile, find_profile, load_profiles
+from substrate.sandbox.proxy_link import ProxyLinks
+from substrate.sandbox.supervisor.supervisors import Supervisors
 from substrate.schema.journal import EngineStatus
 from substrate.secrets import SecretStore
 from substrate.store.db import Store
@@ -60,6 +64,7 @@ class Execution:
         fs_limiter: trio.CapacityLimiter | None = None,
         engine: Engine | None = None,
         writer: Writer | None = None,
+        egress: EgressProxy | None = None,
     ) -> None:
         self.config = config
         self.journal = journal
@@ -78,6 +83,13 @@ class Execution:
             quota_bytes=config.artifact_quota_bytes,
             max_age_s=config.artifact_max_age_s,
         )
+        # Each sandbox's own supervisor (docs/fast-exec.md); a previous run's directories go.
+        self.supervisors: Supervisors | None = None
+        if config.fast_exec:
+            self.supervisors = Supervisors(
+                self.engine, journal, state_dir / "supervisor", fs_limiter=fs_limiter
+            )
+            self.supervisors.sweep()
         self.containers = Containers(
             self.engine,
             journal,
@@ -90,6 +102,13 @@ class Execution:
             state_dir=str(state_dir),
             homes=self.homes,
             secrets=self.secrets,
+            # Without the daemon's proxy, "egress" profiles are refused.
+            egress=None
+            if egress is None
+            else ProxyLinks(
+                egress, journal, files_dir=state_dir / "sandbox-files", limiter=fs_limiter
+            ),
+            supervisors=self.supervisors,
         )
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
@@ -119,6 +138,7 @@ class Execution:
             fs_limiter=fs_limiter,
             writer=self._writer,
             changesets=self.changesets,
+            launcher=Launcher(self.engine, self.supervisors, fs_limiter=fs_limiter),
         )
         # Before any socket accepts: a previous run's spools and running records are
         # settled first, so nothing new can be confused with them.

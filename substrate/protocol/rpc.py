@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -60,9 +60,16 @@ class Call:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A request that ended at decoding: `reply` is the error to send (None for a notification)."""
+    """A request that ended at decoding: `reply` is the error to send (None for a notification).
+
+    `refusal` names why (a refusal's wire name, or `parse_error`, `invalid_request`,
+    `method_not_found`) and `method` the declared method when one was named: what the
+    server's debug log says, never the params.
+    """
 
     reply: bytes | None
+    refusal: str = field(default="", compare=False)
+    method: str | None = field(default=None, compare=False)
 
 
 class LineSplitter:
@@ -143,7 +150,7 @@ def _too_deep() -> Outcome:
     refusal = RequestTooDeep(
         f"request nests arrays/objects deeper than {MAX_DEPTH} levels", limit=MAX_DEPTH
     )
-    return Outcome(refusal_error(None, refusal))
+    return Outcome(refusal_error(None, refusal), refusal.name)
 
 
 def out_of_range_int(value: Any) -> str | None:
@@ -186,17 +193,19 @@ def decode_call(line: bytes) -> Call | Outcome:
     except RecursionError:
         return _too_deep()  # unreachable after the byte check; never let it escape
     except msgspec.ValidationError as exc:
-        return Outcome(reply_error(_salvage_id(line), INVALID_REQUEST, f"invalid request: {exc}"))
+        invalid = reply_error(_salvage_id(line), INVALID_REQUEST, f"invalid request: {exc}")
+        return Outcome(invalid, "invalid_request")
     except msgspec.DecodeError as exc:
-        return Outcome(reply_error(None, PARSE_ERROR, f"parse error: {exc}"))
+        return Outcome(reply_error(None, PARSE_ERROR, f"parse error: {exc}"), "parse_error")
     notification = envelope.id is msgspec.UNSET
     request_id = None if isinstance(envelope.id, msgspec.UnsetType) else envelope.id
     if envelope.jsonrpc != "2.0":
-        return Outcome(reply_error(request_id, INVALID_REQUEST, 'jsonrpc must be "2.0"'))
+        not_two = reply_error(request_id, INVALID_REQUEST, 'jsonrpc must be "2.0"')
+        return Outcome(not_two, "invalid_request")
     spec = METHODS.get(envelope.method)
     if spec is None:
         if notification:
-            return Outcome(None)
+            return Outcome(None, "method_not_found")
         suggestions = suggest(envelope.method)
         hint = f"; did you mean {', '.join(suggestions)}?" if suggestions else ""
         return Outcome(
@@ -205,7 +214,8 @@ def decode_call(line: bytes) -> Call | Outcome:
                 METHOD_NOT_FOUND,
                 f"unknown method {envelope.method[:SUGGEST_MAX_NAME]!r}{hint}",
                 {"suggestions": suggestions},
-            )
+            ),
+            "method_not_found",
         )
     raw = {} if isinstance(envelope.params, msgspec.UnsetType) else envelope.params
     if _LONG_DIGITS in line.translate(_DIGITS_AS_ZERO):
@@ -214,12 +224,14 @@ def decode_call(line: bytes) -> Call | Outcome:
             refusal = InvalidParams(
                 f"integer out of range [-2**63, 2**63 - 1] - at `{bad}`", path=bad
             )
-            return Outcome(None if notification else refusal_error(request_id, refusal))
+            reply = None if notification else refusal_error(request_id, refusal)
+            return Outcome(reply, refusal.name, spec.name)
     try:
         params = msgspec.convert(raw, spec.params, strict=True)
     except msgspec.ValidationError as exc:
         refusal = InvalidParams(str(exc), path=_error_path(str(exc)))
-        return Outcome(None if notification else refusal_error(request_id, refusal))
+        reply = None if notification else refusal_error(request_id, refusal)
+        return Outcome(reply, refusal.name, spec.name)
     return Call(request_id, notification, spec, params)
 
 

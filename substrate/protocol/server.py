@@ -206,6 +206,7 @@ class Connection:
         self.uid = uid
         refused = self.admission.admit(uid)
         if refused is not None:
+            self._log_refusal("(connection)", refused.name)
             await self.send(rpc.refusal_error(None, refused))
             return
         caller = Caller(actor=self.actor, uid=uid, connection=self.id, notify=self.notify)
@@ -246,6 +247,7 @@ class Connection:
             try:
                 lines = state.received(data, trio.current_time())
             except Refusal as refusal:
+                self._log_refusal("(line)", refusal.name)
                 await self.send(rpc.refusal_error(None, refusal))
                 return False
             for line in lines:
@@ -270,11 +272,13 @@ class Connection:
     async def _dispatch(self, nursery: trio.Nursery, caller: Caller, line: bytes) -> None:
         decoded = rpc.decode_call(line)
         if isinstance(decoded, rpc.Outcome):
+            self._log_refusal(decoded.method or "(request)", decoded.refusal)
             if decoded.reply is not None:
                 await self.send(decoded.reply)
             return
         refused = call_refusal(decoded.spec, self.actor)
         if refused is not None:
+            self._log_refusal(decoded.spec.name, refused.name)
             if not decoded.is_notification:
                 await self.send(rpc.refusal_error(decoded.id, refused))
             return
@@ -304,6 +308,7 @@ class Connection:
             result = await self.backend.dispatch(call.spec.name, caller, call.params)
             return rpc.reply_result(call.id, result)
         except Refusal as refusal:
+            self._log_refusal(call.spec.name, refusal.name)
             if call.spec.mutating:
                 await self._journal_refusal(caller, call, refusal)
             return rpc.refusal_error(call.id, refusal)
@@ -311,6 +316,11 @@ class Connection:
             log.exception("internal error in %s", call.spec.name)
             await self._journal_internal("call", call.spec.name, exc)
             return rpc.refusal_error(call.id, Internal(f"internal error in {call.spec.name}"))
+
+    def _log_refusal(self, method: str, refusal: str) -> None:
+        """One debug line per refusal: the method (or what was refused when no method
+        was decoded), the refusal's name, socket and connection; never params or bytes."""
+        log.debug("refused %s: %s (%s socket, connection %s)", method, refusal, self.actor, self.id)
 
     async def _journal_internal(self, where: str, method: str | None, exc: BaseException) -> None:
         """Journal an unexpected error: where, the method, exception type names; no data."""

@@ -214,11 +214,15 @@ def attach(token: str, url: str, session: str | None = None, mode: Mode = "contr
 def main(argv: list[str] | None = None) -> int:
     """`python -m substrate.pty.attach` (the same options as `substrate attach`)."""
     parser = argparse.ArgumentParser(prog="substrate attach", description=__doc__.split("\n")[0])
-    parser.add_argument("--token", default=os.environ.get("SUBSTRATE_TOKEN"))
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("SUBSTRATE_TOKEN"),
+        help="the grant token (default $SUBSTRATE_TOKEN; --token shows in ps)",
+    )
     parser.add_argument("--url", help="the terminal URL (default: asked of the daemon)")
     parser.add_argument("--state-dir", help="the daemon's state dir, to ask it for the URL")
-    parser.add_argument("--session")
-    parser.add_argument("--observe", action="store_true")
+    parser.add_argument("--session", help="join an existing session")
+    parser.add_argument("--observe", action="store_true", help="watch without typing")
     args = parser.parse_args(argv)
     if not args.token:
         parser.error("--token or SUBSTRATE_TOKEN is required")

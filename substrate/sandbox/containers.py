@@ -27,7 +27,9 @@ denies) and the empty resolver file are `substrate.sandbox.mounts`'; the persist
 shows of a started container comes through a `SandboxHost` (`substrate.sandbox.host`);
 tests of this logic give it `substrate.sandbox.fake_engine`'s fakes.
 
-On a cache hit the only check is that the container's init is still the same process
+A profile reload retires the sandboxes of changed profiles (`retire`): their commands
+go on, new ones get a sandbox of the new profile. On a cache hit the only check is that
+the container's init is still the same process
 (its pid and start time, from procfs: tens of microseconds): a restarted or replaced
 container is verified again from scratch. Settings changed on a running container through the
 engine (`docker update`) are not re-observed per command; that needs engine access,
@@ -42,13 +44,11 @@ removed: it belongs to a previous run.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import secrets
 import time
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,20 +58,21 @@ import trio
 from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
 from substrate.sandbox import facts as factlib
 from substrate.sandbox import (
-    layers,
     mounts,
     passthrough,
     profiles,
+    proxy_link,
     reaper,
-    seccomp,
     working_layer,
 )
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.environment import SandboxEnvironment
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
-from substrate.sandbox.layer_plan import layers_dir
+from substrate.sandbox.layer_mounts import LayerMounts
 from substrate.sandbox.profiles import Profile
+from substrate.sandbox.proxy_link import ProxyLink, ProxyLinks
+from substrate.sandbox.sandboxes import Sandbox
 from substrate.sandbox.spec import (
     HOST_VISIBLE_RUNTIMES,
     LABEL_CONFIG,
@@ -81,9 +82,11 @@ from substrate.sandbox.spec import (
     LABEL_WORKSPACE,
     RunAs,
     container_spec,
+    daemon_id_for,
     run_as,
     spec_digest,
 )
+from substrate.sandbox.supervisor.supervisors import Supervisors, supervised
 from substrate.sandbox.working_layer import WorkingLayer
 from substrate.secrets import SecretStore
 from substrate.store.journal import Journal
@@ -93,43 +96,6 @@ from substrate.workspace.registry import Workspace
 __all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_for"]
 
 log = logging.getLogger("substrate.sandbox.containers")
-
-
-@dataclass
-class Sandbox:
-    """A verified container. `running` counts commands (and terminals) using it now."""
-
-    id: str
-    workspace: str
-    #: The profile as its commands get it: with secrets, `env` holds their values
-    #: (`profiles.with_secrets`). Never serialize it; `.name` is what records carry.
-    profile: Profile
-    who: RunAs
-    init_pid: int
-    init: Hashable  # the init's identity (`reaper.ProcInfo.ident`): pid reuse aside
-    protected: frozenset[int]
-    cgroups: reaper.CgroupDirs
-    facts: list[Fact]
-    host_visible: bool
-    running: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
-    readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
-    #: The working layer of a `workspace = "layer"` sandbox (None for the others).
-    layer: WorkingLayer | None = None
-    #: The persistent home bound at /home/agent (None: this daemon keeps none).
-    home: Home | None = None
-    #: `SecretStore.version` of the secrets in `profile.env` when they were read.
-    secrets_version: tuple[object, ...] = ()
-
-    def acquire(self) -> None:
-        """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
-        self.running += 1
-        self.last_used = time.monotonic()
-
-    def release(self) -> None:
-        self.running -= 1
-        self.last_used = time.monotonic()
 
 
 class Containers:
@@ -148,8 +114,10 @@ class Containers:
         files_dir: Path | None = None,
         host: SandboxHost | None = None,
         state_dir: str | None = None,
+        egress: ProxyLinks | None = None,
         homes: Homes | None = None,
         secrets: SecretStore | None = None,
+        supervisors: Supervisors | None = None,
     ) -> None:
         self._engine = engine
         self._host: SandboxHost = host if host is not None else HostKernel()
@@ -162,13 +130,17 @@ class Containers:
         self.idle_s = idle_s
         self._fs_limiter = fs_limiter
         self._live: dict[tuple[str, str], Sandbox] = {}
+        #: Sandboxes of a profile that changed (`retire`): no new command enters them;
+        #: the commands they run keep running, and each goes once nothing runs in it.
+        self._retired: list[Sandbox] = []
         self._locks: dict[tuple[str, str], trio.Lock] = {}
         # Working layers live under the state dir; None: "layer" profiles are refused.
-        self._state_dir = state_dir
-        # Set once a previous run's layer mounts are swept: no layer is made before.
-        self._layers_swept = trio.Event()
+        self.layer_mounts = LayerMounts(state_dir, fs_limiter, self._journal_async)
+        self._egress = egress  # links egress sandboxes to the proxy; None: they are refused
         #: Secrets and persistent homes (either None: see `SandboxEnvironment`).
         self.environment = SandboxEnvironment(homes, secrets, fs_limiter)
+        # Each runc sandbox's supervisor directory is bound in (docs/fast-exec.md).
+        self._supervisors = supervisors
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -184,7 +156,8 @@ class Containers:
         return self._live.get((workspace, profile))
 
     def live(self) -> list[Sandbox]:
-        return list(self._live.values())
+        """Every sandbox this daemon holds, retired ones included."""
+        return [*self._live.values(), *self._retired]
 
     async def ensure(self, ws: Workspace, profile: Profile) -> Sandbox:
         """The verified sandbox for (ws, profile), created and verified on first use.
@@ -197,9 +170,12 @@ class Containers:
         """
         key = (ws.id, profile.name)
         found = self._live.get(key)
-        if found is None or not self._alive(found):
+        if found is None or found.declared != profile or not self._alive(found):
             async with self._locks.setdefault(key, trio.Lock()):
                 found = self._live.get(key)
+                if found is not None and found.declared != profile:
+                    await self._retire(found)  # reloaded: nothing new runs under the old one
+                    found = None
                 if found is not None and not self._alive(found):
                     await self._drop(found, "init_changed")
                     found = None
@@ -219,16 +195,43 @@ class Containers:
     async def forget(self, sandbox: Sandbox, reason: str) -> None:
         """Remove a sandbox that stopped working (its container went away under us)."""
         async with self._locks.setdefault((sandbox.workspace, sandbox.profile.name), trio.Lock()):
-            if self._live.get((sandbox.workspace, sandbox.profile.name)) is sandbox:
+            key = (sandbox.workspace, sandbox.profile.name)
+            if self._live.get(key) is sandbox or sandbox in self._retired:
                 await self._drop(sandbox, reason)
 
-    async def _drop(self, sandbox: Sandbox, reason: str) -> None:
+    async def retire(self, profile_names: Collection[str]) -> int:
+        """After a profile reload: `profile_names`' sandboxes take no new command; idle ones
+        go now, busy ones once idle (`reap_idle`). Returns how many; waits for any being made."""
+        keys = {k for k in (*self._live, *self._locks) if k[1] in set(profile_names)}
+        retired = 0
+        for key in sorted(keys):
+            async with self._locks.setdefault(key, trio.Lock()):
+                if (found := self._live.get(key)) is not None:
+                    await self._retire(found)
+                    retired += 1
+        return retired
+
+    async def _retire(self, sandbox: Sandbox) -> None:
         self._live.pop((sandbox.workspace, sandbox.profile.name), None)
+        if sandbox.running == 0:
+            await self._drop(sandbox, "profile_changed")
+        elif sandbox not in self._retired:
+            self._retired.append(sandbox)
+
+    async def _drop(self, sandbox: Sandbox, reason: str) -> None:
+        if self._live.get(key := (sandbox.workspace, sandbox.profile.name)) is sandbox:
+            del self._live[key]
+        if sandbox in self._retired:
+            self._retired.remove(sandbox)
         try:
             await self._engine.remove(sandbox.id)
         finally:
+            if sandbox.egress is not None:
+                await sandbox.egress.aclose()
             if sandbox.layer is not None:
-                await self._close_layer(sandbox.layer)
+                await self.layer_mounts.close(sandbox.layer)
+            if self._supervisors is not None:
+                await self._supervisors.detach(sandbox.id)
         await self._journal_async(
             "container.removed",
             {"container": sandbox.id[:12], "profile": sandbox.profile.name, "reason": reason},
@@ -246,7 +249,7 @@ class Containers:
             await self._engine.require_runtime(profile.runtime)
         image_id = await self._engine.image_id(profile.image)
         security_opt = await trio.to_thread.run_sync(
-            _security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
+            profiles.checked_security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
         )
         ro_dirs = await trio.to_thread.run_sync(
             mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
@@ -255,14 +258,14 @@ class Containers:
         layer = None
         if profile.workspace == "layer":
             passthrough.check_policy(ws.policy, profile.passthrough)
-            layer = await self._open_layer(ro_dirs, profile.passthrough)
+            layer = await self.layer_mounts.open(ro_dirs, profile.passthrough)
         try:
             sandbox = await self._create_in(
                 ws, profile, owner, who, image_id, security_opt, ro_dirs, layer, home
             )
         except BaseException:
             if layer is not None:
-                await self._close_layer(layer)
+                await self.layer_mounts.close(layer)
             raise
         sandbox.profile, sandbox.secrets_version = exec_profile, secrets_version
         return sandbox
@@ -289,14 +292,16 @@ class Containers:
             image_id=image_id,
             security_opt=security_opt,
         )
+        ro_rels = [rel for rel, _ in ro_dirs]
         if home is not None:
             required["home_identity"] = f"{home.identity[0]}:{home.identity[1]}"
         if layer is None:
             required.update(mounts.identity_required(profile, ro_dirs, owner))
-        else:
-            layer.required = dict(required)
-        ro_rels = [rel for rel, _ in ro_dirs]
         await self._remove_foreign(ws, profile, required, ro_rels)
+        ca_bundle, egress_required = await proxy_link.prepare(self._egress, profile)
+        required.update(egress_required)
+        if layer is not None:
+            layer.required = dict(required)
         resolv_conf = None
         if self._files_dir is not None:
             resolv_conf = await trio.to_thread.run_sync(
@@ -310,6 +315,7 @@ class Containers:
             readonly_dirs=ro_rels if layer is None else [],
             security_opt=security_opt,
             resolv_conf=resolv_conf,
+            ca_bundle=ca_bundle,
             home_source=None if home is None else home.source,
         )
         labels = {
@@ -318,7 +324,17 @@ class Containers:
             LABEL_CONFIG: spec_digest(spec),
         }
         name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
-        container = await self._engine.create_container(name=name, labels=labels, **spec)
+        slot = None
+        if self._supervisors is not None and supervised(profile):
+            slot = await trio.to_thread.run_sync(self._supervisors.prepare, who)
+            spec["host_config"]["mounts"].append(slot.mount)  # after the digest: a fresh dir
+        try:
+            container = await self._engine.create_container(name=name, labels=labels, **spec)
+        except BaseException:
+            if slot is not None:
+                slot.discard()
+            raise
+        links: list[ProxyLink] = []  # an egress sandbox's, closed if it does not verify
         try:
             try:
                 await self._engine.start(container)
@@ -328,11 +344,13 @@ class Containers:
                     await trio.to_thread.run_sync(
                         working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
                     )
-                    required = {**required, **await self._layer_identities(layer)}
+                    required = {**required, **await self.layer_mounts.identities(layer)}
                 sandbox = await self._verify(
-                    container, ws, profile, who, required, dict(ro_dirs), home
+                    container, ws, profile, who, required, dict(ro_dirs), home, links
                 )
                 sandbox.layer = layer
+                if slot is not None and self._supervisors is not None:
+                    self._supervisors.attach(slot, sandbox)
                 return sandbox
             except (ContainerGone, ProcessLookupError):
                 raise RuntimeUnavailable(
@@ -341,7 +359,11 @@ class Containers:
                 ) from None
         except BaseException:
             with trio.CancelScope(shield=True):
+                for link in links:
+                    await link.aclose()
                 await self._engine.remove(container)
+                if slot is not None:
+                    slot.discard()
             raise
 
     async def _verify(
@@ -353,12 +375,16 @@ class Containers:
         required: Mapping[str, FactValue],
         readonly: dict[str, tuple[int, int]],
         home: Home | None,
+        links: list[ProxyLink],  # gets an egress sandbox's link (closed by the caller)
     ) -> Sandbox:
         inspect = await self._engine.inspect(container)
         init_pid = int(inspect["State"]["Pid"] or 0)
         if not inspect["State"].get("Running") or init_pid <= 0:
             raise ContainerGone(container)
         observed = await self._observe(init_pid, inspect, profile, list(readonly))
+        observed += await proxy_link.link(
+            self._egress, links, container, ws.id, profile, init_pid, required
+        )
         await self._check(container, ws, profile, required, observed)
         init = self._host.identity(init_pid)
         if init is None:
@@ -372,6 +398,7 @@ class Containers:
             id=container,
             workspace=ws.id,
             profile=profile,
+            declared=profile,
             who=who,
             init_pid=init_pid,
             init=init,
@@ -380,6 +407,7 @@ class Containers:
             facts=observed,
             host_visible=host_visible,
             readonly=readonly,
+            egress=links[0] if links else None,
             home=home,
         )
         await self._journal_async(
@@ -450,7 +478,7 @@ class Containers:
         ro_rels: Sequence[str],
     ) -> None:
         """Containers labelled as ours for this pair that we did not create: never reused."""
-        mine = {s.id for s in self._live.values()}
+        mine = {s.id for s in self.live()}
         for entry in await self._engine.list_labelled(self.labels_for(ws.id, profile.name)):
             container = str(entry["Id"])
             if container in mine:
@@ -481,30 +509,6 @@ class Containers:
 
     # -- working layers ------------------------------------------------------------------------
 
-    async def _open_layer(
-        self, ro_dirs: list[tuple[str, tuple[int, int]]], passthrough_dirs: list[str]
-    ) -> WorkingLayer:
-        if self._state_dir is None:
-            raise RuntimeUnavailable("this daemon keeps no working layers")
-        await self._layers_swept.wait()
-        return await trio.to_thread.run_sync(
-            working_layer.open_layer,
-            self._state_dir,
-            ro_dirs,
-            passthrough_dirs,
-            limiter=self._fs_limiter,
-        )
-
-    async def _close_layer(self, layer: WorkingLayer) -> None:
-        # Shielded: a layer left mounted would outlive its sandbox until the next start.
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(working_layer.close, layer, limiter=self._fs_limiter)
-
-    async def _layer_identities(self, layer: WorkingLayer) -> dict[str, FactValue]:
-        return await trio.to_thread.run_sync(
-            working_layer.identity_required, layer, limiter=self._fs_limiter
-        )
-
     async def reverify_layer(self, sandbox: Sandbox, ws: Workspace) -> None:
         """After a swap: observe the sandbox's facts again and require the identities of
         the generation mounted now. Refuses `confinement_unmet` (journalled) on a
@@ -513,30 +517,19 @@ class Containers:
         layer = sandbox.layer
         if layer is None:
             return
-        required = {**layer.required, **await self._layer_identities(layer)}
+        required = {**layer.required, **await self.layer_mounts.identities(layer)}
         inspect = await self._engine.inspect(sandbox.id)
         observed = await self._observe(
             sandbox.init_pid, inspect, sandbox.profile, list(sandbox.readonly)
         )
+        observed += await proxy_link.observe_again(sandbox.egress, self._fs_limiter)
         await self._check(sandbox.id, ws, sandbox.profile, required, observed)
         sandbox.facts = observed
 
     async def sweep_layers(self) -> None:
-        """At start, after `reap_previous`: unmount every layer mount a previous run left
-        (`layers.sweep`); until this ran, no layer sandbox is made. Also at shutdown,
-        after `remove_all` (the layer directory's own self-bind goes too). A failure is
-        logged (a leftover still in use stays mounted; new layers get new directories)."""
-        try:
-            if self._state_dir is not None:
-                gone = await trio.to_thread.run_sync(
-                    layers.sweep, layers_dir(self._state_dir), limiter=self._fs_limiter
-                )
-                if gone:
-                    await self._journal_async("layer.swept", {"mounts": len(gone)}, None)
-        except OSError as exc:
-            log.error("sweeping a previous run's layer mounts failed: %s", exc)
-        finally:
-            self._layers_swept.set()
+        """At start, after `reap_previous`, and at shutdown, after `remove_all`
+        (`LayerMounts.sweep`)."""
+        await self.layer_mounts.sweep()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -554,9 +547,14 @@ class Containers:
         return gone
 
     async def reap_idle(self, now: float | None = None) -> int:
-        """Remove sandboxes unused for `idle_s` with nothing running in them."""
+        """Remove sandboxes unused for `idle_s` with nothing running in them, and retired
+        ones (`retire`) as soon as nothing runs in them."""
         now = time.monotonic() if now is None else now
         removed = 0
+        for sandbox in list(self._retired):
+            if sandbox.running == 0:
+                await self.forget(sandbox, "profile_changed")
+                removed += 1
         for sandbox in list(self._live.values()):
             if sandbox.running == 0 and now - sandbox.last_used >= self.idle_s:
                 await self.forget(sandbox, "idle")
@@ -565,34 +563,13 @@ class Containers:
 
     async def release_workspace(self, workspace: str) -> None:
         """Remove every sandbox of `workspace` (its commands die with it)."""
-        for sandbox in list(self._live.values()):
+        for sandbox in self.live():
             if sandbox.workspace == workspace:
                 await self.forget(sandbox, "released")
 
     async def remove_all(self, reason: str) -> None:
-        for sandbox in list(self._live.values()):
+        for sandbox in self.live():
             await self.forget(sandbox, reason)
 
     async def _journal_async(self, kind: str, data: dict[str, Any], workspace: str | None) -> None:
         await trio.to_thread.run_sync(lambda: self._journal.append(kind, data, workspace=workspace))
-
-
-def _security_opts(profile: Profile, seccomp_dir: Path) -> list[str]:
-    try:
-        return profiles.security_opts(profile, seccomp_dir)
-    except seccomp.SeccompError as exc:
-        # The policy file went bad since the profile was loaded: nothing may run under it.
-        # The reason names a host path: it goes to the log, not to the client.
-        log.error("profile %s: seccomp policy no longer loads: %s", profile.name, exc)
-        raise ConfinementUnmet(
-            f"the seccomp policy of profile {profile.name!r} no longer loads (see the log)",
-            required={"seccomp": profile.seccomp},
-            observed={"seccomp": "invalid"},
-        ) from None
-
-
-def daemon_id_for(state_dir: os.PathLike[str] | str) -> str:
-    """A stable id for the daemon owning `state_dir` (device, inode and path)."""
-    st = os.stat(state_dir)
-    raw = f"{st.st_dev}:{st.st_ino}:{os.fspath(state_dir)}".encode()
-    return hashlib.sha256(raw).hexdigest()[:16]

@@ -33,8 +33,10 @@ from typing import Any
 
 import msgspec
 
+from substrate.egress.allow import AllowList
 from substrate.sandbox import profiles
 from substrate.sandbox.profiles import Profile
+from substrate.sandbox.spec import PROXY_HOST, PROXY_PORT
 from substrate.schema.facts import Fact as Fact  # the wire shape; re-exported
 from substrate.schema.facts import FactValue as FactValue
 
@@ -47,8 +49,19 @@ TMPFS_PAGE = 4096
 
 # Facts whose values are lists compared as sets.
 _SET_FACTS = frozenset(
-    {"cap_eff", "cap_prm", "cap_bnd", "cap_amb", "net_links", "tmpfs", "net_routes"}
+    {
+        "cap_eff",
+        "cap_prm",
+        "cap_bnd",
+        "cap_amb",
+        "net_links",
+        "tmpfs",
+        "net_routes",
+        "egress_listeners",
+    }
 )
+#: An egress sandbox's one listening socket: the proxy's, held by the daemon.
+EGRESS_LISTENER = f"{PROXY_HOST}:{PROXY_PORT}=substrate"
 
 
 class Mismatch(msgspec.Struct, frozen=True):
@@ -93,7 +106,9 @@ def required_facts(
     req: dict[str, FactValue] = {
         "runtime": profile.runtime,
         "privileged": False,
-        "network_mode": profile.network,
+        # The engine's network is "none" for an egress profile too: its way out is the
+        # daemon's listener inside the namespace (`egress_required`).
+        "network_mode": "none",
         "docker_socket_absent": True,
         "docker_host_unset": True,
         "memory_limit": profiles.memory_bytes(profile),
@@ -136,6 +151,23 @@ def required_facts(
         req["cap_prm"] = effective
         req["cap_amb"] = []
         req["seccomp_mode"] = SECCOMP_FILTER
+    return req
+
+
+def egress_required(profile: Profile, *, ca_bundle: str | None) -> dict[str, FactValue]:
+    """What an egress sandbox must show besides `required_facts` ({} for "none"): its
+    proxy enforces exactly the profile's allow-list (`egress_allow_digest`), the only
+    listening socket in its namespace is the daemon's (`egress_listeners`), and, with a
+    CA bundle (`ca_bundle`: its digest), the file it sees is that bundle. Pure; raises
+    ValueError for an entry `load_profile` would have refused."""
+    if profile.network != "egress":
+        return {}
+    req: dict[str, FactValue] = {
+        "egress_allow_digest": AllowList.of(profile.egress_allow).digest,
+        "egress_listeners": [EGRESS_LISTENER],
+    }
+    if ca_bundle is not None:
+        req["ca_bundle"] = ca_bundle
     return req
 
 

@@ -70,6 +70,17 @@ def netlink_socket_in(ns_fd: int) -> socket.socket:
 
     Raises OSError (EPERM without CAP_SYS_ADMIN, EINVAL if `ns_fd` is not a netns).
     """
+    return socket_in(ns_fd, socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_ROUTE)
+
+
+def socket_in(ns_fd: int, family: int, kind: int, proto: int = 0) -> socket.socket:
+    """A socket of (`family`, `kind`, `proto`) inside the network namespace `ns_fd`, made
+    on a throwaway thread (close-on-exec). Whatever it binds or connects to is that
+    namespace's; the thread that made it goes back to ours first.
+
+    Raises OSError (EPERM without CAP_SYS_ADMIN, EINVAL if `ns_fd` is not a netns).
+    Cost: a thread and two `setns` calls (about 1 ms).
+    """
     box: list[socket.socket] = []
     errors: list[BaseException] = []
 
@@ -79,11 +90,7 @@ def netlink_socket_in(ns_fd: int) -> socket.socket:
             try:
                 _setns(ns_fd, CLONE_NEWNET)
                 try:
-                    box.append(
-                        socket.socket(
-                            socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_ROUTE
-                        )
-                    )
+                    box.append(socket.socket(family, kind | socket.SOCK_CLOEXEC, proto))
                 finally:
                     try:
                         _setns(home, CLONE_NEWNET)

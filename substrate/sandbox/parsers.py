@@ -1,5 +1,5 @@
 """Pure parsers of what the kernel shows about a process: `/proc/<pid>/status`,
-`mountinfo`, `cgroup` and the cgroup limit files, rtnetlink routes. No I/O: the text
+`mountinfo`, `cgroup` and the cgroup limit files, rtnetlink routes, `net/tcp`. No I/O: the text
 comes from `substrate.sandbox.observe`, which turns the parsed values into facts.
 
 Each parser takes the text as the kernel writes it and raises ValueError on a malformed
@@ -8,6 +8,7 @@ value of a line it reads; tested in tests/test_parsers.py with texts from real h
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -384,3 +385,51 @@ def _loopback(dst: str | None, dst_len: int, family: int) -> bool:
     if family == 10:
         return dst == "::1" and dst_len == 128
     return dst.startswith("127.") and dst_len >= 8
+
+
+# -- /proc/<pid>/net/tcp ----------------------------------------------------------------
+
+#: `st` of a listening socket in /proc/net/tcp.
+TCP_LISTEN = 0x0A
+
+
+class TcpSocket(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of /proc/<pid>/net/tcp or tcp6: addresses as "ip:port"."""
+
+    local: str
+    remote: str
+    state: int
+    uid: int
+    inode: int
+
+
+def parse_proc_net_tcp(text: str) -> list[TcpSocket]:
+    """The sockets of a /proc/<pid>/net/tcp or tcp6 text (the namespace of that process).
+    Addresses are the kernel's hex in host byte order per 32-bit word: decoded to
+    "127.0.0.1:3128" / "::1:3128". Raises ValueError on a malformed line."""
+    out = []
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        out.append(
+            TcpSocket(
+                local=_hex_address(fields[1]),
+                remote=_hex_address(fields[2]),
+                state=int(fields[3], 16),
+                uid=int(fields[7]),
+                inode=int(fields[9]),
+            )
+        )
+    return out
+
+
+def _hex_address(field: str) -> str:
+    addr, _, port = field.partition(":")
+    raw = bytes.fromhex(addr)
+    if len(raw) not in (4, 16):
+        raise ValueError(f"malformed address {field!r}")
+    # Each 32-bit word is in host (little-endian on every supported host) byte order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    return f"{ip}:{int(port, 16)}"

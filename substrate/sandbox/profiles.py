@@ -3,11 +3,13 @@
 A profile is the whole of what a sandboxed command may get; requests never add to it
 (docs/protocol.md §5). Every field has an explicit default and a one-line comment with its unit.
 
-Loading happens once, at daemon start: `load_profiles` reads every `*.toml` in the
-profiles directory, decodes it strictly (TOML → msgspec, no coercion, unknown keys
-refused), then checks what a type cannot say (sizes parse, limits are sane, capabilities
-exist, the seccomp policy file loads). Any problem is a `ProfileError` naming the file and
-the key; it is a configuration error that stops the start, not a wire refusal.
+Loading happens at daemon start and again on a reload (SIGHUP or `profile.reload`,
+which keeps the profiles in force when any file fails): `load_profiles` reads every
+`*.toml` in the profiles directory, decodes it strictly (TOML → msgspec, no coercion,
+unknown keys refused), then checks what a type cannot say (sizes parse, limits are sane,
+capabilities exist, the seccomp policy file loads). Any problem is a `ProfileError`
+naming the file and the key; it is a configuration error that stops the start (a reload
+answers it as `profile_invalid`).
 
 The helpers below (`memory_bytes`, `tmpfs_bytes`, `nano_cpus`, `cpu_quota_us`,
 `user_ids`, `capability_mask`, `security_opts`) turn a profile into the numbers the engine
@@ -16,16 +18,22 @@ takes and the kernel reports, so containers and confinement facts agree on one r
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 import re
 import tomllib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import msgspec
 
-from substrate.errors import ProfileUnknown
+from substrate.egress import allow as egress_allow
+from substrate.egress import cabundle
+from substrate.egress.pipindex import PIP_INDEX, pip_index_hosts
+from substrate.errors import ConfinementUnmet, ProfileUnknown
 from substrate.sandbox import passthrough, seccomp
 from substrate.schema.profile import Profile as Profile  # the declared shape; re-exported
 from substrate.secrets import NAME_RE as SECRET_NAME_RE
@@ -107,6 +115,29 @@ MAX_PROFILE_BYTES = 64 << 10
 
 #: How check_profile's helpers report: `fail(key, why)` raises ProfileError.
 _Fail = Callable[[str, str], NoReturn]
+#: What resolves `@pip-index`: (hosts, why there are none).
+PipIndex = Callable[[], tuple[list[str], str | None]]
+#: Environment variables substrate sets in an egress sandbox (a profile may not).
+EGRESS_ENV = frozenset(
+    {
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+        "no_proxy",
+        "SSL_CERT_FILE",
+        "REQUESTS_CA_BUNDLE",
+        "PIP_CERT",
+        "CURL_CA_BUNDLE",
+        "GIT_SSL_CAINFO",
+        "NODE_EXTRA_CA_CERTS",
+    }
+)
+
+log = logging.getLogger("substrate.sandbox.profiles")
 
 _SIZE_RE = re.compile(r"(?P<n>[0-9]{1,19})(?P<unit>[bkmgBKMG]?)")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -196,6 +227,21 @@ def with_secrets(p: Profile, values: Mapping[str, str]) -> Profile:
     return msgspec.structs.replace(p, env={**p.env, **added})
 
 
+def checked_security_opts(p: Profile, seccomp_dir: Path) -> list[str]:
+    """`security_opts`, for a sandbox about to be made: a policy file that went bad since
+    the profile was loaded refuses `confinement_unmet` (nothing may run under it; the
+    reason names a host path, so it goes to the log, not to the client)."""
+    try:
+        return security_opts(p, seccomp_dir)
+    except seccomp.SeccompError as exc:
+        log.error("profile %s: seccomp policy no longer loads: %s", p.name, exc)
+        raise ConfinementUnmet(
+            f"the seccomp policy of profile {p.name!r} no longer loads (see the log)",
+            required={"seccomp": p.seccomp},
+            observed={"seccomp": "invalid"},
+        ) from None
+
+
 def profile_public(p: Profile) -> dict[str, Any]:
     """`p` as `profile.get` returns it: every field, JSON-safe."""
     out: dict[str, Any] = msgspec.to_builtins(p)
@@ -211,27 +257,80 @@ def find_profile(profiles: Mapping[str, Profile], name: str) -> Profile:
     return found
 
 
-def load_profiles(profiles_dir: Path, seccomp_dir: Path) -> dict[str, Profile]:
+_canonical = msgspec.json.Encoder(order="sorted")
+
+
+def profile_digest(p: Profile, seccomp_dir: Path) -> str:
+    """SHA-256 of all a sandbox of `p` is made from: the profile's canonical JSON and,
+    unless "engine-default", the bytes of its seccomp policy file (a policy edited in
+    place changes the digest). Raises ProfileError when that file cannot be read. Cost:
+    one encode and one read of at most 1 MiB."""
+    digest = hashlib.sha256(_canonical.encode(p))
+    if p.seccomp != ENGINE_DEFAULT:
+        policy = seccomp_dir / f"{p.seccomp}.json"
+        digest.update(b"\0" + seccomp.read_bounded(policy, seccomp.MAX_POLICY_BYTES, ProfileError))
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ProfileSet:
+    """Profiles as loaded together, with each one's `profile_digest`."""
+
+    profiles: dict[str, Profile]
+    digests: dict[str, str]
+
+    def changes(self, before: Mapping[str, str]) -> tuple[list[str], list[str], list[str]]:
+        """(added, removed, changed) names against the digests `before`, each sorted."""
+        added = sorted(set(self.digests) - set(before))
+        removed = sorted(set(before) - set(self.digests))
+        changed = sorted(n for n in self.digests if n in before and before[n] != self.digests[n])
+        return added, removed, changed
+
+
+def load_profile_set(profiles_dir: Path, seccomp_dir: Path) -> ProfileSet:
+    """`load_profiles` and the digest of each (a reload compares them). Raises
+    ProfileError as `load_profiles` does; nothing is kept from a failed load."""
+    loaded = load_profiles(profiles_dir, seccomp_dir)
+    return ProfileSet(loaded, {n: profile_digest(p, seccomp_dir) for n, p in loaded.items()})
+
+
+def replace_in_place(current: dict[str, Profile], new: Mapping[str, Profile]) -> None:
+    """Make `current` hold exactly `new`. In place, because the execution layer's runner
+    and the handlers look profiles up in that very dict; on the event loop, between two
+    look-ups, so no reader sees a mix."""
+    current.clear()
+    current.update(new)
+
+
+def load_profiles(
+    profiles_dir: Path, seccomp_dir: Path, *, pip_index: PipIndex = pip_index_hosts
+) -> dict[str, Profile]:
     """Load every `*.toml` in `profiles_dir` (not recursive), keyed by name.
 
     Raises ProfileError for a missing directory or any bad file (the first, in name
     order). Other files are ignored. Cost: one read and parse per profile and one per
-    distinct seccomp policy they name.
+    distinct seccomp policy they name (and `load_profile`'s `@pip-index` resolution).
     """
     try:
         paths = sorted(e for e in profiles_dir.iterdir() if e.suffix == ".toml")
     except OSError as exc:
         raise ProfileError(f"{profiles_dir}: cannot list: {exc.strerror or exc}") from None
-    return {p.name: p for p in (load_profile(path, seccomp_dir) for path in paths)}
+    loaded = (load_profile(path, seccomp_dir, pip_index=pip_index) for path in paths)
+    return {p.name: p for p in loaded}
 
 
-def load_profile(path: Path, seccomp_dir: Path) -> Profile:
+def load_profile(
+    path: Path, seccomp_dir: Path, *, pip_index: PipIndex = pip_index_hosts
+) -> Profile:
     """Read, decode and validate one profile file; its name is the file stem.
 
     Raises ProfileError naming the file and the key for: a stem that is not a valid name,
     unreadable or non-TOML content, unknown keys (and `name`, which is the stem), wrong
     types, and every semantic check in `check_profile`, including a seccomp policy that is
-    missing or invalid. Cost: one read of at most 64 KiB, plus the seccomp file's.
+    missing or invalid. The `egress_allow` it returns is normalised and sorted, with
+    `@pip-index` replaced by the hosts `pip_index` names (none, and a warning in the log,
+    when pip's configuration cannot be read). Cost: one read of at most 64 KiB, plus the
+    seccomp file's, plus `pip_index` (about 0.3 s, cached) when the token is used.
     """
     source = str(path)
     name = path.name.removesuffix(".toml")
@@ -249,7 +348,22 @@ def load_profile(path: Path, seccomp_dir: Path) -> Profile:
     except msgspec.ValidationError as exc:
         raise ProfileError(_describe(source, exc)) from None
     check_profile(profile, seccomp_dir, source=source)
+    if profile.network == "egress":
+        profile = msgspec.structs.replace(
+            profile, egress_allow=resolved_allow(profile, pip_index, source)
+        )
     return profile
+
+
+def resolved_allow(p: Profile, pip_index: PipIndex, source: str) -> list[str]:
+    """`p.egress_allow` normalised and sorted, with `@pip-index` replaced by its hosts."""
+    entries = [e for e in p.egress_allow if e != PIP_INDEX]
+    if PIP_INDEX in p.egress_allow:
+        hosts, why = pip_index()
+        if why is not None:
+            log.warning("%s: %s allows nothing: %s", source, PIP_INDEX, why)
+        entries += hosts
+    return list(egress_allow.AllowList.of(entries).entries)
 
 
 def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
@@ -302,7 +416,39 @@ def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
     for i, arg0 in enumerate(p.argv_allow):
         if not arg0 or "\x00" in arg0:
             fail(f"argv_allow[{i}]", "empty or containing NUL")
+    _check_egress(p, fail)
     _check_seccomp(p, seccomp_dir, fail)
+
+
+def _check_egress(p: Profile, fail: _Fail) -> None:
+    """`network`, `egress_allow`, `ca_bundle` and the environment they own."""
+    if p.network != "egress":
+        if p.egress_allow:
+            fail("egress_allow", 'only a network = "egress" profile has a way out')
+        if p.ca_bundle:
+            fail("ca_bundle", 'only a network = "egress" profile mounts a CA bundle')
+        return
+    if p.runtime != "runc":
+        # The proxy listens inside the sandbox's network namespace; gVisor's netstack
+        # is its own, where no host socket appears.
+        fail("network", '"egress" needs runtime "runc"')
+    if len(p.egress_allow) > egress_allow.MAX_ENTRIES:
+        fail("egress_allow", f"more than {egress_allow.MAX_ENTRIES} entries")
+    for i, entry in enumerate(p.egress_allow):
+        if entry == PIP_INDEX:
+            continue
+        try:
+            egress_allow.parse_entry(entry)
+        except ValueError as exc:
+            fail(f"egress_allow[{i}]", str(exc))
+    if p.ca_bundle:
+        try:
+            cabundle.read_bundle(cabundle.bundle_path(p.ca_bundle))
+        except ValueError as exc:
+            fail("ca_bundle", str(exc))
+    for key in p.env:
+        if key in EGRESS_ENV:
+            fail(f"env.{key}", "substrate sets it in an egress sandbox (docs/egress.md)")
 
 
 def _check_user(p: Profile, fail: _Fail) -> None:

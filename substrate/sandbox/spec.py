@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from substrate.egress.cabundle import CA_BUNDLE_TARGET
 from substrate.errors import ConfinementUnmet
 from substrate.sandbox import profiles
 from substrate.sandbox.profiles import Profile
@@ -36,6 +38,13 @@ HOST_VISIBLE_RUNTIMES = frozenset({"runc"})
 #: The engine copies the host's resolver file here (even with no network); substrate
 #: binds an empty read-only file over it, so a sandbox learns no name server address.
 RESOLV_CONF_TARGET = "/etc/resolv.conf"
+#: Where an egress sandbox finds its proxy: a listener the daemon holds inside the
+#: sandbox's own network namespace (`substrate.sandbox.proxy_link`).
+PROXY_HOST = "127.0.0.1"
+PROXY_PORT = 3128
+PROXY_URL = f"http://{PROXY_HOST}:{PROXY_PORT}"
+#: Names an egress sandbox reaches without the proxy (its own loopback).
+NO_PROXY = "localhost,127.0.0.1,::1"
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,22 @@ def tmpfs_options(size: str) -> str:
     return f"rw,nosuid,nodev,exec,mode=1777,size={size}"
 
 
+def egress_env(profile: Profile, *, ca_bundle: bool) -> dict[str, str]:
+    """The environment an egress sandbox gets besides its profile's: the proxy for every
+    tool's spelling of it and, with a CA bundle, every tool's name for that (pure; {} for
+    a `network = "none"` profile). `profiles.EGRESS_ENV` lists the names."""
+    if profile.network != "egress":
+        return {}
+    env = {name: PROXY_URL for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")}
+    env |= {name.lower(): value for name, value in env.items()}
+    env |= {"NO_PROXY": NO_PROXY, "no_proxy": NO_PROXY}
+    if ca_bundle:
+        names = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "CURL_CA_BUNDLE")
+        env |= {name: CA_BUNDLE_TARGET for name in (*names, "GIT_SSL_CAINFO")}
+        env["NODE_EXTRA_CA_CERTS"] = CA_BUNDLE_TARGET
+    return env
+
+
 def container_spec(
     profile: Profile,
     *,
@@ -88,6 +113,7 @@ def container_spec(
     readonly_dirs: Sequence[str],
     security_opt: Sequence[str],
     resolv_conf: str | None = None,
+    ca_bundle: str | None = None,
     home_source: str | None = None,
 ) -> dict[str, Any]:
     """The engine's create request for `profile` (pure): everything comes from the profile.
@@ -99,8 +125,12 @@ def container_spec(
     read-only over it; `security_opt` is `profiles.security_opts(profile, ...)`
     (no-new-privileges, seccomp); `resolv_conf` is the host path of an empty file bound
     read-only at /etc/resolv.conf (the engine then leaves the host's resolver out);
+    `ca_bundle` is the host path of the daemon's copy of an egress profile's CA bundle,
+    bound read-only at `CA_BUNDLE_TARGET`. The network is the engine's "none" whatever
+    the profile says: an egress sandbox's way out is a listener the daemon adds.
     `home_source` is the workspace's persistent home, bound read-write at `HOME_TARGET`.
-    The environment here is the profile's `env` only: secrets are given per exec
+    The environment here is the profile's `env` (and an egress profile's proxy
+    variables) only: secrets are given per exec
     (`process.argv.exec_env`), so the container's configuration never holds one.
     """
     mounts: list[dict[str, Any]] = []
@@ -112,6 +142,8 @@ def container_spec(
             mounts.append(_bind(f"{workspace_source}/{rel}", f"{WORKSPACE_TARGET}/{rel}", True))
     if resolv_conf is not None:
         mounts.append(_bind(resolv_conf, RESOLV_CONF_TARGET, True))
+    if ca_bundle is not None:
+        mounts.append(_bind(ca_bundle, CA_BUNDLE_TARGET, True))
     if home_source is not None:
         mounts.append(_bind(home_source, HOME_TARGET, False))
     host_config: dict[str, Any] = {
@@ -139,7 +171,7 @@ def container_spec(
         "image": profile.image,
         "command": list(KEEPALIVE),
         "user": str(who),
-        "environment": dict(profile.env),
+        "environment": {**profile.env, **egress_env(profile, ca_bundle=ca_bundle is not None)},
         "working_dir": WORKSPACE_TARGET if profile.workspace != "none" else "/",
         "host_config": host_config,
     }
@@ -162,3 +194,11 @@ def spec_digest(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(
         json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
+
+
+def daemon_id_for(state_dir: os.PathLike[str] | str) -> str:
+    """A stable id for the daemon owning `state_dir` (device, inode and path): the
+    `substrate.daemon` label. Cost: one stat."""
+    st = os.stat(state_dir)
+    raw = f"{st.st_dev}:{st.st_ino}:{os.fspath(state_dir)}".encode()
+    return hashlib.sha256(raw).hexdigest()[:16]

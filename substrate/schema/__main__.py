@@ -14,7 +14,13 @@ from substrate.schema import METHODS, render
 from substrate.schema.reference import render_protocol
 
 parser = argparse.ArgumentParser(prog="python -m substrate.schema", description=__doc__)
-parser.add_argument("schema", nargs="?", default="docs/api.schema.json", type=Path)
+parser.add_argument(
+    "schema",
+    nargs="?",
+    default="docs/api.schema.json",
+    type=Path,
+    help="the JSON Schema file to write (default docs/api.schema.json)",
+)
 parser.add_argument("--protocol", type=Path, help="default: protocol.md beside SCHEMA")
 parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
 args = parser.parse_args()

@@ -20,7 +20,8 @@ class Fact(msgspec.Struct, frozen=True, kw_only=True):
     "kernel:proc-ns-user", "kernel:proc-cmdline", "kernel:gofer-mountinfo",
     "kernel:lstat" (the workspace identities), "cgroup:<file>" ("cgroup:memory.max",
     "cgroup:pids.max", ...), "netns:rtnetlink", "engine:inspect",
-    "engine:inspect+kernel:mountinfo"; a failed read appends its reason ("(ENOENT)").
+    "engine:inspect+kernel:mountinfo", and for egress sandboxes "kernel:proc-net-tcp",
+    "kernel:proc-root", "egress:proxy"; a failed read appends its reason ("(ENOENT)").
     """
 
     name: str

@@ -93,12 +93,23 @@ class ListResult(Result):
     truncated: bool
 
 
+#: One `exclude` glob: the policy dialect (docs/protocol.md §2), matched against the whole
+#: workspace-relative path.
+ExcludeGlob = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+#: At most 256 of them per call.
+Excludes = Annotated[list[ExcludeGlob], msgspec.Meta(max_length=256)]
+
+
 class WalkParams(Params):
     workspace: WorkspaceId
     path: RelPath = "."
     max_entries: Annotated[int, msgspec.Meta(ge=1, le=1000000)] = 10000
     max_depth: Annotated[int, msgspec.Meta(ge=0, le=4096)] | None = None
     include_git: bool = False
+    # Globs whose matches are neither listed nor entered (a directory's whole subtree).
+    exclude: Excludes = msgspec.field(default_factory=list)
+    # Leave out what git ignores: `.gitignore` files at any depth and `.git/info/exclude`.
+    gitignore: bool = False
 
 
 class WalkEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -122,6 +133,10 @@ class SearchParams(Params):
     ignore_case: bool = False
     max_matches: Annotated[int, msgspec.Meta(ge=1, le=100000)] = 200
     max_line_bytes: Annotated[int, msgspec.Meta(ge=16, le=65536)] = 512
+    # As `WalkParams.exclude`: files and directories not searched.
+    exclude: Excludes = msgspec.field(default_factory=list)
+    # As `WalkParams.gitignore`: what git ignores is not searched.
+    gitignore: bool = False
 
 
 class SearchMatch(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -157,7 +172,8 @@ class WriteParams(Params):
 class Edit(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     old: Annotated[str, msgspec.Meta(min_length=1)]
     new: str
-    count: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # How many times `old` must occur (every one is replaced); "all": at least once.
+    count: Annotated[int, msgspec.Meta(ge=1)] | Literal["all"] = 1
 
 
 class PatchParams(Params):

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from substrate.schema.common import NonNegative, Params, Result, WorkspaceId, method
+from substrate.schema.profile import ProfileDigest
 
 
 class Entry(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,4 +113,32 @@ method(
     ReplayResult,
     doc="For every file substrate wrote: do its bytes still match the last digest written?",
 )
+
+
+class InfoResult(Result, omit_defaults=False):
+    """What this daemon is and how it was configured (for `substrate doctor`)."""
+
+    version: str
+    pid: int
+    epoch: int
+    uptime_s: float
+    state_dir: str
+    agent_socket: str
+    operator_socket: str
+    #: As `StatusResult.listen`: the bound terminal HOST:PORT, or null.
+    listen: str | None
+    #: The effective configuration (file, flags, defaults), every key but secrets.
+    config: dict[str, Any]
+    #: The profiles in force (after the last reload) with their digests.
+    profiles: list[ProfileDigest]
+    engine: EngineStatus
+
+
 method("daemon.status", StatusParams, StatusResult)
+method(
+    "daemon.info",
+    StatusParams,
+    InfoResult,
+    operator_only=True,
+    doc="The daemon's effective configuration, sockets and profiles in force.",
+)

@@ -37,6 +37,16 @@ class PolicyBlocked(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None = None
 
 
+class EgressBlocked(msgspec.Struct, frozen=True, kw_only=True):
+    """Connections an egress sandbox's proxy refused while the command ran (docs/egress.md):
+    `count` every refused attempt; `hosts` the distinct `host:port` asked for, in the
+    order first refused, at most 32. One whose process could not be told apart is
+    counted in every command running in that sandbox at the time."""
+
+    count: int
+    hosts: list[str]
+
+
 class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What became of one change of a command's working layer (docs/working-layer.md).
     `op`: create | replace | delete | chmod | mkdir (None for what the scan blocked:
@@ -116,7 +126,12 @@ class RunParams(Params):
 
 class ProcResult(Result):
     """A finished command. `exit_code` is the engine's: 128 + n for a death by signal n
-    (then `signal` names it, e.g. "KILL"); None only if the engine lost it."""
+    (then `signal` names it, e.g. "KILL"); None only if the engine (or the sandbox's
+    supervisor, when it died while the command ran) lost it. `via`: how it was started
+    ("supervisor": fast exec, docs/fast-exec.md; "engine": the engine's exec).
+    `exec_facts`: the command's own process as the host saw it before it ran (fast
+    exec; empty on the engine path): NoNewPrivs, Seccomp, capabilities, ids, and
+    `parent`/`cgroup`/`namespaces` ("supervisor"/"sandbox"/"sandbox")."""
 
     proc: str
     exit_code: int | None
@@ -129,6 +144,9 @@ class ProcResult(Result):
     facts: list[Fact]
     policy_blocked: list[PolicyBlocked]
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
+    egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
+    via: Literal["supervisor", "engine"] | None = None
+    exec_facts: list[Fact] = msgspec.field(default_factory=list)
 
 
 method(
@@ -183,6 +201,7 @@ class WaitResult(Result):
     facts: list[Fact] | None = None
     policy_blocked: list[PolicyBlocked] | None = None
     changes: ProcChanges | None = None
+    egress_blocked: EgressBlocked | None = None
 
 
 SignalName = Literal["INT", "TERM", "KILL"]
@@ -203,8 +222,8 @@ class SignalResult(Result):
 
 class ProcStatus(Result):
     """A process as recorded; byte counts grow while it runs. `proc.status` of a finished
-    process adds the `facts`, `policy_blocked` and `changes` of its result (`proc.list`
-    does not)."""
+    process adds the `facts`, `policy_blocked`, `changes` and `egress_blocked` of its
+    result (`proc.list` does not)."""
 
     proc: str
     workspace: str
@@ -221,6 +240,7 @@ class ProcStatus(Result):
     facts: list[Fact] | None = None
     policy_blocked: list[PolicyBlocked] | None = None
     changes: ProcChanges | None = None
+    egress_blocked: EgressBlocked | None = None
 
 
 class ListParams(Params):

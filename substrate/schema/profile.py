@@ -22,7 +22,15 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     workspace: Literal["rw", "ro", "none", "layer"] = "layer"  # /workspace: overlay, or bind mode
     #: Checkout dirs bound read-write over a "layer" workspace (caches, build output).
     passthrough: list[str] = msgspec.field(default_factory=list)
-    network: Literal["none"] = "none"  # only "none" is supported: lo only, no routes
+    #: "none": lo only, no routes; "egress": the same, plus the daemon's allow-listing
+    #: proxy on 127.0.0.1:3128 inside the sandbox (docs/egress.md; runc only).
+    network: Literal["none", "egress"] = "none"
+    #: "egress" only: host names the proxy lets through (ports 80 and 443): "host",
+    #: "*.example" (any name beneath), "@pip-index" (this host's pip index, resolved at load).
+    egress_allow: list[str] = msgspec.field(default_factory=list)
+    #: "egress" only: a CA bundle mounted read-only in the sandbox (and named by
+    #: SSL_CERT_FILE etc.): "" none, "host" the host's system bundle, or an absolute path.
+    ca_bundle: str = ""
     read_only_rootfs: bool = True  # container root filesystem mounted read-only
     tmpfs: dict[str, str] = msgspec.field(default_factory=lambda: {"/tmp": "256m"})  # path → size
     memory: str = "1g"  # memory limit, docker size syntax (k/m/g)
@@ -75,7 +83,32 @@ class ProbeResult(Result, omit_defaults=False):
     facts: list[Fact]
 
 
+class ProfileDigest(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    # SHA-256 of the profile's canonical JSON and its seccomp policy file's bytes.
+    digest: str
+
+
+class ProfileReloadResult(Result, omit_defaults=False):
+    """The profiles now in force, and what the reload changed (names, sorted)."""
+
+    profiles: list[ProfileDigest]
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    # Sandboxes of a changed or removed profile: idle ones were removed, busy ones run
+    # their commands to the end and are removed once idle.
+    retired_sandboxes: int
+
+
 method("profile.list", Empty, ProfileListResult, doc="Names and descriptions of the profiles.")
+method(
+    "profile.reload",
+    Empty,
+    ProfileReloadResult,
+    operator_only=True,
+    doc="Load the profiles again; running commands keep theirs, new ones get the new set.",
+)
 method("profile.get", ProfileGetParams, Profile, doc="One whole profile, every field.")
 method(
     "facts.probe",

@@ -15,15 +15,15 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import msgspec
 
 from substrate.schema.journal import Entry
 from substrate.store.db import Store
 
-__all__ = ["GENESIS", "Entry", "Journal", "canonical", "entry_hash"]
+__all__ = ["GENESIS", "Draft", "Entry", "Journal", "canonical", "entry_hash"]
 
 GENESIS = "0" * 64
 
@@ -77,6 +77,15 @@ def entry_hash(
     return hashlib.sha256(prev.encode() + canonical(body)).hexdigest()
 
 
+class Draft(NamedTuple):
+    """One entry to append (`Journal.append_many_in`): what `append_in` takes."""
+
+    kind: str
+    data: Mapping[str, Any]
+    workspace: str | None = None
+    actor: str = "daemon"
+
+
 class Journal:
     """Append-only, hash-chained log in the state database."""
 
@@ -107,9 +116,8 @@ class Journal:
         actor: str = "daemon",
     ) -> Entry:
         """Append one entry and commit it. Blocking: call from a worker thread."""
-        plain = msgspec.to_builtins(dict(data))
         with self._store.transaction() as db:
-            return self._append_in(db, kind, plain, workspace, actor)
+            return self.append_many_in(db, [Draft(kind, data, workspace, actor)])[0]
 
     def append_in(
         self,
@@ -121,30 +129,47 @@ class Journal:
         actor: str = "daemon",
     ) -> Entry:
         """Append inside a caller's `Store.transaction`, so the entry commits with its change."""
-        return self._append_in(db, kind, msgspec.to_builtins(dict(data)), workspace, actor)
+        return self.append_many_in(db, [Draft(kind, data, workspace, actor)])[0]
 
-    def _append_in(
-        self, db: Any, kind: str, data: dict[str, Any], workspace: str | None, actor: str
-    ) -> Entry:
+    def append_many_in(self, db: Any, drafts: Sequence[Draft]) -> list[Entry]:
+        """Append `drafts` in order inside a caller's `Store.transaction`, each its own
+        entry chained to the one before, exactly as that many `append_in` calls would;
+        the entries, in order. Costs one query for the chain's head, a hash per entry
+        and one multi-row insert."""
+        if not drafts:
+            return []
         row = db.execute("SELECT seq, hash FROM journal ORDER BY seq DESC LIMIT 1").fetchone()
         seq, prev = (row[0] + 1, row[1]) if row else (1, GENESIS)
-        body: dict[str, Any] = {
-            "seq": seq,
-            "epoch": self.epoch,
-            "ts": round(time.time(), 6),
-            "kind": kind,
-            "workspace": workspace,
-            "actor": actor,
-            "data": data,
-            "prev": prev,
-        }
-        digest = entry_hash(**body)
-        db.execute(
+        ts = round(time.time(), 6)
+        entries: list[Entry] = []
+        rows: list[tuple[object, ...]] = []
+        for draft in drafts:
+            data = msgspec.to_builtins(dict(draft.data))
+            encoded = canonical(data)
+            body: dict[str, Any] = {
+                "seq": seq,
+                "epoch": self.epoch,
+                "ts": ts,
+                "kind": draft.kind,
+                "workspace": draft.workspace,
+                "actor": draft.actor,
+                # Already canonical: spliced in as is, the same bytes `entry_hash` makes.
+                "data": msgspec.Raw(encoded),
+                "prev": prev,
+            }
+            digest = hashlib.sha256(prev.encode() + canonical(body)).hexdigest()
+            rows.append(
+                (seq, self.epoch, ts, draft.kind, draft.workspace, draft.actor,
+                 encoded.decode(), prev, digest)
+            )  # fmt: skip
+            entries.append(Entry(**{**body, "data": data}, hash=digest))
+            seq, prev = seq + 1, digest
+        db.executemany(
             "INSERT INTO journal(seq, epoch, ts, kind, workspace, actor, data, prev, hash)"
-            " VALUES (:seq, :epoch, :ts, :kind, :workspace, :actor, :data, :prev, :hash)",
-            {**body, "data": canonical(data).decode(), "hash": digest},
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
         )
-        return Entry(**body, hash=digest)
+        return entries
 
     def read(
         self,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from substrate.errors import PatchConflict, TooLarge
 
@@ -44,7 +44,7 @@ class EditLike(Protocol):
     def new(self) -> str: ...
 
     @property
-    def count(self) -> int: ...
+    def count(self) -> int | Literal["all"]: ...
 
 
 # --------------------------------------------------------------------------------------
@@ -95,12 +95,14 @@ def apply_edits(data: bytes, edits: Sequence[EditLike], max_bytes: int = MAX_RES
     """Apply exact string replacements in order, each to the previous one's result.
 
     Each edit's `old` must be non-empty and occur exactly `count` (>= 1) times in the text
-    as it stands before that edit (non-overlapping occurrences, as `str.count`); all of
-    them are replaced by `new`. No edits means the content is returned unchanged.
+    as it stands before that edit (non-overlapping occurrences, as `str.count`), or at
+    least once for `count = "all"`; all of them are replaced by `new`. No edits means the
+    content is returned unchanged.
 
     Refuses with `PatchConflict` when the file is not UTF-8 (`reason="not_text"`), when an
     edit's `old` is empty or its `count` is below 1 (`edit` = its index), when `old`
-    occurs another number of times (`edit`, `occurrences`, `expected`), or when `new` is
+    occurs another number of times (`edit`, `occurrences`, `expected`: the count, or
+    "all" when it does not occur at all), or when `new` is
     not encodable (a lone surrogate). Refuses with `TooLarge` when any edit's result would
     pass `max_bytes`; that size is computed from the counts before the result is built, so
     memory stays bounded by `max_bytes` whatever `count` and `new` ask for. Nothing is
@@ -113,22 +115,25 @@ def apply_edits(data: bytes, edits: Sequence[EditLike], max_bytes: int = MAX_RES
     for index, edit in enumerate(edits):
         if not edit.old:
             raise PatchConflict(f"edit {index}: old is empty", edit=index)
-        if edit.count < 1:
+        every = edit.count == "all"
+        if not every and int(edit.count) < 1:
             raise PatchConflict(f"edit {index}: count must be at least 1", edit=index)
         found = text.count(edit.old)
-        if found != edit.count:
+        if (found == 0) if every else (found != edit.count):
+            expected = "at least once" if every else f"{edit.count}"
             raise PatchConflict(
                 f"edit {index}: old occurs {found} time{'' if found == 1 else 's'},"
-                f" expected {edit.count}",
+                f" expected {expected}",
                 edit=index,
                 occurrences=found,
                 expected=edit.count,
             )
         new = _encode(edit.new, f"edit {index}: new is not valid Unicode text", edit=index)
-        # `old` occurs in the text, so it has no lone surrogate and encodes.
-        size += edit.count * (len(new) - len(edit.old.encode("utf-8")))
+        # `old` occurs in the text, so it has no lone surrogate and encodes. The size is
+        # computed from the count before any string is built, for "all" as for a number.
+        size += found * (len(new) - len(edit.old.encode("utf-8")))
         _check_size(size, max_bytes, f"edit {index}")
-        text = text.replace(edit.old, edit.new, edit.count)
+        text = text.replace(edit.old, edit.new)
     return text.encode("utf-8")
 
 

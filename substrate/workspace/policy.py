@@ -154,6 +154,11 @@ class GlobSet:
         parts = path.split("/")
         return any(self._regex.match("/".join(parts[: i + 1])) for i in range(len(parts)))
 
+    def matches_exactly(self, path: str) -> bool:
+        """True when `path` itself matches a pattern (a walk that prunes what matches
+        has already kept its parents): one regex match."""
+        return self._regex is not None and self._regex.match(path) is not None
+
     def __bool__(self) -> bool:
         return bool(self.patterns)
 

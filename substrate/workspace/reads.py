@@ -38,6 +38,7 @@ from substrate.schema.fs import (
 )
 from substrate.workspace import fsops, paths
 from substrate.workspace.digests import CHUNK, Digests, version_of
+from substrate.workspace.ignore import Pruner
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TEMP_PREFIX
 
@@ -49,6 +50,7 @@ __all__ = [
     "Digests",
     "Found",
     "list_dir",
+    "pruner_for",
     "read_file",
     "stat_path",
     "walk",
@@ -226,27 +228,34 @@ def walk_entries(
     include_git: bool,
     *,
     sizes: bool = True,
+    prune: Pruner | None = None,
 ) -> Iterator[Found]:
     """Every entry beneath `parts`: pre-order, name-byte-sorted; `.git` skipped unless
     `include_git`, temp files always. Directories are opened with O_NOFOLLOW, one fd held
     per level of depth; a symlink is yielded, never followed.
 
     With `sizes=False` entries are classified from d_type and reported with size 0,
-    saving an lstat per entry; callers then check what they open with fstat.
+    saving an lstat per entry; callers then check what they open with fstat. With
+    `prune` (`substrate.workspace.ignore`), what it leaves out is neither yielded nor
+    entered, and it reads the ignore files of each directory entered through that
+    directory's fd (refusing as `Pruner.enter` does).
     """
     base = "/".join(parts)
     with ws.use():
+        if prune is not None and not prune.start(ws.root_fd, parts):
+            return
         top = paths.open_dir(ws.root_fd, parts, ws.provenance(base or "."))
-    stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = [
-        (top, base, 1, iter(_scan_sorted(top)))
-    ]
+    stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = []
     try:
+        stack.append((top, base, 1, iter(_entered(top, base, prune))))
         while stack:
             dir_fd, dir_rel, depth, entries = stack[-1]
             entry = next(entries, None)
             if entry is None:
                 os.close(dir_fd)
                 stack.pop()
+                if prune is not None:
+                    prune.leave()
                 continue
             if entry.name.startswith(TEMP_PREFIX):
                 continue
@@ -257,29 +266,55 @@ def walk_entries(
                 kind, size = _entry_kind_size(entry)
             else:
                 kind, size = _kind_from_dirent(entry), 0
+            if prune is not None and prune.leaves_out(rel, entry.name, kind):
+                continue
             yield Found(rel, kind, size, dir_fd, entry.name)
             if kind == "dir" and (max_depth is None or depth < max_depth):
                 try:
                     child = os.open(entry.name, fsops.DIR_FLAGS, dir_fd=dir_fd)
                 except OSError:
                     continue  # swapped or vanished meanwhile: never followed
-                stack.append((child, rel, depth + 1, iter(_scan_sorted(child))))
+                try:
+                    listed = _entered(child, rel, prune)
+                except BaseException:
+                    os.close(child)
+                    raise
+                stack.append((child, rel, depth + 1, iter(listed)))
     finally:
         for dir_fd, *_ in stack:
             os.close(dir_fd)
 
 
+def _entered(dir_fd: int, rel: str, prune: Pruner | None) -> list[os.DirEntry[str]]:
+    """The sorted entries of a directory the walk enters, told to `prune` first."""
+    entries = _scan_sorted(dir_fd)
+    if prune is not None:
+        prune.enter(dir_fd, rel, [e.name for e in entries])
+    return entries
+
+
+def pruner_for(ws: Workspace, exclude: list[str], gitignore: bool) -> Pruner | None:
+    """What a walk or search of `ws` leaves out (`exclude` globs, git's ignore rules), or
+    None. Refuses `invalid_params` (`$.exclude`) for a bad glob."""
+    return Pruner.of(exclude, gitignore, may_read=ws.policy.may_read, where=ws.provenance)
+
+
 def walk(ws: Workspace, p: WalkParams) -> WalkResult:
     """`fs.walk`: contained, deterministic, never follows a symlink, skips `.git` unless asked.
 
-    A path that is not UTF-8 is listed escaped, with its bytes in `path_b64`.
+    A path that is not UTF-8 is listed escaped, with its bytes in `path_b64`. With
+    `exclude` or `gitignore` what they match is not listed nor entered (`Pruner`);
+    refuses `invalid_params` for a bad glob, `too_large`/`limit_exceeded` for ignore
+    files over their bounds. Costs an lstat per entry, plus a read of each ignore file
+    met and a few look-ups per entry with `gitignore`.
     """
     parts = paths.split_relpath(p.path, allow_root=True)
+    prune = pruner_for(ws, p.exclude, p.gitignore)
     if p.max_depth == 0:
         return WalkResult(paths=[], truncated=False)
     out: list[WalkEntry] = []
     truncated = False
-    for found in walk_entries(ws, parts, p.max_depth, p.include_git):
+    for found in walk_entries(ws, parts, p.max_depth, p.include_git, prune=prune):
         if len(out) >= p.max_entries:
             truncated = True
             break

@@ -24,7 +24,7 @@ from substrate.errors import InvalidParams
 from substrate.schema.fs import SearchMatch, SearchParams, SearchResult
 from substrate.workspace import fsops, paths
 from substrate.workspace.policy import GlobSet
-from substrate.workspace.reads import walk_entries
+from substrate.workspace.reads import pruner_for, walk_entries
 from substrate.workspace.registry import Workspace
 from substrate.workspace.search_re2 import superset_of
 
@@ -50,9 +50,10 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     """`fs.search`: regex (or fixed string) over the tree's text files, bounded.
 
     Skips symlinks, binary files (a NUL in the first 8 KiB), files over 64 MiB, `.git`,
-    and `read_deny` paths. A path that is not UTF-8 is reported as `fs.walk` does.
-    `column` is the 1-based byte column. Refuses `invalid_params` for a bad pattern or
-    glob. Costs one read of every scanned file, plus regex work only where a literal
+    `read_deny` paths, and what `exclude` or `gitignore` leave out (`reads.pruner_for`).
+    A path that is not UTF-8 is reported as `fs.walk` does. `column` is the 1-based
+    byte column. Refuses `invalid_params` for a bad pattern, glob or exclude glob; `too_large`/`limit_exceeded` for ignore files over their
+    bounds. Costs one read of every scanned file, plus regex work only where a literal
     every match must contain occurs (see `_Prefilter`), or else where RE2 finds a match
     of the pattern's superset (`search_re2`); stops at `max_matches`.
     """
@@ -63,10 +64,12 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     except InvalidParams as exc:
         raise InvalidParams(exc.message, path="$.glob") from None
     parts = paths.split_relpath(p.path, allow_root=True)
+    prune = pruner_for(ws, p.exclude, p.gitignore)
     matches: list[SearchMatch] = []
     files = 0
     scanned = 0
-    for found in walk_entries(ws, parts, None, include_git=False, sizes=False):
+    walk = walk_entries(ws, parts, None, include_git=False, sizes=False, prune=prune)
+    for found in walk:
         if found.kind != "file" or found.size > SEARCH_MAX_FILE:
             continue
         if not ws.policy.may_read(found.rel):

@@ -5,8 +5,11 @@ bytes in `.substrate-tmp-<16 hex>` in the target's directory, then renames it ov
 target. Before creating that file (`TempFiles.create`) it commits a row `(workspace,
 dir, name, epoch)` to the state database; the row is deleted in the transaction that
 journals the applied write (or once the restore's rename is done), or after the temp
-file is unlinked when the write fails (`TempFiles.discard`). A crash therefore leaves, at worst, rows naming files that may
-exist. At the next start `clean_recorded` visits exactly the rows of earlier runs
+file is unlinked when the write fails (`TempFiles.discard`). A batch of writes
+(`substrate.workspace.batch_writes`) commits the rows of all its temp files in one
+transaction before creating the first (`record_many_in`) and forgets them in the one
+that journals the batch (`forget_many_in`). A crash therefore leaves, at worst, rows
+naming files that may exist. At the next start `clean_recorded` visits exactly the rows of earlier runs
 (epochs): it opens the recorded directory beneath the workspace root fd without following
 a symlink and unlinks the name only if it is still a regular file.
 
@@ -38,6 +41,12 @@ CREATE TABLE IF NOT EXISTS temp_files (
     PRIMARY KEY (workspace, dir, name)
 );
 """
+
+
+def new_name() -> str:
+    """A fresh random temp-file name (`TEMP_PREFIX` + 16 hex)."""
+    return TEMP_PREFIX + secrets.token_hex(8)
+
 
 #: A recorded temp file: workspace id, directory components beneath its root, name.
 Record = tuple[str, tuple[str, ...], str]
@@ -74,6 +83,26 @@ class TempFiles:
                 (workspace, _dir_key(dirs), name, self._epoch),
             )
 
+    def record_many_in(
+        self, db: sqlite3.Connection, workspace: str, temps: Sequence[tuple[Sequence[str], str]]
+    ) -> None:
+        """Record the temp files `(dirs, name)` about to be created, inside the caller's
+        transaction (a batch's: committed before the first is created)."""
+        db.executemany(
+            "INSERT OR REPLACE INTO temp_files(workspace, dir, name, epoch) VALUES (?, ?, ?, ?)",
+            [(workspace, _dir_key(dirs), name, self._epoch) for dirs, name in temps],
+        )
+
+    @staticmethod
+    def forget_many_in(
+        db: sqlite3.Connection, workspace: str, temps: Sequence[tuple[Sequence[str], str]]
+    ) -> None:
+        """`forget_in` for many temp files in one statement."""
+        db.executemany(
+            "DELETE FROM temp_files WHERE workspace = ? AND dir = ? AND name = ?",
+            [(workspace, _dir_key(dirs), name) for dirs, name in temps],
+        )
+
     def create(
         self, workspace: str, dir_fd: int, dirs: Sequence[str], where: str
     ) -> tuple[str, int]:
@@ -87,7 +116,7 @@ class TempFiles:
         when the creation fails).
         """
         for _ in range(8):
-            name = TEMP_PREFIX + secrets.token_hex(8)
+            name = new_name()
             if paths.lstat_at(dir_fd, name) is not None:
                 continue
             self.record(workspace, dirs, name)

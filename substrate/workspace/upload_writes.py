@@ -57,18 +57,18 @@ from substrate.workspace.preview import PREVIEW_DIFF_LIMIT, unified_preview
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TempFiles
 from substrate.workspace.uploads import Upload
-
-# writes.py's own steps, shared rather than copied: the reserved temp-name check and the
-# parent opening (with the missing directories to make) are the same for every write.
-from substrate.workspace.writes import (
+from substrate.workspace.write_base import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
     MAX_PATCH_FILE,
     Op,
-    _check_not_reserved,
-    _open_parent,
     plan_digest,
 )
+from substrate.workspace.write_base import check_not_reserved as _check_not_reserved
+
+# writes.py's own step, shared rather than copied: the parent opening (with the missing
+# directories to make) is the same for every write.
+from substrate.workspace.writes import _open_parent
 
 #: The journal kind of an applied upload.
 KIND = "fs.upload"

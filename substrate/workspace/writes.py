@@ -16,6 +16,10 @@ The file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.wr
 While the workspace has a checkpoint, the bytes a write replaces are kept first (the
 `preimages` hook, `substrate.workspace.checkpoints`), recorded with its journal entry.
 
+A change set's files and directories go through `Writer.batch`
+(`substrate.workspace.batch_writes`: the same checks, many files per transaction and
+flush); what both share is `substrate.workspace.write_base`.
+
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
 next start removes: each temp file is recorded in the database before it is created
 (`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with
@@ -27,26 +31,21 @@ release waits for it instead of closing the fd under it.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 
 from substrate.errors import (
     AlreadyExists,
     ApprovalRequired,
-    NotAFile,
     NotFound,
     PathDenied,
     PlanMismatch,
     StaleBase,
-    TooLarge,
 )
 from substrate.schema.fs import (
     BytesContent,
@@ -60,41 +59,27 @@ from substrate.schema.fs import (
 )
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
-from substrate.store.journal import Journal, canonical
+from substrate.store.journal import Journal
 from substrate.workspace import fsops, patching, paths
+from substrate.workspace.batch_writes import BatchWriter, FileChange
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.preview import unified_preview
 from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
+from substrate.workspace.temp_files import TempFiles
+from substrate.workspace.write_base import (
+    DEFAULT_DIR_MODE,
+    DEFAULT_FILE_MODE,
+    MAX_PATCH_FILE,
+    Op,
+    no_setid,
+    plan_digest,
+)
+from substrate.workspace.write_base import Current as _Current
+from substrate.workspace.write_base import check_not_reserved as _check_not_reserved
+from substrate.workspace.write_base import read_current as _read_current
 
-#: Files bigger than this are not loaded for patching, nor made by a patch.
-MAX_PATCH_FILE = patching.MAX_RESULT_BYTES
-#: Mode of a created file when the caller gives none.
-DEFAULT_FILE_MODE = 0o644
-DEFAULT_DIR_MODE = 0o755
-
-Op = Literal["create", "replace", "delete"]
-DirOp = Literal["mkdir", "rmdir", "chmod"]
-
-
-def plan_digest(
-    root_id: str, path: str, op: Op, base: str | None, new: str | None, mode: int | None
-) -> str:
-    """SHA-256 of the canonical JSON array `[root_id, path, op, base, new, mode]`."""
-    return hashlib.sha256(canonical([root_id, path, op, base, new, mode])).hexdigest()
-
-
-@dataclass
-class _Current:
-    """What the target is now: absent, or a regular file's bytes, digest and metadata."""
-
-    exists: bool
-    data: bytes = b""
-    sha256: str | None = None
-    mode: int = DEFAULT_FILE_MODE
-    uid: int = -1
-    gid: int = -1
+__all__ = ["MAX_PATCH_FILE", "WRITE_KINDS", "Writer", "drift_report", "plan_digest"]
 
 
 @dataclass
@@ -105,40 +90,6 @@ class _Prepared:
     current: _Current
     new: bytes | None
     plan: Plan
-
-
-def _read_current(parent_fd: int, name: str, where: str, limit: int) -> _Current:
-    st = paths.lstat_at(parent_fd, name)
-    if st is None:
-        return _Current(exists=False)
-    if not stat.S_ISREG(st.st_mode):
-        kind = paths.kind_of(st.st_mode)
-        if kind == "symlink":
-            raise paths.refusal_for(OSError(errno.ELOOP, "symlink"), where)
-        raise NotAFile(f"{where}: is a {kind}, not a regular file")
-    if st.st_size > limit:
-        raise TooLarge(f"{where}: {st.st_size} bytes is over the {limit} byte bound", limit=limit)
-    try:
-        fst, data = fsops.read_regular(parent_fd, name, limit, where)
-    except NotFound:
-        return _Current(exists=False)  # removed since the lstat: it is absent now
-    return _Current(
-        exists=True,
-        data=data,
-        sha256=hashlib.sha256(data).hexdigest(),
-        mode=stat.S_IMODE(fst.st_mode),
-        uid=fst.st_uid,
-        gid=fst.st_gid,
-    )
-
-
-def _check_not_reserved(parts: tuple[str, ...], where: str) -> None:
-    """Refuse a name substrate uses for its temp files: it must never write or delete one."""
-    if any(part.startswith(TEMP_PREFIX) for part in parts):
-        raise PathDenied(
-            f"{where}: names starting with {TEMP_PREFIX!r} are reserved for substrate's temp files",
-            reserved_prefix=TEMP_PREFIX,
-        )
 
 
 def _open_parent(
@@ -213,7 +164,7 @@ def _plan(
         if new_mode is not None:
             # Never make or keep a set-id file: we write as root, the bytes are the agent's
             # (a write by its owner would clear these bits too).
-            new_mode &= ~(stat.S_ISUID | stat.S_ISGID)
+            new_mode = no_setid(new_mode)
         diff, truncated = unified_preview(current.data, new or b"", rel)
         digest = plan_digest(ws.root_id, rel, op, current.sha256, new_sha, new_mode)
         if given_digest is not None and given_digest != digest:
@@ -248,6 +199,8 @@ class Writer:
         self._preimages = preimages
         self._temps = TempFiles(store, journal.epoch)
         self._approvals = Approvals(store)
+        #: Change sets' files and directories, in batches.
+        self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
 
     # -- the three wire operations --------------------------------------------------------
 
@@ -303,15 +256,21 @@ class Writer:
         mode: int | None,
         actor: str,
         dry_run: bool = False,
-    ) -> Plan:
-        """Apply one file of a change set: `data` (None: a delete) bound to `base`, as
-        `fs.write`/`fs.delete` would, parents not made (the set makes them first).
-        Journaled as `changes.apply`. Refuses as they do (`path_denied`,
-        `approval_required` with the plan digest, `stale_base`, `already_exists`, ...);
-        `dry_run` checks all that and writes nothing (an approval it needs is not asked)."""
-        with ws.use():
-            prepared, parent_fd = _plan(ws, path, base, data, mode, False, None)
-            return self._finish(ws, prepared, parent_fd, dry_run, actor, "changes.apply")
+    ) -> str | None:
+        """Apply one file of a change set: `data` (None: a delete) bound to `base`, parents
+        not made, journaled as `changes.apply` - a batch of one (`batch_writes`; a change
+        set goes through `batch` whole). Returns the plan digest, None when the checkout
+        already held the result. Refuses as `fs.write`/`fs.delete` do (`path_denied`,
+        `approval_required` with the plan digest, `stale_base`, `already_exists`, ...) and
+        raises the OSError of a failed step; `dry_run` checks and writes nothing."""
+        sha = None if data is None else hashlib.sha256(data).hexdigest()
+        change = FileChange(path, base, sha, 0 if data is None else len(data), mode)
+        [landing] = self.batch.apply_files(ws, [change], lambda _: data, actor, dry_run=dry_run)
+        if landing.refusal is not None:
+            raise landing.refusal
+        if landing.error is not None:
+            raise landing.error
+        return landing.plan_digest
 
     def restore_file(
         self,
@@ -329,71 +288,6 @@ class Writer:
         with ws.use():
             prepared, parent_fd = _plan(ws, path, base, data, mode, True, None)
             return self._finish(ws, prepared, parent_fd, dry_run, actor, "workspace.restore_file")
-
-    def apply_dir(self, ws: Workspace, path: str, op: DirOp, mode: int | None, actor: str) -> str:
-        """Make (`mkdir`, the workspace owner's), remove (`rmdir`, empty only) or chmod a
-        directory of a change set, journaled as `changes.apply_dir`; returns its plan digest.
-
-        Refuses like a guarded write: `path_invalid`, `path_denied` (policy or reserved
-        name), `approval_required` (with the plan digest: an approval of it lets it
-        through once), `symlink_refused`/`not_found`/`not_a_directory` on the way, and
-        OSError (EEXIST, ENOTEMPTY, ENOENT) from the step itself. Set-id bits are dropped.
-        """
-        parts = paths.split_relpath(path)
-        rel = "/".join(parts)
-        where = ws.provenance(rel)
-        _check_not_reserved(parts, where)
-        if not ws.policy.may_write(rel):
-            raise PathDenied(f"{where}: denied by the workspace write policy")
-        if mode is not None:
-            mode &= ~(stat.S_ISUID | stat.S_ISGID)
-        digest = hashlib.sha256(canonical([ws.root_id, rel, op, None, None, mode])).hexdigest()
-        needs_approval = ws.policy.needs_approval(rel)
-        with (
-            ws.use(),
-            paths.opened_dir(ws.root_fd, parts[:-1], where) as parent_fd,
-            ws.commit_lock,
-        ):
-            approval = None
-            if needs_approval:
-                approval = self._approvals.find(ws.id, digest, time.time())
-                if approval is None:
-                    raise ApprovalRequired(
-                        f"{where}: needs an operator approval of this plan",
-                        plan_digest=digest,
-                    )
-            if op == "mkdir":
-                owner = (ws.owner_uid, ws.owner_gid)
-                fsops.make_dir(
-                    parent_fd,
-                    parts[-1],
-                    mode=DEFAULT_DIR_MODE if mode is None else mode,
-                    owner=owner,
-                )
-            elif op == "rmdir":
-                os.rmdir(parts[-1], dir_fd=parent_fd)
-            else:
-                assert mode is not None
-                with paths.opened_dir(parent_fd, parts[-1:], where) as fd:
-                    os.fchmod(fd, mode)
-            os.fsync(parent_fd)
-            with self._store.transaction() as db:
-                if approval is not None:
-                    self._approvals.consume_in(db, approval, time.time())
-                self._journal.append_in(
-                    db,
-                    "changes.apply_dir",
-                    {
-                        "path": where,
-                        "op": op,
-                        "mode": mode,
-                        "plan_digest": digest,
-                        "approval_id": approval,
-                    },
-                    workspace=ws.id,
-                    actor=actor,
-                )
-        return digest
 
     # -- apply ----------------------------------------------------------------------------
 

@@ -28,18 +28,23 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import stat
 from typing import Literal
 
 import msgspec
 
-from substrate.errors import ApprovalRequired, NotFound, PathDenied, Refusal
+from substrate.errors import ApprovalRequired, PathDenied, Refusal
 from substrate.workspace import fsops, paths
+from substrate.workspace.batch_base import Landing
+from substrate.workspace.batch_dirs import DirChange
+from substrate.workspace.batch_writes import FileChange
 from substrate.workspace.layer.changeset import Change, ChangeSet, Op
 from substrate.workspace.layer.scan import MAX_FILE_BYTES
 from substrate.workspace.policy import CompiledPolicy, GlobSet, is_git_path
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TEMP_PREFIX
+from substrate.workspace.write_base import DirOp
 from substrate.workspace.writes import Writer
 
 Outcome = Literal["applied", "unchanged", "blocked", "pending", "conflict"]
@@ -87,109 +92,114 @@ def denying_rule(policy: CompiledPolicy, rel: str) -> str:
     return "filesystem"
 
 
-def _current(ws: Workspace, parts: tuple[str, ...]) -> tuple[str, int | None, str | None]:
-    """What the checkout holds at `parts` now: (kind, mode, a file's sha256); kind is
-    `absent` when nothing (or no directory above it) is there."""
+def _current(ws: Workspace, parts: tuple[str, ...]) -> str | None:
+    """A conflict's checkout digest now: None when absent or not a regular file."""
     try:
         with paths.opened_dir(ws.root_fd, parts[:-1], "/".join(parts)) as parent:
             st = paths.lstat_at(parent, parts[-1])
-            if st is None:
-                return "absent", None, None
-            kind = paths.kind_of(st.st_mode)
-            if kind != "file" or st.st_size > MAX_FILE_BYTES:
-                return kind, stat.S_IMODE(st.st_mode), None
-            fst, data = fsops.read_regular(parent, parts[-1], MAX_FILE_BYTES, parts[-1])
-            return kind, stat.S_IMODE(fst.st_mode), hashlib.sha256(data).hexdigest()
-    except NotFound:
-        return "absent", None, None
-    except Refusal:
-        return "other", None, None
-
-
-def _target_mode(mode: int | None) -> int | None:
-    # The guarded path never makes a set-id file or directory.
-    return None if mode is None else mode & ~(stat.S_ISUID | stat.S_ISGID)
-
-
-def _already(ws: Workspace, change: Change) -> bool:
-    """The checkout already holds what `change` makes."""
-    kind, mode, sha = _current(ws, tuple(change.path.split("/")))
-    if change.op == "delete":
-        return kind == "absent"
-    if change.kind == "dir":
-        return kind == "dir" and (change.op == "mkdir" or mode == _target_mode(change.mode))
-    return kind == "file" and sha == change.new_sha256 and mode == _target_mode(change.mode)
-
-
-def _upper_bytes(upper_fd: int, change: Change) -> bytes | None:
-    """The command's bytes of `change` from the upper layer; None when they are not the
-    ones scanned (the layer changed since, or a symlink or hard link stands there)."""
-    parts = tuple(change.path.split("/"))
-    try:
-        with paths.opened_dir(upper_fd, parts[:-1], change.path) as parent:
-            fst, data = fsops.read_regular(parent, parts[-1], MAX_FILE_BYTES, change.path)
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+                return None
+            _, data = fsops.read_regular(parent, parts[-1], MAX_FILE_BYTES, parts[-1])
+            return hashlib.sha256(data).hexdigest()
     except Refusal:
         return None
-    if fst.st_nlink != 1 or hashlib.sha256(data).hexdigest() != change.new_sha256:
-        return None
-    return data
 
 
-def _one(
-    writer: Writer, ws: Workspace, upper_fd: int, change: Change, actor: str, dry_run: bool
-) -> Outcomes:
+#: A file of the upper layer: never through a symlink, never blocking on a FIFO (a
+#: regular file's reads ignore O_NONBLOCK).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class _Upper:
+    """The command's bytes of a change, read from the upper layer through dir fds (never
+    following a symlink); None when not a regular file of one link. Holds the last
+    directory it read from (files come sorted by path) until `close`."""
+
+    def __init__(self, upper_fd: int) -> None:
+        self._fd = upper_fd
+        self._held: tuple[tuple[str, ...], int] | None = None
+
+    def __call__(self, path: str) -> bytes | None:
+        parts = tuple(path.split("/"))
+        try:
+            if self._held is None or self._held[0] != parts[:-1]:
+                self.close()
+                self._held = (parts[:-1], paths.open_dir(self._fd, parts[:-1], path))
+            fd = os.open(parts[-1], _READ_FLAGS, dir_fd=self._held[1])
+        except (Refusal, OSError):
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > MAX_FILE_BYTES:
+                return None
+            # One read of a byte more than its size: the batch checks the digest, so
+            # bytes that grew or shrank since are refused there (`layer_changed`).
+            return os.pread(fd, st.st_size + 1, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self._held is not None:
+            os.close(self._held[1])
+            self._held = None
+
+
+#: The apply's phases, in order: file deletes, directory deletes (deepest first), new
+#: directories (shallowest first), files made or changed, directory modes (deepest
+#: first). Within a phase the set's order (`changeset.ordered`) holds.
+_PHASES = (
+    ("delete", "file"),
+    ("delete", "dir"),
+    ("mkdir", "dir"),
+    ("write", "file"),
+    ("chmod", "dir"),
+)
+_DIR_OPS: dict[str, DirOp] = {"delete": "rmdir", "mkdir": "mkdir", "chmod": "chmod"}
+
+
+def _phase(change: Change) -> int:
+    op = "write" if change.kind == "file" and change.op != "delete" else change.op
+    return _PHASES.index((op, change.kind))
+
+
+def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
     def out(outcome: Outcome, **kw: str | None) -> Outcomes:
         return Outcomes(path=change.path, op=change.op, kind=change.kind, outcome=outcome, **kw)
 
-    if _already(ws, change):
-        return out("unchanged")
-    try:
-        if change.kind == "dir" and dry_run:
-            # Only the policy is checked: a directory step has no base to bind.
-            if not ws.policy.may_write(change.path):
-                raise PathDenied(change.path)
-            return out("pending" if ws.policy.needs_approval(change.path) else "applied")
-        if change.kind == "dir":
-            dir_op: Literal["mkdir", "rmdir", "chmod"] = (
-                "rmdir" if change.op == "delete" else "mkdir" if change.op == "mkdir" else "chmod"
+    match landing.status:
+        case "applied":
+            return out("applied", plan_digest=landing.plan_digest)
+        case "unchanged":
+            return out("unchanged")
+        case "source_changed":
+            return out("conflict", reason="layer_changed")
+        case "failed":
+            code = landing.error.errno if landing.error is not None else None
+            reason = (
+                "not_empty"
+                if code == errno.ENOTEMPTY
+                else errno.errorcode.get(code or 0, "os_error").lower()
             )
-            digest = writer.apply_dir(ws, change.path, dir_op, change.mode, actor)
-            return out("applied", plan_digest=digest)
-        data = None
-        if change.op != "delete":
-            data = _upper_bytes(upper_fd, change)
-            if data is None:
-                return out("conflict", reason="layer_changed")
-        plan = writer.apply_change(
-            ws, change.path, change.base_sha256, data, change.mode, actor, dry_run
-        )
-        if dry_run and ws.policy.needs_approval(change.path):
-            return out("pending", reason=ApprovalRequired.name, plan_digest=plan.plan_digest)
-        return out("applied", plan_digest=plan.plan_digest)
-    except PathDenied:
+            return _conflict(ws, change, reason)
+    refusal = landing.refusal
+    if isinstance(refusal, PathDenied):
         return out("blocked", reason=PathDenied.name, rule=denying_rule(ws.policy, change.path))
-    except ApprovalRequired as exc:
-        return out("pending", reason=exc.name, plan_digest=exc.data.get("plan_digest"))
-    except Refusal as exc:  # stale_base, already_exists, not_found, symlink_refused, ...
-        return _conflict(ws, change, exc.name)
-    except OSError as exc:
-        reason = (
-            "not_empty"
-            if exc.errno == errno.ENOTEMPTY
-            else errno.errorcode.get(exc.errno or 0, "os_error").lower()
-        )
-        return _conflict(ws, change, reason)
+    if isinstance(refusal, ApprovalRequired):
+        return out("pending", reason=refusal.name, plan_digest=refusal.data.get("plan_digest"))
+    # stale_base, already_exists, not_found, symlink_refused, ...
+    return _conflict(ws, change, refusal.name if refusal is not None else "internal")
 
 
 def _conflict(ws: Workspace, change: Change, reason: str) -> Outcomes:
-    _, _, sha = _current(ws, tuple(change.path.split("/")))
     return Outcomes(
         path=change.path,
         op=change.op,
         kind=change.kind,
         outcome="conflict",
         reason=reason,
-        current_sha256=sha,
+        current_sha256=_current(ws, tuple(change.path.split("/"))),
         kept=change.path if change.op in ("create", "replace", "chmod") else None,
     )
 
@@ -203,13 +213,40 @@ def apply(
     *,
     dry_run: bool = False,
 ) -> ApplyResult:
-    """Apply `changeset` (scanned from the upper layer `upper_fd`) to `ws`'s checkout, in
-    its order, each change through the guarded path; never refuses as a whole (each
-    change's outcome says what became of it). `dry_run`: the same checks, nothing
-    written; `applied` then means "would be applied" (a change after a directory the
-    set would make, or bound to a file an earlier change would write, may be reported
-    as a conflict it would not be). Costs, per change, a read and hash of the
-    checkout's file and of the command's, plus the guarded write (two fsyncs)."""
+    """Apply `changeset` (scanned from the upper layer `upper_fd`) to `ws`'s checkout
+    through the guarded path, phase by phase (`_PHASES`), each phase one batch
+    (`Writer.batch`); never refuses as a whole (each change's outcome says what became of
+    it; the lists keep the set's order). `dry_run`: the same checks, nothing written;
+    `applied` then means "would be applied" (a change after a directory the set would
+    make, or bound to a file an earlier change would write, may be reported as a
+    conflict it would not be). Costs, per file, a read and hash of the checkout's file
+    (two when it exists) and of the command's, a temp file and a rename; per batch of up
+    to `batch_base.CHUNK` files, two transactions, a `syncfs` for the temp files and one
+    for the directories written in (an fsync when there is one)."""
+    changes = changeset.changes
+    results: list[Outcomes | None] = [None] * len(changes)
+    by_phase: list[list[int]] = [[] for _ in _PHASES]
+    for i, change in enumerate(changes):
+        by_phase[_phase(change)].append(i)
+    with ws.use():
+        for (op, kind), indices in zip(_PHASES, by_phase, strict=True):
+            if not indices:
+                continue
+            if kind == "file":
+                files = [
+                    FileChange(c.path, c.base_sha256, c.new_sha256, c.size, c.mode)
+                    for c in (changes[i] for i in indices)
+                ]
+                upper = _Upper(upper_fd)
+                try:
+                    landings = writer.batch.apply_files(ws, files, upper, actor, dry_run=dry_run)
+                finally:
+                    upper.close()
+            else:
+                dirs = [DirChange(changes[i].path, _DIR_OPS[op], changes[i].mode) for i in indices]
+                landings = writer.batch.apply_dirs(ws, dirs, actor, dry_run=dry_run)
+            for i, landing in zip(indices, landings, strict=True):
+                results[i] = _outcome(ws, changes[i], landing)
     lists: dict[Outcome, list[Outcomes]] = {
         "applied": [],
         "unchanged": [],
@@ -217,10 +254,9 @@ def apply(
         "pending": [],
         "conflict": [],
     }
-    with ws.use():
-        for change in changeset.changes:
-            result = _one(writer, ws, upper_fd, change, actor, dry_run)
-            lists[result.outcome].append(result)
+    for result in results:
+        assert result is not None
+        lists[result.outcome].append(result)
     return ApplyResult(
         applied=tuple(lists["applied"]),
         unchanged=tuple(lists["unchanged"]),

@@ -5,10 +5,13 @@ command wrote) and the lower (the checkout the command saw). The walk is iterati
 stack of relative paths, each directory reopened beneath its layer's root fd
 (`paths.open_dir`: no symlink is ever followed), so it holds two directory fds and one
 file fd at a time whatever the depth. Each upper entry is `lstat`ed, a regular file is
-hashed (and read whole for the preview when both sides are small), and the lower entry
-of the same name likewise; `changeset.classify` says what the pair means. A deleted or
-hidden lower directory is listed whole (one delete per file, bound to its digest, and
-one per directory, deepest first) because the guarded path removes files one by one.
+hashed, and the lower entry of the same name likewise; `changeset.classify` says what
+the pair means. A deleted or hidden lower directory is listed whole (one delete per
+file, bound to its digest, and one per directory, deepest first) because the guarded
+path removes files one by one. Once the set is in apply order, its first
+`MAX_PREVIEWS` file changes (all `changes.get` shows) get their `diff` preview, both
+sides read again when small enough; the rest carry none, so a large set costs no
+diffing nor the space of its previews.
 
 Bounds, each a named refusal (`too_large` with `bound`): entries visited
 (`max_entries`), directory depth (`max_depth`) and bytes hashed (`max_bytes`). A single
@@ -28,7 +31,9 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from substrate.errors import NotADirectory, NotFound, SymlinkRefused, TooLarge
+import msgspec
+
+from substrate.errors import NotADirectory, NotFound, Refusal, SymlinkRefused, TooLarge
 from substrate.workspace import fsops, paths
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.gate.diff import display_rel
@@ -49,6 +54,9 @@ MAX_DEPTH = 256
 MAX_BYTES = 4 << 30
 #: The largest file a change set carries: what the guarded write path takes.
 MAX_FILE_BYTES = MAX_RESULT_BYTES
+#: Changes given a `diff` preview: the first ones in apply order, as many as
+#: `changes.get` shows (`process.layering.MAX_CHANGE_ENTRIES`); the others never are.
+MAX_PREVIEWS = 1000
 
 WHITEOUT_XATTR = "trusted.overlay.whiteout"
 OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -181,32 +189,37 @@ def _seen(dir_fd: int, name: str, budget: _Budget, *, upper: bool) -> Seen | Non
         os.close(fd)
 
 
-def _small_bytes(dir_fd: int | None, name: str, seen: Seen | None) -> bytes | None:
-    """A file's bytes for a preview when small enough to diff; b"" when absent."""
-    if seen is None or seen.kind != "file" or dir_fd is None:
+def _preview_bytes(root_fd: int, parts: tuple[str, ...]) -> bytes | int:
+    """A file's bytes for a preview, or its size when too large to diff (b"": absent,
+    or not a regular file)."""
+    rel = "/".join(parts)
+    try:
+        with paths.opened_dir(root_fd, parts[:-1], rel) as dir_fd:
+            st = paths.lstat_at(dir_fd, parts[-1])
+            if st is None or not stat.S_ISREG(st.st_mode):
+                return b""
+            if st.st_size > PREVIEW_DIFF_LIMIT:
+                return st.st_size
+            return fsops.read_regular(dir_fd, parts[-1], PREVIEW_DIFF_LIMIT, rel)[1]
+    except TooLarge:
+        return PREVIEW_DIFF_LIMIT + 1  # grew since the lstat
+    except Refusal:
         return b""
-    if seen.size > PREVIEW_DIFF_LIMIT:
-        return None
-    with contextlib.suppress(NotFound):
-        return fsops.read_regular(dir_fd, name, PREVIEW_DIFF_LIMIT, name)[1]
-    return b""
 
 
-def _preview(
-    rel: str,
-    lower_fd: int | None,
-    upper_fd: int | None,
-    name: str,
-    lower: Seen | None,
-    upper: Seen | None,
-) -> tuple[str, bool]:
-    old = _small_bytes(lower_fd, name, lower)
-    new = _small_bytes(upper_fd, name, upper)
-    if old is None or new is None:
-        old_size = lower.size if lower is not None else 0
-        new_size = upper.size if upper is not None else 0
-        return f"Files differ ({old_size} -> {new_size} bytes; too large to diff)\n", True
-    return unified_preview(old, new, rel)
+def _previewed(upper_fd: int, lower_fd: int, change: Change) -> Change:
+    """`change` with its preview: the lower file (its base) against the upper one."""
+    if change.kind != "file":
+        return change
+    parts = tuple(change.path.split("/"))
+    old = b"" if change.op == "create" else _preview_bytes(lower_fd, parts)
+    new = b"" if change.op == "delete" else _preview_bytes(upper_fd, parts)
+    if isinstance(old, int) or isinstance(new, int):
+        sizes = [len(x) if isinstance(x, bytes) else x for x in (old, new)]
+        diff = f"Files differ ({sizes[0]} -> {sizes[1]} bytes; too large to diff)\n"
+        return msgspec.structs.replace(change, diff=diff, diff_truncated=True)
+    diff, truncated = unified_preview(old, new, change.path)
+    return msgspec.structs.replace(change, diff=diff, diff_truncated=truncated)
 
 
 @contextlib.contextmanager
@@ -263,16 +276,7 @@ def _delete_one(
     elif seen.sha256 is None:
         out.block(sub, "file", "too_large")
     else:
-        diff, truncated = _preview(rel, dfd, None, sub[-1], seen, None)
-        out.changes.append(
-            Change(
-                path=rel,
-                op="delete",
-                base_sha256=seen.sha256,
-                diff=diff,
-                diff_truncated=truncated,
-            )
-        )
+        out.changes.append(Change(path=rel, op="delete", base_sha256=seen.sha256))
 
 
 def _utf8(rel: str) -> bool:
@@ -324,7 +328,9 @@ def scan(
                         _delete_one(lower_fd, ldir, sub, seen, budget, out, [])
                         if seen.kind == "dir" and _utf8("/".join(sub)):
                             _delete_lower_tree(lower_fd, sub, budget, out)
-    return ChangeSet(changes=ordered(out.changes), blocked=tuple(out.blocked))
+    changes = ordered(out.changes)
+    shown = tuple(_previewed(upper_fd, lower_fd, c) for c in changes[:MAX_PREVIEWS])
+    return ChangeSet(changes=(*shown, *changes[MAX_PREVIEWS:]), blocked=tuple(out.blocked))
 
 
 def _opaque(dir_fd: int) -> bool:
@@ -370,7 +376,6 @@ def _visit(
                     out.block(sub, "file", "too_large")
                     continue
                 base = lower if step != "create" else None
-                diff, truncated = _preview(rel, ldir, udir, name, base, upper)
                 out.changes.append(
                     Change(
                         path=rel,
@@ -379,8 +384,6 @@ def _visit(
                         new_sha256=upper.sha256,
                         size=upper.size,
                         mode=upper.mode,
-                        diff=diff,
-                        diff_truncated=truncated,
                     )
                 )
             case "descend":

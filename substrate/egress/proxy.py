@@ -1,0 +1,421 @@
+"""The egress proxy: the only way out of an egress sandbox (Trio; docs/egress.md).
+
+Theory of operation. The daemon runs one `EgressProxy` (`serve`, in its nursery). For
+each egress sandbox, `substrate.sandbox.proxy_link` hands it a listening TCP socket that
+lives inside that sandbox's network namespace (127.0.0.1:3128 there) together with a
+`Gate`: the sandbox's allow-list and what to do with a refusal. `attach` starts accepting
+on it; every connection is then handled here, in the daemon, and the connection onwards
+is made from the daemon's own namespace. The sandbox itself keeps only `lo`.
+
+One connection: read the request head (at most `max_head_bytes`, within
+`head_timeout_s`), parse it (`substrate.egress.request`), and check the host and port
+against the gate's allow-list *before anything is resolved*. A refusal is reported
+(`Gate.denied`: the sandbox side finds the command and journals it) and answered with
+403 `egress_denied`; then the connection closes. An allowed request is connected
+directly (resolve, drop the host's own addresses, connect within `connect_timeout_s`) or
+through the upstream proxy the daemon's environment names (`substrate.egress.upstream`;
+no resolution here then); a tunnel is answered 200, a plain request is sent on in origin
+form; then bytes are relayed both ways, half-closes passed on, until both sides are done
+or nothing moved for `idle_timeout_s`. Nothing is cached, nothing is logged of paths,
+headers or bytes.
+
+Bounds and named refusals (the answer's `X-Substrate-Refusal`): a head too large
+(`request_too_large`, 431), malformed (`invalid_params`, 400), not complete in time
+(`timeout`, 408); more than `per_gate` connections of one sandbox or `total` of all
+(`limit_exceeded`, 503); a host or port not allowed (`egress_denied`, 403); no answer
+from the name or the server (`upstream_failed`, 502; `upstream_timeout`, 504).
+
+Supervision: a failing connection is logged and closed, never the proxy; an accept
+that fails for lack of descriptors or memory is retried after a pause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from substrate.egress import splice
+from substrate.egress.allow import AllowList
+from substrate.egress.request import (
+    CONNECTED,
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    HeadReader,
+    ProxyRequest,
+    origin_head,
+    parse_request,
+    refusal_response,
+    response_status,
+    upstream_head,
+)
+from substrate.egress.upstream import Upstream, UpstreamConfig
+from substrate.errors import EgressDenied, Refusal, RuntimeUnavailable
+
+log = logging.getLogger("substrate.egress")
+
+#: (address family, socket address) pairs, as `getaddrinfo` gives them.
+Addresses = list[tuple[int, tuple[Any, ...]]]
+Resolver = Callable[[str, int], Awaitable[Addresses]]
+#: Errors of `accept` that mean "not now" (no descriptors, no memory), not "broken".
+_ACCEPT_RETRY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: What a side that went away raises.
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The proxy's bounds (seconds, bytes, connections)."""
+
+    max_head_bytes: int = MAX_HEAD_BYTES
+    max_headers: int = MAX_HEADERS
+    head_timeout_s: float = 15.0
+    resolve_timeout_s: float = 10.0
+    connect_timeout_s: float = 15.0
+    idle_timeout_s: float = 300.0
+    per_gate: int = 64  # open connections of one sandbox
+    total: int = 1024  # open connections of all sandboxes
+    chunk: int = 256 << 10  # bytes read at once when relaying
+
+
+class ProxyFailure(Exception):
+    """The proxy could not serve an allowed request: `name` is `timeout`,
+    `upstream_failed` or `upstream_timeout` (the answer's refusal header)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.message = message
+
+
+@dataclass(eq=False)
+class Gate:
+    """One sandbox's side of the proxy: its allow-list, a label for the log (the short
+    container id) and `denied(peer_port, host, port)`, awaited before a refusal is
+    answered (the connecting socket still exists then, so its process can be found)."""
+
+    allow: AllowList
+    label: str
+    denied: Callable[[int, str, int], Awaitable[None]]
+    connections: int = 0
+
+
+@dataclass(eq=False)
+class Attachment:
+    """A listener the proxy accepts on for one gate; `aclose` ends it and its
+    connections and closes the socket (the sandbox's namespace is then released)."""
+
+    listener: trio.socket.SocketType
+    gate: Gate
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    done: trio.Event = field(default_factory=trio.Event)
+
+    async def aclose(self) -> None:
+        self.scope.cancel()
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            await self.done.wait()
+        self.listener.close()
+
+
+def address_ok(address: str) -> bool:
+    """May the proxy connect to `address`? Not to this host itself or its links:
+    loopback, unspecified, link-local (cloud metadata lives there), multicast, reserved;
+    an IPv4-mapped IPv6 address is judged as its IPv4 one. Private ranges are allowed
+    (an enterprise's mirror lives there). Pure."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (
+        ip.is_loopback or ip.is_unspecified or ip.is_link_local or ip.is_multicast or ip.is_reserved
+    )
+
+
+async def system_resolve(host: str, port: int) -> Addresses:
+    """The host's resolver (`getaddrinfo` in a thread), TCP addresses only."""
+    infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [(int(family), tuple(sockaddr)) for family, _, _, _, sockaddr in infos]
+
+
+class EgressProxy:
+    """The daemon's allow-listing proxy (see the module's theory of operation)."""
+
+    def __init__(
+        self,
+        *,
+        upstream: UpstreamConfig | None = None,
+        limits: Limits | None = None,
+        resolve: Resolver | None = None,
+        allow_local: bool = False,
+    ) -> None:
+        self.upstream = upstream if upstream is not None else UpstreamConfig()
+        self.limits = limits if limits is not None else Limits()
+        #: Replaceable in tests only (a name mapped to a loopback server), with
+        #: `allow_local`: connections to this host's own addresses are then allowed.
+        self.resolve: Resolver = resolve if resolve is not None else system_resolve
+        self.allow_local = allow_local
+        self.open_connections = 0
+        self._nursery: trio.Nursery | None = None
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Service task: holds every listener's accept loop and connection until
+        cancelled (the daemon stops); then every listener is closed."""
+        log.info("egress proxy: %s", self.upstream.describe())
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    def attach(self, sock: socket.socket, gate: Gate) -> Attachment:
+        """Accept on `sock` (a listening TCP socket, non-blocking or not) for `gate`.
+        The proxy owns the socket from now on. Refuses `runtime_unavailable` when the
+        proxy is not serving (the socket is closed then)."""
+        listener = trio.socket.from_stdlib_socket(sock)
+        if self._nursery is None:
+            listener.close()
+            raise RuntimeUnavailable("the egress proxy is not running")
+        attachment = Attachment(listener, gate)
+        self._nursery.start_soon(self._accept_loop, attachment)
+        return attachment
+
+    async def _accept_loop(self, att: Attachment) -> None:
+        try:
+            with att.scope:
+                async with trio.open_nursery() as connections:
+                    await self._accept(att, connections)
+        finally:
+            att.listener.close()
+            att.done.set()
+
+    async def _accept(self, att: Attachment, connections: trio.Nursery) -> None:
+        """Accept until the listener closes or breaks (never raises but Cancelled)."""
+        while True:
+            try:
+                conn, peer = await att.listener.accept()
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_RETRY:
+                    log.warning("egress %s: the listener failed: %s", att.gate.label, exc)
+                    return
+                log.warning("egress %s: accept: %s", att.gate.label, exc.strerror)
+                await trio.sleep(0.1)
+                continue
+            except trio.ClosedResourceError:
+                return
+            if await self._busy(conn, att.gate):
+                continue
+            connections.start_soon(self._connection, conn, int(peer[1]), att.gate)
+
+    async def _busy(self, conn: trio.socket.SocketType, gate: Gate) -> bool:
+        """Over a connection bound: answer `limit_exceeded` at once and close (a short,
+        bounded send: the answer fits an empty socket buffer)."""
+        if gate.connections < self.limits.per_gate and self.open_connections < self.limits.total:
+            return False
+        with conn, trio.move_on_after(1.0):
+            await conn.send(
+                refusal_response("limit_exceeded", "too many open connections through the proxy")
+            )
+        return True
+
+    async def _connection(self, conn: trio.socket.SocketType, peer_port: int, gate: Gate) -> None:
+        self.open_connections += 1
+        gate.connections += 1
+        stream = trio.SocketStream(conn)
+        try:
+            await self.handle(stream, peer_port, gate)
+        except Exception:  # one connection's failure never ends the proxy
+            log.exception("egress %s: a connection failed", gate.label)
+        finally:
+            self.open_connections -= 1
+            gate.connections -= 1
+            with trio.CancelScope(shield=True):
+                await _close(stream)
+
+    async def handle(self, client: trio.abc.HalfCloseableStream, peer_port: int, gate: Gate) -> str:
+        """Serve one client connection through `gate`; returns how it ended: "relayed"
+        or the name of the refusal answered. The caller closes `client`."""
+        try:
+            req, rest = await self._read_request(client)
+            if not gate.allow.allows(req.host, req.port):
+                await gate.denied(peer_port, req.host, req.port)
+                raise EgressDenied(
+                    f"{req.authority} is not in this sandbox's egress_allow (ports 80, 443)"
+                )
+            server, to_server, to_client = await self._open(req, gate, peer_port)
+        except (Refusal, ProxyFailure) as exc:
+            with trio.move_on_after(self.limits.head_timeout_s):
+                await _send_quietly(client, refusal_response(exc.name, exc.message))
+            return exc.name
+        try:
+            if req.tunnel:
+                await client.send_all(CONNECTED + to_client)
+            await server.send_all(to_server + rest)
+            await self._relay(client, server)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # a side went away: the relay is over
+        finally:
+            with trio.CancelScope(shield=True):
+                await _close(server)
+        return "relayed"
+
+    async def _read_request(self, client: trio.abc.ReceiveStream) -> tuple[ProxyRequest, bytes]:
+        reader = HeadReader(self.limits.max_head_bytes)
+        with trio.move_on_after(self.limits.head_timeout_s):
+            while True:
+                try:
+                    data = await client.receive_some(self.limits.max_head_bytes)
+                except (trio.BrokenResourceError, OSError):
+                    data = b""
+                if not data:
+                    raise ProxyFailure("invalid_params", "the connection ended before a request")
+                done = reader.feed(data)
+                if done is not None:
+                    head, rest = done
+                    return parse_request(head, max_headers=self.limits.max_headers), rest
+        raise ProxyFailure("timeout", f"no whole request within {self.limits.head_timeout_s:g} s")
+
+    async def _open(
+        self, req: ProxyRequest, gate: Gate, peer_port: int
+    ) -> tuple[trio.SocketStream, bytes, bytes]:
+        """(server stream, head still to send it, bytes already due to the client)."""
+        if self.upstream.unusable:
+            raise ProxyFailure("upstream_failed", "the daemon's upstream proxy is unusable")
+        via = self.upstream.for_request(req.host, req.tunnel)
+        if via is not None:
+            return await self._via(via, req)
+        server = await self._direct(req, gate, peer_port)
+        return server, (b"" if req.tunnel else origin_head(req)), b""
+
+    async def _direct(self, req: ProxyRequest, gate: Gate, peer_port: int) -> trio.SocketStream:
+        found: Addresses | None = None
+        with trio.move_on_after(self.limits.resolve_timeout_s):
+            try:
+                found = await self.resolve(req.host, req.port)
+            except OSError:
+                raise ProxyFailure("upstream_failed", f"{req.host} does not resolve") from None
+        if found is None:
+            raise ProxyFailure("upstream_timeout", f"resolving {req.host} took too long")
+        usable = [(f, a) for f, a in found if self.allow_local or address_ok(str(a[0]))]
+        if found and not usable:
+            await gate.denied(peer_port, req.host, req.port)
+            raise EgressDenied(f"{req.host} resolves to an address of this host")
+        server = await self._connect(req, usable)
+        if not self.allow_local and _to_itself(server.socket):
+            # Whatever the address looked like, the kernel delivered it to this host.
+            await _close(server)
+            await gate.denied(peer_port, req.host, req.port)
+            raise EgressDenied(f"{req.host} resolves to an address of this host")
+        return server
+
+    async def _connect(self, req: ProxyRequest, addresses: Addresses) -> trio.SocketStream:
+        for family, addr in addresses:
+            sock = trio.socket.socket(family, socket.SOCK_STREAM)
+            try:
+                with trio.fail_after(self.limits.connect_timeout_s):
+                    await sock.connect(addr)
+                return trio.SocketStream(sock)
+            except (OSError, trio.TooSlowError):
+                sock.close()
+            except BaseException:
+                sock.close()
+                raise
+        raise ProxyFailure("upstream_failed", f"could not connect to {req.authority}")
+
+    async def _via(self, up: Upstream, req: ProxyRequest) -> tuple[trio.SocketStream, bytes, bytes]:
+        """Through the upstream proxy: a tunnel is opened there first (its answer read,
+        bounded); a plain request is sent on in absolute form."""
+        try:
+            with trio.fail_after(self.limits.connect_timeout_s):
+                server = await trio.open_tcp_stream(up.host, up.port)
+        except (OSError, trio.TooSlowError):
+            raise ProxyFailure("upstream_failed", "the upstream proxy does not answer") from None
+        if not req.tunnel:
+            return server, upstream_head(req, up.authorization), b""
+        try:
+            with trio.fail_after(self.limits.connect_timeout_s):
+                await server.send_all(upstream_head(req, up.authorization))
+                head, extra = await _read_head(server, self.limits.max_head_bytes)
+            status = response_status(head)
+        except (OSError, trio.BrokenResourceError, trio.TooSlowError, ValueError, Refusal):
+            await _close(server)
+            raise ProxyFailure(
+                "upstream_failed", "the upstream proxy did not open a tunnel"
+            ) from None
+        if not 200 <= status < 300:
+            await _close(server)
+            raise ProxyFailure("upstream_failed", f"the upstream proxy answered {status}")
+        return server, b"", extra
+
+    async def _relay(
+        self, a: trio.abc.HalfCloseableStream, b: trio.abc.HalfCloseableStream
+    ) -> None:
+        """Copy both ways until both directions ended (each end's EOF passed on as a
+        half-close) or nothing moved for `idle_timeout_s`. Between two sockets the bytes
+        never enter Python (`substrate.egress.splice`)."""
+        idle_s = self.limits.idle_timeout_s
+        chunk = self.limits.chunk
+        with trio.move_on_after(idle_s) as idle:
+
+            def moved() -> None:
+                idle.deadline = trio.current_time() + idle_s
+
+            async with trio.open_nursery() as nursery:
+
+                async def pump(
+                    src: trio.abc.HalfCloseableStream, dst: trio.abc.HalfCloseableStream
+                ) -> None:
+                    try:
+                        if isinstance(src, trio.SocketStream) and isinstance(
+                            dst, trio.SocketStream
+                        ):
+                            await splice.pump(src.socket, dst.socket, moved)
+                            return
+                        while data := await src.receive_some(chunk):
+                            await dst.send_all(data)
+                            moved()
+                        await dst.send_eof()
+                    except _GONE:
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(pump, a, b)
+                nursery.start_soon(pump, b, a)
+
+
+def _to_itself(sock: trio.socket.SocketType) -> bool:
+    """Did a connection end up on this host (peer address = local address)?"""
+    try:
+        return bool(sock.getpeername()[0] == sock.getsockname()[0])
+    except OSError:
+        return False
+
+
+async def _read_head(stream: trio.abc.ReceiveStream, limit: int) -> tuple[bytes, bytes]:
+    reader = HeadReader(limit)
+    while True:
+        data = await stream.receive_some(limit)
+        if not data:
+            raise OSError(errno.ECONNRESET, "closed before a whole head")
+        done = reader.feed(data)
+        if done is not None:
+            return done
+
+
+async def _send_quietly(stream: trio.abc.SendStream, data: bytes) -> None:
+    with contextlib.suppress(*_GONE):
+        await stream.send_all(data)
+
+
+async def _close(stream: trio.abc.AsyncResource) -> None:
+    with contextlib.suppress(*_GONE):
+        await trio.aclose_forcefully(stream)

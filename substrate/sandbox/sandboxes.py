@@ -1,0 +1,59 @@
+"""`Sandbox`: one container this daemon created and verified (`substrate.sandbox.containers`
+makes them, the execution and terminal layers run commands in them)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from substrate.sandbox import reaper
+from substrate.sandbox.facts import Fact
+from substrate.sandbox.profiles import Profile
+from substrate.sandbox.proxy_link import ProxyLink
+from substrate.sandbox.spec import RunAs
+from substrate.sandbox.working_layer import WorkingLayer
+from substrate.workspace.homes import Home
+
+__all__ = ["Sandbox"]
+
+
+@dataclass
+class Sandbox:
+    """A verified container. `running` counts commands (and terminals) using it now."""
+
+    id: str
+    workspace: str
+    #: The profile as its commands get it: with secrets, `env` holds their values
+    #: (`profiles.with_secrets`). Never serialize it; `.name` is what records carry.
+    profile: Profile
+    #: The profile as declared when the sandbox was made (no secret values): a reload
+    #: that changes it retires the sandbox (`Containers.retire`).
+    declared: Profile
+    who: RunAs
+    init_pid: int
+    init: Hashable  # the init's identity (`reaper.ProcInfo.ident`): pid reuse aside
+    protected: frozenset[int]
+    cgroups: reaper.CgroupDirs
+    facts: list[Fact]
+    host_visible: bool
+    running: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
+    readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: The working layer of a `workspace = "layer"` sandbox (None for the others).
+    layer: WorkingLayer | None = None
+    egress: ProxyLink | None = None  # a `network = "egress"` sandbox's link to the proxy
+    #: The persistent home bound at /home/agent (None: this daemon keeps none).
+    home: Home | None = None
+    #: `SecretStore.version` of the secrets in `profile.env` when they were read.
+    secrets_version: tuple[object, ...] = ()
+
+    def acquire(self) -> None:
+        """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
+        self.running += 1
+        self.last_used = time.monotonic()
+
+    def release(self) -> None:
+        self.running -= 1
+        self.last_used = time.monotonic()

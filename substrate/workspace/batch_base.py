@@ -1,0 +1,316 @@
+"""What the batches of guarded writes share (`batch_writes` for files, `batch_dirs` for
+directories): a change's `Landing`, the parent directories a chunk holds, the chunk
+loop, the one-step durability of temp files, and the transaction that journals what
+landed. The theory of operation is `batch_writes`'s module doc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import queue
+import resource
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from substrate.errors import ApprovalRequired, Refusal
+from substrate.store.approvals import Approvals
+from substrate.store.db import Store
+from substrate.store.journal import Draft, Journal
+from substrate.workspace import fsops, paths
+from substrate.workspace.checkpoints import Checkpoints, Preimage
+from substrate.workspace.registry import Workspace
+from substrate.workspace.temp_files import TempFiles
+from substrate.workspace.write_base import Current
+from substrate.workspace.write_intents import Intent, Intents
+
+#: File changes per chunk: bounds the temp files in flight, the rows of one transaction
+#: and how long the commit lock is held at a time.
+CHUNK = 4096
+#: Directories a chunk holds open (each until the chunk is done); also the directory
+#: steps per chunk, as each may hold one (the parent a `mkdir` before it made).
+MAX_DIRS = 256
+
+#: What became of a change: `applied` (landed and journaled; in a dry run, would be),
+#: `unchanged` (the checkout already held it), `refused` (the refusal says why:
+#: `path_denied`, `approval_required`, `stale_base`, ...), `source_changed` (the new
+#: bytes are not the ones digested), `failed` (an OSError: ENOTEMPTY, EEXIST, ...).
+Status = Literal["applied", "unchanged", "refused", "source_changed", "failed"]
+
+
+@dataclass(frozen=True)
+class Landing:
+    status: Status
+    plan_digest: str | None = None
+    refusal: Refusal | None = None
+    error: OSError | None = None
+
+
+UNCHANGED = Landing("unchanged")
+SOURCE_CHANGED = Landing("source_changed")
+
+#: A temp file recorded for a chunk: its directory beneath the root, its name.
+Temp = tuple[tuple[str, ...], str]
+
+
+class HeldDirs:
+    """The parent directories of one chunk, each opened beneath the root once (never
+    following a symlink) and held until `close`."""
+
+    def __init__(self, root_fd: int) -> None:
+        self._root = root_fd
+        self._fds: dict[tuple[str, ...], int] = {}
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def get(self, dirs: tuple[str, ...], where: str) -> int:
+        """The held fd of `dirs`, opened now if it is not held yet. Refuses as
+        `paths.open_dir` does (`not_found`, `symlink_refused`, ...)."""
+        fd = self._fds.get(dirs)
+        if fd is None:
+            fd = self._fds[dirs] = paths.open_dir(self._root, dirs, where)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+@dataclass
+class Step:
+    """One planned change of a chunk."""
+
+    index: int
+    parts: tuple[str, ...]
+    where: str
+    digest: str
+    needs_approval: bool
+    intent: Intent
+    current: Current | None = None  # a file's target as planned (its bytes dropped)
+    new_sha256: str | None = None
+    temp: str | None = None  # the temp file, while it exists
+    approval: str | None = None
+    pre: Preimage | None = None
+
+    @property
+    def dirs(self) -> tuple[str, ...]:
+        return self.parts[:-1]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def make_durable(fds: Sequence[int]) -> None:
+    """Flush what was written to files on the file systems of `fds` (open directories):
+    one `syncfs(2)` per file system (a checkout may hold mounts). Costs one flush of
+    each file system's dirty data."""
+    by_dev: dict[int, int] = {}
+    for fd in fds:
+        by_dev.setdefault(os.fstat(fd).st_dev, fd)
+    for fd in by_dev.values():
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+
+class Releaser:
+    """Closes the fds of files a batch replaced or deleted, in a background thread.
+
+    The last close of an unlinked file frees its inode and blocks, which on a busy
+    file-system journal can take milliseconds per file; the batch holds each replaced
+    file open across its rename (it read and hashed it through that fd) and hands the
+    fd here, so it never waits for the freeing. At most `bound` fds wait; past that a
+    release closes at once. A crash frees them anyway (the kernel's orphan cleanup)."""
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._thread: threading.Thread | None = None
+
+    def release(self, fd: int) -> None:
+        with self._lock:
+            if self._waiting >= self._bound:
+                os.close(fd)
+                return
+            self._waiting += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="substrate-release", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(fd)
+
+    def _run(self) -> None:
+        while True:
+            fd = self._queue.get()
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with self._lock:
+                self._waiting -= 1
+
+
+def _release_bound() -> int:
+    # A quarter of the soft fd limit (the daemon raises it to the hard one), 64 to 4096.
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, min(4096, soft // 4))
+
+
+#: The process's one releaser.
+RELEASER = Releaser(_release_bound())
+
+_RENAME_NOREPLACE = 1
+
+
+def rename_new(dir_fd: int, temp: str, name: str) -> None:
+    """Rename `temp` to `name` in `dir_fd` only if nothing holds `name`: `renameat2(2)`
+    with `RENAME_NOREPLACE`, so a file the host made since the check is never replaced
+    (FileExistsError). Where the file system or libc cannot (EINVAL), a plain rename
+    after an lstat."""
+    renameat2 = getattr(_libc, "renameat2", None)  # glibc 2.28 and later
+    if renameat2 is None:
+        err = errno.EINVAL
+    elif renameat2(dir_fd, os.fsencode(temp), dir_fd, os.fsencode(name), _RENAME_NOREPLACE):
+        err = ctypes.get_errno()
+    else:
+        return
+    if err != errno.EINVAL:
+        raise OSError(err, os.strerror(err), name)
+    if paths.lstat_at(dir_fd, name) is not None:
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
+    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+#: Plans change `index` with the chunk's held dirs: a Step to land, or its Landing now.
+Planner = Callable[[HeldDirs, int], "Step | Landing"]
+#: Lands a chunk's steps; returns the landings of those that are not `applied`.
+Lander = Callable[[HeldDirs, list[Step]], dict[int, Landing]]
+
+
+class BatchCore:
+    """The state and steps every batch shares."""
+
+    def __init__(
+        self,
+        store: Store,
+        journal: Journal,
+        temps: TempFiles,
+        approvals: Approvals,
+        preimages: Checkpoints | None,
+    ) -> None:
+        self._store = store
+        self._journal = journal
+        self._temps = temps
+        self._approvals = approvals
+        self._preimages = preimages
+        #: The journal entries of batches in flight (crash recovery: `write_intents`).
+        self.intents = Intents(store, journal)
+
+    def _chunks(
+        self,
+        ws: Workspace,
+        count: int,
+        plan: Planner,
+        land: Lander,
+        dry: Callable[[int, Step], Landing] | None,
+        chunk: int,
+    ) -> list[Landing]:
+        """Plan and land changes `0..count` chunk by chunk (at most `chunk` changes and
+        `MAX_DIRS` held directories each); with `dry`, nothing lands: `dry` says what
+        would. The landings, in order (`applied` unless `land` says otherwise)."""
+        out: list[Landing] = [UNCHANGED] * count
+        with ws.use():
+            at = 0
+            while at < count:
+                dirs = HeldDirs(ws.root_fd)
+                try:
+                    steps: list[Step] = []
+                    while at < count and len(steps) < chunk and len(dirs) < MAX_DIRS:
+                        planned = plan(dirs, at)
+                        if isinstance(planned, Landing):
+                            out[at] = planned
+                        elif dry is not None:
+                            out[at] = dry(at, planned)
+                        else:
+                            out[at] = Landing("applied", plan_digest=planned.digest)
+                            steps.append(planned)
+                        at += 1
+                    if steps:
+                        for index, landing in land(dirs, steps).items():
+                            out[index] = landing
+                finally:
+                    dirs.close()
+        return out
+
+    def _find_approval(self, ws: Workspace, step: Step) -> None:
+        """Under the commit lock: the live approval a step needs, or `approval_required`."""
+        if step.needs_approval:
+            step.approval = self._approvals.find(ws.id, step.digest, time.time())
+            if step.approval is None:
+                raise ApprovalRequired(
+                    f"{step.where}: needs an operator approval of this plan",
+                    plan_digest=step.digest,
+                )
+
+    def _drop_temp(self, dirs: HeldDirs, step: Step) -> None:
+        if step.temp is not None:
+            with contextlib.suppress(Refusal):
+                fsops.unlink_quietly(dirs.get(step.dirs, step.where), step.temp)
+            step.temp = None
+
+    def _journal_landed(
+        self,
+        ws: Workspace,
+        dirs: HeldDirs,
+        landed: list[Step],
+        recorded: list[Temp],
+        batch: str,
+    ) -> bool:
+        """Under the commit lock: the landed steps made durable and journaled in one
+        transaction with their approvals and pre-images; every temp record and intent
+        of the chunk goes with it. True when pre-images were recorded (the caller
+        `settle`s the quota once out of the lock).
+
+        Durable: the one parent directory fsynced, or with several one `syncfs` per
+        file system (one journal commit instead of one per directory)."""
+        parents = [dirs.get(s.dirs, s.where) for s in {s.dirs: s for s in landed}.values()]
+        if len(parents) == 1:
+            os.fsync(parents[0])
+        elif parents:
+            make_durable(parents)
+        drafts = []
+        for step in landed:
+            data = step.intent.data
+            if step.approval is not None:
+                data = {**data, "approval_id": step.approval}
+            drafts.append(Draft(step.intent.kind, data, ws.id, step.intent.actor))
+        with self._store.transaction() as db:
+            now = time.time()
+            entries = self._journal.append_many_in(db, drafts)
+            for step, entry in zip(landed, entries, strict=True):
+                if step.approval is not None:
+                    self._approvals.consume_in(db, step.approval, now)
+                if step.pre is not None and self._preimages is not None:
+                    self._preimages.record_in(db, step.pre, entry.seq, step.new_sha256)
+            self._temps.forget_many_in(db, ws.id, recorded)
+            self.intents.drop_in(db, batch)
+        return any(s.pre is not None for s in landed)
+
+    def _abandon(
+        self, ws: Workspace, dirs: HeldDirs, steps: list[Step], recorded: list[Temp], batch: str
+    ) -> None:
+        """A chunk failed before anything landed: its temp files and rows go (what
+        cannot go now is left for the next start's cleanup)."""
+        for step in steps:
+            self._drop_temp(dirs, step)
+        with contextlib.suppress(Exception), self._store.transaction() as db:
+            self._temps.forget_many_in(db, ws.id, recorded)
+            self.intents.drop_in(db, batch)

@@ -1,0 +1,371 @@
+"""Guarded writes in batches: the files and directories of a change set
+(docs/working-layer.md), each with the guarantees of one guarded write (docs/protocol.md
+§4), at a fraction of the cost.
+
+Theory of operation. `apply_files` takes file changes - a path, the base it is bound to,
+the digest of its new bytes (None: a delete), a mode - and a `Source` that reads a
+change's new bytes. In chunks of at most `CHUNK` changes it:
+
+1. plans each, touching nothing: the target is read once through its parent directory
+   fd (held for the chunk); it is `unchanged` when it already holds the result; else
+   the reserved temp names and the policy (`path_denied`), the base (`stale_base`,
+   `already_exists`), the plan digest and `require_approval` (`approval_required` with
+   the digest, unless a live approval of it exists) decide, exactly as `fs.write` does;
+2. records, in ONE transaction, a temp file per new file (`temp_files`) and an intent
+   per change (`write_intents`: the journal entry it will get);
+3. writes each temp file beside its target - the new bytes read from the source and
+   checked against the digest (else `source_changed`), with the old owner (the
+   workspace owner's for a new file) and the plan's mode - without an fsync each, then
+   makes them all durable at once: one `syncfs(2)` per file system they are on;
+4. under the workspace's commit lock, change by change: the target is read and its base
+   checked again right before the rename (a host edit since is `stale_base`, never
+   overwritten; the temp file goes), the approval found again, the pre-image kept when
+   a checkpoint is live, then the rename (the unlink for a delete; a new file with
+   `RENAME_NOREPLACE`, so one the host made after the check is never replaced) - the
+   file replaced was read through an fd kept open across the rename, which
+   `batch_base.RELEASER` closes in the background: freeing its inode is never waited
+   for - then the parent directories are made durable (one fsync, or one `syncfs` per
+   file system for several) and ONE transaction journals every change
+   (`changes.apply`, one entry each, the chain intact), consumes the approvals,
+   records the pre-images, forgets the temp files and drops the intents.
+
+`apply_dirs` (`batch_dirs`) does the same for directory steps (`mkdir` with the
+workspace owner's ownership, empty-only `rmdir`, `chmod`; `changes.apply_dir`): plan,
+intents, then under the lock each step, the parents made durable, one transaction.
+
+A crash before step 4 lands nothing and leaves recorded temp files (removed at the next
+start); one during or after the renames leaves changes landed without their entries:
+their intents are journaled at the next start, `recovered: true` (`write_intents`).
+
+Each change gets its own `Landing`; one failing never stops the others. Blocking I/O
+and SQLite throughout: call from a worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from substrate.errors import (
+    AlreadyExists,
+    ApprovalRequired,
+    NotFound,
+    PathDenied,
+    Refusal,
+    StaleBase,
+)
+from substrate.workspace import batch_base, fsops, paths
+from substrate.workspace.batch_base import (
+    RELEASER,
+    SOURCE_CHANGED,
+    UNCHANGED,
+    HeldDirs,
+    Landing,
+    Step,
+    Temp,
+    make_durable,
+    rename_new,
+)
+from substrate.workspace.batch_dirs import DirBatches
+from substrate.workspace.checkpoints import Checkpoints, Preimage
+from substrate.workspace.registry import Workspace
+from substrate.workspace.temp_files import new_name
+from substrate.workspace.write_base import (
+    DEFAULT_FILE_MODE,
+    MAX_PATCH_FILE,
+    Current,
+    Op,
+    check_not_reserved,
+    no_setid,
+    plan_digest,
+    read_current,
+    read_current_held,
+)
+from substrate.workspace.write_intents import FILE_KIND, Intent
+
+
+@dataclass(frozen=True)
+class FileChange:
+    """A file to make hold `new_sha256` (`size` bytes, `mode`), or to delete
+    (`new_sha256` None), bound to `base` (None: nothing stands there)."""
+
+    path: str
+    base: str | None
+    new_sha256: str | None
+    size: int = 0
+    mode: int | None = None
+
+
+#: Reads the new bytes of a change at a path; None when they cannot be read as a
+#: regular file of one link. The batch checks them against the change's digest.
+Source = Callable[[str], bytes | None]
+
+
+class BatchWriter(DirBatches):
+    """Applies change sets' files (`apply_files`) and directories (`apply_dirs`) in
+    batches (see the module doc)."""
+
+    def apply_files(
+        self,
+        ws: Workspace,
+        changes: Sequence[FileChange],
+        source: Source,
+        actor: str,
+        *,
+        dry_run: bool = False,
+    ) -> list[Landing]:
+        """Apply `changes` in order (see the module doc); their landings, in order.
+        `dry_run`: every check, nothing written (`approval_required` whenever the policy
+        asks for one). Costs per change a read and hash of the target (two when it
+        exists), a read and hash of the new bytes, a temp file and a rename; per chunk
+        two transactions, a `syncfs` for the temp files and one for the parents (an
+        fsync when there is one)."""
+
+        def plan(dirs: HeldDirs, i: int) -> Step | Landing:
+            return self._plan_file(ws, dirs, i, changes[i], actor, dry_run)
+
+        def land(dirs: HeldDirs, steps: list[Step]) -> dict[int, Landing]:
+            return self._land_files(ws, dirs, steps, source)
+
+        def dry(i: int, step: Step) -> Landing:
+            new = changes[i].new_sha256
+            if new is not None:
+                data = source(changes[i].path)
+                if data is None or hashlib.sha256(data).hexdigest() != new:
+                    return SOURCE_CHANGED
+            return Landing("applied", plan_digest=step.digest)
+
+        return self._chunks(
+            ws, len(changes), plan, land, dry if dry_run else None, batch_base.CHUNK
+        )
+
+    def _plan_file(
+        self,
+        ws: Workspace,
+        dirs: HeldDirs,
+        index: int,
+        change: FileChange,
+        actor: str,
+        dry_run: bool,
+    ) -> Step | Landing:
+        try:
+            parts = paths.split_relpath(change.path)
+        except Refusal as exc:
+            return Landing("refused", refusal=exc)
+        rel = "/".join(parts)
+        where = ws.provenance(rel)
+        # The target is read once: it says "unchanged" and binds the base.
+        current: Current | None = None
+        problem: Refusal | None = None
+        try:
+            current = read_current(dirs.get(parts[:-1], where), parts[-1], where, MAX_PATCH_FILE)
+        except NotFound as exc:  # a directory on the way is missing: nothing stands there
+            current, problem = Current(exists=False), exc
+        except Refusal as exc:
+            problem = exc
+        target = None if change.mode is None else no_setid(change.mode)
+        if current is not None and (
+            (change.new_sha256 is None and not current.exists)
+            or (
+                change.new_sha256 is not None
+                and current.sha256 == change.new_sha256
+                and current.mode == target
+            )
+        ):
+            return UNCHANGED
+        try:
+            check_not_reserved(parts, where)
+            if not ws.policy.may_write(rel):
+                raise PathDenied(f"{where}: denied by the workspace write policy")
+            if problem is not None:
+                raise problem
+            assert current is not None
+            if change.new_sha256 is None and not current.exists:
+                raise NotFound(f"{where}: not found")
+            if change.base != current.sha256:
+                if change.base is None:
+                    raise AlreadyExists(
+                        f"{where}: exists; bind the write to its sha256 to replace it"
+                    )
+                raise StaleBase(
+                    f"{where}: the file is not at the given base", current_sha256=current.sha256
+                )
+            op: Op
+            if change.new_sha256 is None:
+                op, mode = "delete", None
+            else:
+                op = "replace" if current.exists else "create"
+                base_mode = current.mode if current.exists else DEFAULT_FILE_MODE
+                mode = no_setid(base_mode if change.mode is None else change.mode)
+            digest = plan_digest(ws.root_id, rel, op, current.sha256, change.new_sha256, mode)
+            needs_approval = ws.policy.needs_approval(rel)
+            if needs_approval and (
+                dry_run or self._approvals.find(ws.id, digest, time.time()) is None
+            ):
+                raise ApprovalRequired(
+                    f"{where}: needs an operator approval of this plan", plan_digest=digest
+                )
+        except Refusal as exc:
+            return Landing("refused", refusal=exc)
+        current.data = b""  # held for the chunk: only its digest and metadata are needed
+        data = {
+            "path": where,
+            "op": op,
+            "base_sha256": current.sha256,
+            "new_sha256": change.new_sha256,
+            "size": 0 if change.new_sha256 is None else change.size,
+            "mode": mode,
+            "plan_digest": digest,
+            "approval_id": None,
+        }
+        return Step(
+            index=index,
+            parts=parts,
+            where=where,
+            digest=digest,
+            needs_approval=needs_approval,
+            intent=Intent(rel, FILE_KIND, actor, data),
+            current=current,
+            new_sha256=change.new_sha256,
+        )
+
+    def _land_files(
+        self, ws: Workspace, dirs: HeldDirs, steps: list[Step], source: Source
+    ) -> dict[int, Landing]:
+        """Steps 2-4 of the module doc for one chunk; the landings that are not
+        `applied`."""
+        out: dict[int, Landing] = {}
+        if not steps:
+            return out
+        fresh = [s for s in steps if s.new_sha256 is not None]
+        for step in fresh:
+            step.temp = new_name()
+        recorded: list[Temp] = [(s.dirs, s.temp) for s in fresh if s.temp is not None]
+        with self._store.transaction() as db:
+            self._temps.record_many_in(db, ws.id, recorded)
+            batch = self.intents.add_in(db, ws.id, [s.intent for s in steps])
+        try:
+            for step in fresh:
+                failed = self._write_temp(ws, dirs, step, source, recorded)
+                if failed is not None:
+                    out[step.index] = failed
+            make_durable([dirs.get(s.dirs, s.where) for s in fresh if s.temp is not None])
+        except BaseException:
+            self._abandon(ws, dirs, steps, recorded, batch)
+            raise
+        ready = [s for s in steps if s.index not in out]
+        landed: list[Step] = []
+        with ws.commit_lock:
+            # Checkpoints are made under this lock: whether one is live holds until it goes.
+            keeper = self._preimages
+            if keeper is not None and not keeper.keep(Preimage(ws.id, "", None, b"", None)):
+                keeper = None
+            try:
+                for step in ready:
+                    failed = self._commit_file(ws, dirs, step, keeper)
+                    if failed is None:
+                        landed.append(step)
+                    else:
+                        out[step.index] = failed
+            except BaseException:
+                for step in ready:
+                    self._drop_temp(dirs, step)
+                raise
+            finally:
+                kept = self._journal_landed(ws, dirs, landed, recorded, batch)
+        if kept and self._preimages is not None:
+            self._preimages.settle()
+        return out
+
+    def _write_temp(
+        self,
+        ws: Workspace,
+        dirs: HeldDirs,
+        step: Step,
+        source: Source,
+        recorded: list[Temp],
+    ) -> Landing | None:
+        """The step's new bytes in its (recorded) temp file, not fsynced; a landing
+        when they cannot be (the temp file then does not exist)."""
+        assert step.temp is not None and step.current is not None
+        data = source("/".join(step.parts))
+        if data is None or hashlib.sha256(data).hexdigest() != step.new_sha256:
+            step.temp = None
+            return SOURCE_CHANGED
+        cur = step.current
+        owner = (cur.uid, cur.gid) if cur.exists else (ws.owner_uid, ws.owner_gid)
+        mode = step.intent.data["mode"]
+        try:
+            parent = dirs.get(step.dirs, step.where)
+            for _ in range(8):
+                try:
+                    fd = fsops.create_exclusive(parent, step.temp)
+                    break
+                except FileExistsError:
+                    # Not ours (planted since the name was drawn): another, recorded first.
+                    step.temp = new_name()
+                    self._temps.record(ws.id, step.dirs, step.temp)
+                    recorded.append((step.dirs, step.temp))
+            else:
+                step.temp = None
+                return Landing("refused", refusal=PathDenied(f"{step.where}: no temp file"))
+            try:
+                fsops.fill(fd, data, mode=mode, owner=owner, fsync=False)
+            finally:
+                os.close(fd)
+        except Refusal as exc:
+            self._drop_temp(dirs, step)
+            return Landing("refused", refusal=exc)
+        except OSError as exc:
+            self._drop_temp(dirs, step)
+            return Landing("failed", error=exc)
+        return None
+
+    def _commit_file(
+        self, ws: Workspace, dirs: HeldDirs, step: Step, keeper: Checkpoints | None
+    ) -> Landing | None:
+        """Under the commit lock: the base re-checked, then the rename or unlink; a
+        landing when it did not land (its temp file removed)."""
+        assert step.current is not None
+        name = step.parts[-1]
+        held: int | None = None
+        try:
+            parent = dirs.get(step.dirs, step.where)
+            now, held = read_current_held(parent, name, step.where, MAX_PATCH_FILE)
+            if now.sha256 != step.current.sha256:
+                raise StaleBase(
+                    f"{step.where}: changed while the write was prepared",
+                    current_sha256=now.sha256,
+                )
+            self._find_approval(ws, step)
+            if keeper is not None:
+                rel, mode = step.intent.rel, now.mode if now.exists else None
+                step.pre = Preimage(ws.id, rel, now.sha256, now.data, mode)
+                keeper.keep(step.pre)
+            if step.temp is None:
+                os.unlink(name, dir_fd=parent)
+            elif held is None:  # a new file: never over one the host made since the check
+                rename_new(parent, step.temp, name)
+                step.temp = None
+            else:
+                os.rename(step.temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+                step.temp = None
+            if held is not None:
+                RELEASER.release(held)  # the replaced file is freed off this path
+                held = None
+        except Refusal as exc:
+            self._drop_temp(dirs, step)
+            return Landing("refused", refusal=exc)
+        except FileExistsError:
+            self._drop_temp(dirs, step)
+            return Landing("refused", refusal=AlreadyExists(f"{step.where}: made meanwhile"))
+        except OSError as exc:
+            self._drop_temp(dirs, step)
+            return Landing("failed", error=exc)
+        finally:
+            if held is not None:
+                os.close(held)
+        return None

@@ -1,0 +1,329 @@
+"""Egress sandboxes against the real engine (docs/egress.md).
+
+A daemon runs in-process with three profiles: `default` and `setup` as shipped, and
+`local` (an egress profile allowing only `mirror.test`). Network reached: only loopback
+(a server this test starts on 127.0.0.1, reached through the proxy, with the proxy's
+resolver mapping `mirror.test` to it), namespaces the engine made for this test's
+sandboxes, and, in one test, the package index this machine's pip uses, through the
+proxy only. A name under `.invalid` is refused before any resolution: the proxy's
+resolver records every question, and none is asked for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+import trio
+
+from substrate.config import PROJECT_ROOT, Config
+from substrate.daemon import Daemon, open_daemon
+from substrate.egress.allow import AllowList
+from substrate.egress.cabundle import bundle_path, digest, read_bundle
+from substrate.egress.pipindex import pip_index_hosts, pip_index_urls
+from substrate.egress.proxy import Addresses
+from substrate.protocol.client import AsyncClient, open_client
+from tests.harness.engine import remove_daemon_containers
+
+OWNER = 1000
+MIRROR = "mirror.test"
+LOCAL = """\
+description = "egress to mirror.test only (tests)"
+network = "egress"
+egress_allow = ["mirror.test"]
+"""
+#: Links and routes of the network namespace at argv[1], with pyroute2, as JSON.
+NETNS_QUERY = """\
+import json, sys
+from pyroute2 import NetNS
+ns = NetNS(sys.argv[1], flags=0)
+try:
+    links = {int(link["index"]): link.get_attr("IFLA_IFNAME") for link in ns.get_links()}
+    routes = [
+        (r.get_attr("RTA_GATEWAY"), r.get_attr("RTA_OIF"))
+        for family in (2, 10)
+        for r in ns.get_routes(family=family)
+    ]
+finally:
+    ns.close()
+print(json.dumps({"links": links, "routes": routes}))
+"""
+#: A command that fetches URL argv[1] with urllib and prints the status (or the error).
+FETCH = """\
+import sys, urllib.request, urllib.error
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=60) as r:
+        body = r.read()
+        print(r.status, len(body), body[:200])
+except urllib.error.HTTPError as e:
+    print("HTTPError", e.code, e.headers.get("X-Substrate-Refusal"))
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+@dataclass
+class Env:
+    daemon: Daemon
+    client: AsyncClient
+    ws: str
+    state: Path
+    resolved: list[str] = field(default_factory=list)
+
+    async def run(self, profile: str, argv: list[str], **params: Any) -> dict[str, Any]:
+        out: dict[str, Any] = await self.client.call(
+            "proc.run", workspace=self.ws, profile=profile, argv=argv, **params
+        )
+        return out
+
+    async def fetch(self, profile: str, url: str) -> tuple[dict[str, Any], str]:
+        result = await self.run(profile, ["python3", "-c", FETCH, url])
+        assert result["exit_code"] == 0, result["stderr"]
+        return result, result["stdout"]["inline"]
+
+    async def journal(self, kind: str) -> list[dict[str, Any]]:
+        entries = (await self.client.call("journal.read", since=0, limit=10000))["entries"]
+        return [e for e in entries if e["kind"] == kind]
+
+    def sandbox_pid(self, profile: str) -> int:
+        sandbox = self.daemon.execution.containers.cached(self.ws, profile)
+        assert sandbox is not None
+        return sandbox.init_pid
+
+
+@pytest.fixture
+def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    yield state
+    remove_daemon_containers(docker_client, state)
+
+
+@pytest.fixture
+async def env(
+    sandbox_image: str, leftovers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Env]:
+    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    for name in ("default", "setup"):
+        shutil.copy(PROJECT_ROOT / "profiles" / f"{name}.toml", profiles / f"{name}.toml")
+    (profiles / "local.toml").write_text(LOCAL)
+    project = tmp_path / "roots" / "project"
+    project.mkdir(parents=True)
+    (project / "README.md").write_text("hi\n")
+    for path in (project, project / "README.md"):
+        os.chown(path, OWNER, OWNER)
+    config = Config(
+        state_dir=str(leftovers), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
+    )
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(daemon.serve)
+        async with open_client(leftovers / "substrate.sock") as client:
+            ws = await client.call("workspace.adopt", path=str(project))
+            made = Env(daemon, client, ws["workspace"], leftovers)
+            system = daemon.egress.resolve
+
+            async def recording(host: str, port: int) -> Addresses:
+                made.resolved.append(host)
+                return await system(host, port)
+
+            daemon.egress.resolve = recording
+            yield made
+        nursery.cancel_scope.cancel()
+
+
+async def _origin(nursery: trio.Nursery, heads: list[bytes]) -> int:
+    """A loopback HTTP server on this host: records request heads, answers "hello"."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        buf = b""
+        while b"\r\n\r\n" not in buf and (data := await stream.receive_some(65536)):
+            buf += data
+        heads.append(buf.partition(b"\r\n\r\n")[0])
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+
+    serve = functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1")
+    listeners = await nursery.start(serve)
+    port: int = listeners[0].socket.getsockname()[1]
+    return port
+
+
+async def test_a_blocked_name_is_refused_before_resolution_and_reported(env: Env) -> None:
+    # Through a child process (`sh` starts python3): still attributed to the command.
+    script = f"python3 -c '{FETCH}' http://blocked.invalid/secret/path?token=abc"
+    result = await env.run("local", ["sh", "-c", script])
+    assert result["stdout"]["inline"] == "HTTPError 403 egress_denied\n"
+    assert result["egress_blocked"] == {"count": 1, "hosts": ["blocked.invalid:80"]}
+    https, out = await env.fetch("local", "https://blocked.invalid/")
+    assert "403" in out and "Tunnel" in out  # urllib's words for a refused CONNECT
+    assert https["egress_blocked"] == {"count": 1, "hosts": ["blocked.invalid:443"]}
+    denied = await env.journal("egress.denied")
+    assert [e["data"] for e in denied] == [
+        {
+            "container": denied[0]["data"]["container"],
+            "profile": "local",
+            "proc": result["proc"],
+            "host": "blocked.invalid",
+            "port": 80,
+        },
+        {
+            "container": denied[0]["data"]["container"],
+            "profile": "local",
+            "proc": https["proc"],
+            "host": "blocked.invalid",
+            "port": 443,
+        },
+    ]
+    assert all(e["workspace"] == env.ws for e in denied)
+    # No path, query or header of the request anywhere in the journal.
+    entries = await env.client.call("journal.read", since=0, limit=10000)
+    assert "secret" not in repr(entries) and "token" not in repr(entries)
+    assert env.resolved == []  # never looked up
+    status = await env.client.call("proc.status", proc=result["proc"])
+    assert status["egress_blocked"] == result["egress_blocked"]
+    waited = await env.client.call("proc.wait", proc=https["proc"])
+    assert waited["egress_blocked"] == https["egress_blocked"]
+
+
+async def test_the_namespace_has_only_lo_and_the_daemons_listener(env: Env) -> None:
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="local")
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    assert facts["net_links"] == ["lo"] and facts["net_routes"] == []
+    assert facts["network_mode"] == "none"
+    assert facts["egress_listeners"] == ["127.0.0.1:3128=substrate"]
+    assert facts["egress_allow_digest"] == AllowList.of([MIRROR]).digest
+    # Seen with pyroute2, independently of the daemon's own reader; in a fresh process, as
+    # pyroute2's NetNS forks a helper (a fork of this threaded process could hang).
+    path = f"/proc/{env.sandbox_pid('local')}/ns/net"
+    with trio.fail_after(60):
+        done = await trio.run_process(
+            [sys.executable, "-c", NETNS_QUERY, path], capture_stdout=True
+        )
+    seen = json.loads(done.stdout)
+    links = {int(index): name for index, name in seen["links"].items()}
+    assert list(links.values()) == ["lo"]
+    assert seen["routes"], "the local table's loopback routes are always there"
+    for gateway, oif in seen["routes"]:
+        assert gateway is None
+        assert links[oif] == "lo"
+    # No resolver of its own: names are the proxy's to resolve (and only allowed ones).
+    lookup = await env.run(
+        "local", ["python3", "-c", "import socket; socket.getaddrinfo('mirror.test', 80)"]
+    )
+    assert lookup["exit_code"] != 0 and "gaierror" in lookup["stderr"]["inline"]
+    assert env.resolved == []
+    # The port is the daemon's: a command cannot take it over.
+    taken = await env.run(
+        "local",
+        ["python3", "-c", "import socket; socket.socket().bind(('127.0.0.1', 3128))"],
+    )
+    assert taken["exit_code"] != 0 and "Address already in use" in taken["stderr"]["inline"]
+
+
+async def test_an_allowed_name_reaches_a_loopback_origin_through_the_proxy(
+    env: Env, nursery: trio.Nursery
+) -> None:
+    heads: list[bytes] = []
+    port = await _origin(nursery, heads)
+
+    async def to_origin(host: str, want: int) -> Addresses:
+        env.resolved.append(host)
+        return [(2, ("127.0.0.1", port))]
+
+    env.daemon.egress.resolve = to_origin
+    env.daemon.egress.allow_local = True  # the origin is this host's loopback
+    result, out = await env.fetch("local", "http://mirror.test/simple/six/")
+    assert out == "200 5 b'hello'\n"
+    assert "egress_blocked" not in result
+    assert heads == [
+        b"GET /simple/six/ HTTP/1.1\r\nHost: mirror.test\r\nAccept-Encoding: identity\r\n"
+        b"User-Agent: " + heads[0].split(b"User-Agent: ")[1].split(b"\r\n")[0] + b"\r\n"
+        b"Connection: close"
+    ]
+    assert env.resolved == [MIRROR]
+    # Allowed names only: the same origin under another name stays out of reach.
+    _, out = await env.fetch("local", "http://other.test/")
+    assert out == "HTTPError 403 egress_denied\n"
+    assert env.resolved == [MIRROR] and len(heads) == 1
+
+
+async def test_default_has_no_way_out(env: Env) -> None:
+    script = """\
+import errno, os, socket
+print(sorted(k for k in os.environ if "proxy" in k.lower() or "CERT" in k))
+for addr in [("127.0.0.1", 3128), ("198.51.100.1", 80)]:
+    try:
+        socket.create_connection(addr, timeout=5)
+        print("connected", addr)
+    except OSError as e:
+        print(errno.errorcode.get(e.errno, e.errno))
+try:
+    socket.getaddrinfo("example.org", 80)
+    print("resolved")
+except OSError as e:
+    print("no resolver")
+"""
+    result = await env.run("default", ["python3", "-c", script])
+    assert result["stdout"]["inline"].splitlines() == [
+        "[]",
+        "ECONNREFUSED",
+        "ENETUNREACH",
+        "no resolver",
+    ]
+    facts = {f["name"] for f in result["facts"]}
+    assert not facts & {"egress_listeners", "egress_allow_digest", "ca_bundle"}
+    assert "egress_blocked" not in result
+
+
+async def test_setup_reaches_the_package_index_through_the_proxy_only(env: Env) -> None:
+    profile = await env.client.call("profile.get", name="setup")
+    urls, why = pip_index_urls()
+    assert why is None and urls
+    assert profile["egress_allow"] == pip_index_hosts()[0]
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="setup")
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    # The host's bundle (which trusts this machine's inspecting proxy) is what it sees.
+    assert facts["ca_bundle"] == digest(read_bundle(bundle_path("host")))
+    assert facts["net_links"] == ["lo"] and facts["net_routes"] == []
+    has_pip = await env.run("setup", ["python3", "-m", "pip", "--version"])
+    if has_pip["exit_code"] == 0:
+        result = await env.run(
+            "setup",
+            [
+                "sh",
+                "-c",
+                "python3 -m pip install --no-cache-dir --target /tmp/six six"
+                " && PYTHONPATH=/tmp/six python3 -c 'import six; print(six.__name__)'",
+            ],
+        )
+        assert result["exit_code"] == 0, result["stderr"]
+        assert result["stdout"]["inline"].endswith("six\n")
+    else:
+        # This image has no pip (yet): the index page of six, fetched the same way.
+        result, out = await env.fetch("setup", urls[0].rstrip("/") + "/six/")
+        assert out.startswith("200 ") and "six" in out
+    assert "egress_blocked" not in result
+    assert await env.journal("egress.denied") == []
+
+
+async def test_the_listener_closes_with_its_sandbox(env: Env, docker_client: Any) -> None:
+    await env.client.call("facts.probe", workspace=env.ws, profile="local")
+    sandbox = env.daemon.execution.containers.cached(env.ws, "local")
+    assert sandbox is not None and sandbox.egress is not None
+    attachment = sandbox.egress.attachment
+    assert not attachment.done.is_set()
+    await env.client.call("workspace.release", workspace=env.ws)
+    assert attachment.done.is_set()
+    assert attachment.listener.fileno() == -1
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.containers.get(sandbox.id)
