@@ -12,7 +12,9 @@ What must hold: the stream is parsed live into events; nothing the CLI wrote is 
 checkout before the backend applies it; only the accepted path lands, a path the policy
 denies never does (even when the backend asks), the rest is discarded with the set;
 turn 2 resumes the session the CLI left in `$HOME`, after a daemon restart; the key
-reaches the CLI (its digest) and nothing else (results, journal, log, state files).
+reaches the CLI (its digest) and nothing else (results, journal, log, state files); with
+`network = "egress"` and the model API as the only allowed host, any other host is
+refused by the proxy and reported.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import pytest
 from substrate.config import PROJECT_ROOT
 from substrate.protocol.client import RpcError
 from substrate.sandbox.layers import mounted_under
-from tests.harness import DaemonFailed, DaemonProcess, daemon_env
+from tests.harness import DaemonProcess, daemon_env
 from tests.harness.engine import TEST_LABELS, remove_daemon_containers
 
 EXAMPLES = PROJECT_ROOT / "docs" / "examples"
@@ -334,12 +336,6 @@ def egress_profile() -> str:
     return text.replace('network = "none"', egress)
 
 
-@pytest.mark.xfail(
-    raises=DaemonFailed,
-    strict=True,
-    reason='`network = "egress"` lands with the egress proxy (branch e11-egress): until '
-    "then the profile does not load; remove this mark when it does",
-)
 def test_egress_reaches_only_the_model_api(make_daemon: Callable[..., DaemonProcess]) -> None:
     d = make_daemon(**{"agent-egress": egress_profile()})
     set_secret(d, "anthropic", "sk-ant-test-" + secrets.token_hex(8))
