@@ -43,6 +43,7 @@ import trio
 
 from substrate.artifacts.sink import OutputSink
 from substrate.process import stream as exec_stream
+from substrate.process.stdin_stream import StdinStream
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
@@ -95,6 +96,7 @@ class Entry:
     appeared: bool = False
     held: list[HeldSignal] = field(default_factory=list)
     held_added: trio.Event = field(default_factory=trio.Event)
+    stdin: StdinStream | None = None  # its stdin, open for `proc.write` (stdin: "stream")
 
     @property
     def state(self) -> str:
@@ -284,9 +286,10 @@ class ExecDriver:
 
     # -- driving one exec -----------------------------------------------------------------
 
-    async def drive(self, run: Run, stdin: bytes | None) -> None:
+    async def drive(self, run: Run, stdin: bytes | StdinStream | None) -> None:
         """Pump output (and stdin) until the stream ends; supervise timeout and exit;
-        deliver held signals. Cancelled, it kills the command and drains its stream
+        deliver held signals; a streamed stdin is drained into the command until its
+        output ends (`StdinStream.drain`). Cancelled, it kills the command and drains its stream
         before it returns (see `_supervise`): the pump thread is never abandoned, so
         nothing writes to a sink after the run closed it."""
         if run.sandbox.egress is not None:  # its refused connections are filed from now on
@@ -294,9 +297,11 @@ class ExecDriver:
         try:
             async with trio.open_nursery() as signals:
                 signals.start_soon(self._release_held, run)
+                if isinstance(stdin, StdinStream):
+                    signals.start_soon(stdin.drain, run.sock)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, run)
-                    if stdin is not None:
+                    if isinstance(stdin, bytes):
                         nursery.start_soon(
                             trio.to_thread.run_sync, exec_stream.feed_stdin, run.sock, stdin, True
                         )

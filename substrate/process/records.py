@@ -28,7 +28,7 @@ import msgspec
 
 from substrate.sandbox.facts import Fact
 from substrate.schema.artifact import OutputRef
-from substrate.schema.proc import EgressBlocked, PolicyBlocked, ProcChanges
+from substrate.schema.proc import EgressBlocked, PolicyBlocked, ProcChanges, Usage
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 
@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS processes (
     facts TEXT,
     policy_blocked TEXT,
     changes TEXT,
-    egress_blocked TEXT
+    egress_blocked TEXT,
+    usage TEXT
 );
 CREATE INDEX IF NOT EXISTS processes_workspace ON processes(workspace, started);
 CREATE TABLE IF NOT EXISTS fact_sets (
@@ -69,6 +70,7 @@ ADDED_COLUMNS = {
     "policy_blocked": "TEXT",
     "changes": "TEXT",
     "egress_blocked": "TEXT",
+    "usage": "TEXT",
 }
 #: The longest argv[0] the journal keeps (the rest is in the digest).
 MAX_ARGV0_CHARS = 256
@@ -98,6 +100,7 @@ class ProcRow:
     policy_blocked: list[PolicyBlocked]
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
     egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
+    usage: Usage | None = None  # its CPU and memory (None: not measured, or an older row)
 
 
 def _ref(raw: object) -> OutputRef | None:
@@ -138,13 +141,14 @@ def _row(r: Any) -> ProcRow:
             if r["egress_blocked"]
             else None
         ),
+        usage=msgspec.json.decode(r["usage"], type=Usage) if r["usage"] else None,
     )
 
 
 _ROW_SELECT = (
     "SELECT p.id, p.workspace, p.profile, p.argv, p.cwd, p.state, p.started, p.ended,"
     " p.exit_code, p.signal, p.timed_out, p.oom_killed, p.duration_ms, p.stdout, p.stderr,"
-    " p.epoch, p.policy_blocked, p.changes, p.egress_blocked, f.facts AS fact_list"
+    " p.epoch, p.policy_blocked, p.changes, p.egress_blocked, p.usage, f.facts AS fact_list"
     " FROM processes p LEFT JOIN fact_sets f ON f.digest = p.facts"
 )
 
@@ -173,6 +177,7 @@ class Outcome:
     killed: int  # of those, how many needed KILL
     cancelled: bool = False  # its run was cut off (caller gone, daemon stopping): killed
     egress_blocked: EgressBlocked | None = None  # an egress sandbox's refused connections
+    usage: Usage | None = None  # its CPU and memory (`process.usage`)
 
 
 def ref_summary(ref: OutputRef) -> dict[str, Any]:
@@ -301,7 +306,7 @@ class ProcessRecords:
                 "UPDATE processes SET state = 'exited', exit_code = ?, signal = ?,"
                 " timed_out = ?, oom_killed = ?, ended = ?, duration_ms = ?, stdout = ?,"
                 " stderr = ?, artifacts = ?, policy_blocked = ?, changes = ?,"
-                " egress_blocked = ? WHERE id = ?",
+                " egress_blocked = ?, usage = ? WHERE id = ?",
                 (
                     outcome.exit_code,
                     outcome.signal,
@@ -317,6 +322,7 @@ class ProcessRecords:
                     None
                     if egress_blocked is None
                     else msgspec.json.encode(egress_blocked).decode(),
+                    None if outcome.usage is None else msgspec.json.encode(outcome.usage).decode(),
                     proc,
                 ),
             )
@@ -338,6 +344,11 @@ class ProcessRecords:
                     "policy_blocked": [msgspec.to_builtins(b) for b in blocked],
                     **({} if changes is None else {"changes": msgspec.to_builtins(changes.counts)}),
                     **({} if egress_blocked is None else {"egress_blocked": egress_blocked.count}),
+                    **(
+                        {}
+                        if outcome.usage is None
+                        else {"usage": msgspec.to_builtins(outcome.usage)}
+                    ),
                 },
                 workspace=workspace,
                 actor=actor,

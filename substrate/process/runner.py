@@ -39,9 +39,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
-import msgspec
 import trio
 
 from substrate.artifacts.sink import OutputSink
@@ -60,12 +58,15 @@ from substrate.process.argv import (
 from substrate.process.driver import Entry, ExecDriver, Run
 from substrate.process.layer_users import LayerUsers, Use
 from substrate.process.records import Outcome, ProcessRecords
+from substrate.process.requests import RunRequest, WriteGate
+from substrate.process.stdin_stream import StdinStream
 from substrate.process.subscriptions import Subscriptions
+from substrate.process.usage import Meter
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
-from substrate.schema.proc import ChangesMode, PolicyBlocked, ProcChanges, ProcResult
+from substrate.schema.proc import PolicyBlocked, ProcChanges, ProcResult
 from substrate.store.journal import Journal
 from substrate.workspace import paths
 from substrate.workspace.layer import Changesets
@@ -81,39 +82,6 @@ __all__ = ["Processes", "RunRequest", "WriteGate"]
 GATE_WAIT_S = 60.0
 #: At most this much of the engine's start-failure text is read to classify it.
 ENGINE_MESSAGE_BYTES = 4096
-
-
-class RunRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One `proc.run` / `proc.start`, as asked (checked by `Processes.run`)."""
-
-    ws: Workspace
-    profile: str  # a profile name; `profile_unknown` when there is none
-    argv: tuple[str, ...]  # exactly what is executed: no shell
-    cwd: str = "."  # workspace-relative
-    stdin: bytes | None = None  # None: the command's stdin is closed at once
-    timeout_s: float | None = None  # None: the profile's; never above it
-    actor: str = "daemon"  # who asked, for the journal
-    changes: ChangesMode = "apply"  # a layer sandbox's change set (process.layering)
-
-
-class WriteGate(Protocol):
-    """Checks what a command wrote against the workspace's file-level deny globs.
-
-    `before` snapshots the workspace as the command starts (`readonly`: the paths the
-    sandbox has mounted read-only, with their identities: not walked; `sandbox_pid`: the
-    sandbox's init, whose pid namespace tells its writes from anyone else's); `after`
-    compares, reverts each offending change the sandbox made and returns them.
-    Implemented by `substrate.workspace.gate.SnapshotGate`.
-    """
-
-    async def before(
-        self,
-        ws: Workspace,
-        readonly: Mapping[str, tuple[int, int]] | None = None,
-        sandbox_pid: int | None = None,
-    ) -> object: ...
-
-    async def after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]: ...
 
 
 @dataclass(frozen=True)
@@ -137,6 +105,7 @@ class _Launched:
     limit_s: float
     snapshot: object  # the write gate's, None when the gate does not look
     use: Use | None  # its hold on a layer sandbox's generation
+    meter: Meter  # its CPU and memory, from just before its start (process.usage)
 
 
 class Processes:
@@ -368,6 +337,7 @@ class Processes:
             started=time.time(),
             sandbox=sandbox,
             sinks=sinks,
+            stdin=req.stdin if isinstance(req.stdin, StdinStream) else None,
         )
         launched = _Launched(
             req=req,
@@ -378,6 +348,7 @@ class Processes:
             limit_s=checked.limit_s,
             snapshot=snapshot,
             use=use,
+            meter=Meter.start(sandbox),
         )
         self._live[proc] = entry
         try:
@@ -398,6 +369,7 @@ class Processes:
             stream = await self._engine.exec_start(launched.exec_id)
         except BaseException as exc:
             # Nothing ran: the record says lost (no outcome to keep).
+            launched.meter.close()
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._abort_record, ws, entry.proc, entry.sinks)
             if isinstance(exc, ContainerGone):
@@ -454,6 +426,7 @@ class Processes:
         fails, marked lost)."""
         entry, ws = run.entry, launched.req.ws
         duration_ms = round((trio.current_time() - launched.t0) * 1000, 3)
+        usage = launched.meter.finish()
         if exit_code == ENGINE_START_FAILED:
             exit_code = await self._start_failed(run, exit_code)
         blocked = await self._gate_after(ws, launched.snapshot)
@@ -470,6 +443,7 @@ class Processes:
             killed=run.killed,
             cancelled=cancelled,
             egress_blocked=self.driver.egress_blocked(run),
+            usage=usage,
         )
         try:
             entry.result = await trio.to_thread.run_sync(
@@ -590,6 +564,7 @@ class Processes:
             policy_blocked=blocked,
             changes=changes,
             egress_blocked=outcome.egress_blocked,
+            usage=outcome.usage,
         )
 
 
