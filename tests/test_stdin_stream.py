@@ -123,10 +123,7 @@ async def test_a_stdin_the_command_closed_refuses_later_writes(
     assert caught.value.data == {"reason": "closed"}
 
 
-async def test_the_run_ending_wakes_and_refuses_a_waiting_writer(
-    pair: tuple[socket.socket, socket.socket],
-) -> None:
-    ours, _theirs = pair
+async def test_the_run_ending_wakes_and_refuses_a_waiting_writer() -> None:
     stream = StdinStream("agent:1", cap=4, wait_s=60)
     await stream.write(b"full")
     refused: list[BaseException] = []
