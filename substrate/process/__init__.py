@@ -4,8 +4,10 @@
 (records it, drives its exec, gates what it wrote); `driver` supervises one exec (pumps,
 timeout, signals, the kill) over the engine's `stream`; `records` is the `processes`
 table and its journal entries; `intents` answers wait/status/list/subscribe from a
-running command or its record, `subscriptions` streams output; `service.Execution` wires
-the whole execution layer of a daemon.
+running command or its record, `subscriptions` streams output; `stdin_stream` holds a
+streamed stdin (`proc.write`), `usage` reads a command's CPU and peak memory from its
+cgroup, `facts_summary` shapes the facts of a reply; `service.Execution` wires the whole
+execution layer of a daemon.
 """
 
 from substrate.process.argv import (

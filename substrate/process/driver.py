@@ -7,7 +7,8 @@ the engine's start until its main process has ended and its stream is drained, t
 Theory of operation. The exec's multiplexed stream is read by one worker thread,
 demuxed (`exec_stream.Demuxer`, sans-IO) and written to two `OutputSink`s as it arrives;
 stdin, when given, is written by another thread, then the write half is shut so the
-command sees EOF. A supervisor task watches the clock and the command:
+command sees EOF; a streamed one (`stdin_stream.StdinStream`) is handed over by a task as
+the command reads, until EOF or the run's end. A supervisor task watches the clock and the command:
 - the stream ends (the usual case) → done;
 - still open after `MAIN_PROBE_S` → ask the engine for the exec's host pid and wait on
   it (pidfd): once the main process exits, anything still holding the output pipe is a

@@ -8,8 +8,8 @@ hold a prompt or an inline script) is in the row only; the journal gets `argv0`,
 and `argv_sha256` (docs/protocol.md §8).
 
 A finished row also keeps what its first reply carried, so a result reads the same
-whenever it is read: the `policy_blocked` list, and the confinement facts of the
-sandbox it ran in. Facts are the same for every command of one container, so they are
+whenever it is read: the `policy_blocked` list, its `usage`, and the confinement facts
+of the sandbox it ran in. Facts are the same for every command of one container, so they are
 stored once per distinct set (`fact_sets`, keyed by the SHA-256 of their encoding) and
 the row names the set.
 

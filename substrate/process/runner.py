@@ -27,7 +27,8 @@ Collaborators (engine, containers, driver, records, artifacts, subscriptions, wr
 are given, never built here: `substrate.process.service` wires them. On a `layer` sandbox
 commands share a generation, applied when the last ends (`process.layer_users`; no gate).
 Hot path (a warm `["true"]`): three engine calls, two commits, one procfs scan of the
-container's cgroup; facts are observed once per container, never per command.
+container's cgroup, a few reads of its counters (`process.usage`); facts are observed
+once per container, never per command.
 """
 
 from __future__ import annotations
