@@ -39,7 +39,7 @@ def sandbox_on(dirs: CgroupDirs) -> Sandbox:
 
 def v1(tmp_path: Path) -> tuple[CgroupDirs, Path, Path]:
     cpu, mem = tmp_path / "cpuacct", tmp_path / "memory"
-    cpu.mkdir()
+    cpu.mkdir(parents=True)
     mem.mkdir()
     (cpu / "cpuacct.usage").write_text("5000000000\n")
     (mem / "memory.max_usage_in_bytes").write_text("900000\n")
@@ -101,6 +101,12 @@ def test_a_peak_that_cannot_be_reset_or_a_missing_cgroup_is_not_reported(tmp_pat
     box.acquire()
     usage = Meter.start(box).finish()
     assert usage is not None and (usage.cpu_s, usage.peak_memory_bytes) == (0.0, None)
+    # A v1 peak the daemon may not reset is not the command's either.
+    v1_dirs, _, peak = v1(tmp_path / "v1")
+    peak.unlink()
+    peak.mkdir()  # the write fails
+    usage = Meter.start(sandbox_on(v1_dirs)).finish()
+    assert usage is not None and usage.peak_memory_bytes is None
     gone = tmp_path / "gone"
     nothing = CgroupDirs(procs=gone, memory=gone, freezer=None, v2=False, cpu=gone)
     assert Meter.start(sandbox_on(nothing)).finish() is None

@@ -9,9 +9,9 @@ the difference of the cgroup's counters over that window:
 - Peak memory: v1 `memory.max_usage_in_bytes`, reset to the current usage at the
   start (a write of "0") when nothing else uses the sandbox; v2 `memory.peak` through
   a descriptor of its own, reset at the start (a write resets the peak seen through
-  that descriptor only: Linux 6.12 and later). A v2 kernel that refuses the reset
-  leaves the peak None: its `memory.peak` spans the container's whole life, not the
-  command's.
+  that descriptor only: Linux 6.12 and later). A reset that fails (an older v2
+  kernel, no permission) leaves the peak None: the counter then spans the container's
+  whole life, not the command's.
 
 Why the cgroup and not the command's own processes: an engine exec's main process is
 the engine shim's child, which reaps it; substrate never sees its rusage, and polling
@@ -28,7 +28,6 @@ read on the event loop (cgroupfs is in memory, microseconds; no disk is touched)
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,9 +67,11 @@ class _Peak:
             self._open_v2(dirs.memory / "memory.peak")
         else:
             path = dirs.memory / "memory.max_usage_in_bytes"
-            if reset:
-                with contextlib.suppress(OSError):
+            try:
+                if reset:
                     path.write_text("0")
+            except OSError:  # not reset: the container's peak, not the command's
+                return
             self._path = path
 
     def _open_v2(self, path: Path) -> None:
