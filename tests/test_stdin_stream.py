@@ -25,7 +25,7 @@ from substrate.errors import (
     TooLarge,
     Unauthorized,
 )
-from substrate.process.stdin_stream import StdinStream
+from substrate.process.stdin_stream import SocketStdin, StdinStream
 from substrate.protocol.caller import Caller
 from substrate.schema.proc import MAX_WRITE_BYTES, ProcResult, RunParams, StartParams, WriteParams
 
@@ -56,7 +56,7 @@ async def test_bytes_reach_the_command_in_order_then_eof(
     ours, theirs = pair
     stream = StdinStream("agent:1")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(stream.drain, ours)
+        nursery.start_soon(stream.drain, SocketStdin(ours))
         first = await stream.write(b"one\n")
         assert (first.accepted, first.eof) == (4, False)
         await stream.write(b"two\n")
@@ -97,7 +97,7 @@ async def test_a_waiting_write_goes_in_once_the_command_reads(
         nursery.start_soon(writer, b"mn")  # behind the first: order is kept
         await trio.testing.wait_all_tasks_blocked()
         assert results == []  # both wait for room
-        nursery.start_soon(stream.drain, ours)
+        nursery.start_soon(stream.drain, SocketStdin(ours))
         got = await trio.to_thread.run_sync(recv_exactly, theirs, 14)
         assert got == b"abcdefghijklmn"
         assert results == [4, 2]
@@ -112,7 +112,7 @@ async def test_a_stdin_the_command_closed_refuses_later_writes(
     theirs.close()
     stream = StdinStream("agent:1")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(stream.drain, ours)
+        nursery.start_soon(stream.drain, SocketStdin(ours))
         await stream.write(b"lost")  # taken; the pipe breaks when it is handed over
         with trio.fail_after(10):
             while stream.closed is None:

@@ -44,7 +44,7 @@ import trio
 
 from substrate.artifacts.sink import OutputSink
 from substrate.process import stream as exec_stream
-from substrate.process.stdin_stream import StdinStream
+from substrate.process.stdin_stream import SocketStdin, StdinStream
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
@@ -299,7 +299,7 @@ class ExecDriver:
             async with trio.open_nursery() as signals:
                 signals.start_soon(self._release_held, run)
                 if isinstance(stdin, StdinStream):
-                    signals.start_soon(stdin.drain, run.sock)
+                    signals.start_soon(stdin.drain, SocketStdin(run.sock))
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, run)
                     if isinstance(stdin, bytes):

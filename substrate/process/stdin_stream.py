@@ -20,9 +20,11 @@ writers waiting for room are woken and refused the same way. Only the owner (the
 socket and uid, `Caller.name`) or the operator may write (`unauthorized`).
 
 Threading: everything runs on the event loop. `drain` never blocks it: it waits for the
-stream socket to be writable (`trio.lowlevel.wait_writable`) and sends without waiting
-(`MSG_DONTWAIT`), so a cancelled run stops it at once, while the output pump keeps its
-own thread reading the same socket.
+command's stdin to be writable (`trio.lowlevel.wait_writable`) and writes without waiting
+(`StdinPipe.send_now`), so a cancelled run stops it at once. An engine exec's stdin is
+its stream socket (`SocketStdin`: `MSG_DONTWAIT` sends, EOF by shutting the write half),
+which the output pump's thread reads at the same time; another way of starting commands
+gives its own `StdinPipe`.
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ import collections
 import contextlib
 import socket
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import trio
 
 from substrate.errors import LimitExceeded, StdinClosed, Unauthorized
 from substrate.schema.proc import STDIN_BUFFER_BYTES
 
-__all__ = ["STDIN_WAIT_S", "StdinStream", "WriteState"]
+__all__ = ["STDIN_WAIT_S", "SocketStdin", "StdinPipe", "StdinStream", "WriteState"]
 
 #: How long a write waits for the command to make room in the buffer, seconds.
 STDIN_WAIT_S = 30.0
@@ -46,6 +48,40 @@ STDIN_WAIT_S = 30.0
 SEND_BYTES = 64 << 10
 
 Reason = Literal["eof", "closed", "ended"]
+
+
+class StdinPipe(Protocol):
+    """The command's stdin as `StdinStream.drain` writes it."""
+
+    def fileno(self) -> int:
+        """What `trio.lowlevel.wait_writable` waits on."""
+        ...
+
+    def send_now(self, data: bytes) -> int:
+        """Write what fits now, without blocking: the count, `BlockingIOError` when
+        nothing fits, another `OSError` when the command's stdin is gone."""
+        ...
+
+    def close_write(self) -> None:
+        """Close the command's stdin (it reads EOF); never raises."""
+        ...
+
+
+class SocketStdin:
+    """An engine exec's stdin: the write half of its stream socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def send_now(self, data: bytes) -> int:
+        return self._sock.send(data, socket.MSG_DONTWAIT)
+
+    def close_write(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
 
 
 @dataclass(frozen=True)
@@ -138,11 +174,10 @@ class StdinStream:
         self._room.unpark_all()
         self._data.unpark_all()
 
-    async def drain(self, sock: socket.socket) -> None:
-        """Hand the buffered bytes to the command's stdin (the exec stream `sock`) as it
-        takes them; after an EOF, shut the socket's write half (the command reads EOF).
-        Runs until then, a broken pipe, or cancellation (the run ended); the stream is
-        ended on the way out."""
+    async def drain(self, pipe: StdinPipe) -> None:
+        """Hand the buffered bytes to the command's stdin as it takes them; after an EOF,
+        close it (the command reads EOF). Runs until then, a broken pipe, or
+        cancellation (the run ended); the stream is ended on the way out."""
         try:
             while True:
                 while not self._chunks and not self.eof and self.closed is None:
@@ -150,14 +185,13 @@ class StdinStream:
                 if self.closed is not None:
                     return
                 if not self._chunks:  # EOF, everything handed over
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_WR)
+                    pipe.close_write()
                     self.end("eof")
                     return
-                await trio.lowlevel.wait_writable(sock)
+                await trio.lowlevel.wait_writable(pipe.fileno())
                 chunk = self._chunks[0]
                 try:
-                    sent = sock.send(chunk[:SEND_BYTES], socket.MSG_DONTWAIT)
+                    sent = pipe.send_now(chunk[:SEND_BYTES])
                 except BlockingIOError:
                     continue
                 except OSError:  # EPIPE, ECONNRESET: the command's stdin is gone
