@@ -50,6 +50,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     idle_timeout_s: float = 600.0  # a connection with nothing in flight closes after this
     max_processes: int = 64  # running processes per daemon
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
+    #: commands start through each sandbox's own supervisor (docs/fast-exec.md); false:
+    #: every command is an engine exec (no supervisor, no supervisor directory bound)
+    fast_exec: bool = True
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
     #: checkpoint pre-images kept, bytes; past it the oldest checkpoint expires (§11)
     preimage_quota_bytes: int = 1 << 30

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +252,122 @@ async def test_a_closed_layer_refuses_newcomers(env: Env) -> None:
     with pytest.raises(layer_users.ContainerGone):
         await env.users.join(env.sandbox, "p_a", env.req("agent:1"))
     assert env.sandbox.layer.users.active == {}
+
+
+# -- shutdown ----------------------------------------------------------------------------
+
+
+def _write_upper(env: Env) -> None:
+    upper = env.sandbox.layer.plan.upper
+    os.makedirs(upper, exist_ok=True)
+    with open(os.path.join(upper, "made.txt"), "w") as f:
+        f.write("x")
+
+
+def _stopped(env: Env) -> list[Any]:
+    return [e for e in env.journal.read(limit=1000) if e.kind == "changes.stopped"]
+
+
+async def test_quiet_waits_for_every_user_and_every_conclusion(env: Env) -> None:
+    env.recorder.gate = trio.Event()
+    first = await env.users.join(env.sandbox, "p_a", env.req("agent:1"))
+    second = await env.users.join(env.sandbox, "t-00000000000000aa", env.req("terminal:g"))
+    quiet = trio.Event()
+
+    async def wait_quiet() -> None:
+        await env.users.quiet()
+        quiet.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_quiet)
+        await env.users.end(first)  # deferred: the terminal still uses the generation
+        await trio.testing.wait_all_tasks_blocked()
+        assert not quiet.is_set()
+        nursery.start_soon(env.users.end, second)
+        await env.recorder.entered.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not quiet.is_set()  # the conclusion still runs
+        env.recorder.gate.set()
+    assert quiet.is_set()
+    assert env.recorder.calls == [(0, "terminal:g", "apply")]
+
+
+async def test_stop_waits_for_the_running_conclusion_then_concludes_nothing(env: Env) -> None:
+    env.recorder.gate = trio.Event()
+    running = await env.users.join(env.sandbox, "p_a", env.req("agent:1"))
+    late = await env.users.join(env.sandbox, "p_b", env.req("agent:2"))
+    await env.users.end(late)  # deferred
+    stopped = trio.Event()
+
+    async def stop() -> None:
+        await env.users.stop()
+        stopped.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(env.users.end, running)
+        await env.recorder.entered.wait()
+        nursery.start_soon(stop)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not stopped.is_set()  # never removes a sandbox under a conclusion
+        env.recorder.gate.set()
+    assert stopped.is_set()
+    # Stopping: newcomers are refused, and a last user's generation is not concluded.
+    with pytest.raises(layer_users.RuntimeUnavailable):
+        await env.users.join(env.sandbox, "p_c", env.req("agent:1"))
+    assert env.sandbox.layer.users.active == {}
+    assert len(env.recorder.calls) == 1
+
+
+async def test_a_generation_left_at_stop_is_kept_for_review_once_torn_down(env: Env) -> None:
+    agent = await env.users.join(env.sandbox, "p_a", env.req("agent:1"))
+    shell = await env.users.join(env.sandbox, "t-00000000000000aa", env.req("terminal:g"))
+    await env.users.stop()
+    changes = await env.users.end(agent)  # the terminal is still open: deferred
+    assert changes is not None and changes.deferred
+    _write_upper(env)
+    # Still mounted (its container could not be removed): nothing is scanned.
+    assert await env.users.keep_left() == []
+    assert env.recorder.calls == []
+    env.sandbox.layer.closed = True
+    assert await env.users.keep_left() == []  # closed, but its teardown failed
+    env.sandbox.layer.unmounted = True  # the container went, the layer was torn down
+    (kept,) = await env.users.keep_left()
+    # Scanned in mode "review" (they asked "apply"), nothing applied, as the last user.
+    assert env.recorder.calls == [(0, "terminal:g", "review")]
+    (entry,) = _stopped(env)
+    assert entry.actor == "terminal:g"
+    assert entry.data == {
+        "generation": 0,
+        "changeset": kept.changeset,
+        "mode": "apply",
+        "procs": ["p_a"],
+        "sessions": ["t-00000000000000aa"],
+    }
+    assert env.shared() == []
+    # The terminal ends after: its result names the kept set, concluded nothing more.
+    late = await env.users.end(shell)
+    assert late is not None and late.changeset == kept.changeset
+    assert late.error == layer_users.STOPPED
+    assert await env.users.keep_left() == []  # kept once
+    assert len(env.recorder.calls) == 1
+    await env.users.quiet()
+
+
+async def test_keep_left_keeps_carried_users_and_honours_an_all_discard(env: Env) -> None:
+    env.recorder.busy = True  # a stray process held the generation: users carried
+    use = await env.users.join(env.sandbox, "p_a", env.req("agent:1", "discard"))
+    busy = await env.users.end(use)
+    assert busy is not None and busy.error == "layer_busy"
+    env.recorder.busy = False
+    await env.users.stop()
+    env.sandbox.layer.closed = env.sandbox.layer.unmounted = True
+    os.makedirs(env.sandbox.layer.plan.upper)
+    assert await env.users.keep_left() == []  # an empty upper dir: nothing to keep
+    _write_upper(env)
+    await env.users.keep_left()
+    assert env.recorder.calls[-1] == (0, "agent:1", "discard")  # every user asked so
+    (entry,) = _stopped(env)
+    assert entry.data["mode"] == "discard" and entry.data["procs"] == ["p_a"]
 
 
 def test_the_journal_summary_has_counts_and_no_paths() -> None:

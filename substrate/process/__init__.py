@@ -1,8 +1,10 @@
 """Processes: argv-only commands run in verified sandboxes, and what is known of them.
 
 `argv` holds the pure rules a request must pass; `runner.Processes` runs a `RunRequest`
-(records it, drives its exec, gates what it wrote); `driver` supervises one exec (pumps,
-timeout, signals, the kill) over the engine's `stream`; `records` is the `processes`
+(records it, drives its exec, gates what it wrote); `fastexec.Launcher` starts it through
+the sandbox's own supervisor or as an engine exec; `driver` drives it (pumps, timeout,
+signals, the kill) through its `channels.ExecChannel` (the engine's `stream`, or a
+supervisor's pipes); `records` is the `processes`
 table and its journal entries; `intents` answers wait/status/list/subscribe from a
 running command or its record, `subscriptions` streams output; `stdin_stream` holds a
 streamed stdin (`proc.write`), `usage` reads a command's CPU and peak memory from its

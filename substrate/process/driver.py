@@ -4,23 +4,25 @@
 the engine's start until its main process has ended and its stream is drained, then
 `Processes` checks the write gate and finishes the record.
 
-Theory of operation. The exec's multiplexed stream is read by one worker thread,
-demuxed (`exec_stream.Demuxer`, sans-IO) and written to two `OutputSink`s as it arrives;
-stdin, when given, is written by another thread, then the write half is shut so the
-command sees EOF; a streamed one (`stdin_stream.StdinStream`) is handed over by a task as
-the command reads, until EOF or the run's end. A supervisor task watches the clock and the command:
-- the stream ends (the usual case) → done;
-- still open after `MAIN_PROBE_S` → ask the engine for the exec's host pid and wait on
-  it (pidfd): once the main process exits, anything still holding the output pipe is a
-  straggler and is reaped;
+Theory of operation. The command is reached through its `ExecChannel`
+(`substrate.process.channels`: an engine exec's multiplexed stream, or the pipes of a
+command the sandbox's supervisor started, docs/fast-exec.md). Its output is read by one
+worker thread and written to two `OutputSink`s as it arrives; stdin, when given, is
+written by another thread, then closed so the command sees EOF; a streamed one
+(`stdin_stream.StdinStream`) is handed over by a task as the command reads, until EOF or
+the run's end. A watcher task watches the clock and the command:
+- the output ends (the usual case) → done;
+- still open after `MAIN_PROBE_S` → learn the main process's host pid (the engine's
+  inspect, or the supervisor's pidfd) and wait on it (pidfd): once the main process
+  exits, anything still holding the output pipe is a straggler and is reaped;
 - the deadline passes → TERM to every process of the command, KILL after `GRACE_S`.
-The run cut off (its caller went away, the daemon stops, a failure): the supervisor
+The run cut off (its caller went away, the daemon stops, a failure): the watcher
 kills the command and lets its stream drain (the pump thread is never abandoned, so
 nothing writes to a sink after the run closed it); `settle` then reads its exit code.
 Every such step is bounded (`SETTLE_S`).
 
 Signals (`signal`) go from the host to every process the reaper attributes to the
-command, plus its main process once the engine reported it (even with a scrubbed
+command, plus its main process once it is known (even with a scrubbed
 environment). Right after `proc.start` the exec may have no process yet: the engine
 answers the start before runc has run the program. A signal that finds nothing then is
 *held* on the entry, and the run delivers it as soon as the engine reports the main
@@ -32,22 +34,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import signal
-import socket
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import trio
 
 from substrate.artifacts.sink import OutputSink
-from substrate.process import stream as exec_stream
-from substrate.process.stdin_stream import SocketStdin, StdinStream
+from substrate.process.channels import ExecChannel
+from substrate.process.stdin_stream import StdinStream
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
-from substrate.sandbox.engine import ContainerGone, Engine
+from substrate.sandbox.engine import Engine
 from substrate.schema.proc import EgressBlocked, ProcResult
 
 log = logging.getLogger("substrate.process.runner")
@@ -113,9 +113,7 @@ class Run:
     entry: Entry
     proc: str
     sandbox: Sandbox
-    exec_id: str
-    sock: socket.socket
-    initial: bytes
+    channel: ExecChannel
     sinks: dict[int, OutputSink]
     deadline: float
     pump_done: trio.Event = field(default_factory=trio.Event)
@@ -219,7 +217,7 @@ class ExecDriver:
     async def learn_main(self, run: Run, *, first_sleep: float) -> int | None:
         """Wait until the engine reports the exec's main process (or its end); record it
         on the entry. Returns its host pid, None once the exec ended without one."""
-        pid = await self._started_pid(run.exec_id, first_sleep=first_sleep)
+        pid = await run.channel.main_pid(first_sleep=first_sleep)
         entry = run.entry
         if pid is not None and entry.main is None:
             entry.main = await trio.to_thread.run_sync(reaper.identity, pid)
@@ -265,18 +263,13 @@ class ExecDriver:
         Called shielded."""
         sandbox = run.sandbox
         if not run.pump_done.is_set():  # cut off before its stream was driven at all
-            exec_stream.shutdown(run.sock)
-            run.sock.close()
+            run.channel.shutdown()
+            run.channel.close()
         with trio.move_on_after(SETTLE_S):
             if sandbox.host_visible:
                 await self.kill(run)  # targeted: one scan when nothing is left
-            elif exit_code is None:
-                try:
-                    info = await self._engine.exec_inspect(run.exec_id)
-                except ContainerGone:
-                    info = {}
-                if info.get("Running"):
-                    await self.kill_inside(run)
+            elif exit_code is None and await run.channel.running():
+                await self.kill_inside(run)
             if exit_code is None:
                 with trio.move_on_after(GRACE_S):
                     exit_code = await self.wait_exit(run)
@@ -299,32 +292,28 @@ class ExecDriver:
             async with trio.open_nursery() as signals:
                 signals.start_soon(self._release_held, run)
                 if isinstance(stdin, StdinStream):
-                    signals.start_soon(stdin.drain, SocketStdin(run.sock))
+                    pipe = run.channel.stdin_pipe()
+                    if pipe is None:  # no stdin to write to: writes are refused
+                        stdin.end("closed")
+                    else:
+                        signals.start_soon(stdin.drain, pipe)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, run)
                     if isinstance(stdin, bytes):
-                        nursery.start_soon(
-                            trio.to_thread.run_sync, exec_stream.feed_stdin, run.sock, stdin, True
-                        )
+                        nursery.start_soon(trio.to_thread.run_sync, run.channel.feed, stdin)
                     nursery.start_soon(self._supervise, run)
                 signals.cancel_scope.cancel()
         finally:
-            exec_stream.shutdown(run.sock)
-            run.sock.close()
+            run.channel.shutdown()
+            run.channel.close()
             with trio.CancelScope(shield=True):
                 await self._release_remaining(run.entry)
 
     async def _pump(self, run: Run) -> None:
         try:
-            # Not abandoned on cancel: the run ends the command (or shuts the socket) and
+            # Not abandoned on cancel: the run ends the command (or shuts the stream) and
             # this returns once every byte it read is in the sinks.
-            await trio.to_thread.run_sync(
-                exec_stream.pump_stream,
-                run.sock,
-                run.initial,
-                run.sinks,
-                limiter=self._pump_limiter,
-            )
+            await run.channel.pump(run.sinks, self._pump_limiter)
         finally:
             run.pump_done.set()
 
@@ -342,7 +331,7 @@ class ExecDriver:
                         await run.pump_done.wait()
             if not run.pump_done.is_set():
                 log.warning("%s: output stream still open after kill; closing it", run.proc)
-                exec_stream.shutdown(run.sock)
+                run.channel.shutdown()
             raise
 
     async def _watch(self, run: Run) -> None:
@@ -383,7 +372,7 @@ class ExecDriver:
             await run.pump_done.wait()
         if not run.pump_done.is_set():
             log.warning("%s: output stream still open after kill; closing it", run.proc)
-            exec_stream.shutdown(run.sock)
+            run.channel.shutdown()
 
     async def kill(self, run: Run) -> None:
         sandbox = run.sandbox
@@ -411,27 +400,6 @@ class ExecDriver:
         stopped instead (its next command gets a fresh, verified one)."""
         await self._containers.forget(run.sandbox, "timeout")
 
-    async def _started_pid(self, exec_id: str, *, first_sleep: float = 0.05) -> int | None:
-        """The exec's host pid once it runs; None once it has exited (or vanished).
-
-        An exec the engine has not started yet also reads `Running: false`, but with no
-        exit code: that one is asked again, after `first_sleep`, then twice as long each
-        time up to 1 s (a slow engine can take longer than `MAIN_PROBE_S` to start a
-        process). The engine reports the pid once runc has exec'd the program.
-        """
-        for attempt in itertools.count():
-            try:
-                info = await self._engine.exec_inspect(exec_id)
-            except ContainerGone:
-                return None
-            pid = int(info.get("Pid") or 0)
-            if info.get("Running") and pid > 0:
-                return pid
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return None
-            await trio.sleep(min(first_sleep * 2**attempt, 1.0))
-        raise AssertionError("unreachable")
-
     async def exit_code(self, run: Run) -> int | None:
         """The exit code once the main process has ended; None if the engine lost it.
 
@@ -448,21 +416,7 @@ class ExecDriver:
         return None
 
     async def wait_exit(self, run: Run) -> int | None:
-        for attempt in itertools.count():
-            try:
-                info = await self._engine.exec_inspect(run.exec_id)
-            except ContainerGone:
-                return None
-            if not info.get("Running"):
-                code = info.get("ExitCode")
-                # Not running and no code yet: the engine is still recording the exit.
-                if code is not None or attempt >= 8:
-                    return int(code) if code is not None else None
-            elif run.sandbox.host_visible and int(info.get("Pid") or 0) > 0:
-                await reaper.wait_exit(int(info["Pid"]))  # it closed its output: wait on it
-                continue
-            await trio.sleep(min(0.005 * 2**attempt, 0.5))
-        raise AssertionError("unreachable")
+        return await run.channel.wait_exit(host_visible=run.sandbox.host_visible)
 
 
 def _roots(entry: Entry) -> frozenset[Hashable]:

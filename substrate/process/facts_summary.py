@@ -39,8 +39,9 @@ def facts_digest(facts: Sequence[Fact]) -> str:
     return hashlib.sha256(msgspec.json.encode(list(facts))).hexdigest()
 
 
-def summarize(facts: Sequence[Fact]) -> FactsSummary:
-    """The few fields a reader (or a model) needs of a fact list; see `FactsSummary`."""
+def summarize(facts: Sequence[Fact], exec_facts: Sequence[Fact] = ()) -> FactsSummary:
+    """The few fields a reader (or a model) needs of a fact list (and whether the
+    command's own process was observed: `exec_facts`); see `FactsSummary`."""
     seen: dict[str, FactValue] = {f.name: f.value for f in facts}
     runtime = _str(seen.get("runtime"))
     caps = seen.get("cap_bnd")
@@ -56,21 +57,28 @@ def summarize(facts: Sequence[Fact]) -> FactsSummary:
         rootfs_readonly=_bool(seen.get("rootfs_readonly")),
         network=_network(seen),
         workspace=_str(seen.get("workspace_mount")),
+        exec_checked=bool(exec_facts),
     )
 
 
 def shaped(result: R, mode: FactsMode) -> R:
     """`result` as a reply: `facts_digest` and `facts_summary` set from its `facts`, and
-    `facts` kept only in "full" mode. A result without facts (`{proc, state}`, a running
-    command's status) is returned unchanged."""
+    `facts` and `exec_facts` (the command's own process, fast exec) kept only in "full"
+    mode. A result without facts (`{proc, state}`, a running command's status) is
+    returned unchanged."""
     facts = result.facts
     if facts is None:
         return result
+    own = result.exec_facts or []
+    full = mode == "full"
+    # A result's `exec_facts` is a list (empty: left out), a status's None when left out.
+    kept = own if full else []
     return msgspec.structs.replace(
         result,
-        facts=facts if mode == "full" else None,
+        facts=facts if full else None,
+        exec_facts=kept if isinstance(result, ProcResult) else kept or None,
         facts_digest=facts_digest(facts),
-        facts_summary=summarize(facts),
+        facts_summary=summarize(facts, own),
     )
 
 

@@ -92,6 +92,8 @@ def result_of_row(row: ProcRow) -> ProcResult | ProcPending:
         policy_blocked=row.policy_blocked,
         changes=row.changes,
         egress_blocked=row.egress_blocked,
+        via=row.via,
+        exec_facts=row.exec_facts,
         usage=row.usage,
     )
 
@@ -184,6 +186,7 @@ def _entry_status(entry: Entry, *, outcome: bool = False) -> ProcStatus:
         changes=result.changes if outcome and result is not None else None,
         egress_blocked=result.egress_blocked if outcome and result is not None else None,
         usage=result.usage if outcome and result is not None else None,
+        exec_facts=result.exec_facts if outcome and result is not None else None,
     )
 
 
@@ -214,6 +217,7 @@ def _row_status(processes: Processes, row: ProcRow, outcome: bool = False) -> Pr
         changes=row.changes if outcome and exited else None,
         egress_blocked=row.egress_blocked if outcome and exited else None,
         usage=row.usage if outcome and exited else None,
+        exec_facts=row.exec_facts if outcome and exited else None,
     )
 
 

@@ -15,24 +15,38 @@ one user is journaled `changes.shared {generation, changeset, mode, procs, sessi
 
 A conclusion that finds the generation busy (`layer_busy`) keeps its users: their
 changes go with the generation's next conclusion (`Users.concluded(kept=True)`).
+
+Shutdown (`process.service.Execution.shutdown`), in this order: `quiet` waits (bounded
+by the caller) until every user has ended and every conclusion is over — terminals and
+cut-off commands end concurrently and conclude normally, against their still-running
+containers; `stop` refuses newcomers, turns every later conclusion into a no-op (its
+users are carried) and waits for the conclusions still running; the caller then removes
+the containers and tears the layers down; `keep_left` keeps, as a `pending` set, each
+generation still holding changes (users that did not end in time, or a `layer_busy`
+generation's carried users): scanned once nothing can write it, nothing applied,
+journaled `changes.kept` and `changes.stopped`, so the next start's recovery (which drops
+generations without a set) never loses them. Only then may the layers' directory be
+swept: a conclusion holds fds beneath it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 
+from substrate.errors import RuntimeUnavailable
 from substrate.process import layering
 from substrate.sandbox import working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone
-from substrate.sandbox.generation import Conclusion, Deferred, User
-from substrate.schema.proc import ProcChanges
+from substrate.sandbox.generation import Conclusion, Deferred, User, combined
+from substrate.schema.proc import ChangesMode, ProcChanges
 from substrate.store.journal import Journal
 from substrate.workspace.layer import Changesets
 from substrate.workspace.writes import Writer
@@ -44,6 +58,9 @@ log = logging.getLogger("substrate.process.layer_users")
 
 #: Terminal session ids start so (`pty.terminals`); every other user is a process.
 SESSION_PREFIX = "t-"
+#: `changes.error` of a user whose generation the daemon stopped before it concluded:
+#: its set is kept pending (`keep_left`), nothing applied.
+STOPPED = "daemon_stopped"
 
 
 @dataclass
@@ -72,22 +89,36 @@ class LayerUsers:
         self._changesets = changesets
         self._journal = journal
         self._limiter = limiter
+        self._joined = 0  # users joined and not yet left
+        self._concluding = 0  # conclusions running
+        self._changed = trio.Event()  # set (and replaced) when either count drops
+        self._stopping = False
+        #: sandbox id → the layer sandbox and the last request joined on it: what
+        #: `keep_left` needs (its workspace). Pruned of torn-down layers holding nothing.
+        self._layers: dict[str, tuple[Sandbox, RunRequest]] = {}
+        #: sandbox id → the set `keep_left` kept for it (a late user's result names it).
+        self._kept: dict[str, ProcChanges] = {}
 
     async def join(self, sandbox: Sandbox, user_id: str, req: RunRequest) -> Use:
         """Count `user_id` (a process id, or a terminal session id), asking `req`, on the
         sandbox's current generation (waiting while one concludes: at most its apply).
         Raises `ContainerGone` when the layer was torn down meanwhile (the caller retries
-        with a fresh sandbox)."""
+        with a fresh sandbox); refuses `runtime_unavailable` once the daemon stops."""
         user = User(id=user_id, actor=req.actor, mode=req.changes)
         layer = sandbox.layer
         if layer is None:
             raise ValueError("joining a sandbox without a working layer")
         await layer.users.wait_joinable()
+        if self._stopping:
+            raise RuntimeUnavailable("the daemon is stopping")
         if layer.closed:
             raise ContainerGone(sandbox.id)
         # No await from the wait to here: nothing concludes in between.
         layer.users.join(user, layer.plan.generation)
         working_layer.begin(layer)
+        self._joined += 1
+        self._prune()
+        self._layers[sandbox.id] = (sandbox, req)
         return Use(sandbox, user, req)
 
     async def end(self, use: Use) -> ProcChanges | None:
@@ -112,6 +143,8 @@ class LayerUsers:
         if use.left:
             return None
         use.left = True
+        self._joined -= 1
+        self._wake()
         layer = use.sandbox.layer
         assert layer is not None
         step = layer.users.leave(use.user.id, ran=ran)
@@ -119,13 +152,130 @@ class LayerUsers:
             return None
         if isinstance(step, Deferred):
             return ProcChanges(generation=step.generation, deferred=True, mode=use.user.mode)
+        if self._stopping:
+            # The sandbox is being removed: concluding now would race its teardown.
+            # Its users are carried; `keep_left` keeps the generation once nothing runs.
+            layer.users.concluded(kept=True)
+            kept = self._kept.get(use.sandbox.id)
+            if kept is not None:
+                return msgspec.structs.replace(kept, error=STOPPED)
+            mode: ChangesMode = "discard" if step.mode == "discard" else "review"
+            return ProcChanges(generation=step.generation, mode=mode, error=STOPPED)
         busy = False
+        self._concluding += 1
         try:
             changes = await self._conclude(use, step)
             busy = changes is not None and changes.error == "layer_busy"
             return changes
         finally:
             layer.users.concluded(kept=busy)
+            self._concluding -= 1
+            self._wake()
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    async def quiet(self) -> None:
+        """Wait until no user is joined and no conclusion runs (every generation of every
+        layer sandbox concluded, or carried when busy). Unbounded: the caller bounds it."""
+        while self._joined or self._concluding:
+            await self._changed.wait()
+
+    async def stop(self) -> None:
+        """The daemon stops: refuse every newcomer (`runtime_unavailable`), conclude
+        nothing more (a last user's generation is carried for `keep_left`), and wait for
+        the conclusions running now (each bounded by its engine calls and its apply).
+        Then the containers may be removed: nothing swaps or scans a layer any more."""
+        self._stopping = True
+        while self._concluding:
+            await self._changed.wait()
+
+    async def keep_left(self) -> list[ProcChanges]:
+        """After `stop` and the containers' removal: keep each torn-down layer's
+        generation that still holds changes (users that did not end, or carried ones) as
+        a `pending` set — scanned, nothing applied (a generation all of whose users asked
+        "discard" is discarded) — journaled `changes.kept` and `changes.stopped
+        {generation, changeset, mode, procs, sessions}` (the mode its users asked, ids
+        only) as the last user's actor. A layer not unmounted (its container could not
+        be removed: something may still write it) is left for the next start's
+        recovery, logged. Returns the summaries. Costs a scan per generation kept."""
+        kept: list[ProcChanges] = []
+        for sandbox_id, (sandbox, req) in list(self._layers.items()):
+            layer = sandbox.layer
+            assert layer is not None
+            users = layer.users
+            holders = [*users.carried, *users.ended, *users.active.values()]
+            if not holders or sandbox_id in self._kept:
+                continue
+            if not layer.unmounted:
+                log.error(
+                    "the layer of %s is still mounted at shutdown: its generation %d is "
+                    "left for the next start",
+                    sandbox_id[:12],
+                    layer.plan.generation,
+                )
+                continue
+            try:
+                changes = await self._keep(sandbox, req, holders)
+            except Exception:  # one layer's failure must not leave the others unkept
+                log.exception("keeping the layer of %s at shutdown failed", sandbox_id[:12])
+                continue
+            if changes is not None:
+                self._kept[sandbox_id] = changes
+                kept.append(changes)
+        return kept
+
+    async def _keep(
+        self, sandbox: Sandbox, req: RunRequest, holders: list[User]
+    ) -> ProcChanges | None:
+        layer = sandbox.layer
+        assert layer is not None
+        if self._writer is None:
+            return None
+        if not await trio.to_thread.run_sync(_holds_anything, layer.plan.upper):
+            return None  # nothing written: the next start removes the empty generation
+        asked = combined(u.mode for u in holders)
+        actor = holders[-1].actor
+        keep = msgspec.structs.replace(
+            req, actor=actor, changes="discard" if asked == "discard" else "review"
+        )
+        try:
+            with trio.CancelScope(shield=True):
+                changes = await layering.conclude(
+                    self._containers, self._writer, sandbox, keep, self._changesets, self._limiter
+                )
+        finally:
+            # Whatever it held is in the set now (or its error says why not); nobody can
+            # join a stopping daemon's layer, and nothing writes a torn-down one.
+            layer.users.concluded(kept=False)
+        if changes is None:
+            return None
+        ids = list(dict.fromkeys(u.id for u in holders))
+        data = {
+            "generation": changes.generation,
+            "changeset": changes.changeset,
+            "mode": asked,
+            "procs": [u for u in ids if not u.startswith(SESSION_PREFIX)],
+            "sessions": [u for u in ids if u.startswith(SESSION_PREFIX)],
+        }
+        if changes.error is not None:
+            data["error"] = changes.error
+        await self._append("changes.stopped", data, req.ws.id, actor)
+        return changes
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _prune(self) -> None:
+        """Forget torn-down layers whose generation holds nothing (bounded by the
+        sandboxes made since the last join)."""
+        for sandbox_id, (sandbox, _req) in list(self._layers.items()):
+            layer = sandbox.layer
+            if layer is None or (
+                layer.closed
+                and not (layer.users.active or layer.users.ended or layer.users.carried)
+            ):
+                del self._layers[sandbox_id]
 
     async def _conclude(self, use: Use, step: Conclusion) -> ProcChanges | None:
         if self._writer is None:
@@ -142,20 +292,28 @@ class LayerUsers:
                 "procs": [u for u in step.users if not u.startswith(SESSION_PREFIX)],
                 "sessions": [u for u in step.users if u.startswith(SESSION_PREFIX)],
             }
-            try:
-                await trio.to_thread.run_sync(
-                    functools.partial(
-                        self._journal.append,
-                        "changes.shared",
-                        data,
-                        workspace=req.ws.id,
-                        actor=step.actor,
-                    ),
-                    limiter=self._limiter,
-                )
-            except Exception:  # the set is applied and journaled per file already
-                log.exception("journaling a shared generation failed")
+            await self._append("changes.shared", data, req.ws.id, step.actor)
         return changes
+
+    async def _append(self, kind: str, data: dict[str, Any], workspace: str, actor: str) -> None:
+        try:
+            await trio.to_thread.run_sync(
+                functools.partial(
+                    self._journal.append, kind, data, workspace=workspace, actor=actor
+                ),
+                limiter=self._limiter,
+            )
+        except Exception:  # the set is applied (or kept) and journaled already
+            log.exception("journaling %s failed", kind)
+
+
+def _holds_anything(upper: str) -> bool:
+    """Does the generation's upper dir hold any entry? (A missing one holds nothing.)"""
+    try:
+        with os.scandir(upper) as it:
+            return next(it, None) is not None
+    except FileNotFoundError:
+        return False
 
 
 def journal_summary(changes: ProcChanges) -> dict[str, Any]:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgspec
 
@@ -56,6 +56,8 @@ CREATE TABLE IF NOT EXISTS processes (
     policy_blocked TEXT,
     changes TEXT,
     egress_blocked TEXT,
+    via TEXT,
+    exec_facts TEXT,
     usage TEXT
 );
 CREATE INDEX IF NOT EXISTS processes_workspace ON processes(workspace, started);
@@ -70,6 +72,8 @@ ADDED_COLUMNS = {
     "policy_blocked": "TEXT",
     "changes": "TEXT",
     "egress_blocked": "TEXT",
+    "via": "TEXT",
+    "exec_facts": "TEXT",
     "usage": "TEXT",
 }
 #: The longest argv[0] the journal keeps (the rest is in the digest).
@@ -100,6 +104,8 @@ class ProcRow:
     policy_blocked: list[PolicyBlocked]
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
     egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
+    via: Literal["supervisor", "engine"] | None = None  # None: rows older than this column
+    exec_facts: list[Fact] = field(default_factory=list)  # its own process's (fast exec)
     usage: Usage | None = None  # its CPU and memory (None: not measured, or an older row)
 
 
@@ -141,6 +147,8 @@ def _row(r: Any) -> ProcRow:
             if r["egress_blocked"]
             else None
         ),
+        via="supervisor" if r["via"] == "supervisor" else "engine" if r["via"] else None,
+        exec_facts=_decoded(r["exec_facts"], list[Fact]),
         usage=msgspec.json.decode(r["usage"], type=Usage) if r["usage"] else None,
     )
 
@@ -148,7 +156,8 @@ def _row(r: Any) -> ProcRow:
 _ROW_SELECT = (
     "SELECT p.id, p.workspace, p.profile, p.argv, p.cwd, p.state, p.started, p.ended,"
     " p.exit_code, p.signal, p.timed_out, p.oom_killed, p.duration_ms, p.stdout, p.stderr,"
-    " p.epoch, p.policy_blocked, p.changes, p.egress_blocked, p.usage, f.facts AS fact_list"
+    " p.epoch, p.policy_blocked, p.changes, p.egress_blocked, p.via, p.exec_facts,"
+    " p.usage, f.facts AS fact_list"
     " FROM processes p LEFT JOIN fact_sets f ON f.digest = p.facts"
 )
 
@@ -177,6 +186,9 @@ class Outcome:
     killed: int  # of those, how many needed KILL
     cancelled: bool = False  # its run was cut off (caller gone, daemon stopping): killed
     egress_blocked: EgressBlocked | None = None  # an egress sandbox's refused connections
+    via: Literal["supervisor", "engine"] | None = None  # how it was started (docs/fast-exec.md)
+    #: Its own process's confinement as the host saw it before it ran (fast exec only).
+    exec_facts: Sequence[Fact] = ()
     usage: Usage | None = None  # its CPU and memory (`process.usage`)
 
 
@@ -306,7 +318,7 @@ class ProcessRecords:
                 "UPDATE processes SET state = 'exited', exit_code = ?, signal = ?,"
                 " timed_out = ?, oom_killed = ?, ended = ?, duration_ms = ?, stdout = ?,"
                 " stderr = ?, artifacts = ?, policy_blocked = ?, changes = ?,"
-                " egress_blocked = ?, usage = ? WHERE id = ?",
+                " egress_blocked = ?, via = ?, exec_facts = ?, usage = ? WHERE id = ?",
                 (
                     outcome.exit_code,
                     outcome.signal,
@@ -322,6 +334,8 @@ class ProcessRecords:
                     None
                     if egress_blocked is None
                     else msgspec.json.encode(egress_blocked).decode(),
+                    outcome.via,
+                    msgspec.json.encode(list(outcome.exec_facts)).decode(),
                     None if outcome.usage is None else msgspec.json.encode(outcome.usage).decode(),
                     proc,
                 ),
@@ -341,6 +355,7 @@ class ProcessRecords:
                     "reaped": outcome.reaped,
                     "killed": outcome.killed,
                     "cancelled": outcome.cancelled,
+                    **({} if outcome.via is None else {"via": outcome.via}),
                     "policy_blocked": [msgspec.to_builtins(b) for b in blocked],
                     **({} if changes is None else {"changes": msgspec.to_builtins(changes.counts)}),
                     **({} if egress_blocked is None else {"egress_blocked": egress_blocked.count}),

@@ -3,8 +3,8 @@
 Theory of operation. `Processes.run(RunRequest)` checks the request against the profile
 (pure: `substrate.process.argv`), gets the verified sandbox of (workspace, profile) from
 `Containers.ensure`, records the process (SQLite row and `proc.started` journal entry,
-one commit), then makes one engine exec of exactly `argv` — no shell — as the sandbox's
-uid:gid, in `/workspace/<cwd>`, with the profile's environment plus the marker
+one commit), then starts exactly `argv` — no shell — through the sandbox's supervisor or
+one engine exec (`substrate.process.fastexec`, docs/fast-exec.md) as the sandbox's uid:gid, in `/workspace/<cwd>`, with the profile's environment plus the marker
 `SUBSTRATE_PROC=<proc id>` that lets `substrate.sandbox.reaper` find every process the
 command starts. `substrate.process.driver.ExecDriver` drives the exec (pumps, supervisor,
 timeout, signals, the kill) until its main process has ended and its stream is drained.
@@ -26,9 +26,10 @@ Each shielded step is bounded (`driver.SETTLE_S`, `GATE_WAIT_S`).
 Collaborators (engine, containers, driver, records, artifacts, subscriptions, write gate)
 are given, never built here: `substrate.process.service` wires them. On a `layer` sandbox
 commands share a generation, applied when the last ends (`process.layer_users`; no gate).
-Hot path (a warm `["true"]`): three engine calls, two commits, one procfs scan of the
-container's cgroup, a few reads of its counters (`process.usage`); facts are observed
-once per container, never per command.
+Hot path (a warm `["true"]`): on the fast path no engine call (engine path: three), two
+commits, one procfs scan of the container's cgroup, a few reads of its counters
+(`process.usage`); the sandbox's facts are observed once per container, the command's
+own process once (fast path).
 """
 
 from __future__ import annotations
@@ -48,15 +49,14 @@ from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.errors import LimitExceeded, RuntimeUnavailable
 from substrate.process.argv import (
-    ENGINE_START_FAILED,
     effective_timeout,
     exec_env,
     signal_of,
-    start_failure,
     validate_argv,
     workdir_for,
 )
 from substrate.process.driver import Entry, ExecDriver, Run
+from substrate.process.fastexec import Launcher, Prepared
 from substrate.process.layer_users import LayerUsers, Use
 from substrate.process.records import Outcome, ProcessRecords
 from substrate.process.requests import RunRequest, WriteGate
@@ -81,8 +81,6 @@ __all__ = ["Processes", "RunRequest", "WriteGate"]
 #: The write gate's check after a command may wait this long for its workspace's lock
 #: (the walk and the reverts themselves are never interrupted).
 GATE_WAIT_S = 60.0
-#: At most this much of the engine's start-failure text is read to classify it.
-ENGINE_MESSAGE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,7 @@ class _Launched:
 
     req: RunRequest
     entry: Entry
-    exec_id: str
+    prepared: Prepared  # the engine exec created, or the command held by the supervisor
     oom_before: int  # the cgroup's OOM-kill count before the command
     t0: float  # trio clock at the record's start
     limit_s: float
@@ -128,10 +126,15 @@ class Processes:
         fs_limiter: trio.CapacityLimiter | None = None,
         writer: Writer | None = None,
         changesets: Changesets | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         self._engine = engine
         #: Layer sandboxes' shared generations, concluded and applied (and kept by id).
         self.layer_users = LayerUsers(containers, writer, changesets, journal, fs_limiter)
+        # Starts each command, through the sandbox's supervisor or the engine (fastexec).
+        self.launcher = (
+            launcher if launcher is not None else Launcher(engine, fs_limiter=fs_limiter)
+        )
         self._containers = containers
         self.driver = driver
         self.records = records
@@ -293,13 +296,13 @@ class Processes:
             snapshot = await self.write_gate.before(req.ws, sandbox.readonly, sandbox.init_pid)
         t0 = trio.current_time()
         # The exec is created while the record commits: two round trips overlap.
-        created: list[str] = []
+        created: list[Prepared] = []
         started: list[tuple[dict[int, OutputSink], int]] = []
 
         async def create() -> None:
             created.append(
-                await self._engine.exec_create(
-                    sandbox.id,
+                await self.launcher.create(
+                    sandbox,
                     req.argv,
                     user=str(sandbox.who),
                     workdir=checked.workdir,
@@ -320,6 +323,7 @@ class Processes:
                 nursery.start_soon(create)
                 nursery.start_soon(record)
         except BaseException as exc:
+            self.launcher.discard(created)
             if started:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self._abort_record, req.ws, proc, started[0][0])
@@ -343,7 +347,7 @@ class Processes:
         launched = _Launched(
             req=req,
             entry=entry,
-            exec_id=created[0],
+            prepared=created[0],
             oom_before=oom_before,
             t0=t0,
             limit_s=checked.limit_s,
@@ -367,7 +371,7 @@ class Processes:
     ) -> ProcResult:
         entry, ws = launched.entry, launched.req.ws
         try:
-            stream = await self._engine.exec_start(launched.exec_id)
+            channel = await self.launcher.start(launched.prepared)
         except BaseException as exc:
             # Nothing ran: the record says lost (no outcome to keep).
             launched.meter.close()
@@ -383,9 +387,7 @@ class Processes:
             entry=entry,
             proc=entry.proc,
             sandbox=entry.sandbox,
-            exec_id=launched.exec_id,
-            sock=stream.sock,
-            initial=stream.initial,
+            channel=channel,
             sinks=entry.sinks,
             deadline=launched.t0 + launched.limit_s,
         )
@@ -404,11 +406,14 @@ class Processes:
             # the command is ended below and its record finished, then this re-raised.
             cut_off = exc
         with trio.CancelScope(shield=True):
-            if cut_off is not None:
-                exit_code, oom_after = await self.driver.settle(run, exit_code)
-            result = await self._conclude(
-                launched, run, exit_code, oom_after, cancelled=cut_off is not None
-            )
+            try:
+                if cut_off is not None:
+                    exit_code, oom_after = await self.driver.settle(run, exit_code)
+                result = await self._conclude(
+                    launched, run, exit_code, oom_after, cancelled=cut_off is not None
+                )
+            finally:
+                run.channel.release()
         if cut_off is not None:
             raise cut_off
         return result
@@ -428,8 +433,8 @@ class Processes:
         entry, ws = run.entry, launched.req.ws
         duration_ms = round((trio.current_time() - launched.t0) * 1000, 3)
         usage = launched.meter.finish()
-        if exit_code == ENGINE_START_FAILED:
-            exit_code = await self._start_failed(run, exit_code)
+        if exit_code is not None:  # a program that could not be started: the shell's code
+            exit_code = await run.channel.start_failed(run.sinks, run.entry.argv[0], exit_code)
         blocked = await self._gate_after(ws, launched.snapshot)
         changes = None  # a layer sandbox's change set, or deferred (docs/working-layer.md)
         if launched.use is not None:
@@ -444,6 +449,8 @@ class Processes:
             killed=run.killed,
             cancelled=cancelled,
             egress_blocked=self.driver.egress_blocked(run),
+            via=run.channel.via,
+            exec_facts=run.channel.facts,
             usage=usage,
         )
         try:
@@ -461,27 +468,6 @@ class Processes:
             await trio.to_thread.run_sync(self._abort_record, ws, run.proc, run.sinks)
             raise
         return entry.result
-
-    async def _start_failed(self, run: Run, exit_code: int) -> int:
-        """Exit 126 from an exec that never had a process: the engine could not start the
-        program. Its message (on stdout) becomes the shell's code and a line on stderr."""
-        try:
-            info = await self._engine.exec_inspect(run.exec_id)
-        except ContainerGone:
-            return exit_code
-        if int(info.get("Pid") or 0) != 0:
-            return exit_code  # it ran, and exited 126 itself
-        sinks = run.sinks
-        argv0 = run.entry.argv[0]
-
-        def rewrite() -> int:
-            code, message = start_failure(argv0, sinks[1].read_at(0, ENGINE_MESSAGE_BYTES))
-            for sink in sinks.values():
-                sink.rewind()
-            sinks[2].write(message.encode("utf-8", "surrogateescape"))
-            return code
-
-        return await trio.to_thread.run_sync(rewrite, limiter=self._fs_limiter)
 
     async def _gate_after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]:
         """The write gate's check, bounded by `GATE_WAIT_S`; a failure is journalled
@@ -565,6 +551,8 @@ class Processes:
             policy_blocked=blocked,
             changes=changes,
             egress_blocked=outcome.egress_blocked,
+            via=run.channel.via,
+            exec_facts=list(run.channel.facts),
             usage=outcome.usage,
         )
 

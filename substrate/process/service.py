@@ -25,6 +25,7 @@ from substrate.egress import EgressProxy
 from substrate.errors import Refusal
 from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
+from substrate.process.fastexec import Launcher
 from substrate.process.layer_keep import ArtifactKeeper
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
@@ -33,6 +34,7 @@ from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.profiles import Profile, find_profile, load_profiles
 from substrate.sandbox.proxy_link import ProxyLinks
+from substrate.sandbox.supervisor.supervisors import Supervisors
 from substrate.schema.journal import EngineStatus
 from substrate.secrets import SecretStore
 from substrate.store.db import Store
@@ -47,6 +49,11 @@ log = logging.getLogger("substrate.process.service")
 
 #: How often idle sandboxes are looked for, at most (seconds).
 IDLE_SWEEP_S = 30.0
+#: At shutdown, how long the users of layer sandboxes (terminals, cut-off commands) get
+#: to end and conclude their generations before the sandboxes go (seconds). Each ends
+#: within `pty.terminals` `terminate_timeout_s` (10 s) plus its conclusion; what has not
+#: ended by then is kept for review (`LayerUsers.keep_left`).
+SHUTDOWN_DRAIN_S = 30.0
 
 
 class Execution:
@@ -81,6 +88,13 @@ class Execution:
             quota_bytes=config.artifact_quota_bytes,
             max_age_s=config.artifact_max_age_s,
         )
+        # Each sandbox's own supervisor (docs/fast-exec.md); a previous run's directories go.
+        self.supervisors: Supervisors | None = None
+        if config.fast_exec:
+            self.supervisors = Supervisors(
+                self.engine, journal, state_dir / "supervisor", fs_limiter=fs_limiter
+            )
+            self.supervisors.sweep()
         self.containers = Containers(
             self.engine,
             journal,
@@ -99,6 +113,7 @@ class Execution:
             else ProxyLinks(
                 egress, journal, files_dir=state_dir / "sandbox-files", limiter=fs_limiter
             ),
+            supervisors=self.supervisors,
         )
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
@@ -128,6 +143,7 @@ class Execution:
             fs_limiter=fs_limiter,
             writer=self._writer,
             changesets=self.changesets,
+            launcher=Launcher(self.engine, self.supervisors, fs_limiter=fs_limiter),
         )
         # Before any socket accepts: a previous run's spools and running records are
         # settled first, so nothing new can be confused with them.
@@ -214,12 +230,31 @@ class Execution:
         await self.containers.release_workspace(ws.id)
 
     async def shutdown(self) -> None:
-        """Remove this run's sandboxes (bounded: an unanswering engine is left alone)."""
+        """Remove this run's sandboxes, concluding or keeping their layers' generations
+        first (docs/working-layer.md, "Shutdown"); bounded, apart from the conclusions
+        already running: an unanswering engine is left alone.
+
+        Order, each step needing the one before: (1) wait up to `SHUTDOWN_DRAIN_S` for
+        every user of a layer sandbox to end and conclude — terminals end concurrently
+        (the terminal service stops too), commands cut off by the stop conclude in their
+        runner, all against live containers; (2) stop concluding (`LayerUsers.stop`,
+        which waits for the conclusions running); (3) remove the containers, which tears
+        down their layers; (4) keep what is left unconcluded as pending sets
+        (`keep_left`); (5) only then sweep the layer directory's own bind: until the
+        last conclusion or scan closed its fds beneath it, unmounting it is EBUSY."""
+        users = self.processes.layer_users
+        with trio.move_on_after(SHUTDOWN_DRAIN_S):
+            await users.quiet()
+        await users.stop()
         with trio.move_on_after(30):
             try:
                 await self.containers.remove_all("shutdown")
             except Refusal as exc:
                 log.warning("shutdown: %s", exc.message)
-            if not self.containers.live():
+        kept = await users.keep_left()
+        if kept:
+            log.warning("%d layer generation(s) kept for review at shutdown", len(kept))
+        if not self.containers.live():
+            with trio.move_on_after(30):
                 await self.containers.sweep_layers()
         self.engine.close()

@@ -21,17 +21,20 @@ socket and uid, `Caller.name`) or the operator may write (`unauthorized`).
 
 Threading: everything runs on the event loop. `drain` never blocks it: it waits for the
 command's stdin to be writable (`trio.lowlevel.wait_writable`) and writes without waiting
-(`StdinPipe.send_now`), so a cancelled run stops it at once. An engine exec's stdin is
-its stream socket (`SocketStdin`: `MSG_DONTWAIT` sends, EOF by shutting the write half),
-which the output pump's thread reads at the same time; another way of starting commands
-gives its own `StdinPipe`.
+(`StdinPipe.send_now`), so a cancelled run stops it at once. The command's channel says
+what its stdin is (`ExecChannel.stdin_pipe`): an engine exec's stream socket
+(`SocketStdin`: `MSG_DONTWAIT` sends, EOF by shutting the write half; the output pump's
+thread reads the same socket), or the pipe a supervisor-started command reads
+(`PipeStdin`: non-blocking writes, EOF by closing it).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -40,7 +43,7 @@ import trio
 from substrate.errors import LimitExceeded, StdinClosed, Unauthorized
 from substrate.schema.proc import STDIN_BUFFER_BYTES
 
-__all__ = ["STDIN_WAIT_S", "SocketStdin", "StdinPipe", "StdinStream", "WriteState"]
+__all__ = ["STDIN_WAIT_S", "PipeStdin", "SocketStdin", "StdinPipe", "StdinStream", "WriteState"]
 
 #: How long a write waits for the command to make room in the buffer, seconds.
 STDIN_WAIT_S = 30.0
@@ -82,6 +85,25 @@ class SocketStdin:
     def close_write(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
+
+
+class PipeStdin:
+    """The write end of a pipe (a command the sandbox's supervisor started), made
+    non-blocking; EOF is `close`, its owner's (which then forgets the descriptor)."""
+
+    def __init__(self, fd: int, close: Callable[[], None]) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+        self._close = close
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def send_now(self, data: bytes) -> int:
+        return os.write(self._fd, data)
+
+    def close_write(self) -> None:
+        self._close()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 `rpc` decodes and encodes messages (sans-IO), `connection` holds a connection's rules
 (deadlines, caps; sans-IO), `server` is the Trio socket loop around them, `client` the
-client library. The server knows no handlers: the daemon gives it a `Backend`.
+client library, `stream_json` joins an agent CLI's stream-json output from `proc.output`
+pieces (sans-IO). The server knows no handlers: the daemon gives it a `Backend`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from substrate.protocol.client import AsyncClient, Client, ConnectionLost, RpcEr
 from substrate.protocol.connection import Admission, ConnectionState, call_refusal
 from substrate.protocol.rpc import Call, LineSplitter, Outcome, decode_call, refusal_error
 from substrate.protocol.server import Backend, Dispatcher, Recorder, bind_unix, serve_socket
+from substrate.protocol.stream_json import StreamJsonReader, StreamLine
 
 __all__ = [
     "Actor",
@@ -28,6 +30,8 @@ __all__ = [
     "Outcome",
     "Recorder",
     "RpcError",
+    "StreamJsonReader",
+    "StreamLine",
     "bind_unix",
     "call_refusal",
     "decode_call",

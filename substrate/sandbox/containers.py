@@ -58,7 +58,6 @@ import trio
 from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
 from substrate.sandbox import facts as factlib
 from substrate.sandbox import (
-    layers,
     mounts,
     passthrough,
     profiles,
@@ -70,7 +69,7 @@ from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.environment import SandboxEnvironment
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
-from substrate.sandbox.layer_plan import layers_dir
+from substrate.sandbox.layer_mounts import LayerMounts
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.proxy_link import ProxyLink, ProxyLinks
 from substrate.sandbox.sandboxes import Sandbox
@@ -87,6 +86,7 @@ from substrate.sandbox.spec import (
     run_as,
     spec_digest,
 )
+from substrate.sandbox.supervisor.supervisors import Supervisors, supervised
 from substrate.sandbox.working_layer import WorkingLayer
 from substrate.secrets import SecretStore
 from substrate.store.journal import Journal
@@ -117,6 +117,7 @@ class Containers:
         egress: ProxyLinks | None = None,
         homes: Homes | None = None,
         secrets: SecretStore | None = None,
+        supervisors: Supervisors | None = None,
     ) -> None:
         self._engine = engine
         self._host: SandboxHost = host if host is not None else HostKernel()
@@ -134,12 +135,12 @@ class Containers:
         self._retired: list[Sandbox] = []
         self._locks: dict[tuple[str, str], trio.Lock] = {}
         # Working layers live under the state dir; None: "layer" profiles are refused.
-        self._state_dir = state_dir
-        # Set once a previous run's layer mounts are swept: no layer is made before.
-        self._layers_swept = trio.Event()
+        self.layer_mounts = LayerMounts(state_dir, fs_limiter, self._journal_async)
         self._egress = egress  # links egress sandboxes to the proxy; None: they are refused
         #: Secrets and persistent homes (either None: see `SandboxEnvironment`).
         self.environment = SandboxEnvironment(homes, secrets, fs_limiter)
+        # Each runc sandbox's supervisor directory is bound in (docs/fast-exec.md).
+        self._supervisors = supervisors
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -228,7 +229,9 @@ class Containers:
             if sandbox.egress is not None:
                 await sandbox.egress.aclose()
             if sandbox.layer is not None:
-                await self._close_layer(sandbox.layer)
+                await self.layer_mounts.close(sandbox.layer)
+            if self._supervisors is not None:
+                await self._supervisors.detach(sandbox.id)
         await self._journal_async(
             "container.removed",
             {"container": sandbox.id[:12], "profile": sandbox.profile.name, "reason": reason},
@@ -255,14 +258,14 @@ class Containers:
         layer = None
         if profile.workspace == "layer":
             passthrough.check_policy(ws.policy, profile.passthrough)
-            layer = await self._open_layer(ro_dirs, profile.passthrough)
+            layer = await self.layer_mounts.open(ro_dirs, profile.passthrough)
         try:
             sandbox = await self._create_in(
                 ws, profile, owner, who, image_id, security_opt, ro_dirs, layer, home
             )
         except BaseException:
             if layer is not None:
-                await self._close_layer(layer)
+                await self.layer_mounts.close(layer)
             raise
         sandbox.profile, sandbox.secrets_version = exec_profile, secrets_version
         return sandbox
@@ -321,7 +324,16 @@ class Containers:
             LABEL_CONFIG: spec_digest(spec),
         }
         name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
-        container = await self._engine.create_container(name=name, labels=labels, **spec)
+        slot = None
+        if self._supervisors is not None and supervised(profile):
+            slot = await trio.to_thread.run_sync(self._supervisors.prepare, who)
+            spec["host_config"]["mounts"].append(slot.mount)  # after the digest: a fresh dir
+        try:
+            container = await self._engine.create_container(name=name, labels=labels, **spec)
+        except BaseException:
+            if slot is not None:
+                slot.discard()
+            raise
         links: list[ProxyLink] = []  # an egress sandbox's, closed if it does not verify
         try:
             try:
@@ -332,11 +344,13 @@ class Containers:
                     await trio.to_thread.run_sync(
                         working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
                     )
-                    required = {**required, **await self._layer_identities(layer)}
+                    required = {**required, **await self.layer_mounts.identities(layer)}
                 sandbox = await self._verify(
                     container, ws, profile, who, required, dict(ro_dirs), home, links
                 )
                 sandbox.layer = layer
+                if slot is not None and self._supervisors is not None:
+                    self._supervisors.attach(slot, sandbox)
                 return sandbox
             except (ContainerGone, ProcessLookupError):
                 raise RuntimeUnavailable(
@@ -348,6 +362,8 @@ class Containers:
                 for link in links:
                     await link.aclose()
                 await self._engine.remove(container)
+                if slot is not None:
+                    slot.discard()
             raise
 
     async def _verify(
@@ -493,30 +509,6 @@ class Containers:
 
     # -- working layers ------------------------------------------------------------------------
 
-    async def _open_layer(
-        self, ro_dirs: list[tuple[str, tuple[int, int]]], passthrough_dirs: list[str]
-    ) -> WorkingLayer:
-        if self._state_dir is None:
-            raise RuntimeUnavailable("this daemon keeps no working layers")
-        await self._layers_swept.wait()
-        return await trio.to_thread.run_sync(
-            working_layer.open_layer,
-            self._state_dir,
-            ro_dirs,
-            passthrough_dirs,
-            limiter=self._fs_limiter,
-        )
-
-    async def _close_layer(self, layer: WorkingLayer) -> None:
-        # Shielded: a layer left mounted would outlive its sandbox until the next start.
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(working_layer.close, layer, limiter=self._fs_limiter)
-
-    async def _layer_identities(self, layer: WorkingLayer) -> dict[str, FactValue]:
-        return await trio.to_thread.run_sync(
-            working_layer.identity_required, layer, limiter=self._fs_limiter
-        )
-
     async def reverify_layer(self, sandbox: Sandbox, ws: Workspace) -> None:
         """After a swap: observe the sandbox's facts again and require the identities of
         the generation mounted now. Refuses `confinement_unmet` (journalled) on a
@@ -525,7 +517,7 @@ class Containers:
         layer = sandbox.layer
         if layer is None:
             return
-        required = {**layer.required, **await self._layer_identities(layer)}
+        required = {**layer.required, **await self.layer_mounts.identities(layer)}
         inspect = await self._engine.inspect(sandbox.id)
         observed = await self._observe(
             sandbox.init_pid, inspect, sandbox.profile, list(sandbox.readonly)
@@ -535,21 +527,9 @@ class Containers:
         sandbox.facts = observed
 
     async def sweep_layers(self) -> None:
-        """At start, after `reap_previous`: unmount every layer mount a previous run left
-        (`layers.sweep`); until this ran, no layer sandbox is made. Also at shutdown,
-        after `remove_all` (the layer directory's own self-bind goes too). A failure is
-        logged (a leftover still in use stays mounted; new layers get new directories)."""
-        try:
-            if self._state_dir is not None:
-                gone = await trio.to_thread.run_sync(
-                    layers.sweep, layers_dir(self._state_dir), limiter=self._fs_limiter
-                )
-                if gone:
-                    await self._journal_async("layer.swept", {"mounts": len(gone)}, None)
-        except OSError as exc:
-            log.error("sweeping a previous run's layer mounts failed: %s", exc)
-        finally:
-            self._layers_swept.set()
+        """At start, after `reap_previous`, and at shutdown, after `remove_all`
+        (`LayerMounts.sweep`)."""
+        await self.layer_mounts.sweep()
 
     # -- lifecycle -----------------------------------------------------------------------------
 

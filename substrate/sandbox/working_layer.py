@@ -50,6 +50,9 @@ class WorkingLayer:
     #: The facts every generation must show, apart from its identities.
     required: Mapping[str, FactValue] = field(default_factory=dict)
     closed: bool = False  # torn down: nothing may be mounted on the base again
+    #: The teardown unmounted everything (`close` succeeded): nothing can write the
+    #: generation any more, so it may be scanned without its container.
+    unmounted: bool = False
     #: (generation, ns): when its first user (command or terminal) started, less
     #: `CTIME_SLACK_NS`. A checkout file changed since (ctime) was not changed by the
     #: layer: the change set never overwrites it (`process.layering`).
@@ -165,3 +168,5 @@ def close(layer: WorkingLayer) -> None:
             layers.teardown(layer.plan)
         except OSError as exc:
             log.error("tearing down layer %s failed: %s", layer.plan.sandbox_dir, exc)
+        else:
+            layer.unmounted = True

@@ -93,10 +93,12 @@ class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     that one's result carries the set (docs/protocol.md §11). `error`: why nothing (or
     not everything) was applied: `layer_busy` (the layer was still in use; its changes
     apply after the next command), `layer_unverified` (the next generation did not
-    verify: the sandbox is dropped), or a refusal name. `mode` is the mode the set was
-    concluded in (the most conservative its users asked; the run's own `changes` when
-    deferred); `changeset` the id under which the set is kept (`changes.get`), absent for
-    "discard"; `review` the changes awaiting `changes.apply` (mode "review")."""
+    verify: the sandbox is dropped), `daemon_stopped` (the daemon stopped before the
+    generation concluded: it is kept as a pending set, `changeset` when known), or a
+    refusal name. `mode` is the mode the set was concluded in (the most conservative its
+    users asked; the run's own `changes` when deferred); `changeset` the id under which
+    the set is kept (`changes.get`), absent for "discard"; `review` the changes awaiting
+    `changes.apply` (mode "review")."""
 
     generation: int  # the layer generation that held the changes (upper/<generation>)
     deferred: bool = False
@@ -152,8 +154,10 @@ class FactsSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     filtered, the command inside is not under the profile's filter), or "none";
     `capabilities`: how many the command could ever hold (the bounding set); `network`:
     "none" (loopback only, no route), "egress" (loopback only, out through the daemon's
-    allow-listing proxy) or "open"; `workspace`: "rw", "ro", "layer" or "absent". A
-    field whose fact is missing is left out."""
+    allow-listing proxy) or "open"; `workspace`: "rw", "ro", "layer" or "absent";
+    `exec_checked`: the command's own process was observed too before it ran (fast
+    exec: `exec_facts`; left out on the engine path). A field whose fact is missing is
+    left out."""
 
     verified: bool
     count: int
@@ -166,6 +170,7 @@ class FactsSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     rootfs_readonly: bool | None = None
     network: str | None = None
     workspace: str | None = None
+    exec_checked: bool = False
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
@@ -188,10 +193,15 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 class ProcResult(Result):
     """A finished command. `exit_code` is the engine's: 128 + n for a death by signal n
-    (then `signal` names it, e.g. "KILL"); None only if the engine lost it. The
+    (then `signal` names it, e.g. "KILL"); None only if the engine (or the sandbox's
+    supervisor, when it died while the command ran) lost it. `via`: how it was started
+    ("supervisor": fast exec, docs/fast-exec.md; "engine": the engine's exec). The
     confinement facts come as `facts_digest` (SHA-256 of their compact JSON encoding,
-    the key of the record's fact set) and `facts_summary`, and in full as `facts` only
-    when asked (`facts: "full"`)."""
+    the key of the record's fact set) and `facts_summary`, and in full only when asked
+    (`facts: "full"`): `facts`, the sandbox's, and `exec_facts`, the command's own
+    process as the host saw it before it ran (fast exec; empty on the engine path):
+    NoNewPrivs, Seccomp, capabilities, ids, and `parent`/`cgroup`/`namespaces`
+    ("supervisor"/"sandbox"/"sandbox")."""
 
     proc: str
     exit_code: int | None
@@ -208,6 +218,8 @@ class ProcResult(Result):
     usage: Usage | None = None  # None: not measured (no readable cgroup)
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
     egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
+    via: Literal["supervisor", "engine"] | None = None
+    exec_facts: list[Fact] = msgspec.field(default_factory=list)
 
 
 method(
@@ -268,6 +280,8 @@ class WaitResult(Result):
     policy_blocked: list[PolicyBlocked] | None = None
     changes: ProcChanges | None = None
     egress_blocked: EgressBlocked | None = None
+    via: Literal["supervisor", "engine"] | None = None
+    exec_facts: list[Fact] | None = None
 
 
 SignalName = Literal["INT", "TERM", "KILL"]
@@ -311,6 +325,7 @@ class ProcStatus(Result):
     policy_blocked: list[PolicyBlocked] | None = None
     changes: ProcChanges | None = None
     egress_blocked: EgressBlocked | None = None
+    exec_facts: list[Fact] | None = None  # with `facts: "full"`, on the fast path
 
 
 class ListParams(Params):

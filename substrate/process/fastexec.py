@@ -1,0 +1,390 @@
+"""Starting a command: through the sandbox's supervisor when it can, else the engine's exec.
+
+`Launcher.create` prepares one command and `Launcher.start` starts it, returning the
+`ExecChannel` the driver drives (`substrate.process.channels`). The runner calls
+`create` while it commits the command's record, so the two overlap.
+
+Fast path (docs/fast-exec.md), for a sandbox whose processes are host processes (runc)
+and whose supervisor is up: `create` makes the command's three pipes, hands the
+sandbox's ends to the supervisor, which forks the command and holds it, and checks the
+held child from the host (`substrate.sandbox.supervisor`); `start` lets it exec. The
+`FastChannel` then reads stdout and stderr from the pipes straight into the command's
+sinks (one worker thread, both pipes), writes stdin to its pipe, knows the main process
+by its pidfd from the start, and takes the exit code from the supervisor's report.
+
+Fallback: whenever the supervisor cannot be used for this command (no python3 in the
+image, `fast_exec = false`, a supervisor that was lost, is being replaced, or whose
+restarts are exhausted), the same command goes through the engine (`EngineChannel`);
+nothing ran before. A confinement mismatch is not a fallback: it is `confinement_unmet`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import select
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from substrate.artifacts.sink import OutputSink
+from substrate.process.argv import start_failure
+from substrate.process.channels import EngineChannel, ExecChannel, Via
+from substrate.process.stdin_stream import PipeStdin, StdinPipe
+from substrate.sandbox.containers import Sandbox
+from substrate.sandbox.engine import Engine
+from substrate.sandbox.facts import Fact
+from substrate.sandbox.supervisor.link import LinkBroken, Spawned
+from substrate.sandbox.supervisor.supervisors import Supervisors
+
+log = logging.getLogger("substrate.process.fastexec")
+
+#: Bytes read from a pipe at a time.
+RECV_BYTES = 1 << 18
+#: A stream is read on the event loop up to this many bytes, then in a worker thread.
+LOOP_PUMP_BYTES = 1 << 20
+#: The command ended and its supervisor has not reported within this: is it still
+#: serving? (Checked again every period while it is.)
+REPORT_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class ExecSpec:
+    """One command as the engine's exec would be asked for it."""
+
+    container: str
+    argv: tuple[str, ...]
+    user: str
+    workdir: str
+    environment: dict[str, str]
+    stdin: bool
+
+
+@dataclass
+class EnginePrepared:
+    spec: ExecSpec
+    exec_id: str
+
+
+@dataclass
+class FastPrepared:
+    spec: ExecSpec
+    sandbox: Sandbox
+    spawned: Spawned
+    stdin_w: int | None
+    out_r: int
+    err_r: int
+
+    def close(self) -> None:
+        """Nothing will run: the held child exits when its channel closes."""
+        self.spawned.close()
+        for fd in (self.stdin_w, self.out_r, self.err_r):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+Prepared = EnginePrepared | FastPrepared
+
+
+class Launcher:
+    """Chooses the path of each command and starts it (see the module doc)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        supervisors: Supervisors | None = None,
+        *,
+        fs_limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self._engine = engine
+        self._supervisors = supervisors
+        self._fs_limiter = fs_limiter
+
+    async def create(
+        self,
+        sandbox: Sandbox,
+        argv: Sequence[str],
+        *,
+        user: str,
+        workdir: str,
+        environment: dict[str, str],
+        stdin: bool,
+    ) -> Prepared:
+        """Prepare `argv` in `sandbox`: held by its supervisor, or an engine exec created.
+
+        Refuses `confinement_unmet` (the held child's facts), and what the engine's
+        `exec_create` raises (`ContainerGone`, `runtime_unavailable`)."""
+        spec = ExecSpec(sandbox.id, tuple(argv), user, workdir, environment, stdin)
+        if self._supervisors is not None and sandbox.host_visible:
+            fast = await self._spawn(sandbox, spec)
+            if fast is not None:
+                return fast
+        return await self._engine_create(spec)
+
+    async def start(self, prepared: Prepared) -> ExecChannel:
+        """Start a prepared command; its channel. Raises what `exec_start` raises."""
+        if isinstance(prepared, FastPrepared):
+            try:
+                await prepared.spawned.go()
+            except LinkBroken:
+                # Gone between the check and the go: nothing ran; the engine runs it.
+                prepared.close()
+                await self._lost(prepared.sandbox, prepared.spawned)
+                prepared = await self._engine_create(prepared.spec)
+            else:
+                return FastChannel(
+                    prepared.spawned,
+                    prepared.stdin_w,
+                    prepared.out_r,
+                    prepared.err_r,
+                    fs_limiter=self._fs_limiter,
+                    on_lost=functools.partial(self._lost, prepared.sandbox, prepared.spawned),
+                )
+        stream = await self._engine.exec_start(prepared.exec_id)
+        return EngineChannel(self._engine, prepared.exec_id, stream, fs_limiter=self._fs_limiter)
+
+    def discard(self, prepared: Sequence[Prepared]) -> None:
+        """Prepared commands that will not start (the record failed): let go of them."""
+        for p in prepared:
+            if isinstance(p, FastPrepared):
+                p.close()
+
+    async def _engine_create(self, spec: ExecSpec) -> EnginePrepared:
+        exec_id = await self._engine.exec_create(
+            spec.container,
+            spec.argv,
+            user=spec.user,
+            workdir=spec.workdir,
+            environment=spec.environment,
+            stdin=spec.stdin,
+        )
+        return EnginePrepared(spec, exec_id)
+
+    async def _spawn(self, sandbox: Sandbox, spec: ExecSpec) -> FastPrepared | None:
+        assert self._supervisors is not None
+        stdin_r, stdin_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        ours = [stdin_w, out_r, err_r]
+        try:
+            spawned = await self._supervisors.spawn(
+                sandbox, list(spec.argv), spec.environment, spec.workdir, (stdin_r, out_w, err_w)
+            )
+        except BaseException:
+            _close(ours)
+            raise
+        finally:
+            _close([stdin_r, out_w, err_w])  # the supervisor has its own copies now
+        if spawned is None or spawned.failed is not None:
+            if spawned is not None:
+                spawned.close()
+            _close(ours)
+            return None
+        if not spec.stdin:
+            os.close(stdin_w)  # the command reads EOF at once
+            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r)
+        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r)
+
+    async def _lost(self, sandbox: Sandbox, spawned: Spawned) -> bool:
+        """Is the supervisor that forked `spawned` still serving? (Journals it if not.)"""
+        if self._supervisors is None:
+            return False
+        return await self._supervisors.serving(sandbox.id, spawned.generation)
+
+
+def _close(fds: Sequence[int | None]) -> None:
+    for fd in fds:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class FastChannel:
+    """A command started by the sandbox's supervisor (see the module doc)."""
+
+    via: Via = "supervisor"
+
+    def __init__(
+        self,
+        spawned: Spawned,
+        stdin_w: int | None,
+        out_r: int,
+        err_r: int,
+        *,
+        fs_limiter: trio.CapacityLimiter | None,
+        on_lost: Callable[[], Awaitable[bool]],
+    ) -> None:
+        self._spawned = spawned
+        self._stdin_w = stdin_w
+        self._out_r, self._err_r = out_r, err_r
+        self._fs_limiter = fs_limiter
+        self._on_lost = on_lost
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._code: int | None = None
+        self._errno: int | None = None
+        self._reported = False
+        self.facts: list[Fact] = spawned.facts
+
+    # -- streams (worker threads) ------------------------------------------------------
+
+    async def pump(self, sinks: Mapping[int, OutputSink], limiter: trio.CapacityLimiter) -> None:
+        """Both pipes into their sinks, until both end or `shutdown`. Read on the event
+        loop (no thread hop for the usual small output) until a stream passed
+        `LOOP_PUMP_BYTES`; the rest of it is read in a worker thread under `limiter`.
+        Shielded: a cancelled run still gets every byte the command wrote until it is
+        woken by `shutdown`."""
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                # The wake pipe ends both drains (a run that gave up on the streams).
+                nursery.start_soon(self._on_wake, nursery.cancel_scope)
+                async with trio.open_nursery() as drains:
+                    drains.start_soon(self._drain, self._out_r, sinks.get(1), limiter)
+                    drains.start_soon(self._drain, self._err_r, sinks.get(2), limiter)
+                nursery.cancel_scope.cancel()
+
+    async def _on_wake(self, scope: trio.CancelScope) -> None:
+        await trio.lowlevel.wait_readable(self._wake_r)
+        scope.cancel()
+
+    async def _drain(self, fd: int, sink: OutputSink | None, limiter: trio.CapacityLimiter) -> None:
+        os.set_blocking(fd, False)
+        moved = 0
+        while moved <= LOOP_PUMP_BYTES:
+            await trio.lowlevel.wait_readable(fd)
+            try:
+                data = os.read(fd, RECV_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            moved += len(data)
+            if sink is not None:
+                sink.write(data)  # a spool append: microseconds at this size
+        # Large output: a thread of the pump limiter, as for an engine exec. It stops
+        # on EOF or on the wake pipe (cancelling this task does not stop it).
+        await trio.to_thread.run_sync(self._drain_blocking, fd, sink, limiter=limiter)
+
+    def _drain_blocking(self, fd: int, sink: OutputSink | None) -> None:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            events = poller.poll()
+            if any(ready == self._wake_r for ready, _ in events):
+                return
+            try:
+                data = os.read(fd, RECV_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            if sink is not None:
+                sink.write(data)
+
+    def feed(self, data: bytes) -> None:
+        fd = self._stdin_w
+        if fd is None:
+            return
+        try:
+            os.set_blocking(fd, False)
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            poller.register(self._wake_r, select.POLLIN)
+            view = memoryview(data)
+            while view:
+                events = poller.poll()
+                if any(ready == self._wake_r for ready, _ in events):
+                    return
+                try:
+                    view = view[os.write(fd, view[:RECV_BYTES]) :]
+                except BlockingIOError:
+                    continue
+        except OSError:
+            pass  # the command exited or closed its stdin early: not an error
+        finally:
+            self._stdin_w = None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def stdin_pipe(self) -> StdinPipe | None:
+        return None if self._stdin_w is None else PipeStdin(self._stdin_w, self._close_stdin)
+
+    def _close_stdin(self) -> None:
+        fd, self._stdin_w = self._stdin_w, None
+        _close([fd])
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        _close([self._stdin_w, self._out_r, self._err_r, self._wake_r, self._wake_w])
+        self._stdin_w = None
+        self._out_r = self._err_r = self._wake_r = self._wake_w = -1
+
+    def release(self) -> None:
+        self.close()
+        self._spawned.close()  # its channel: a command still running is the daemon's
+
+    # -- the main process --------------------------------------------------------------
+
+    async def main_pid(self, *, first_sleep: float) -> int | None:
+        return self._spawned.host_pid if not self._spawned.exited() else None
+
+    async def wait_exit(self, *, host_visible: bool) -> int | None:
+        """The supervisor's report of the exit. Without one — its channel closed (it was
+        killed or dropped), or the command ended and no report came within
+        `REPORT_GRACE_S` from a supervisor that no longer serves (stopped, gone) — the
+        code is lost (None), the loss is journalled, and the command itself is waited
+        for by its pidfd."""
+        if self._reported:
+            return self._code
+        found: list[tuple[int | None, int | None]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def report() -> None:
+                found.append(await self._spawned.wait_exit())
+                nursery.cancel_scope.cancel()
+
+            async def watchdog() -> None:
+                await self._spawned.wait_gone()
+                while True:
+                    await trio.sleep(REPORT_GRACE_S)
+                    if not await self._on_lost():  # no longer served: the report is lost
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(report)
+            nursery.start_soon(watchdog)
+        code, err = found[0] if found else (None, None)
+        if code is None:
+            await self._on_lost()
+            await self._spawned.wait_gone()
+        self._code, self._errno, self._reported = code, err, True
+        return code
+
+    async def running(self) -> bool:
+        return not self._spawned.exited()
+
+    async def start_failed(self, sinks: Mapping[int, OutputSink], argv0: str, code: int) -> int:
+        """The exec in the held child failed (it exited 127 with the errno): the shell's
+        code and message, as on the engine path."""
+        if self._errno is None:
+            return code
+        new_code, message = start_failure(argv0, os.strerror(self._errno).encode())
+
+        def write() -> None:
+            for sink in sinks.values():
+                sink.rewind()
+            sinks[2].write(message.encode("utf-8", "surrogateescape"))
+
+        await trio.to_thread.run_sync(write, limiter=self._fs_limiter)
+        return new_code

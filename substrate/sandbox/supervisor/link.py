@@ -1,0 +1,270 @@
+"""The daemon's side of one running supervisor: spawning a command and following it.
+
+`Link` is a started, authenticated supervisor (its host pid, a pidfd on it, the control
+connection it opened to the daemon). `Link.spawn` asks it to fork a command with its
+stdio handed over as descriptors, receives the held child's pid and a pidfd on it, reads
+the child from the host (`checks`) and returns a `Spawned`; `Spawned.go` lets it exec,
+`Spawned.wait_exit` waits for the supervisor's report of its end.
+
+Each command gets its own channel: a socketpair whose other end travels with the spawn
+request, so replies never need demultiplexing and a command's end closes only its own
+channel. Every wait is bounded by the caller; a supervisor that does not answer within
+`REPLY_S` counts as lost.
+
+Costs per command: one socketpair, one `sendmsg` of the request with four descriptors,
+two small replies, the host reads of `checks` (about 0.1 ms).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from substrate.sandbox.facts import Fact, Mismatch
+from substrate.sandbox.supervisor import agent, checks
+
+log = logging.getLogger("substrate.sandbox.supervisor")
+
+#: A supervisor answers a spawn (fork + pidfd) within this, or it counts as lost.
+REPLY_S = 5.0
+
+
+class LinkBroken(Exception):
+    """The supervisor did not answer as the wire says (gone, silent, or garbled).
+    `reason` is a stable word for the journal."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Spawned:
+    """A command the supervisor forked and holds until `go` (or that it could not fork).
+
+    `failed`: the supervisor's errno when it could not fork (nothing ran; no process).
+    `mismatches`: per-command facts that did not meet the sandbox's (then nothing may
+    run: the caller aborts it and treats the supervisor as tampered)."""
+
+    chan: trio.socket.SocketType
+    pid: int = 0  # inside the sandbox's pid namespace
+    host_pid: int = 0
+    pidfd: int = -1
+    facts: list[Fact] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    failed: int | None = None
+    generation: int = 0  # of the supervisor that forked it
+    decoder: agent.Decoder = field(default_factory=lambda: agent.Decoder(agent.MAX_REPORT))
+    pending: list[dict[str, Any]] = field(default_factory=list)
+
+    async def go(self) -> None:
+        """Let the held child exec. Raises LinkBroken when the channel is gone."""
+        try:
+            await self.chan.send(agent.encode({"op": "go"}))
+        except OSError:
+            raise LinkBroken("closed") from None
+
+    async def abort(self) -> None:
+        """The child exits without exec'ing (best effort; closing the channel does too)."""
+        with contextlib.suppress(OSError):
+            await self.chan.send(agent.encode({"op": "abort"}))
+
+    async def wait_exit(self) -> tuple[int | None, int | None]:
+        """(exit code, exec errno) once the supervisor reaped the command; (None, None)
+        when the channel closed first (the supervisor died: its code is lost). Unbounded:
+        the caller bounds it (the command's deadline)."""
+        try:
+            message = await receive(self.chan, self.decoder, self.pending)
+        except (OSError, LinkBroken):
+            return None, None
+        for fd in message.pop("_fds", []):
+            os.close(fd)
+        if message.get("op") != "exited":
+            return None, None
+        code, err = message.get("code"), message.get("errno")
+        return (
+            code if isinstance(code, int) else None,
+            err if isinstance(err, int) and err > 0 else None,
+        )
+
+    def exited(self) -> bool:
+        """Has the command's main process ended (its pidfd is readable)? Non-blocking."""
+        if self.pidfd < 0:
+            return True
+        readable, _, _ = select.select([self.pidfd], [], [], 0)
+        return bool(readable)
+
+    async def wait_gone(self) -> None:
+        """Return once the command's main process has ended (its pidfd; no polling)."""
+        if self.pidfd >= 0:
+            await trio.lowlevel.wait_readable(self.pidfd)
+
+    def kill(self) -> None:
+        """SIGKILL the command's main process (through its pidfd: never another process)."""
+        if self.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.chan.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        self.decoder.close_pending()
+
+
+@dataclass
+class Link:
+    """One started supervisor, authenticated by its host pid and the start's secret."""
+
+    container: str
+    generation: int
+    pid: int  # host pid
+    pidfd: int
+    control: trio.socket.SocketType
+    base: checks.Baseline
+    uid: int
+    started: float  # trio clock
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    broken: str | None = None  # why it is not to be used any more (journal word)
+
+    def problem(self) -> str | None:
+        """Why this supervisor cannot be used now, or None ("exited" or a word of
+        `checks.supervisor_problem`). Blocking but tiny (a signal to its pidfd, one stat,
+        one procfs read): called on the event loop. A zombie counts as exited."""
+        if self.broken is not None:
+            return self.broken
+        try:
+            signal.pidfd_send_signal(self.pidfd, 0)
+            status, owner = checks.read_status(self.pid)
+        except ProcessLookupError:
+            return "exited"
+        return checks.supervisor_problem(status, owner, self.uid)
+
+    async def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        stdio: tuple[int, int, int],
+        gid: int,
+    ) -> Spawned:
+        """Ask for a fork of `argv` with `stdio` (stdin, stdout, stderr); return it held.
+
+        The caller keeps and closes its own copies of `stdio`. Raises LinkBroken when the
+        supervisor does not answer as it should (the caller drops it)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        chan = trio.socket.from_stdlib_socket(ours)
+        request = {"op": "spawn", "argv": argv, "env": env, "cwd": cwd, "uid": self.uid, "gid": gid}
+        spawned = Spawned(chan=chan, generation=self.generation)
+        try:
+            frame = agent.encode(request, 4)
+            fds = struct.pack("4i", theirs.fileno(), *stdio)
+            try:
+                with trio.fail_after(REPLY_S):
+                    async with self.send_lock:
+                        sent = await self.control.sendmsg(
+                            [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
+                        )
+                        while sent < len(frame):
+                            sent += await self.control.send(frame[sent:])
+            except (OSError, trio.TooSlowError, trio.ClosedResourceError):
+                raise LinkBroken("control") from None
+            finally:
+                theirs.close()
+            await self._forked(spawned)
+        except BaseException:
+            spawned.close()
+            raise
+        return spawned
+
+    async def _forked(self, spawned: Spawned) -> None:
+        try:
+            with trio.fail_after(REPLY_S):
+                message = await receive(spawned.chan, spawned.decoder, spawned.pending, fds=1)
+        except trio.TooSlowError:
+            raise LinkBroken("unresponsive") from None
+        except (OSError, trio.ClosedResourceError):
+            raise LinkBroken("closed") from None
+        op = message.get("op")
+        if op == "failed":
+            err = message.get("errno")
+            spawned.failed = err if isinstance(err, int) and err > 0 else 22
+            return
+        fds = message.pop("_fds", [])
+        pid = message.get("pid")
+        if op != "forked" or len(fds) != 1 or not isinstance(pid, int):
+            for fd in fds:
+                os.close(fd)
+            raise LinkBroken("protocol")
+        spawned.pid, spawned.pidfd = pid, fds[0]
+        host_pid = checks.pidfd_pid(spawned.pidfd)
+        if host_pid is None:
+            raise LinkBroken("child-gone")
+        spawned.host_pid = host_pid
+        try:
+            reading = checks.read_process(host_pid)
+        except ProcessLookupError:
+            raise LinkBroken("child-gone") from None
+        if spawned.exited():  # read after it was gone: the reading may not be its own
+            raise LinkBroken("child-gone")
+        spawned.facts = checks.command_facts(
+            reading, self.base, supervisor_pid=self.pid, reported_pid=pid
+        )
+        spawned.mismatches = checks.mismatches(spawned.facts, self.base)
+
+    def kill(self) -> None:
+        """SIGKILL the supervisor (through its pidfd: never another process)."""
+        if self.pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Close the connection and the pidfd (idempotent)."""
+        self.control.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+async def receive(
+    chan: trio.socket.SocketType,
+    decoder: agent.Decoder,
+    pending: list[dict[str, Any]],
+    *,
+    fds: int = 0,
+) -> dict[str, Any]:
+    """The next message on a channel (its descriptors under "_fds"). Raises OSError on
+    end of stream, LinkBroken on a garbled one."""
+    while not pending:
+        space = socket.CMSG_SPACE(agent.MAX_FDS * 4) if fds else 0
+        data, ancdata, flags, _ = await chan.recvmsg(1 << 16, space, socket.MSG_CMSG_CLOEXEC)
+        got: list[int] = []
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(payload) - len(payload) % 4
+                got.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
+        try:
+            if flags & socket.MSG_CTRUNC:
+                raise agent.ProtocolError("descriptors cut off")
+            frames = decoder.feed(data, got)
+        except agent.ProtocolError:
+            for fd in got:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise LinkBroken("protocol") from None
+        for message, received in frames:
+            message["_fds"] = received
+            pending.append(message)
+        if not data:
+            raise OSError("end of stream")
+    return pending.pop(0)

@@ -1,0 +1,502 @@
+"""The supervisors of a daemon's sandboxes: directory, start, checks, loss, replacement.
+
+Theory of operation (docs/fast-exec.md):
+- `prepare(who)`, before a sandbox's container is created: a directory
+  `<state>/supervisor/<token>/` (root, 0755) holding a copy of `agent.py` (0444) and the
+  daemon's listening socket `daemon.sock` (owned by the sandbox's uid, 0600); it is bound
+  read-only at `/run/substrate` (`Slot.mount`). The sandbox cannot write there: no
+  socket of its own, no file, no disk use. `attach(slot, sandbox)` once it is verified.
+- `spawn(sandbox, ...)` (the fast path of one command): the sandbox's supervisor is
+  checked (`Link.problem`: same process, not traced, non-dumpable, same confinement) or
+  started, asked to fork the command held, and the held child is checked from the host;
+  a mismatch aborts it, kills the supervisor (`supervisor.tampered`) and refuses the
+  command `confinement_unmet`. None means "use the engine's exec": no python3 in the
+  image, a start that failed, too many restarts lately, or a supervisor lost right now.
+- Start: one engine exec of `agent.COMMAND` as the sandbox's uid:gid with the profile's
+  environment (no process marker: it belongs to no command). It says `ready` once it is
+  non-dumpable; the daemon then checks it from the host, opens a pidfd on it, writes the
+  start's secret (32 random bytes, held by the daemon and the supervisor only) on its
+  stdin, and accepts on the socket the one connection whose peer credentials name that
+  process and whose `hello` carries the secret's MAC. Anyone else connecting is closed.
+  Its host pid joins the sandbox's `protected` pids (the reaper never signals it).
+- A supervisor that exited, stopped answering or broke the wire is `supervisor.lost`; one
+  that is traced, dumpable, or shows other confinement is `supervisor.tampered` (it is
+  killed). Either way the next command starts a new one (`supervisor.started` with the
+  next generation), at most `MAX_RESTARTS` per `RESTART_WINDOW_S`; beyond that, or after
+  a failed start (`supervisor.unavailable`), commands take the engine's exec until the
+  window passes.
+Journal entries name the container (12 characters), the generation and a reason word;
+never an argv, a pid or a path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from substrate.errors import ConfinementUnmet, Refusal
+from substrate.sandbox.engine import ContainerGone, Engine, EngineError
+from substrate.sandbox.facts import Fact, mismatch_report
+from substrate.sandbox.profiles import Profile
+from substrate.sandbox.spec import HOST_VISIBLE_RUNTIMES, RunAs
+from substrate.sandbox.supervisor import agent, checks
+from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned, receive
+from substrate.store.journal import Journal
+
+log = logging.getLogger("substrate.sandbox.supervisor")
+
+#: A start (exec, ready, checks, secret, hello) takes at most this long.
+START_S = 15.0
+#: Restarts allowed per window before commands stay on the engine's exec.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+#: After a failed start, the engine's exec is used for this long before trying again.
+RETRY_S = 60.0
+#: Problems that mean the supervisor cannot be trusted (the others: it is just gone).
+TAMPERED = frozenset({"traced", "dumpable", "confinement", "cgroup", "namespaces", "protocol"})
+
+
+def supervised(profile: Profile) -> bool:
+    """Does a sandbox of `profile` get a supervisor? Its processes must be host processes
+    (runc: the host checks each command's own process) and its root filesystem read-only
+    (else a command could change the interpreter a later supervisor start runs)."""
+    return profile.runtime in HOST_VISIBLE_RUNTIMES and profile.read_only_rootfs
+
+
+class SandboxView(Protocol):
+    """What the supervisors use of a `containers.Sandbox` (which satisfies it)."""
+
+    id: str
+    workspace: str
+    profile: Profile
+    who: RunAs
+    init_pid: int
+    facts: list[Fact]
+    protected: frozenset[int]
+
+
+class StartFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Slot:
+    """One sandbox's supervisor directory and its current supervisor (`link`)."""
+
+    path: Path
+    listener: socket.socket
+    mount: dict[str, Any]
+    sandbox: SandboxView | None = None
+    link: Link | None = None
+    generation: int = 0
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    no_python: bool = False
+    retry_at: float = 0.0  # trio clock: no start before this
+    losses: list[float] = field(default_factory=list)  # trio clock of recent losses
+    accepting: trio.socket.SocketType | None = None
+
+    def discard(self) -> None:
+        """Its sandbox never came up, or went: `close`, and remove the directory (a
+        handful of syscalls: the sandbox cannot write there)."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def close(self) -> None:
+        """Kill its supervisor, close the sockets (on the event loop's thread)."""
+        if self.link is not None:
+            self.link.kill()
+            self.link.close()
+            self.link = None
+        if self.accepting is not None:
+            self.accepting.close()
+        self.listener.close()
+
+
+class Supervisors:
+    """Every sandbox's supervisor slot of one daemon, keyed by container id."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        journal: Journal,
+        root: Path,
+        *,
+        fs_limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self._engine = engine
+        self._journal = journal
+        self.root = root
+        self._fs_limiter = fs_limiter
+        self._slots: dict[str, Slot] = {}
+        self._program = Path(agent.__file__).read_bytes()
+
+    # -- directories (blocking) ------------------------------------------------------------
+
+    def sweep(self) -> int:
+        """At start, before any sandbox: remove what earlier runs left under the root (their
+        containers are removed by `Containers.reap_previous`). Returns how many went."""
+        if not self.root.is_dir():
+            return 0
+        gone = 0
+        for entry in os.scandir(self.root):
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                gone += 1
+        return gone
+
+    def prepare(self, who: RunAs) -> Slot:
+        """A new supervisor directory for a sandbox about to be created (blocking).
+        Raises OSError when the state dir cannot hold it."""
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        path = self.root / secrets.token_hex(8)
+        path.mkdir(mode=0o755)
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            os.chmod(dir_fd, 0o755)
+            fd = os.open(
+                agent.PROGRAM_NAME,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                0o444,
+                dir_fd=dir_fd,
+            )
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._program)
+            # Through the directory fd: a state dir path can exceed a socket path's 108 bytes.
+            listener.bind(f"/proc/self/fd/{dir_fd}/{agent.SOCKET_NAME}")
+            os.chown(agent.SOCKET_NAME, who.uid, who.gid, dir_fd=dir_fd, follow_symlinks=False)
+            os.chmod(agent.SOCKET_NAME, 0o600, dir_fd=dir_fd, follow_symlinks=False)
+            listener.listen(8)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        finally:
+            os.close(dir_fd)
+        mount = {
+            "Type": "bind",
+            "Source": str(path),
+            "Target": agent.MOUNT_POINT,
+            "ReadOnly": True,
+            "BindOptions": {"Propagation": "rprivate"},
+        }
+        return Slot(path=path, listener=listener, mount=mount)
+
+    # -- sandboxes -------------------------------------------------------------------------
+
+    def attach(self, slot: Slot, sandbox: SandboxView) -> None:
+        """`sandbox` (verified) uses `slot`; its supervisor starts with its first command."""
+        slot.sandbox = sandbox
+        slot.accepting = trio.socket.from_stdlib_socket(slot.listener)
+        self._slots[sandbox.id] = slot
+
+    async def detach(self, container: str) -> None:
+        """The sandbox is being removed: its supervisor and directory go with it."""
+        slot = self._slots.pop(container, None)
+        if slot is not None:
+            slot.close()
+            await trio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, slot.path, ignore_errors=True),
+                limiter=self._fs_limiter,
+            )
+
+    async def spawn(
+        self,
+        sandbox: SandboxView,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        stdio: tuple[int, int, int],
+    ) -> Spawned | None:
+        """Fork `argv` held in `sandbox` through its supervisor, checked from the host.
+
+        None: use the engine's exec for this command (nothing ran). Refuses
+        `confinement_unmet` when the held child's facts differ from the sandbox's (the
+        child is killed before it exec'd; the supervisor is killed and journalled
+        `supervisor.tampered`). The caller keeps and closes its copies of `stdio`.
+        """
+        slot = self._slots.get(sandbox.id)
+        if slot is None or slot.no_python:
+            return None
+        link = await self._ready(slot, sandbox)
+        if link is None:
+            return None
+        try:
+            spawned = await link.spawn(list(argv), dict(env), cwd, stdio, sandbox.who.gid)
+        except LinkBroken as exc:
+            if exc.reason != "child-gone":  # a held child killed by the sandbox itself
+                await self._drop(slot, link, exc.reason)
+            return None
+        if spawned.mismatches:
+            await spawned.abort()
+            spawned.kill()
+            spawned.close()
+            report = mismatch_report(spawned.mismatches)
+            await self._drop(slot, link, "confinement", report)
+            raise ConfinementUnmet(
+                "a command's own process did not show its sandbox's confinement; it was "
+                "stopped before it ran: " + ", ".join(m.name for m in spawned.mismatches[:8]),
+                **report,
+            )
+        return spawned
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def _ready(self, slot: Slot, sandbox: SandboxView) -> Link | None:
+        async with slot.lock:
+            link = slot.link
+            if link is not None:
+                problem = link.problem()
+                if problem is None:
+                    return link
+                await self._drop(slot, link, problem)
+            now = trio.current_time()
+            slot.losses = [t for t in slot.losses if now - t < RESTART_WINDOW_S]
+            if now < slot.retry_at or slot.no_python:
+                return None
+            if len(slot.losses) >= MAX_RESTARTS:
+                slot.retry_at = slot.losses[0] + RESTART_WINDOW_S
+                await self._journal_async(
+                    "supervisor.unavailable", sandbox, slot.generation + 1, "restarts"
+                )
+                return None
+            return await self._start(slot, sandbox)
+
+    async def _start(self, slot: Slot, sandbox: SandboxView) -> Link | None:
+        python = f"/proc/{sandbox.init_pid}/root{agent.COMMAND[0]}"
+        try:
+            os.lstat(python)  # the last component is never followed (may be a symlink)
+        except OSError:
+            slot.no_python = True
+            log.info(
+                "%s: no %s in the image: commands use the engine's exec",
+                sandbox.id[:12],
+                agent.COMMAND[0],
+            )
+            return None
+        generation = slot.generation + 1
+        t0 = trio.current_time()
+        try:
+            with trio.fail_after(START_S):
+                base = await trio.to_thread.run_sync(
+                    checks.baseline, sandbox.init_pid, sandbox.facts, limiter=self._fs_limiter
+                )
+                pid, pidfd, control = await self._exec(slot, sandbox, base)
+        except (
+            StartFailed,
+            trio.TooSlowError,
+            trio.ClosedResourceError,
+            Refusal,
+            ContainerGone,
+            EngineError,
+            OSError,
+        ) as exc:
+            reason = exc.reason if isinstance(exc, StartFailed) else _reason(exc)
+            slot.retry_at = trio.current_time() + RETRY_S
+            log.warning("%s: supervisor start failed: %s", sandbox.id[:12], reason)
+            await self._journal_async("supervisor.unavailable", sandbox, generation, reason)
+            return None
+        slot.generation = generation
+        slot.link = Link(
+            container=sandbox.id,
+            generation=generation,
+            pid=pid,
+            pidfd=pidfd,
+            control=control,
+            base=base,
+            uid=sandbox.who.uid,
+            started=t0,
+        )
+        sandbox.protected = sandbox.protected | {pid}
+        start_ms = round((trio.current_time() - t0) * 1000, 3)
+        await self._journal_async(
+            "supervisor.started", sandbox, generation, None, start_ms=start_ms
+        )
+        return slot.link
+
+    async def _exec(
+        self, slot: Slot, sandbox: SandboxView, base: checks.Baseline
+    ) -> tuple[int, int, trio.socket.SocketType]:
+        """Start the program through the engine; (host pid, pidfd, control connection)."""
+        exec_id = await self._engine.exec_create(
+            sandbox.id,
+            list(agent.COMMAND),
+            user=str(sandbox.who),
+            workdir="/",
+            environment=dict(sandbox.profile.env),
+            stdin=True,
+        )
+        stream = await self._engine.exec_start(exec_id)
+        sock = trio.socket.from_stdlib_socket(stream.sock)
+        pidfd = -1
+        try:
+            # The pid first: whatever fails after this, the process is killed (its pidfd).
+            pid = await self._exec_pid(exec_id)
+            pidfd = os.pidfd_open(pid)
+            await _ready_line(sock, stream.initial)
+            try:
+                reading = checks.read_process(pid)
+            except ProcessLookupError:
+                raise StartFailed("exited") from None
+            problem = checks.supervisor_start_problem(reading, base, sandbox.who.uid)
+            if problem is not None:
+                raise StartFailed(problem)
+            secret = secrets.token_bytes(32)
+            await sock.send(secret.hex().encode() + b"\n")
+            control = await self._accept(slot, pid, secret)
+            return pid, pidfd, control
+        except BaseException:
+            if pidfd >= 0:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
+            raise
+        finally:
+            sock.close()
+
+    async def _exec_pid(self, exec_id: str) -> int:
+        delay = 0.002
+        while True:
+            info = await self._engine.exec_inspect(exec_id)
+            pid = int(info.get("Pid") or 0)
+            if info.get("Running") and pid > 0:
+                return pid
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                raise StartFailed("exited")
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    async def _accept(self, slot: Slot, pid: int, secret: bytes) -> trio.socket.SocketType:
+        """The connection from process `pid` that proves the secret; others are closed."""
+        assert slot.accepting is not None
+        while True:
+            conn, _ = await slot.accepting.accept()
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            peer = struct.unpack("3i", creds)[0]
+            if peer != pid:
+                log.warning("supervisor socket: a connection from another process was closed")
+                conn.close()
+                continue
+            decoder = agent.Decoder(agent.MAX_REPORT)
+            pending: list[dict[str, Any]] = []
+            try:
+                hello = await receive(conn, decoder, pending)
+            except (OSError, LinkBroken):
+                conn.close()
+                raise StartFailed("hello") from None
+            mac = str(hello.get("mac", ""))
+            if (
+                hello.get("op") != "hello"
+                or hello.get("v") != agent.VERSION
+                or not hmac.compare_digest(mac, agent.hello_mac(secret))
+            ):
+                conn.close()
+                raise StartFailed("hello")
+            return conn
+
+    async def _drop(
+        self, slot: Slot, link: Link, reason: str, report: dict[str, Any] | None = None
+    ) -> None:
+        """Stop using `link`: kill it, unprotect its pid, journal why (once)."""
+        if slot.link is not link:
+            return
+        slot.link = None
+        link.broken = reason
+        link.kill()
+        link.close()
+        slot.losses.append(trio.current_time())
+        sandbox = slot.sandbox
+        if sandbox is not None:
+            sandbox.protected = sandbox.protected - {link.pid}
+            kind = "supervisor.tampered" if reason in TAMPERED else "supervisor.lost"
+            extra = {} if report is None else {"mismatches": sorted(report["required"])}
+            await self._journal_async(kind, sandbox, link.generation, reason, **extra)
+
+    async def serving(self, container: str, generation: int) -> bool:
+        """Is supervisor `generation` of `container` still current and serving? Asked when
+        a command's report is late or its channel closed: a supervisor found gone,
+        stopped or tampered with is dropped and journalled now, not at the next command."""
+        slot = self._slots.get(container)
+        if slot is None or slot.link is None or slot.link.generation != generation:
+            return False
+        problem = slot.link.problem()
+        if problem is None:
+            return True
+        await self._drop(slot, slot.link, problem)
+        return False
+
+    async def _journal_async(
+        self,
+        kind: str,
+        sandbox: SandboxView,
+        generation: int,
+        reason: str | None,
+        **extra: Any,
+    ) -> None:
+        data: dict[str, Any] = {
+            "container": sandbox.id[:12],
+            "profile": sandbox.profile.name,
+            "generation": generation,
+            **({} if reason is None else {"reason": reason}),
+            **extra,
+        }
+        await trio.to_thread.run_sync(
+            lambda: self._journal.append(kind, data, workspace=sandbox.workspace)
+        )
+
+
+async def _ready_line(sock: trio.socket.SocketType, initial: bytes) -> None:
+    """Read the engine's multiplexed stream until the program wrote `ready` on stdout."""
+    buf, out = bytearray(initial), bytearray()
+    while b"\n" not in out:
+        while len(buf) >= 8:
+            kind, length = struct.unpack(">BxxxI", buf[:8])
+            if len(buf) < 8 + length:
+                break
+            if kind == 1:
+                out += buf[8 : 8 + length]
+            del buf[: 8 + length]
+        if b"\n" in out:
+            break
+        if len(out) > 256 or len(buf) > 1 << 16:
+            raise StartFailed("protocol")
+        chunk = await sock.recv(4096)
+        if not chunk:
+            raise StartFailed("exited")
+        buf += chunk
+    if out.split(b"\n", 1)[0] != b"ready":
+        raise StartFailed("protocol")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timeout"
+    if isinstance(exc, trio.ClosedResourceError):
+        return "closed"
+    if isinstance(exc, ContainerGone):
+        return "container_gone"
+    if isinstance(exc, Refusal):
+        return exc.name
+    if isinstance(exc, OSError):
+        return "os_error"
+    return "engine_error"
