@@ -115,6 +115,15 @@ def test_a_reply_carries_the_list_only_when_asked() -> None:
     full = shaped(whole, "full")
     assert full.facts == RUNC and full.facts_digest == short.facts_digest
     assert b"memory_limit" not in msgspec.json.encode(short)  # no fact is sent
+    # The command's own process (fast exec): in full only when asked, noted otherwise.
+    own = facts({"parent": "supervisor", "uid": 1000})
+    fast = msgspec.structs.replace(whole, exec_facts=own)
+    assert shaped(fast, "full").exec_facts == own
+    brief = shaped(fast, "summary")
+    assert brief.exec_facts == [] and brief.facts_summary is not None
+    assert brief.facts_summary.exec_checked is True
+    assert b"supervisor" not in msgspec.json.encode(brief)
+    assert short.facts_summary is not None and short.facts_summary.exec_checked is False
     # A running command's status has no facts: nothing to shape.
     running = ProcStatus(
         proc="p_1",

@@ -78,7 +78,17 @@ async def exit_of(client: AsyncClient, proc: str) -> dict[str, Any]:
 # --- streamed stdin -----------------------------------------------------------------------
 
 
-async def test_stdin_streams_line_by_line_then_eof(surface_daemon: DaemonProcess) -> None:
+#: Both ways a command starts: the engine's exec (tiny: no Python for a supervisor) and
+#: the sandbox's supervisor (default: fast exec, docs/fast-exec.md).
+PATHS = pytest.mark.parametrize(
+    ("profile", "via"), [("tiny", "engine"), ("default", "supervisor")], ids=["engine", "fast"]
+)
+
+
+@PATHS
+async def test_stdin_streams_line_by_line_then_eof(
+    surface_daemon: DaemonProcess, sandbox_image: str, profile: str, via: str
+) -> None:
     d = surface_daemon
     ws = d.adopt(d.make_workspace())
     script = 'while read l; do echo "got:$l"; done; echo done'
@@ -88,7 +98,7 @@ async def test_stdin_streams_line_by_line_then_eof(surface_daemon: DaemonProcess
                 await c.call(
                     "proc.start",
                     workspace=ws,
-                    profile="tiny",
+                    profile=profile,
                     argv=["sh", "-c", script],
                     stdin="stream",
                 )
@@ -101,7 +111,7 @@ async def test_stdin_streams_line_by_line_then_eof(surface_daemon: DaemonProcess
             last = await c.call("proc.write", proc=proc, data_b64="Ygo=", eof=True)  # "b\n"
             assert (last["accepted"], last["eof"]) == (2, True)
             result = await c.call("proc.wait", proc=proc)
-            assert result["exit_code"] == 0
+            assert (result["exit_code"], result["via"]) == (0, via)
             assert result["stdout"]["inline"] == "got:a\ngot:b\ndone\n"
             with pytest.raises(RpcError) as caught:
                 await c.call("proc.write", proc=proc, data="late\n")
@@ -109,7 +119,10 @@ async def test_stdin_streams_line_by_line_then_eof(surface_daemon: DaemonProcess
             assert caught.value.data["reason"] in ("eof", "ended")
 
 
-async def test_megabytes_of_stdin_arrive_whole_and_in_order(surface_daemon: DaemonProcess) -> None:
+@PATHS
+async def test_megabytes_of_stdin_arrive_whole_and_in_order(
+    surface_daemon: DaemonProcess, sandbox_image: str, profile: str, via: str
+) -> None:
     """More than the stdin buffer, the pipe and the sockets hold: each write waits for
     room as the command reads (back-pressure), and nothing is lost or reordered."""
     d = surface_daemon
@@ -121,7 +134,7 @@ async def test_megabytes_of_stdin_arrive_whole_and_in_order(surface_daemon: Daem
                 await c.call(
                     "proc.start",
                     workspace=ws,
-                    profile="tiny",
+                    profile=profile,
                     argv=["sha256sum"],
                     stdin="stream",
                 )
@@ -134,7 +147,7 @@ async def test_megabytes_of_stdin_arrive_whole_and_in_order(surface_daemon: Daem
             closed = await c.call("proc.write", proc=proc, eof=True)
             assert closed["eof"] is True
             result = await c.call("proc.wait", proc=proc)
-    assert result["exit_code"] == 0
+    assert (result["exit_code"], result["via"]) == (0, via)
     assert result["stdout"]["inline"].split()[0] == hashlib.sha256(blob).hexdigest()
 
 
