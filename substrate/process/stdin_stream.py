@@ -60,7 +60,7 @@ class StdinPipe(Protocol):
         """What `trio.lowlevel.wait_writable` waits on."""
         ...
 
-    def send_now(self, data: bytes) -> int:
+    def send_now(self, data: memoryview) -> int:
         """Write what fits now, without blocking: the count, `BlockingIOError` when
         nothing fits, another `OSError` when the command's stdin is gone."""
         ...
@@ -79,7 +79,7 @@ class SocketStdin:
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def send_now(self, data: bytes) -> int:
+    def send_now(self, data: memoryview) -> int:
         return self._sock.send(data, socket.MSG_DONTWAIT)
 
     def close_write(self) -> None:
@@ -99,7 +99,7 @@ class PipeStdin:
     def fileno(self) -> int:
         return self._fd
 
-    def send_now(self, data: bytes) -> int:
+    def send_now(self, data: memoryview) -> int:
         return os.write(self._fd, data)
 
     def close_write(self) -> None:
@@ -129,7 +129,7 @@ class StdinStream:
         self.written = 0  # handed to the command's stdin, in all
         self.eof = False  # a writer asked for EOF (sent once the buffer is empty)
         self.closed: Reason | None = None  # why no more bytes are taken
-        self._chunks: collections.deque[bytes] = collections.deque()
+        self._chunks: collections.deque[memoryview] = collections.deque()  # no copies
         self._order = trio.Lock()  # writers take turns in arrival order
         self._room = trio.lowlevel.ParkingLot()  # writers waiting for room
         self._data = trio.lowlevel.ParkingLot()  # the drain waiting for bytes or EOF
@@ -165,7 +165,7 @@ class StdinStream:
             if self.buffered + len(data) > self.cap:
                 raise self._full()
             if data:
-                self._chunks.append(data)
+                self._chunks.append(memoryview(data))
                 self.buffered += len(data)
             self.eof = self.eof or eof
             self._data.unpark_all()
@@ -211,6 +211,8 @@ class StdinStream:
                     self.end("eof")
                     return
                 await trio.lowlevel.wait_writable(pipe.fileno())
+                if not self._chunks:  # ended meanwhile
+                    continue
                 chunk = self._chunks[0]
                 try:
                     sent = pipe.send_now(chunk[:SEND_BYTES])
