@@ -5,6 +5,7 @@ refusals."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from substrate.errors import (
     TooLarge,
     Unauthorized,
 )
-from substrate.process.stdin_stream import SocketStdin, StdinStream
+from substrate.process.stdin_stream import PipeStdin, SocketStdin, StdinStream
 from substrate.protocol.caller import Caller
 from substrate.schema.proc import MAX_WRITE_BYTES, ProcResult, RunParams, StartParams, WriteParams
 
@@ -139,6 +140,39 @@ async def test_the_run_ending_wakes_and_refuses_a_waiting_writer() -> None:
         await trio.testing.wait_all_tasks_blocked()
         stream.end("ended")  # what the drain does as its run ends
     assert [e.data for e in refused] == [{"reason": "ended"}]  # type: ignore[attr-defined]
+
+
+async def test_a_pipe_stdin_takes_the_bytes_then_eof_and_reports_a_broken_one() -> None:
+    """The stdin of a command the sandbox's supervisor started is a pipe (fast exec)."""
+    r, w = os.pipe()
+    closed: list[int] = []
+
+    def close() -> None:
+        closed.append(w)
+        os.close(w)
+
+    stream = StdinStream("agent:1")
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.drain, PipeStdin(w, close))
+            await stream.write(b"x" * 200_000, eof=True)  # more than a pipe holds
+            got = b""
+            while chunk := await trio.to_thread.run_sync(os.read, r, 1 << 16):
+                got += chunk
+        assert (got, closed, stream.closed) == (b"x" * 200_000, [w], "eof")
+    finally:
+        os.close(r)
+    r, w = os.pipe()
+    os.close(r)  # the command closed its stdin
+    broken = StdinStream("agent:1")
+    try:
+        with trio.fail_after(10):  # a drain that missed the broken pipe would park forever
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(broken.drain, PipeStdin(w, lambda: None))
+                await broken.write(b"lost")
+    finally:
+        os.close(w)
+    assert broken.closed == "closed"
 
 
 def test_only_the_starter_or_the_operator_may_write() -> None:
