@@ -3,8 +3,9 @@
 printing live and forwarding Ctrl-C, facts as a digest and a summary unless asked in
 full, and per-command usage from the cgroup.
 
-Each test runs its own daemon (subprocess); its sandboxes are removed when it stops and
-by the `surface_daemon` fixture (containers labelled with its daemon id). No test waits
+Each test runs its own daemon (subprocess), stopped gracefully at the end; its sandboxes
+are removed when it stops and by the `surface_daemon` fixture (containers labelled with
+its daemon id), which also checks that no layer mount is left. No test waits
 on time: each orders on what it saw (a line printed, a note on stderr).
 """
 
@@ -24,6 +25,7 @@ import pytest
 import trio
 
 from substrate.protocol.client import AsyncClient, RpcError
+from substrate.sandbox.layers import mounted_under, unmount_under
 from tests.harness.daemon import daemon_env
 from tests.harness.engine import remove_daemon_containers
 
@@ -43,8 +45,14 @@ def surface_daemon(
     try:
         yield d
     finally:
+        if d.running:
+            d.stop()  # a graceful stop takes the `default` sandboxes' layer mounts down
         d.close()
         remove_daemon_containers(docker_client, d.state_dir)
+        left = [m.mount_point for m in mounted_under(str(d.state_dir))]
+        if left:  # never leave a mount behind, and fail the test for it
+            unmount_under(str(d.state_dir), keep_base=False)
+        assert left == []
 
 
 def piece(params: dict[str, Any]) -> bytes:
