@@ -204,6 +204,15 @@ class ProcessUnknown(Refusal):
     name = "process_unknown"
 
 
+class StdinClosed(Refusal):
+    """`proc.write` to a command whose stdin takes no more bytes; `data.reason`: `eof`
+    (an earlier write sent EOF), `closed` (the command closed its stdin or the pipe
+    broke), `ended` (the command ended), or `not_streamed` (it was not started with
+    `stdin: "stream"`). Nothing of the call was taken."""
+
+    name = "stdin_closed"
+
+
 class ArtifactUnknown(Refusal):
     """No artifact has this id."""
 

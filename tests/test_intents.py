@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
 from fake_execution import PROFILES, Layer, fake_layer
@@ -14,6 +15,7 @@ from fake_execution import PROFILES, Layer, fake_layer
 from substrate.errors import LimitExceeded, ProcessUnknown, RuntimeUnavailable
 from substrate.process import intents
 from substrate.process.driver import Entry
+from substrate.process.facts_summary import shaped
 from substrate.sandbox.engine import ContainerGone
 from substrate.schema.proc import OutputNotice, ProcPending, ProcResult
 
@@ -56,15 +58,20 @@ async def test_a_started_command_is_running_until_it_exits(layer: Layer) -> None
     assert (listed.proc, listed.state) == (proc, "running")
     layer.exec_of(proc).write(b"late\n")
     layer.exec_of(proc).exit(3)
-    result = await intents.wait(layer.processes, proc, None)
+    result = await intents.wait(layer.processes, proc, None, "full")
     assert isinstance(result, ProcResult)
     assert (result.exit_code, result.stdout.inline, result.timed_out) == (3, "late\n", False)
     # Once it ended, the record answers, the same way every time.
     assert layer.processes.live(proc) is None
-    assert await intents.wait(layer.processes, proc, 0) == result
-    done = await intents.status(layer.processes, proc)
+    assert await intents.wait(layer.processes, proc, 0, "full") == result
+    done = await intents.status(layer.processes, proc, "full")
     assert (done.state, done.exit_code, done.stdout_bytes) == ("exited", 3, 5)
     assert done.facts == result.facts and done.facts
+    assert (done.facts_digest, done.facts_summary) == (result.facts_digest, result.facts_summary)
+    # By default a reply carries the digest and the summary, not the list.
+    short = await intents.wait(layer.processes, proc, 0)
+    assert isinstance(short, ProcResult) and short.facts is None
+    assert short == msgspec.structs.replace(result, facts=None)
 
 
 async def test_an_unknown_process_is_refused_and_signals_nothing(layer: Layer) -> None:
@@ -146,7 +153,8 @@ async def test_subscribing_to_a_finished_command_sends_its_output_then_its_exit(
         ("stdout", 0, "hello there\n")
     ]
     assert all(isinstance(o, OutputNotice) for o in outputs)
-    assert notices[-1] == ("proc.exit", result)
+    assert notices[-1] == ("proc.exit", shaped(result, "summary"))
+    assert notices[-1][1].facts is None and notices[-1][1].facts_digest is not None
 
 
 async def test_at_most_max_processes_run_at_once(layer: Layer) -> None:

@@ -35,12 +35,14 @@ def test_cgroup_v1_wins_in_a_hybrid_hierarchy() -> None:
         memory=Path("/cg/memory/docker/abc"),
         freezer=Path("/cg/freezer/docker/abc"),
         v2=False,
+        cpu=Path("/cg/cpuacct/docker/abc"),
     )
 
 
 def test_cgroup_v2() -> None:
     dirs = CgroupDirs.parse("0::/system.slice/docker-abc.scope\n", Path("/cg"))
     assert dirs.v2 and dirs.procs == dirs.memory == Path("/cg/system.slice/docker-abc.scope")
+    assert dirs.cpu == dirs.procs
     with pytest.raises(OSError):
         CgroupDirs.parse("", Path("/cg"))
 

@@ -1,4 +1,5 @@
-"""Handlers of `proc.*` (docs/protocol.md §5): argv-only commands in verified sandboxes."""
+"""Handlers of `proc.*` (docs/protocol.md §5): argv-only commands in verified sandboxes;
+`proc.write` and streamed stdin (§14)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from typing import TYPE_CHECKING
 import trio
 
 from substrate.api.base import Caller, handles
-from substrate.errors import InvalidParams
+from substrate.errors import InvalidParams, StdinClosed, TooLarge
 from substrate.process import intents, layer_keep
+from substrate.process.facts_summary import shaped
 from substrate.process.runner import RunRequest
+from substrate.process.stdin_stream import StdinStream
 from substrate.schema.proc import (
+    MAX_WRITE_BYTES,
+    STDIN_STREAM,
     ListParams,
     ListResult,
     ProcParams,
@@ -22,10 +27,13 @@ from substrate.schema.proc import (
     RunParams,
     SignalParams,
     SignalResult,
+    StartParams,
     StartResult,
     SubscribeParams,
     SubscribeResult,
     WaitParams,
+    WriteParams,
+    WriteResult,
 )
 
 if TYPE_CHECKING:
@@ -38,23 +46,42 @@ def execution_of(daemon: Daemon) -> Execution:
     return daemon.execution
 
 
-def stdin_bytes(p: RunParams) -> bytes | None:
+def stdin_bytes(p: StartParams) -> bytes | None:
     """The command's stdin from `stdin` (text) or `stdin_b64`; both is invalid_params."""
-    if p.stdin is not None and p.stdin_b64 is not None:
-        raise InvalidParams("give stdin or stdin_b64, not both", path="$.stdin_b64")
-    if p.stdin is not None:
-        return p.stdin.encode("utf-8", "surrogatepass")
-    if p.stdin_b64 is not None:
+    return _text_or_b64(p.stdin, p.stdin_b64, "stdin")
+
+
+def _text_or_b64(text: str | None, b64: str | None, name: str) -> bytes | None:
+    """Bytes from a text field or its `_b64` twin; both, or bad base64, is invalid_params."""
+    if text is not None and b64 is not None:
+        raise InvalidParams(f"give {name} or {name}_b64, not both", path=f"$.{name}_b64")
+    if text is not None:
+        return text.encode("utf-8", "surrogatepass")
+    if b64 is not None:
         try:
-            return base64.b64decode(p.stdin_b64, validate=True)
+            return base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
-            raise InvalidParams("stdin_b64 is not base64", path="$.stdin_b64") from None
+            raise InvalidParams(f"{name}_b64 is not base64", path=f"$.{name}_b64") from None
     return None
 
 
-def run_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRequest:
+def stdin_of(caller: Caller, p: StartParams) -> bytes | StdinStream | None:
+    """`stdin_bytes`, or for `stdin: "stream"` a `StdinStream` owned by `caller`;
+    `proc.run` refuses "stream" (`invalid_params`: nobody could write to it)."""
+    if p.stdin != STDIN_STREAM:
+        return stdin_bytes(p)
+    if isinstance(p, RunParams):
+        raise InvalidParams(
+            'stdin: "stream" needs proc.start (send the text as stdin_b64)', path="$.stdin"
+        )
+    if p.stdin_b64 is not None:
+        raise InvalidParams("give stdin or stdin_b64, not both", path="$.stdin_b64")
+    return StdinStream(caller.name)
+
+
+def run_request(daemon: Daemon, caller: Caller, p: StartParams) -> RunRequest:
     """The runner's request for `proc.run`/`proc.start` params. Refuses
-    `unknown_workspace`, and `invalid_params` for bad stdin (see `stdin_bytes`) or for
+    `unknown_workspace`, and `invalid_params` for bad stdin (see `stdin_of`) or for
     `changes` other than "apply" on a profile without a working layer (its writes land
     directly: nothing could be kept or discarded)."""
     if p.changes != "apply":
@@ -69,14 +96,14 @@ def run_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRequest:
         profile=p.profile,
         argv=tuple(p.argv),
         cwd=p.cwd,
-        stdin=stdin_bytes(p),
+        stdin=stdin_of(caller, p),
         timeout_s=p.timeout_s,
         actor=caller.name,
         changes=p.changes,
     )
 
 
-async def checked_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRequest:
+async def checked_request(daemon: Daemon, caller: Caller, p: StartParams) -> RunRequest:
     """`run_request`, and on a `workspace = "layer"` profile the cap on change sets kept
     per workspace (`limit_exceeded`, `scope: "kept_changesets"`; docs/working-layer.md):
     refused before anything runs."""
@@ -97,11 +124,12 @@ async def checked_request(daemon: Daemon, caller: Caller, p: RunParams) -> RunRe
 @handles("proc.run")
 async def run(daemon: Daemon, caller: Caller, p: RunParams) -> ProcResult:
     execution = execution_of(daemon)
-    return await execution.processes.run(await checked_request(daemon, caller, p))
+    result = await execution.processes.run(await checked_request(daemon, caller, p))
+    return shaped(result, p.facts)
 
 
 @handles("proc.start")
-async def start(daemon: Daemon, caller: Caller, p: RunParams) -> StartResult:
+async def start(daemon: Daemon, caller: Caller, p: StartParams) -> StartResult:
     execution = execution_of(daemon)
     proc = await execution.processes.start(await checked_request(daemon, caller, p))
     return StartResult(proc=proc)
@@ -109,7 +137,7 @@ async def start(daemon: Daemon, caller: Caller, p: RunParams) -> StartResult:
 
 @handles("proc.wait")
 async def wait(daemon: Daemon, caller: Caller, p: WaitParams) -> ProcResult | ProcPending:
-    return await intents.wait(execution_of(daemon).processes, p.proc, p.timeout_s)
+    return await intents.wait(execution_of(daemon).processes, p.proc, p.timeout_s, p.facts)
 
 
 @handles("proc.signal")
@@ -124,7 +152,7 @@ async def signal(daemon: Daemon, caller: Caller, p: SignalParams) -> SignalResul
 
 @handles("proc.status")
 async def status(daemon: Daemon, caller: Caller, p: ProcParams) -> ProcStatus:
-    return await intents.status(execution_of(daemon).processes, p.proc)
+    return await intents.status(execution_of(daemon).processes, p.proc, p.facts)
 
 
 @handles("proc.list")
@@ -138,5 +166,37 @@ async def list_(daemon: Daemon, caller: Caller, p: ListParams) -> ListResult:
 @handles("proc.subscribe")
 async def subscribe(daemon: Daemon, caller: Caller, p: SubscribeParams) -> SubscribeResult:
     processes = execution_of(daemon).processes
-    await intents.subscribe(processes, p.proc, p.since, caller.notify, caller.on_close)
+    await intents.subscribe(processes, p.proc, p.since, caller.notify, caller.on_close, p.facts)
     return SubscribeResult(proc=p.proc, subscribed=True)
+
+
+@handles("proc.write")
+async def write(daemon: Daemon, caller: Caller, p: WriteParams) -> WriteResult:
+    """Refuses `invalid_params` (data and data_b64, bad base64), `too_large` (over
+    `MAX_WRITE_BYTES`), `process_unknown`, `unauthorized` (not the starter nor the
+    operator), `stdin_closed`, `limit_exceeded` (no room in time; see
+    `substrate.process.stdin_stream`)."""
+    data = _text_or_b64(p.data, p.data_b64, "data") or b""
+    if len(data) > MAX_WRITE_BYTES:
+        raise TooLarge(
+            f"a proc.write carries at most {MAX_WRITE_BYTES} bytes", limit=MAX_WRITE_BYTES
+        )
+    processes = execution_of(daemon).processes
+    entry = processes.live(p.proc)
+    if entry is None:
+        await intents.status(processes, p.proc)  # process_unknown; waits out a start
+        entry = processes.live(p.proc)
+        if entry is None:
+            raise StdinClosed("the command has ended", reason="ended")
+    stream = entry.stdin
+    if stream is None:
+        raise StdinClosed('the command was not started with stdin: "stream"', reason="not_streamed")
+    stream.check_writer(caller.name, operator=caller.actor == "operator")
+    state = await stream.write(data, eof=p.eof)
+    return WriteResult(
+        proc=p.proc,
+        accepted=state.accepted,
+        buffered=state.buffered,
+        written=state.written,
+        eof=state.eof,
+    )

@@ -6,39 +6,173 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
+import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import trio
 
 from substrate.cli.common import client_for, iso_time, workspace_handle
-from substrate.protocol.client import Client
+from substrate.protocol.client import (
+    AsyncClient,
+    ConnectionLost,
+    RpcError,
+    open_client,
+    socket_path,
+)
+
+#: Largest piece of our stdin sent per `proc.write` (well under `MAX_WRITE_BYTES`).
+STDIN_PIECE = 64 << 10
 
 
-def _write_stream(client: Client, ref: dict[str, Any], out: Any) -> None:
-    """Copy one output ref to `out`: inline text, or the artifact read in 1 MiB slices."""
-    if "inline" in ref:
-        data = ref["inline"]
-        out.write(
-            data.encode() if ref.get("encoding", "utf-8") == "utf-8" else base64.b64decode(data)
+class OutputTracker:
+    """Turns `proc.output` notifications into the bytes to print, once each (pure).
+
+    Pieces arrive in order per stream; one that overlaps what was printed (a replay) is
+    cut to the new part; `skipped_from` (the daemon skipped ahead of a slow reader, or
+    the client's queue dropped pieces) is reported as a note naming the missing range.
+    """
+
+    def __init__(self) -> None:
+        self.pos = {"stdout": 0, "stderr": 0}
+
+    def feed(self, params: dict[str, Any]) -> tuple[str, bytes, str | None]:
+        """(stream, bytes to print, a note for stderr or None) for one notification."""
+        stream = "stderr" if params.get("stream") == "stderr" else "stdout"
+        raw = params.get("data")
+        data = (
+            raw.encode("utf-8", "surrogatepass")
+            if isinstance(raw, str)
+            else base64.b64decode(params.get("data_b64") or "")
         )
-        return
-    offset = 0
-    while True:
-        part = client.call("artifact.read", artifact=ref["artifact"], offset=offset, length=1 << 20)
-        raw = part["data"]
-        chunk = raw.encode() if part["encoding"] == "utf-8" else base64.b64decode(raw)
-        out.write(chunk)
-        offset += len(chunk)
-        if part["eof"] or not chunk:
-            return
+        offset = int(params.get("offset", 0))
+        note = None
+        skipped = params.get("skipped_from")
+        if skipped is not None and offset > self.pos[stream]:
+            note = (
+                f"substrate: {stream} bytes {self.pos[stream]}..{offset} were not shown"
+                " (the whole stream is in the result's artifact)"
+            )
+        elif offset > self.pos[stream]:
+            note = f"substrate: {stream} bytes {self.pos[stream]}..{offset} are missing"
+        cut = max(0, self.pos[stream] - offset)
+        data = data[cut:]
+        self.pos[stream] = max(self.pos[stream], offset + cut + len(data))
+        return stream, data, note
+
+
+def exit_code_of(result: dict[str, Any]) -> int:
+    """The command's exit code; 128 + n for a death by signal n when the engine lost
+    the code (or the command was lost: reported as killed)."""
+    code = result.get("exit_code")
+    if code is None:
+        name = result.get("signal") or "KILL"
+        return 128 + int(getattr(signal, f"SIG{name}", signal.SIGKILL))
+    return int(code)
+
+
+def _emit(out: Any, data: bytes) -> None:
+    out.write(data)
+    out.flush()
+
+
+async def _show_output(client: AsyncClient, proc: str) -> dict[str, Any]:
+    """Print the command's output as it comes; return the `proc.exit` params."""
+    tracker = OutputTracker()
+    outs = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer}
+    async for message in client.notifications:
+        params = message.get("params") or {}
+        if params.get("proc") != proc:
+            continue
+        if message.get("method") == "proc.exit":
+            return dict(params)
+        stream, data, note = tracker.feed(params)
+        if note is not None:
+            await trio.to_thread.run_sync(_emit, sys.stderr.buffer, (note + "\n").encode())
+        if data:
+            # A pipe that is full blocks only a worker thread, never Ctrl-C handling.
+            await trio.to_thread.run_sync(_emit, outs[stream], data)
+    raise ConnectionLost("the daemon closed the connection before the command ended")
+
+
+#: Signals to the CLI that reach the command: Ctrl-C as INT (a second one: KILL); the
+#: CLI asked to end (TERM) or its terminal gone (HUP) as TERM.
+FORWARDED = {signal.SIGINT: "INT", signal.SIGTERM: "TERM", signal.SIGHUP: "TERM"}
+#: How long the CLI, failing, waits for its KILL of the command to be sent, seconds.
+KILL_ON_FAILURE_S = 5.0
+
+
+async def _forward_signals(client: AsyncClient, proc: str, received: AsyncIterator[int]) -> None:
+    """Ctrl-C → `proc.signal INT`, and a second one → `KILL`; TERM and HUP → `TERM`."""
+    interrupts = 0
+    async for signum in received:
+        name = FORWARDED.get(signal.Signals(signum), "TERM")
+        if name == "INT":
+            interrupts += 1
+            name = "INT" if interrupts == 1 else "KILL"
+        with contextlib.suppress(RpcError):
+            await client.call("proc.signal", proc=proc, signal=name)
+        if name == "INT":
+            note = f"substrate: sent INT to {proc}; Ctrl-C again sends KILL\n"
+            await trio.to_thread.run_sync(_emit, sys.stderr.buffer, note.encode())
+
+
+async def _forward_stdin(client: AsyncClient, proc: str) -> None:
+    """Our stdin → `proc.write`, as it comes; EOF closes the command's. Stops quietly when
+    the command's stdin is closed (it ended, or closed it)."""
+    fd = sys.stdin.fileno()
+    try:
+        while True:
+            piece = await trio.to_thread.run_sync(os.read, fd, STDIN_PIECE, abandon_on_cancel=True)
+            params: dict[str, Any] = {"proc": proc, "eof": not piece}
+            if piece:
+                params["data_b64"] = base64.b64encode(piece).decode("ascii")
+            await client.call("proc.write", **params)
+            if not piece:
+                return
+    except RpcError as exc:
+        if exc.refusal != "stdin_closed":
+            raise
+
+
+async def run_live(path: Path, params: dict[str, Any], forward_stdin: bool) -> dict[str, Any]:
+    """`proc.start` + `proc.subscribe` on one connection: print output live, forward
+    signals (`FORWARDED`) and, with `forward_stdin`, our stdin; return the `proc.exit`
+    params once it ended. A refused start raises `RpcError` (nothing ran). Failing
+    after the start (the subscription refused, the connection lost), the CLI kills the
+    command on its way out, as a cut-off `proc.run` would be: never left running."""
+    with trio.open_signal_receiver(*FORWARDED) as received:
+        async with open_client(path) as client:
+            if forward_stdin:
+                params = {**params, "stdin": "stream"}
+            proc = str((await client.call("proc.start", **params))["proc"])
+            try:
+                await client.call("proc.subscribe", proc=proc)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_forward_signals, client, proc, received)
+                    if forward_stdin:
+                        nursery.start_soon(_forward_stdin, client, proc)
+                    result = await _show_output(client, proc)
+                    nursery.cancel_scope.cancel()
+                return result
+            except BaseException:
+                with (
+                    trio.move_on_after(KILL_ON_FAILURE_S, shield=True),
+                    contextlib.suppress(RpcError, ConnectionLost, OSError),
+                ):
+                    await client.call("proc.signal", proc=proc, signal="KILL")
+                raise
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-
+    """`substrate exec`: start the command, print its output as it comes, forward Ctrl-C
+    (INT, then KILL) and `--stdin`; exit with the command's code."""
     argv = list(args.argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -51,23 +185,26 @@ def cmd_exec(args: argparse.Namespace) -> int:
             "argv": argv,
             "cwd": args.cwd,
         }
-        if args.timeout is not None:
-            params["timeout_s"] = args.timeout
-        if not sys.stdin.isatty() and args.stdin:
-            params["stdin_b64"] = base64.b64encode(sys.stdin.buffer.read()).decode()
-        result = c.call("proc.run", **params)
-        _write_stream(c, result["stdout"], sys.stdout.buffer)
-        sys.stdout.buffer.flush()
-        _write_stream(c, result["stderr"], sys.stderr.buffer)
+    if args.timeout is not None:
+        params["timeout_s"] = args.timeout
+    try:
+        result = trio.run(run_live, socket_path(args.state_dir), params, bool(args.stdin))
+    except BaseExceptionGroup as group:  # one failure inside the nursery: raise it as is
+        raise _sole(group) from None
+    if "exit_code" not in result:  # {proc, state: "lost"}: its daemon stopped
+        print(f"substrate: {result.get('proc')} was lost", file=sys.stderr)
     for blocked in result.get("policy_blocked", []):
         print(f"substrate: policy reverted {blocked}", file=sys.stderr)
     if result.get("timed_out"):
         print("substrate: timed out", file=sys.stderr)
-    code = result.get("exit_code")
-    if code is None:  # the engine lost the exec: report it as killed
-        name = result.get("signal") or "KILL"
-        return 128 + int(getattr(signal, f"SIG{name}", signal.SIGKILL))
-    return int(code)
+    return exit_code_of(result)
+
+
+def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def cmd_image(args: argparse.Namespace) -> int:
@@ -179,7 +316,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--workspace", help=ws_help)
     p.add_argument("--cwd", default=".", help="the working directory, workspace-relative")
     p.add_argument("--timeout", type=float, help="seconds; may only lower the profile's")
-    p.add_argument("--stdin", action="store_true", help="forward standard input")
+    p.add_argument(
+        "--stdin", action="store_true", help="forward standard input as it comes (until EOF)"
+    )
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     p.set_defaults(func=cmd_exec)
 

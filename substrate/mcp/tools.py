@@ -167,7 +167,7 @@ TOOLS: tuple[Tool, ...] = (
         "proc.start",
         "Start a command",
         "Start argv as proc_run does and answer {proc} once it runs; then proc_wait, "
-        "proc_output, proc_signal.",
+        'proc_output, proc_signal. stdin: "stream" keeps its stdin open for proc_write.',
         read_only=False,
         destructive=True,
         open_world=True,
@@ -200,6 +200,14 @@ TOOLS: tuple[Tool, ...] = (
         "Send INT, TERM or KILL to every process of a command.",
         read_only=False,
         destructive=True,
+    ),
+    Tool(
+        "proc_write",
+        "proc.write",
+        "Write to a command's stdin",
+        "Send text (data) or bytes (data_b64) to the stdin of a command started with stdin: "
+        '"stream"; eof: true closes it. Waits while the command has not read earlier bytes.',
+        read_only=False,
     ),
     Tool(
         "artifact_read",

@@ -6,8 +6,10 @@ the sandbox's own supervisor or as an engine exec; `driver` drives it (pumps, ti
 signals, the kill) through its `channels.ExecChannel` (the engine's `stream`, or a
 supervisor's pipes); `records` is the `processes`
 table and its journal entries; `intents` answers wait/status/list/subscribe from a
-running command or its record, `subscriptions` streams output; `service.Execution` wires
-the whole execution layer of a daemon.
+running command or its record, `subscriptions` streams output; `stdin_stream` holds a
+streamed stdin (`proc.write`), `usage` reads a command's CPU and peak memory from its
+cgroup, `facts_summary` shapes the facts of a reply; `service.Execution` wires the whole
+execution layer of a daemon.
 """
 
 from substrate.process.argv import (

@@ -24,6 +24,7 @@ import trio
 from substrate.artifacts.sink import OutputSink
 from substrate.process import stream as exec_stream
 from substrate.process.argv import ENGINE_START_FAILED, start_failure
+from substrate.process.stdin_stream import SocketStdin, StdinPipe
 from substrate.sandbox import reaper
 from substrate.sandbox.engine import ContainerGone, Engine, ExecStream
 from substrate.sandbox.facts import Fact
@@ -51,6 +52,11 @@ class ExecChannel(Protocol):
 
     def feed(self, data: bytes) -> None:
         """Write the command's stdin, then close it (EOF); stops early on `shutdown`."""
+        ...
+
+    def stdin_pipe(self) -> StdinPipe | None:
+        """The command's stdin for a streamed one (`StdinStream.drain`: non-blocking
+        writes on the event loop, then EOF); None when it has none."""
         ...
 
     def shutdown(self) -> None:
@@ -112,6 +118,9 @@ class EngineChannel:
 
     def feed(self, data: bytes) -> None:
         exec_stream.feed_stdin(self._sock, data, True)
+
+    def stdin_pipe(self) -> StdinPipe | None:
+        return SocketStdin(self._sock)
 
     def shutdown(self) -> None:
         exec_stream.shutdown(self._sock)

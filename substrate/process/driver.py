@@ -8,8 +8,9 @@ Theory of operation. The command is reached through its `ExecChannel`
 (`substrate.process.channels`: an engine exec's multiplexed stream, or the pipes of a
 command the sandbox's supervisor started, docs/fast-exec.md). Its output is read by one
 worker thread and written to two `OutputSink`s as it arrives; stdin, when given, is
-written by another thread, then closed so the command sees EOF. A watcher task watches
-the clock and the command:
+written by another thread, then closed so the command sees EOF; a streamed one
+(`stdin_stream.StdinStream`) is handed over by a task as the command reads, until EOF or
+the run's end. A watcher task watches the clock and the command:
 - the output ends (the usual case) → done;
 - still open after `MAIN_PROBE_S` → learn the main process's host pid (the engine's
   inspect, or the supervisor's pidfd) and wait on it (pidfd): once the main process
@@ -43,6 +44,7 @@ import trio
 
 from substrate.artifacts.sink import OutputSink
 from substrate.process.channels import ExecChannel
+from substrate.process.stdin_stream import StdinStream
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import Engine
@@ -95,6 +97,7 @@ class Entry:
     appeared: bool = False
     held: list[HeldSignal] = field(default_factory=list)
     held_added: trio.Event = field(default_factory=trio.Event)
+    stdin: StdinStream | None = None  # its stdin, open for `proc.write` (stdin: "stream")
 
     @property
     def state(self) -> str:
@@ -277,9 +280,10 @@ class ExecDriver:
 
     # -- driving one exec -----------------------------------------------------------------
 
-    async def drive(self, run: Run, stdin: bytes | None) -> None:
+    async def drive(self, run: Run, stdin: bytes | StdinStream | None) -> None:
         """Pump output (and stdin) until the stream ends; supervise timeout and exit;
-        deliver held signals. Cancelled, it kills the command and drains its stream
+        deliver held signals; a streamed stdin is drained into the command until its
+        output ends (`StdinStream.drain`). Cancelled, it kills the command and drains its stream
         before it returns (see `_supervise`): the pump thread is never abandoned, so
         nothing writes to a sink after the run closed it."""
         if run.sandbox.egress is not None:  # its refused connections are filed from now on
@@ -287,9 +291,15 @@ class ExecDriver:
         try:
             async with trio.open_nursery() as signals:
                 signals.start_soon(self._release_held, run)
+                if isinstance(stdin, StdinStream):
+                    pipe = run.channel.stdin_pipe()
+                    if pipe is None:  # no stdin to write to: writes are refused
+                        stdin.end("closed")
+                    else:
+                        signals.start_soon(stdin.drain, pipe)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._pump, run)
-                    if stdin is not None:
+                    if isinstance(stdin, bytes):
                         nursery.start_soon(trio.to_thread.run_sync, run.channel.feed, stdin)
                     nursery.start_soon(self._supervise, run)
                 signals.cancel_scope.cancel()

@@ -33,6 +33,7 @@ import trio
 from substrate.artifacts.sink import OutputSink
 from substrate.process.argv import start_failure
 from substrate.process.channels import EngineChannel, ExecChannel, Via
+from substrate.process.stdin_stream import PipeStdin, StdinPipe
 from substrate.sandbox.containers import Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.facts import Fact
@@ -312,6 +313,13 @@ class FastChannel:
             self._stdin_w = None
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def stdin_pipe(self) -> StdinPipe | None:
+        return None if self._stdin_w is None else PipeStdin(self._stdin_w, self._close_stdin)
+
+    def _close_stdin(self) -> None:
+        fd, self._stdin_w = self._stdin_w, None
+        _close([fd])
 
     def shutdown(self) -> None:
         with contextlib.suppress(OSError):

@@ -24,11 +24,12 @@ import trio
 from substrate.artifacts.sink import OutputSink
 from substrate.errors import LimitExceeded, ProcessUnknown
 from substrate.process.driver import Entry
+from substrate.process.facts_summary import shaped
 from substrate.process.records import ProcRow
 from substrate.process.runner import Processes
 from substrate.process.subscriptions import MAX_SUBSCRIPTIONS, STREAMS, Feed, FixedSource, Source
 from substrate.schema.artifact import OutputRef
-from substrate.schema.proc import ProcPending, ProcResult, ProcStatus
+from substrate.schema.proc import FactsMode, ProcPending, ProcResult, ProcStatus
 
 #: A record says running but its command is not registered yet (its exec is starting):
 #: look again this often, this long.
@@ -69,6 +70,11 @@ def _pending(proc: str, state: Literal["running", "lost"]) -> ProcPending:
     return ProcPending(proc=proc, state=state)
 
 
+def shaped_result(result: ProcResult | ProcPending, facts: FactsMode) -> ProcResult | ProcPending:
+    """A `proc.run`/`proc.wait` reply: a result's facts as `facts` asks (`shaped`)."""
+    return shaped(result, facts) if isinstance(result, ProcResult) else result
+
+
 def result_of_row(row: ProcRow) -> ProcResult | ProcPending:
     """The `proc.run` result a record holds, or `{proc, state}`."""
     if row.state != "exited" or row.stdout is None or row.stderr is None:
@@ -88,6 +94,7 @@ def result_of_row(row: ProcRow) -> ProcResult | ProcPending:
         egress_blocked=row.egress_blocked,
         via=row.via,
         exec_facts=row.exec_facts,
+        usage=row.usage,
     )
 
 
@@ -135,25 +142,26 @@ def _row_sources(processes: Processes, row: ProcRow) -> dict[str, Source]:
 
 
 async def wait(
-    processes: Processes, proc: str, timeout_s: float | None
+    processes: Processes, proc: str, timeout_s: float | None, facts: FactsMode = "summary"
 ) -> ProcResult | ProcPending:
-    """`proc.wait`: the result once it ends; `{proc, state: running}` after `timeout_s`."""
+    """`proc.wait`: the result once it ends; `{proc, state: running}` after `timeout_s`.
+    Its facts as `facts` asks (`facts_summary.shaped`)."""
     found = await resolve(processes, proc)
     if isinstance(found, ProcRow):
-        return result_of_row(found)
+        return shaped_result(result_of_row(found), facts)
     with trio.move_on_after(float("inf") if timeout_s is None else timeout_s):
         await found.done.wait()
     if not found.done.is_set():
         return _pending(proc, "running")
-    return found.result if found.result is not None else _pending(proc, "lost")
+    return shaped(found.result, facts) if found.result is not None else _pending(proc, "lost")
 
 
-async def status(processes: Processes, proc: str) -> ProcStatus:
-    """`proc.status`."""
+async def status(processes: Processes, proc: str, facts: FactsMode = "summary") -> ProcStatus:
+    """`proc.status`; a finished command's facts as `facts` asks."""
     found = await resolve(processes, proc)
     if isinstance(found, Entry):
-        return _entry_status(found, outcome=True)
-    return await trio.to_thread.run_sync(_row_status, processes, found, True)
+        return shaped(_entry_status(found, outcome=True), facts)
+    return shaped(await trio.to_thread.run_sync(_row_status, processes, found, True), facts)
 
 
 def _entry_status(entry: Entry, *, outcome: bool = False) -> ProcStatus:
@@ -177,6 +185,8 @@ def _entry_status(entry: Entry, *, outcome: bool = False) -> ProcStatus:
         policy_blocked=result.policy_blocked if outcome and result is not None else None,
         changes=result.changes if outcome and result is not None else None,
         egress_blocked=result.egress_blocked if outcome and result is not None else None,
+        usage=result.usage if outcome and result is not None else None,
+        exec_facts=result.exec_facts if outcome and result is not None else None,
     )
 
 
@@ -206,6 +216,8 @@ def _row_status(processes: Processes, row: ProcRow, outcome: bool = False) -> Pr
         policy_blocked=row.policy_blocked if outcome and exited else None,
         changes=row.changes if outcome and exited else None,
         egress_blocked=row.egress_blocked if outcome and exited else None,
+        usage=row.usage if outcome and exited else None,
+        exec_facts=row.exec_facts if outcome and exited else None,
     )
 
 
@@ -237,8 +249,10 @@ async def subscribe(
     since: int,
     notify: Callable[[str, Any], Awaitable[None]],
     on_close: list[Callable[[], None]],
+    facts: FactsMode = "summary",
 ) -> None:
-    """`proc.subscribe`: start the pump (see `substrate.process.subscriptions`).
+    """`proc.subscribe`: start the pump (see `substrate.process.subscriptions`); its
+    `proc.exit` carries the facts as `facts` asks (`facts_summary.shaped`).
 
     Refuses `process_unknown`, and `limit_exceeded` past `MAX_SUBSCRIPTIONS` open.
     """
@@ -256,7 +270,9 @@ async def subscribe(
                 await entry.done.wait()
 
         def result() -> ProcResult | ProcPending:
-            return entry.result if entry.result is not None else _pending(proc, "lost")
+            if entry.result is None:
+                return _pending(proc, "lost")
+            return shaped(entry.result, facts)
 
         feed = Feed(
             proc=proc,
@@ -277,6 +293,6 @@ async def subscribe(
             sources=sources,
             ended=lambda: True,
             changed=nothing,
-            result=lambda: result_of_row(row),
+            result=lambda: shaped_result(result_of_row(row), facts),
         )
     subs.start(processes.nursery, feed, since, notify, on_close)

@@ -8,8 +8,8 @@ hold a prompt or an inline script) is in the row only; the journal gets `argv0`,
 and `argv_sha256` (docs/protocol.md §8).
 
 A finished row also keeps what its first reply carried, so a result reads the same
-whenever it is read: the `policy_blocked` list, and the confinement facts of the
-sandbox it ran in. Facts are the same for every command of one container, so they are
+whenever it is read: the `policy_blocked` list, its `usage`, and the confinement facts
+of the sandbox it ran in. Facts are the same for every command of one container, so they are
 stored once per distinct set (`fact_sets`, keyed by the SHA-256 of their encoding) and
 the row names the set.
 
@@ -28,7 +28,7 @@ import msgspec
 
 from substrate.sandbox.facts import Fact
 from substrate.schema.artifact import OutputRef
-from substrate.schema.proc import EgressBlocked, PolicyBlocked, ProcChanges
+from substrate.schema.proc import EgressBlocked, PolicyBlocked, ProcChanges, Usage
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 
@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS processes (
     changes TEXT,
     egress_blocked TEXT,
     via TEXT,
-    exec_facts TEXT
+    exec_facts TEXT,
+    usage TEXT
 );
 CREATE INDEX IF NOT EXISTS processes_workspace ON processes(workspace, started);
 CREATE TABLE IF NOT EXISTS fact_sets (
@@ -73,6 +74,7 @@ ADDED_COLUMNS = {
     "egress_blocked": "TEXT",
     "via": "TEXT",
     "exec_facts": "TEXT",
+    "usage": "TEXT",
 }
 #: The longest argv[0] the journal keeps (the rest is in the digest).
 MAX_ARGV0_CHARS = 256
@@ -104,6 +106,7 @@ class ProcRow:
     egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
     via: Literal["supervisor", "engine"] | None = None  # None: rows older than this column
     exec_facts: list[Fact] = field(default_factory=list)  # its own process's (fast exec)
+    usage: Usage | None = None  # its CPU and memory (None: not measured, or an older row)
 
 
 def _ref(raw: object) -> OutputRef | None:
@@ -146,6 +149,7 @@ def _row(r: Any) -> ProcRow:
         ),
         via="supervisor" if r["via"] == "supervisor" else "engine" if r["via"] else None,
         exec_facts=_decoded(r["exec_facts"], list[Fact]),
+        usage=msgspec.json.decode(r["usage"], type=Usage) if r["usage"] else None,
     )
 
 
@@ -153,7 +157,7 @@ _ROW_SELECT = (
     "SELECT p.id, p.workspace, p.profile, p.argv, p.cwd, p.state, p.started, p.ended,"
     " p.exit_code, p.signal, p.timed_out, p.oom_killed, p.duration_ms, p.stdout, p.stderr,"
     " p.epoch, p.policy_blocked, p.changes, p.egress_blocked, p.via, p.exec_facts,"
-    " f.facts AS fact_list"
+    " p.usage, f.facts AS fact_list"
     " FROM processes p LEFT JOIN fact_sets f ON f.digest = p.facts"
 )
 
@@ -185,6 +189,7 @@ class Outcome:
     via: Literal["supervisor", "engine"] | None = None  # how it was started (docs/fast-exec.md)
     #: Its own process's confinement as the host saw it before it ran (fast exec only).
     exec_facts: Sequence[Fact] = ()
+    usage: Usage | None = None  # its CPU and memory (`process.usage`)
 
 
 def ref_summary(ref: OutputRef) -> dict[str, Any]:
@@ -313,7 +318,7 @@ class ProcessRecords:
                 "UPDATE processes SET state = 'exited', exit_code = ?, signal = ?,"
                 " timed_out = ?, oom_killed = ?, ended = ?, duration_ms = ?, stdout = ?,"
                 " stderr = ?, artifacts = ?, policy_blocked = ?, changes = ?,"
-                " egress_blocked = ?, via = ?, exec_facts = ? WHERE id = ?",
+                " egress_blocked = ?, via = ?, exec_facts = ?, usage = ? WHERE id = ?",
                 (
                     outcome.exit_code,
                     outcome.signal,
@@ -331,6 +336,7 @@ class ProcessRecords:
                     else msgspec.json.encode(egress_blocked).decode(),
                     outcome.via,
                     msgspec.json.encode(list(outcome.exec_facts)).decode(),
+                    None if outcome.usage is None else msgspec.json.encode(outcome.usage).decode(),
                     proc,
                 ),
             )
@@ -353,6 +359,11 @@ class ProcessRecords:
                     "policy_blocked": [msgspec.to_builtins(b) for b in blocked],
                     **({} if changes is None else {"changes": msgspec.to_builtins(changes.counts)}),
                     **({} if egress_blocked is None else {"egress_blocked": egress_blocked.count}),
+                    **(
+                        {}
+                        if outcome.usage is None
+                        else {"usage": msgspec.to_builtins(outcome.usage)}
+                    ),
                 },
                 workspace=workspace,
                 actor=actor,

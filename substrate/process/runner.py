@@ -27,8 +27,9 @@ Collaborators (engine, containers, driver, records, artifacts, subscriptions, wr
 are given, never built here: `substrate.process.service` wires them. On a `layer` sandbox
 commands share a generation, applied when the last ends (`process.layer_users`; no gate).
 Hot path (a warm `["true"]`): on the fast path no engine call (engine path: three), two
-commits, one procfs scan of the container's cgroup; the sandbox's facts are observed
-once per container, the command's own process once (fast path).
+commits, one procfs scan of the container's cgroup, a few reads of its counters
+(`process.usage`); the sandbox's facts are observed once per container, the command's
+own process once (fast path).
 """
 
 from __future__ import annotations
@@ -40,9 +41,7 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
-import msgspec
 import trio
 
 from substrate.artifacts.sink import OutputSink
@@ -60,12 +59,15 @@ from substrate.process.driver import Entry, ExecDriver, Run
 from substrate.process.fastexec import Launcher, Prepared
 from substrate.process.layer_users import LayerUsers, Use
 from substrate.process.records import Outcome, ProcessRecords
+from substrate.process.requests import RunRequest, WriteGate
+from substrate.process.stdin_stream import StdinStream
 from substrate.process.subscriptions import Subscriptions
+from substrate.process.usage import Meter
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
-from substrate.schema.proc import ChangesMode, PolicyBlocked, ProcChanges, ProcResult
+from substrate.schema.proc import PolicyBlocked, ProcChanges, ProcResult
 from substrate.store.journal import Journal
 from substrate.workspace import paths
 from substrate.workspace.layer import Changesets
@@ -79,39 +81,6 @@ __all__ = ["Processes", "RunRequest", "WriteGate"]
 #: The write gate's check after a command may wait this long for its workspace's lock
 #: (the walk and the reverts themselves are never interrupted).
 GATE_WAIT_S = 60.0
-
-
-class RunRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One `proc.run` / `proc.start`, as asked (checked by `Processes.run`)."""
-
-    ws: Workspace
-    profile: str  # a profile name; `profile_unknown` when there is none
-    argv: tuple[str, ...]  # exactly what is executed: no shell
-    cwd: str = "."  # workspace-relative
-    stdin: bytes | None = None  # None: the command's stdin is closed at once
-    timeout_s: float | None = None  # None: the profile's; never above it
-    actor: str = "daemon"  # who asked, for the journal
-    changes: ChangesMode = "apply"  # a layer sandbox's change set (process.layering)
-
-
-class WriteGate(Protocol):
-    """Checks what a command wrote against the workspace's file-level deny globs.
-
-    `before` snapshots the workspace as the command starts (`readonly`: the paths the
-    sandbox has mounted read-only, with their identities: not walked; `sandbox_pid`: the
-    sandbox's init, whose pid namespace tells its writes from anyone else's); `after`
-    compares, reverts each offending change the sandbox made and returns them.
-    Implemented by `substrate.workspace.gate.SnapshotGate`.
-    """
-
-    async def before(
-        self,
-        ws: Workspace,
-        readonly: Mapping[str, tuple[int, int]] | None = None,
-        sandbox_pid: int | None = None,
-    ) -> object: ...
-
-    async def after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]: ...
 
 
 @dataclass(frozen=True)
@@ -135,6 +104,7 @@ class _Launched:
     limit_s: float
     snapshot: object  # the write gate's, None when the gate does not look
     use: Use | None  # its hold on a layer sandbox's generation
+    meter: Meter  # its CPU and memory, from just before its start (process.usage)
 
 
 class Processes:
@@ -372,6 +342,7 @@ class Processes:
             started=time.time(),
             sandbox=sandbox,
             sinks=sinks,
+            stdin=req.stdin if isinstance(req.stdin, StdinStream) else None,
         )
         launched = _Launched(
             req=req,
@@ -382,6 +353,7 @@ class Processes:
             limit_s=checked.limit_s,
             snapshot=snapshot,
             use=use,
+            meter=Meter.start(sandbox),
         )
         self._live[proc] = entry
         try:
@@ -402,6 +374,7 @@ class Processes:
             channel = await self.launcher.start(launched.prepared)
         except BaseException as exc:
             # Nothing ran: the record says lost (no outcome to keep).
+            launched.meter.close()
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._abort_record, ws, entry.proc, entry.sinks)
             if isinstance(exc, ContainerGone):
@@ -459,6 +432,7 @@ class Processes:
         fails, marked lost)."""
         entry, ws = run.entry, launched.req.ws
         duration_ms = round((trio.current_time() - launched.t0) * 1000, 3)
+        usage = launched.meter.finish()
         if exit_code is not None:  # a program that could not be started: the shell's code
             exit_code = await run.channel.start_failed(run.sinks, run.entry.argv[0], exit_code)
         blocked = await self._gate_after(ws, launched.snapshot)
@@ -477,6 +451,7 @@ class Processes:
             egress_blocked=self.driver.egress_blocked(run),
             via=run.channel.via,
             exec_facts=run.channel.facts,
+            usage=usage,
         )
         try:
             entry.result = await trio.to_thread.run_sync(
@@ -578,6 +553,7 @@ class Processes:
             egress_blocked=outcome.egress_blocked,
             via=run.channel.via,
             exec_facts=list(run.channel.facts),
+            usage=outcome.usage,
         )
 
 

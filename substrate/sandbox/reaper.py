@@ -55,6 +55,8 @@ class CgroupDirs:
     memory: Path | None  # whose counters hold `oom_kill`
     freezer: Path | None
     v2: bool
+    #: whose counters hold CPU time (v1 `cpuacct.usage`, v2 `cpu.stat`; `process.usage`)
+    cpu: Path | None = None
 
     @classmethod
     def of_pid(cls, pid: int, root: Path = CGROUP_ROOT) -> CgroupDirs:
@@ -81,11 +83,17 @@ class CgroupDirs:
         if "pids" in v1 or "memory" in v1:
             procs = under("pids") or under("memory")
             assert procs is not None
-            return cls(procs=procs, memory=under("memory"), freezer=under("freezer"), v2=False)
+            return cls(
+                procs=procs,
+                memory=under("memory"),
+                freezer=under("freezer"),
+                v2=False,
+                cpu=under("cpuacct"),
+            )
         if unified is None:
             raise OSError(errno.ENOENT, "no cgroup found")
         base = root / unified.lstrip("/")
-        return cls(procs=base, memory=base, freezer=base, v2=True)
+        return cls(procs=base, memory=base, freezer=base, v2=True, cpu=base)
 
 
 def oom_kills(dirs: CgroupDirs) -> int:

@@ -38,6 +38,7 @@ class Sandbox:
     facts: list[Fact]
     host_visible: bool
     running: int = 0
+    acquired: int = 0  # users it ever had: a change tells that one came and went
     last_used: float = field(default_factory=time.monotonic)
     #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
     readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -52,6 +53,7 @@ class Sandbox:
     def acquire(self) -> None:
         """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
         self.running += 1
+        self.acquired += 1
         self.last_used = time.monotonic()
 
     def release(self) -> None:

@@ -113,12 +113,24 @@ class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     error: str | None = None
 
 
-class RunParams(Params):
+#: How a result carries the confinement facts: "summary" (`facts_digest` and
+#: `facts_summary` only) or "full" (the `facts` list as well).
+FactsMode = Literal["summary", "full"]
+
+#: `stdin` of `proc.start` that keeps the command's stdin open for `proc.write`.
+STDIN_STREAM = "stream"
+
+
+class StartParams(Params):
+    """A command to start (`proc.start`). `stdin: "stream"` (exactly) keeps its stdin
+    open for `proc.write` (docs/protocol.md §14); any other `stdin` text, or
+    `stdin_b64`, is written to it, then EOF; neither: no stdin is attached."""
+
     workspace: WorkspaceId
     profile: ProfileName
     argv: list[str]
     cwd: RelPath = "."
-    stdin: str | None = None  # UTF-8 text fed to the command, then EOF
+    stdin: str | None = None  # UTF-8 text fed to the command, then EOF; or "stream"
     stdin_b64: str | None = None  # or bytes, base64 (not both)
     timeout_s: Seconds | None = None  # may only lower the profile's
     #: A `workspace = "layer"` profile's change set: applied, kept for review, or
@@ -126,14 +138,70 @@ class RunParams(Params):
     changes: ChangesMode = "apply"
 
 
+class RunParams(StartParams):
+    """A command to run to its end (`proc.run`): as `proc.start`, except that
+    `stdin: "stream"` is `invalid_params` (nobody could write to it: send the text
+    "stream" as `stdin_b64`)."""
+
+    facts: FactsMode = "summary"  # "full": the result carries the `facts` list too
+
+
+class FactsSummary(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What the confinement facts say, in a few fields (docs/protocol.md §5). `verified`:
+    they were observed before the command ran and matched the profile (false only for
+    a record older than kept facts); `count`: how many there are. `seccomp`: "filter"
+    (the kernel shows a filter on the command), "sentry" (gVisor: the sandbox kernel is
+    filtered, the command inside is not under the profile's filter), or "none";
+    `capabilities`: how many the command could ever hold (the bounding set); `network`:
+    "none" (loopback only, no route), "egress" (loopback only, out through the daemon's
+    allow-listing proxy) or "open"; `workspace`: "rw", "ro", "layer" or "absent";
+    `exec_checked`: the command's own process was observed too before it ran (fast
+    exec: `exec_facts`; left out on the engine path). A field whose fact is missing is
+    left out."""
+
+    verified: bool
+    count: int
+    runtime: str | None = None
+    uid: int | None = None
+    gid: int | None = None
+    seccomp: str | None = None
+    capabilities: int | None = None
+    no_new_privs: bool | None = None
+    rootfs_readonly: bool | None = None
+    network: str | None = None
+    workspace: str | None = None
+    exec_checked: bool = False
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """CPU and memory used while the command ran, read from its sandbox's cgroup
+    (docs/execution.md "Usage"). The cgroup is the sandbox's, not the command's:
+    `exclusive` says nothing else (command, terminal) used the sandbox from the
+    command's start to its end, so the figures are the command's own (with its
+    children and stragglers, plus the sandbox's idle init); when false they include
+    whatever else ran there meanwhile, an upper bound. `cpu_s`: user + system CPU
+    seconds over the command's life; `peak_memory_bytes`: the cgroup's memory
+    high-water mark (page cache included) since the command started, None where that
+    cannot be scoped to it (cgroup v2 before Linux 6.12). Under gVisor both include
+    the sandbox kernel itself. `source`: "cgroup-v1" or "cgroup-v2"."""
+
+    cpu_s: float | None = None
+    peak_memory_bytes: int | None = None
+    exclusive: bool = False
+    source: str = ""
+
+
 class ProcResult(Result):
     """A finished command. `exit_code` is the engine's: 128 + n for a death by signal n
     (then `signal` names it, e.g. "KILL"); None only if the engine (or the sandbox's
     supervisor, when it died while the command ran) lost it. `via`: how it was started
-    ("supervisor": fast exec, docs/fast-exec.md; "engine": the engine's exec).
-    `exec_facts`: the command's own process as the host saw it before it ran (fast
-    exec; empty on the engine path): NoNewPrivs, Seccomp, capabilities, ids, and
-    `parent`/`cgroup`/`namespaces` ("supervisor"/"sandbox"/"sandbox")."""
+    ("supervisor": fast exec, docs/fast-exec.md; "engine": the engine's exec). The
+    confinement facts come as `facts_digest` (SHA-256 of their compact JSON encoding,
+    the key of the record's fact set) and `facts_summary`, and in full only when asked
+    (`facts: "full"`): `facts`, the sandbox's, and `exec_facts`, the command's own
+    process as the host saw it before it ran (fast exec; empty on the engine path):
+    NoNewPrivs, Seccomp, capabilities, ids, and `parent`/`cgroup`/`namespaces`
+    ("supervisor"/"sandbox"/"sandbox")."""
 
     proc: str
     exit_code: int | None
@@ -143,8 +211,11 @@ class ProcResult(Result):
     duration_ms: float
     stdout: OutputRef
     stderr: OutputRef
-    facts: list[Fact]
     policy_blocked: list[PolicyBlocked]
+    facts: list[Fact] | None = None  # with `facts: "full"` only
+    facts_digest: str | None = None
+    facts_summary: FactsSummary | None = None
+    usage: Usage | None = None  # None: not measured (no readable cgroup)
     changes: ProcChanges | None = None  # a "layer" profile's applied change set
     egress_blocked: EgressBlocked | None = None  # an "egress" profile's refused connections
     via: Literal["supervisor", "engine"] | None = None
@@ -173,11 +244,13 @@ class StartResult(Result):
 
 class ProcParams(Params):
     proc: ProcId
+    facts: FactsMode = "summary"  # "full": a finished command's `facts` list too
 
 
 class WaitParams(Params):
     proc: ProcId
     timeout_s: WaitSeconds | None = None  # None: until it ends; 0: poll
+    facts: FactsMode = "summary"  # "full": the result carries the `facts` list too
 
 
 class ProcPending(Result):
@@ -201,9 +274,14 @@ class WaitResult(Result):
     stdout: OutputRef | None = None
     stderr: OutputRef | None = None
     facts: list[Fact] | None = None
+    facts_digest: str | None = None
+    facts_summary: FactsSummary | None = None
+    usage: Usage | None = None
     policy_blocked: list[PolicyBlocked] | None = None
     changes: ProcChanges | None = None
     egress_blocked: EgressBlocked | None = None
+    via: Literal["supervisor", "engine"] | None = None
+    exec_facts: list[Fact] | None = None
 
 
 SignalName = Literal["INT", "TERM", "KILL"]
@@ -224,8 +302,9 @@ class SignalResult(Result):
 
 class ProcStatus(Result):
     """A process as recorded; byte counts grow while it runs. `proc.status` of a finished
-    process adds the `facts`, `policy_blocked`, `changes` and `egress_blocked` of its
-    result (`proc.list` does not)."""
+    process adds the `facts_digest`, `facts_summary` (and `facts` when asked), `usage`,
+    `policy_blocked`, `changes` and `egress_blocked` of its result (`proc.list` does
+    not)."""
 
     proc: str
     workspace: str
@@ -240,9 +319,13 @@ class ProcStatus(Result):
     signal: str | None = None
     timed_out: bool | None = None
     facts: list[Fact] | None = None
+    facts_digest: str | None = None
+    facts_summary: FactsSummary | None = None
+    usage: Usage | None = None
     policy_blocked: list[PolicyBlocked] | None = None
     changes: ProcChanges | None = None
     egress_blocked: EgressBlocked | None = None
+    exec_facts: list[Fact] | None = None  # with `facts: "full"`, on the fast path
 
 
 class ListParams(Params):
@@ -257,6 +340,7 @@ class ListResult(Result):
 class SubscribeParams(Params):
     proc: ProcId
     since: Annotated[int, msgspec.Meta(ge=0)] = 0  # byte offset, applied to both streams
+    facts: FactsMode = "summary"  # "full": the `proc.exit` result carries `facts` too
 
 
 class SubscribeResult(Result):
@@ -282,7 +366,7 @@ class OutputNotice(Result):
 
 method(
     "proc.start",
-    RunParams,
+    StartParams,
     StartResult,
     mutating=True,
     doc="Start argv like proc.run; answer {proc} once it runs (refusals as proc.run).",
@@ -306,4 +390,46 @@ method(
     SubscribeParams,
     SubscribeResult,
     doc="Stream proc.output notifications from byte `since`, then one proc.exit.",
+)
+
+
+# --- streaming stdin (docs/protocol.md §14: proc.write) ----------------------------------------
+
+#: The most bytes one `proc.write` may carry (decoded); a request line holds it as base64.
+MAX_WRITE_BYTES = 256 << 10
+#: Bytes a streamed stdin holds that the command has not taken yet; a write that would
+#: pass it waits for room (`STDIN_WAIT_S`), then is `limit_exceeded`.
+STDIN_BUFFER_BYTES = 1 << 20
+
+
+class WriteParams(Params):
+    """Bytes for the stdin of a command started with `stdin: "stream"`: `data` (UTF-8
+    text) or `data_b64` (not both), at most `MAX_WRITE_BYTES` (256 KiB) decoded, else
+    `too_large`; either may be absent (an `eof` alone). Only the caller that started
+    the command (same socket and uid) or the operator may write (`unauthorized`)."""
+
+    proc: ProcId
+    data: Annotated[str, msgspec.Meta(max_length=MAX_WRITE_BYTES)] | None = None
+    data_b64: Annotated[str, msgspec.Meta(max_length=4 * (MAX_WRITE_BYTES // 3 + 1))] | None = None
+    eof: bool = False  # after these bytes, close the command's stdin
+
+
+class WriteResult(Result):
+    """`accepted`: bytes of this call taken (all of them: a refusal takes none);
+    `buffered`: bytes taken that the command has not been handed yet; `written`: bytes
+    handed to the command's stdin so far, in all; `eof`: EOF is sent, or will be after
+    the buffered bytes."""
+
+    proc: str
+    accepted: int
+    buffered: int
+    written: int
+    eof: bool
+
+
+method(
+    "proc.write",
+    WriteParams,
+    WriteResult,
+    doc="Write to the stdin of a command started with stdin: stream; eof closes it.",
 )

@@ -48,6 +48,7 @@ SECTION_OF = {
     "profile": 5,
     "facts": 5,
     "proc": 5,
+    "proc.write": 14,
     "artifact": 6,
     "grant": 7,
     "pty": 7,

@@ -273,7 +273,7 @@ try:
 except OSError as e:
     print("no resolver")
 """
-    result = await env.run("default", ["python3", "-c", script])
+    result = await env.run("default", ["python3", "-c", script], facts="full")
     assert result["stdout"]["inline"].splitlines() == [
         "[]",
         "ECONNREFUSED",

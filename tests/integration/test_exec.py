@@ -479,7 +479,7 @@ async def test_the_sandbox_has_no_name_server(env: Env) -> None:
 
 
 async def test_fact_sources_name_no_host_path(env: Env) -> None:
-    result = await env.run(["true"])
+    result = await env.run(["true"], facts="full")
     probe = await env.client.call("facts.probe", workspace=env.ws, profile="tiny")
     entries = env.daemon.journal.read(limit=10000)
     journaled = [f for e in entries if e.kind == "proc.facts" for f in e.data["facts"]]
@@ -566,7 +566,7 @@ async def test_probe_returns_facts_and_runs_nothing(env: Env, docker_client: Any
     probe = await env.client.call("facts.probe", workspace=env.ws, profile="tiny")
     assert probe["facts"]
     assert all({"name", "source"} <= set(fact) for fact in probe["facts"])
-    result = await env.run(["true"])
+    result = await env.run(["true"], facts="full")
     assert result["facts"] == probe["facts"]  # verified once per container
     assert len(labelled(docker_client, env.daemon.execution.daemon_id)) == 1
 

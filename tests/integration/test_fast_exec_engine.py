@@ -148,7 +148,7 @@ async def engine_env(sandbox_image: str, state: Path, tmp_path: Path) -> AsyncIt
 
 
 async def test_fast_path_is_the_default_and_results_carry_the_commands_facts(env: Env) -> None:
-    result = await env.run(["id", "-u"])
+    result = await env.run(["id", "-u"], facts="full")
     assert result["via"] == "supervisor"
     assert (result["exit_code"], text(result["stdout"])) == (0, f"{OWNER}\n")
     own = facts_of(result)
@@ -162,8 +162,11 @@ async def test_fast_path_is_the_default_and_results_carry_the_commands_facts(env
     assert sources == {"kernel:proc-status", "kernel:proc-cgroup", "kernel:proc-ns"}
 
     # The record keeps them: the same answer later.
-    again = await env.client.call("proc.wait", proc=result["proc"])
+    again = await env.client.call("proc.wait", proc=result["proc"], facts="full")
     assert again["via"] == "supervisor" and again["exec_facts"] == result["exec_facts"]
+    # Unless asked, a reply says only that they were observed.
+    short = await env.client.call("proc.wait", proc=result["proc"])
+    assert "exec_facts" not in short and short["facts_summary"]["exec_checked"] is True
     exited = [e for e in env.journal("proc.exited") if e["proc"] == result["proc"]]
     assert exited[0]["via"] == "supervisor"
     started = env.journal("supervisor.started")
@@ -175,9 +178,10 @@ async def test_fast_path_is_the_default_and_results_carry_the_commands_facts(env
 
 
 async def test_engine_path_when_fast_exec_is_off(engine_env: Env) -> None:
-    result = await engine_env.run(["sh", "-c", "ls /run/substrate; echo $?"])
+    result = await engine_env.run(["sh", "-c", "ls /run/substrate; echo $?"], facts="full")
     assert result["via"] == "engine"
     assert "exec_facts" not in result
+    assert "exec_checked" not in result["facts_summary"]
     assert text(result["stdout"]).strip().endswith("2")  # nothing bound there
     assert not (engine_env.state / "supervisor").exists()
     assert engine_env.journal("supervisor.started", "supervisor.unavailable") == []
@@ -327,7 +331,7 @@ async def test_a_supervisor_killed_from_inside_is_journaled_and_replaced(env: En
     lost = env.journal("supervisor.lost")
     assert [(e["generation"], e["reason"]) for e in lost] == [(1, "exited")]
 
-    after = await env.run(["id", "-u"])
+    after = await env.run(["id", "-u"], facts="full")
     assert (after["via"], after["exit_code"], text(after["stdout"])) == ("supervisor", 0, "1000\n")
     own = facts_of(after)
     assert (own["no_new_privs"], own["seccomp_mode"], own["cap_eff"], own["uid"]) == (

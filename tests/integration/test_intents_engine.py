@@ -283,7 +283,7 @@ async def test_a_run_whose_connection_closes_is_killed_gated_and_keeps_its_outpu
         (f"{path.name}:closed.lock", "create")
     ]
     assert not (path / "closed.lock").exists()
-    assert result["facts"]
+    assert result["facts_summary"]["verified"] is True
     assert _running_in(docker_client, d.state_dir, "sleep 300") == []
 
 
@@ -319,14 +319,14 @@ async def test_a_result_reads_the_same_every_time(intent_daemon: DaemonProcess) 
     ws = d.adopt(path, policy={"write_deny": ["*.lock"]})
     argv = ["sh", "-c", "echo hi; echo x > again.lock"]
     async with d.async_client() as c:
-        first = await c.call("proc.run", workspace=ws, profile="tiny", argv=argv)
+        first = await c.call("proc.run", workspace=ws, profile="tiny", argv=argv, facts="full")
     assert first["facts"] and first["policy_blocked"], first
 
     async def reads() -> list[dict[str, Any]]:
         async with d.async_client() as c:
-            waited = await c.call("proc.wait", proc=first["proc"])
-            status = await c.call("proc.status", proc=first["proc"])
-            await c.call("proc.subscribe", proc=first["proc"])
+            waited = await c.call("proc.wait", proc=first["proc"], facts="full")
+            status = await c.call("proc.status", proc=first["proc"], facts="full")
+            await c.call("proc.subscribe", proc=first["proc"], facts="full")
             _, exit_, _ = await drain(c, first["proc"])
         assert exit_ is not None
         return [waited, status, exit_]
@@ -335,4 +335,6 @@ async def test_a_result_reads_the_same_every_time(intent_daemon: DaemonProcess) 
     d.restart()  # from the record now, not from memory
     for read in before + await reads():
         assert read["facts"] == first["facts"], read
+        assert read["facts_digest"] == first["facts_digest"], read
+        assert read["usage"] == first["usage"], read
         assert read["policy_blocked"] == first["policy_blocked"], read

@@ -204,7 +204,7 @@ async def test_a_host_edit_during_a_command_is_kept_and_reported(env: Env) -> No
 
 async def test_two_commands_in_a_row_both_apply(env: Env) -> None:
     first = await env.sh("echo one > a.txt")
-    second = await env.sh("cat a.txt && echo two >> a.txt && echo b > b.txt")
+    second = await env.sh("cat a.txt && echo two >> a.txt && echo b > b.txt", facts="full")
     assert (first["changes"]["generation"], second["changes"]["generation"]) == (0, 1)
     assert second["stdout"]["inline"] == "one\n"
     assert _paths(second["changes"], "applied") == [("a.txt", "replace"), ("b.txt", "create")]
