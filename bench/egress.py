@@ -20,16 +20,13 @@ same load:
    machine's pip uses (the largest wheel of NAME for this platform, or its last file),
    with urllib, on the host straight (the baseline), on the host through the proxy, and
    in a `setup` sandbox through the proxy (and the host CA bundle), interleaved,
-   `--index-runs` times;
-4. only with `--setup-substrate`: substrate's own checkout (this one's HEAD) set up in a
-   fresh workspace the way docs/environments.md says (a venv in the persistent home,
-   `pip install -e '.[dev]'` from the index through the proxy, with `setup`), its
-   policy tests then run offline with `default`; then set up again (a new venv: the home,
-   and pip's cache in it, are warm).
+   `--index-runs` times.
+
+Setting substrate's own checkout up through `setup` is bench/environments.py.
 
 Needs the engine, the substrate-sandbox:bookworm image and root (the workspace is owned
 by uid 1000). Reaches no address but loopback, except the package index with
-`--index-package` and `--setup-substrate`.
+`--index-package`.
 """
 
 from __future__ import annotations
@@ -222,8 +219,6 @@ async def run(args: argparse.Namespace, port: int, base: Path) -> None:
             lat_proxy = await run_client("127.0.0.1", pport, f"http://{MIRROR}/small", args.conns)
             lat_sandbox = await in_sandbox(c, ws, f"http://{MIRROR}/small", args.conns)
             index = await from_index(args, c, ws, pport) if args.index_package else None
-            if args.setup_substrate:
-                await setup_substrate(c, base / "roots")
         nursery.cancel_scope.cancel()
     report(args, direct, proxied, sandboxed, lat_direct, lat_proxy, lat_sandbox)
     if index is not None:
@@ -287,63 +282,6 @@ async def from_index(
     return direct[0][0], direct, proxied, sandboxed
 
 
-def copy_checkout(checkout: Path) -> None:
-    """This checkout's HEAD (`git archive`, argv lists) at `checkout`, owned by uid 1000."""
-    checkout.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "HEAD"], capture_output=True, check=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
-    for top, dirs, files in os.walk(checkout):
-        for name in [*dirs, *files]:
-            os.lchown(os.path.join(top, name), 1000, 1000)
-    os.lchown(checkout, 1000, 1000)
-
-
-async def setup_substrate(c: AsyncClient, roots: Path) -> None:
-    """Figure 4 (printed as it goes): substrate's own set-up through `setup`, twice."""
-    checkout = roots / "substrate"
-    await trio.to_thread.run_sync(copy_checkout, checkout)
-    ws = (await c.call("workspace.adopt", path=str(checkout)))["workspace"]
-
-    async def step(label: str, profile: str, argv: list[str]) -> None:
-        t0 = trio.current_time()
-        result = await c.call("proc.run", workspace=ws, profile=profile, argv=argv)
-        wall = trio.current_time() - t0
-        tail = result["stdout"].get("inline", "") or result["stderr"].get("inline", "")
-        blocked = result.get("egress_blocked", {}).get("count", 0)
-        print(f"  {label:38s} {wall:7.1f} s  exit {result['exit_code']}  refused {blocked}")
-        if result["exit_code"] != 0:
-            print(tail[-2000:])
-
-    print("4. substrate's own set-up in a fresh workspace (wall s)")
-    for venv in ("/home/agent/venv", "/home/agent/venv2"):
-        warm = "warm home" if venv.endswith("2") else "fresh"
-        await step(
-            f"venv ({warm})", "setup", ["python3", "-m", "venv", "--system-site-packages", venv]
-        )
-        await step(
-            f"pip install -e .[dev] ({warm})",
-            "setup",
-            [f"{venv}/bin/pip", "install", "-q", "-e", ".[dev]"],
-        )
-    await step(
-        "tests/test_policy.py with default",
-        "default",
-        [
-            "/home/agent/venv/bin/python",
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "tests/test_policy.py",
-        ],
-    )
-    info = await c.call("workspace.info", workspace=ws)
-    print(f"  home: {info.get('home')}")
-
-
 def report(args: argparse.Namespace, *series: list[tuple[int, float]]) -> None:
     direct, proxied, sandboxed, lat_direct, lat_proxy, lat_sandbox = series
     d, p, s = mib_s(direct), mib_s(proxied), mib_s(sandboxed)
@@ -369,7 +307,6 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--conns", type=int, default=200)
     parser.add_argument("--index-package", default="")
     parser.add_argument("--index-runs", type=int, default=3)
-    parser.add_argument("--setup-substrate", action="store_true")
     return parser.parse_args()
 
 

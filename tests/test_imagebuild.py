@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from substrate.sandbox.images import build as imagebuild
+from substrate.sandbox.images import rootfs
 
 
 def _elf64(*p_types: int) -> bytes:
@@ -50,6 +51,23 @@ def test_split_tag(tag: str, split: tuple[str, str]) -> None:
 def test_source_digest_separates_parts() -> None:
     assert imagebuild.source_digest(b"ab", b"c") != imagebuild.source_digest(b"a", b"bc")
     assert imagebuild.source_digest(b"x") == imagebuild.source_digest(b"x")
+
+
+def test_a_new_base_package_makes_the_sandbox_image_stale() -> None:
+    # A sandbox image built on a base without python3-venv must not pass as current.
+    recipe = dict(rootfs.RECIPE)
+    older = {**recipe, "include": [p for p in recipe["include"] if p != "python3-venv"]}
+    assert imagebuild.sandbox_digest(b"FROM x", None, recipe) != imagebuild.sandbox_digest(
+        b"FROM x", None, older
+    )
+    assert imagebuild.sandbox_digest(b"FROM x", None) == imagebuild.sandbox_digest(
+        b"FROM x", None, recipe
+    )
+    # A registry base is named by its tag alone (the engine pulls what it names).
+    assert imagebuild.sandbox_digest(b"FROM x", "debian:bookworm-slim") == (
+        imagebuild.sandbox_digest(b"FROM x", "debian:bookworm-slim", older)
+    )
+    assert imagebuild.sandbox_digest(b"FROM y", None) != imagebuild.sandbox_digest(b"FROM x", None)
 
 
 def test_build_images_rejects_unknown_choice() -> None:

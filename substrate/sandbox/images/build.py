@@ -132,6 +132,22 @@ def source_digest(*parts: bytes) -> str:
     return hasher.hexdigest()
 
 
+def base_digest(recipe: dict[str, Any] = rootfs.RECIPE) -> str:
+    """The source digest of `substrate-base:bookworm`: its debootstrap recipe. Pure."""
+    return source_digest(json.dumps(recipe, sort_keys=True).encode())
+
+
+def sandbox_digest(
+    dockerfile: bytes, base: str | None, recipe: dict[str, Any] = rootfs.RECIPE
+) -> str:
+    """The source digest of `substrate-sandbox:bookworm`: its Dockerfile and its base.
+    On the debootstrap base (`base=None`) that includes the base's recipe, so a package
+    added to the base (python3-venv) makes an existing sandbox image stale. Pure."""
+    if base is not None:
+        return source_digest(dockerfile, base.encode())
+    return source_digest(dockerfile, BASE_TAG.encode(), base_digest(recipe).encode())
+
+
 def build_base(
     *,
     force: bool = False,
@@ -172,7 +188,7 @@ def build_default(
     """
     client = client if client is not None else engine_client()
     dockerfile = sandbox_dockerfile().read_bytes()
-    digest = source_digest(dockerfile, (base or BASE_TAG).encode())
+    digest = sandbox_digest(dockerfile, base)
     with _build_lock(cache_dir):
         if not force and image_current(client, SANDBOX_TAG, digest):
             progress(f"{SANDBOX_TAG}: present and current")
@@ -288,7 +304,7 @@ def _build_base(
     cache_dir: Path,
     mirror: str | None,
 ) -> None:
-    digest = source_digest(json.dumps(rootfs.RECIPE, sort_keys=True).encode())
+    digest = base_digest()
     if not (force or refresh) and image_current(client, BASE_TAG, digest):
         progress(f"{BASE_TAG}: present and current")
         return
