@@ -57,6 +57,8 @@ GRACE_S = 2.0
 #: The stream still open this long: learn the main pid so its exit is noticed even when
 #: a background child holds the output pipe.
 MAIN_PROBE_S = 0.25
+#: How long a signal that finds nothing is tried again while the command runs, seconds.
+SIGNAL_RETRY_S = 1.0
 #: A run cut off after its exec started: at most this long to end the command and read
 #: its exit code (the kill itself takes up to `GRACE_S` plus KILL rounds).
 SETTLE_S = 30.0
@@ -93,7 +95,8 @@ class Entry:
     #: reported it: it is the command's even if it scrubbed its environment (no marker).
     main: Hashable | None = None
     #: The engine reported the main process (or the exec's end): a signal that finds
-    #: nothing after this is answered 0, never held.
+    #: nothing after this is never held; it is tried again for `SIGNAL_RETRY_S` while the
+    #: command runs, then answered 0.
     appeared: bool = False
     held: list[HeldSignal] = field(default_factory=list)
     held_added: trio.Event = field(default_factory=trio.Event)
@@ -161,14 +164,29 @@ class ExecDriver:
         known = entry.appeared or entry.done.is_set()
         delivered = await self.send(entry, name)
         if delivered or known:
-            return delivered
+            return delivered if delivered else await self._send_while_running(entry, name)
         if entry.appeared or entry.done.is_set():
-            return await self.send(entry, name)  # it appeared meanwhile: look again
+            # It appeared meanwhile: look again.
+            return await self._send_while_running(entry, name)
         held = HeldSignal(name)
         entry.held.append(held)
         entry.held_added.set()
         await held.done.wait()
         return held.delivered
+
+    async def _send_while_running(self, entry: Entry, name: str) -> int:
+        """`send`, again for a moment while it finds nothing and the command has not
+        ended: the engine may report a main process that is still runc's init, neither
+        readable as the command's nor marked yet, so a first look can miss it. 0 only
+        once the command ended or after `SIGNAL_RETRY_S`."""
+        deadline = trio.current_time() + SIGNAL_RETRY_S
+        delay = 0.005
+        while True:
+            delivered = await self.send(entry, name)
+            if delivered or entry.done.is_set() or trio.current_time() >= deadline:
+                return delivered
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     async def send(self, entry: Entry, name: str) -> int:
         """Signal every process of `entry`'s command now; how many were signalled."""
@@ -236,7 +254,7 @@ class ExecDriver:
             held = entry.held.pop(0)
             try:
                 with trio.CancelScope(shield=True):
-                    held.delivered = await self.send(entry, held.name)
+                    held.delivered = await self._send_while_running(entry, held.name)
             finally:
                 held.done.set()
 
