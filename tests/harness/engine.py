@@ -12,12 +12,14 @@ import calendar
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import docker
 import docker.errors
 
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from substrate.sandbox.layers import mounted_under, unmount_under
 
 #: Labels every container made by a test carries; `remove_test_containers` finds them.
 TEST_LABELS = {"substrate.test": "1", "substrate.test.session": uuid.uuid4().hex}
@@ -81,3 +83,12 @@ def _created_after(container: Any, started: float) -> bool:
     except ValueError:
         return False
     return stamp >= int(started) - 1
+
+
+def sweep_mounts(state_dir: Path) -> list[str]:
+    """The mount points a test's daemon left under its state dir (working layers),
+    unmounted now so nothing outlives the test; the caller fails the test when any."""
+    left = [m.mount_point for m in mounted_under(str(state_dir))]
+    if left:
+        unmount_under(str(state_dir), keep_base=False)
+    return left

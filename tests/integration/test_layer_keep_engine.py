@@ -23,9 +23,8 @@ import trio
 from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
-from substrate.sandbox.layers import mounted_under, unmount_under
 from tests.harness import wait_until_async
-from tests.harness.engine import remove_daemon_containers
+from tests.harness.engine import remove_daemon_containers, sweep_mounts
 
 OWNER = 1000
 CAP = 2
@@ -54,10 +53,7 @@ def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
     state.mkdir(mode=0o700)
     yield state
     remove_daemon_containers(docker_client, state)
-    left = [m.mount_point for m in mounted_under(str(state))]
-    if left:  # never leave a test's mount behind, and fail the test for it
-        unmount_under(str(state), keep_base=False)
-    assert left == []
+    assert sweep_mounts(state) == []  # never leave a test's mount behind
 
 
 @pytest.fixture

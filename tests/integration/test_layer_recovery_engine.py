@@ -18,9 +18,9 @@ import pytest
 
 from substrate.config import PROJECT_ROOT
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
-from substrate.sandbox.layers import mounted_under, unmount_under
+from substrate.sandbox.layers import mounted_under
 from tests.harness import wait_until
-from tests.harness.engine import remove_daemon_containers
+from tests.harness.engine import remove_daemon_containers, sweep_mounts
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -70,8 +70,7 @@ def layer_daemon(
     finally:
         d.close()
         remove_daemon_containers(docker_client, d.state_dir)
-        if _mounts_under(d.state_dir):
-            unmount_under(str(d.state_dir), keep_base=False)
+        sweep_mounts(d.state_dir)
 
 
 def test_kill_9_mid_command_drops_the_generation_and_leaves_the_checkout(

@@ -25,9 +25,8 @@ import pytest
 import trio
 
 from substrate.protocol.client import AsyncClient, RpcError
-from substrate.sandbox.layers import mounted_under, unmount_under
 from tests.harness.daemon import daemon_env
-from tests.harness.engine import remove_daemon_containers
+from tests.harness.engine import remove_daemon_containers, sweep_mounts
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -49,10 +48,7 @@ def surface_daemon(
             d.stop()  # a graceful stop takes the `default` sandboxes' layer mounts down
         d.close()
         remove_daemon_containers(docker_client, d.state_dir)
-        left = [m.mount_point for m in mounted_under(str(d.state_dir))]
-        if left:  # never leave a mount behind, and fail the test for it
-            unmount_under(str(d.state_dir), keep_base=False)
-        assert left == []
+        assert sweep_mounts(d.state_dir) == []  # never leave a mount behind
 
 
 def piece(params: dict[str, Any]) -> bytes:

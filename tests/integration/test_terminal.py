@@ -28,8 +28,8 @@ from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.pty.client import open_terminal
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
-from substrate.sandbox.layers import mounted_under, unmount_under
 from tests.harness import wait_until_async
+from tests.harness.engine import sweep_mounts
 from tests.harness.ws_frames import read_until as _read_until
 from tests.harness.ws_frames import recv, send, until_closed
 
@@ -121,10 +121,7 @@ def leftovers(docker_client: Any, dirs: tuple[Path, Path, Path]) -> Iterator[str
         all=True, filters={"label": f"{LABEL_DAEMON}={daemon_id}"}
     ):
         ctr.remove(force=True, v=True)
-    left = [m.mount_point for m in mounted_under(str(dirs[0]))]
-    if left:  # a layer profile's mounts: never leave one behind, and fail for it
-        unmount_under(str(dirs[0]), keep_base=False)
-    assert left == []
+    assert sweep_mounts(dirs[0]) == []  # a layer profile's mounts: never leave one behind
 
 
 @pytest.fixture
