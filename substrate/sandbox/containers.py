@@ -510,19 +510,29 @@ class Containers:
     # -- working layers ------------------------------------------------------------------------
 
     async def reverify_layer(self, sandbox: Sandbox, ws: Workspace) -> None:
-        """After a swap: observe the sandbox's facts again and require the identities of
-        the generation mounted now. Refuses `confinement_unmet` (journalled) on a
-        mismatch; the caller then drops the sandbox. Cost: an engine inspect and one
-        observation (a few milliseconds)."""
+        """After a swap: observe again what a swap can change — the mount facts and the
+        workspace identities (`SandboxHost.observe_mounts`) — and require the identities
+        of the generation mounted now. Every other fact is the process's, its network
+        namespace's or the engine's, which a swap does not touch (and every command's own
+        process is checked on the fast path). Refuses `confinement_unmet` (journalled) on
+        a mismatch; the caller then drops the sandbox. Cost: one mountinfo read and an
+        lstat per identity (well under a millisecond), no engine call."""
         layer = sandbox.layer
         if layer is None:
             return
         required = {**layer.required, **await self.layer_mounts.identities(layer)}
-        inspect = await self._engine.inspect(sandbox.id)
-        observed = await self._observe(
-            sandbox.init_pid, inspect, sandbox.profile, list(sandbox.readonly)
+        engine_ok = any(f.name == "docker_socket_absent" and f.value is True for f in sandbox.facts)
+        fresh = await trio.to_thread.run_sync(
+            functools.partial(
+                self._host.observe_mounts,
+                sandbox.init_pid,
+                list(sandbox.readonly),
+                engine_ok=engine_ok,
+            ),
+            limiter=self._fs_limiter,
         )
-        observed += await proxy_link.observe_again(sandbox.egress, self._fs_limiter)
+        names = {f.name for f in fresh}
+        observed = [f for f in sandbox.facts if f.name not in names] + fresh
         await self._check(sandbox.id, ws, sandbox.profile, required, observed)
         sandbox.facts = observed
 

@@ -403,7 +403,7 @@ def inspect_of(c: FakeContainer) -> dict[str, Any]:
 def facts_of(
     inspect: Mapping[str, Any],
     readonly_dirs: Sequence[str],
-    profile: Profile,
+    mounted: bool,
     *,
     home: bool = False,
 ) -> list[Fact]:
@@ -458,7 +458,7 @@ def facts_of(
             "sandbox_network": str(hc["NetworkMode"]),
             "sandbox_oci_seccomp": True,
         }
-    if profile.workspace != "none":
+    if mounted:  # the profile mounts a workspace
         values["workspace_identity"] = _identity(binds.get(WORKSPACE_TARGET))
         for rel in readonly_dirs:
             values[f"workspace_identity:{rel}"] = _identity(binds.get(f"{WORKSPACE_TARGET}/{rel}"))
@@ -496,7 +496,20 @@ class FakeHost:
     ) -> list[Fact]:
         if self._engine.by_pid(init_pid) is None:
             raise ProcessLookupError(init_pid)
-        return facts_of(inspect, readonly_dirs, profile, home=home)
+        return facts_of(inspect, readonly_dirs, profile.workspace != "none", home=home)
+
+    def observe_mounts(
+        self, init_pid: int, readonly_dirs: Sequence[str], *, engine_ok: bool
+    ) -> list[Fact]:
+        found = self._engine.by_pid(init_pid)
+        if found is None:
+            raise ProcessLookupError(init_pid)
+        inspect = inspect_of(found)
+        mounted = any(m["Destination"] == WORKSPACE_TARGET for m in inspect["Mounts"])
+        kept = (*observe.MOUNT_FACTS, "workspace_identity")
+        return [
+            f for f in facts_of(inspect, readonly_dirs, mounted) if f.name.split(":", 1)[0] in kept
+        ]
 
     def identity(self, pid: int) -> Hashable | None:
         found = self._engine.by_pid(pid)

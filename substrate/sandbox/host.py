@@ -38,6 +38,14 @@ class SandboxHost(Protocol):
         Raises ProcessLookupError when it is gone."""
         ...
 
+    def observe_mounts(
+        self, init_pid: int, readonly_dirs: Sequence[str], *, engine_ok: bool
+    ) -> list[Fact]:
+        """The facts of a working layer sandbox that a swap of its generation can change:
+        the mount facts and the workspace identities (`observe.observe_mounts`,
+        `observe.identities`). Raises ProcessLookupError when it is gone."""
+        ...
+
     def identity(self, pid: int) -> Hashable | None:
         """The identity of host process `pid` (None if it is gone): equal for one process
         only, whatever reuses its pid (`reaper.ProcInfo.ident`)."""
@@ -81,6 +89,16 @@ class HostKernel:
                 home_target=HOME_TARGET if home else None,
             )
         return found
+
+    def observe_mounts(
+        self, init_pid: int, readonly_dirs: Sequence[str], *, engine_ok: bool
+    ) -> list[Fact]:
+        found = observe.observe_mounts(
+            init_pid, engine_ok=engine_ok, workspace_target=WORKSPACE_TARGET, layer=True
+        )
+        return found + observe.identities(
+            init_pid, readonly_dirs, runtime="runc", workspace_target=WORKSPACE_TARGET
+        )
 
     def identity(self, pid: int) -> Hashable | None:
         return reaper.identity(pid)

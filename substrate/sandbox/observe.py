@@ -106,6 +106,25 @@ def observe(
     return found
 
 
+def observe_mounts(
+    pid: int, *, engine_ok: bool, workspace_target: str = "/workspace", layer: bool = False
+) -> list[Fact]:
+    """Only the facts `observe` reads from the container's mountinfo (runc): what a
+    working layer's swap can change (`rootfs_readonly`, `workspace_mount`,
+    `readonly_dirs`, `tmpfs`, `docker_socket_absent`, and `passthrough` with `layer`).
+    `engine_ok`: the engine's binds had no engine socket when the container was made
+    (its `inspect` does not change). Raises ProcessLookupError when `pid` is gone.
+    Blocking: one procfs read and parse (well under a millisecond)."""
+    try:
+        proc_fd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ProcessLookupError(errno.ESRCH, f"no process {pid}") from None
+    try:
+        return _mount_facts(proc_fd, pid, workspace_target, engine_ok, layer)
+    finally:
+        os.close(proc_fd)
+
+
 def identities(
     pid: int,
     readonly_dirs: Sequence[str],
@@ -224,6 +243,17 @@ def _status_facts(proc_fd: int, pid: int, sandboxed: bool) -> list[Fact]:
         P.one_id(status.gids),
     ]
     return facts(dict(zip(names, values, strict=True)), source)
+
+
+#: What `observe_mounts` reads (`passthrough` only of a working layer).
+MOUNT_FACTS = (
+    "rootfs_readonly",
+    "workspace_mount",
+    "readonly_dirs",
+    "tmpfs",
+    "docker_socket_absent",
+    "passthrough",
+)
 
 
 def _mount_facts(

@@ -78,6 +78,13 @@ def begin(layer: WorkingLayer) -> int:
     return layer.began[1]
 
 
+def restart(layer: WorkingLayer) -> None:
+    """The current generation concluded with nothing in it and stays mounted: its next
+    user begins it afresh (`begin`), and nothing of it landed in the checkout."""
+    layer.began = (-1, 0)
+    layer.landed = {}
+
+
 def open_layer(
     state_dir: str,
     readonly: Sequence[tuple[str, tuple[int, int]]],

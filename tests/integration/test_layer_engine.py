@@ -24,6 +24,7 @@ from substrate.config import PROJECT_ROOT, Config
 from substrate.daemon import Daemon, open_daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox.layers import mounted_under
+from substrate.sandbox.working_layer import CTIME_SLACK_NS
 from tests.harness.engine import remove_daemon_containers, sweep_mounts
 
 OWNER = 1000
@@ -179,6 +180,8 @@ async def test_a_denied_write_never_reaches_the_checkout(env: Env) -> None:
 
 
 async def test_a_host_edit_during_a_command_is_kept_and_reported(env: Env) -> None:
+    # A command that changed nothing first: its generation stays and is begun afresh.
+    assert (await env.sh("true"))["changes"]["generation"] == 0
     started = await env.client.call(
         "proc.start",
         workspace=env.ws,
@@ -312,7 +315,8 @@ async def test_a_long_start_does_not_block_a_short_run(env: Env) -> None:
 
 
 async def test_a_busy_generation_concludes_whole_with_the_next_command(env: Env) -> None:
-    await env.sh("true")  # the sandbox and its layer exist; generation 1 is mounted
+    # The sandbox and its layer exist; `true` changed nothing, so generation 0 stays.
+    assert (await env.sh("true"))["changes"]["generation"] == 0
     (merged,) = env.state.glob("layers/*/merged")
     # An fd on the overlay holds it as a stray process would: the swap finds it busy.
     held = os.open(merged, os.O_RDONLY | os.O_DIRECTORY)
@@ -320,14 +324,14 @@ async def test_a_busy_generation_concludes_whole_with_the_next_command(env: Env)
         busy = await env.sh("echo a > a.txt", changes="review")
     finally:
         os.close(held)
-    assert busy["changes"]["error"] == "layer_busy" and busy["changes"]["generation"] == 1
+    assert busy["changes"]["error"] == "layer_busy" and busy["changes"]["generation"] == 0
     assert not (env.path / "a.txt").exists()
     # The generation stayed: the next command shares it, and its conclusion carries the
     # first one's changes, in the first one's mode ("review" is the more conservative).
     after = await env.sh("cat a.txt && echo b > b.txt")
     assert after["stdout"]["inline"] == "a\n"
     changes = after["changes"]
-    assert (changes["generation"], changes["mode"]) == (1, "review")
+    assert (changes["generation"], changes["mode"]) == (0, "review")
     assert _paths(changes, "review") == [("a.txt", "create"), ("b.txt", "create")]
     assert not (env.path / "a.txt").exists() and not (env.path / "b.txt").exists()
     (shared,) = _shared(env)
@@ -501,3 +505,79 @@ async def test_a_passthrough_the_policy_may_deny_beneath_is_refused(env: Env) ->
     with pytest.raises(RpcError) as caught:
         await env.sh("true", profile="pass")
     assert caught.value.refusal == "path_denied"
+
+
+def _uppers(env: Env) -> list[str]:
+    """The upper dirs of every generation on disk (`layers/<sandbox>/upper/<n>`)."""
+    return sorted(str(p.relative_to(env.state)) for p in env.state.glob("layers/*/upper/*"))
+
+
+async def test_a_command_that_changes_nothing_keeps_the_generation_and_no_set(env: Env) -> None:
+    first = await env.sh("true", changes="review")
+    changes = first["changes"]
+    # Nothing to review: no set is kept, no swap happened (the same generation serves
+    # the next command), nothing is journaled about changes.
+    assert changes["generation"] == 0 and changes.get("changeset") is None
+    assert not any(changes["counts"].values())
+    uppers = _uppers(env)
+    again = await env.sh("cat old.txt")
+    assert again["changes"]["generation"] == 0 and again["stdout"]["inline"] == "old\n"
+    assert _uppers(env) == uppers
+    kinds = {e.kind for e in env.daemon.journal.read(limit=10000)}
+    assert not kinds & {"changes.kept", "changes.applied", "changes.apply"}
+    # A command that writes concludes as always: a swap to the next generation.
+    wrote = await env.sh("echo n > new.txt")
+    assert wrote["changes"]["generation"] == 0
+    assert [e["path"] for e in wrote["changes"]["applied"]] == ["new.txt"]
+    assert (await env.sh("true"))["changes"]["generation"] == 1
+
+
+async def test_a_host_edit_between_commands_on_a_kept_generation_is_no_conflict(
+    env: Env,
+) -> None:
+    # The generation stays after `true`; the host then edits a file, and the next command
+    # (which saw the edit) replaces it: that is the command's change, not a conflict.
+    assert (await env.sh("true"))["changes"]["generation"] == 0
+    (env.path / "old.txt").write_text("edited on the host\n")
+    # An edit within the ctime slack of a command's start counts as during it (a false
+    # conflict is safe): this one is clearly before the next command.
+    await trio.sleep(2 * CTIME_SLACK_NS / 1e9)
+    result = await env.sh("cat old.txt && echo mine > old.txt")
+    assert result["stdout"]["inline"] == "edited on the host\n"
+    changes = result["changes"]
+    assert not changes.get("conflicts"), changes
+    assert [e["path"] for e in changes["applied"]] == ["old.txt"]
+    assert (env.path / "old.txt").read_text() == "mine\n"
+
+
+async def test_a_swap_that_does_not_verify_drops_the_sandbox(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    containers = env.daemon.execution.containers
+    await env.sh("true")
+    before = containers.cached(env.ws, "layer")
+    assert before is not None
+    real = containers.layer_mounts.identities
+
+    async def elsewhere(layer: Any) -> dict[str, Any]:
+        # The generation mounted now is required to be another overlay than the one the
+        # container shows: what a mount that did not propagate would look like.
+        return {**await real(layer), "workspace_identity": "0:0"}
+
+    monkeypatch.setattr(containers.layer_mounts, "identities", elsewhere)
+    result = await env.sh("echo x > x.txt")
+    # The command ran on a verified generation: its change lands; the sandbox is gone.
+    assert result["changes"]["error"] == "layer_unverified"
+    assert [e["path"] for e in result["changes"]["applied"]] == ["x.txt"]
+    assert containers.cached(env.ws, "layer") is None
+    (unmet,) = [
+        e.data
+        for e in env.daemon.journal.read(limit=10000)
+        if e.kind == "proc.facts" and not e.data["ok"]
+    ]
+    assert [m["name"] for m in unmet["mismatches"]] == ["workspace_identity"]
+    monkeypatch.undo()
+    after = await env.sh("cat x.txt")
+    assert after["stdout"]["inline"] == "x\n"
+    fresh = containers.cached(env.ws, "layer")
+    assert fresh is not None and fresh.id != before.id
