@@ -232,12 +232,13 @@ def unmount_under(path: str, *, keep_base: bool) -> None:
     in the round after them); EINVAL/ENOENT (already gone) are not errors."""
     failed: OSError | None = None
     for _ in range(MAX_UNMOUNT_ROUNDS):
-        found = mounted_under(path)
+        mounts = read_mounts()  # one read per round: its cost grows with the host's mounts
+        found = mounted_under(path, mounts)
         if keep_base:
             found = _without_lowest_at(found, path)
         if not found:
             break
-        reachable = visible_mounts(read_mounts())
+        reachable = visible_mounts(mounts)
         targets = [m for m in reachable if m in found]
         targets.sort(key=lambda m: m.mount_point.count("/"), reverse=True)
         progress = False
