@@ -73,3 +73,19 @@ def tiny_image(docker_client: Any) -> str:
 def sandbox_image(docker_client: Any) -> str:
     """`substrate-sandbox:bookworm`, built from the cached rootfs if missing or stale."""
     return imagebuild.build_default()
+
+
+@pytest.fixture
+def engine_state(
+    docker_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Path]:
+    """A state dir (0700) for one test's in-process daemon (`tests.harness.inprocess`),
+    which talks to the engine's real socket. After the test: every container of that
+    daemon is removed, and a mount left under the state dir is unmounted and fails the
+    test (a daemon must take its working layers down)."""
+    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    yield state
+    engine.remove_daemon_containers(docker_client, state)
+    assert engine.sweep_mounts(state) == []

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,14 +23,14 @@ import docker
 import pytest
 import trio
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.config import Config
+from substrate.daemon import Daemon
 from substrate.egress.allow import AllowList
 from substrate.egress.cabundle import bundle_path, digest, read_bundle
 from substrate.egress.pipindex import pip_index_hosts, pip_index_urls
 from substrate.egress.proxy import Addresses
 from substrate.protocol.client import AsyncClient, open_client
-from tests.harness.engine import remove_daemon_containers
+from tests.harness.inprocess import owned_project, profiles_dir, serving
 
 OWNER = 1000
 MIRROR = "mirror.test"
@@ -101,45 +99,23 @@ class Env:
 
 
 @pytest.fixture
-def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    yield state
-    remove_daemon_containers(docker_client, state)
-
-
-@pytest.fixture
-async def env(
-    sandbox_image: str, leftovers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Env]:
-    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
-    profiles = tmp_path / "profiles"
-    profiles.mkdir()
-    for name in ("default", "setup"):
-        shutil.copy(PROJECT_ROOT / "profiles" / f"{name}.toml", profiles / f"{name}.toml")
-    (profiles / "local.toml").write_text(LOCAL)
-    project = tmp_path / "roots" / "project"
-    project.mkdir(parents=True)
-    (project / "README.md").write_text("hi\n")
-    for path in (project, project / "README.md"):
-        os.chown(path, OWNER, OWNER)
+async def env(sandbox_image: str, engine_state: Path, tmp_path: Path) -> AsyncIterator[Env]:
+    profiles = profiles_dir(tmp_path / "profiles", ["default", "setup"], local=LOCAL)
+    project = owned_project(tmp_path / "roots" / "project", {"README.md": "hi\n"})
     config = Config(
-        state_dir=str(leftovers), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
+        state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
     )
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with open_client(leftovers / "substrate.sock") as client:
-            ws = await client.call("workspace.adopt", path=str(project))
-            made = Env(daemon, client, ws["workspace"], leftovers)
-            system = daemon.egress.resolve
+    async with serving(config) as daemon, open_client(engine_state / "substrate.sock") as client:
+        ws = await client.call("workspace.adopt", path=str(project))
+        made = Env(daemon, client, ws["workspace"], engine_state)
+        system = daemon.egress.resolve
 
-            async def recording(host: str, port: int) -> Addresses:
-                made.resolved.append(host)
-                return await system(host, port)
+        async def recording(host: str, port: int) -> Addresses:
+            made.resolved.append(host)
+            return await system(host, port)
 
-            daemon.egress.resolve = recording
-            yield made
-        nursery.cancel_scope.cancel()
+        daemon.egress.resolve = recording
+        yield made
 
 
 async def _origin(nursery: trio.Nursery, heads: list[bytes]) -> int:

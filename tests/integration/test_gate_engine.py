@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,11 @@ from typing import Any
 import pytest
 import trio
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.config import Config
+from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, open_client
 from tests.harness import wait_until_async
-from tests.harness.engine import remove_daemon_containers
+from tests.harness.inprocess import owned_project, profiles_dir, serving
 
 OWNER = 1000
 LOCK = b"# lock file\n[[package]]\nname = 'x'\n"
@@ -52,45 +51,26 @@ def blocked(result: Any) -> list[tuple[str, str, bool]]:
 
 
 @pytest.fixture
-def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    yield state
-    remove_daemon_containers(docker_client, state)
-
-
-@pytest.fixture
-async def env(
-    tiny_image: str, leftovers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Env]:
-    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
-    profiles = tmp_path / "profiles"
-    profiles.mkdir()
-    shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
-    root = tmp_path / "roots"
-    project = root / "project"
-    (project / ".git").mkdir(parents=True)
-    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    (project / ".git" / "config").write_text(GIT_CONFIG)
-    (project / "poetry.lock").write_bytes(LOCK)
+async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncIterator[Env]:
+    profiles = profiles_dir(tmp_path / "profiles", ["tiny"])
+    project = owned_project(
+        tmp_path / "roots" / "project",
+        {
+            ".git/HEAD": "ref: refs/heads/main\n",
+            ".git/config": GIT_CONFIG,
+            "poetry.lock": LOCK,
+            "src/app.py": "print('hi')\n",
+        },
+    )
     os.chmod(project / "poetry.lock", 0o640)
-    (project / "src").mkdir()
-    (project / "src" / "app.py").write_text("print('hi')\n")
-    for base, dirs, files in os.walk(project):
-        for name in [*dirs, *files]:
-            os.chown(os.path.join(base, name), OWNER, OWNER, follow_symlinks=False)
-    os.chown(project, OWNER, OWNER)
-    config = Config(state_dir=str(leftovers), adopt_roots=[str(root)], profiles_dir=str(profiles))
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with open_client(leftovers / "substrate.sock") as client:
-            ws = await client.call(
-                "workspace.adopt",
-                path=str(project),
-                policy={"write_deny": ["*.lock", ".env"]},
-            )
-            yield Env(daemon, client, ws["workspace"], project)
-        nursery.cancel_scope.cancel()
+    config = Config(
+        state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
+    )
+    async with serving(config) as daemon, open_client(engine_state / "substrate.sock") as client:
+        ws = await client.call(
+            "workspace.adopt", path=str(project), policy={"write_deny": ["*.lock", ".env"]}
+        )
+        yield Env(daemon, client, ws["workspace"], project)
 
 
 async def test_created_denied_files_are_removed_allowed_ones_stay(env: Env) -> None:

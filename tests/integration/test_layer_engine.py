@@ -10,8 +10,7 @@ each change. Every test ends with no mount left under the state dir.
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,12 @@ import pytest
 import trio
 import trio.lowlevel
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.config import Config
+from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox.layers import mounted_under
 from substrate.sandbox.working_layer import CTIME_SLACK_NS
-from tests.harness.engine import remove_daemon_containers, sweep_mounts
+from tests.harness.inprocess import as_layer, owned_project, profiles_dir, serving
 
 OWNER = 1000
 LOCK = b"# lock file\n"
@@ -50,50 +49,27 @@ def _mounts_under(state: Path) -> list[str]:
 
 
 @pytest.fixture
-def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    yield state
-    remove_daemon_containers(docker_client, state)
-    assert sweep_mounts(state) == []  # never leave a test's mount behind
-
-
-@pytest.fixture
-async def env(
-    tiny_image: str, leftovers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Env]:
-    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
-    profiles = tmp_path / "profiles"
-    profiles.mkdir()
-    tiny = (PROJECT_ROOT / "profiles" / "tiny.toml").read_text()
-    shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
-    layer = tiny.replace('workspace = "rw"', 'workspace = "layer"')
-    (profiles / "layer.toml").write_text(layer)
+async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncIterator[Env]:
+    layer = as_layer("tiny")
     passing = layer.replace("passthrough = []", 'passthrough = ["node_modules", "absent"]')
-    (profiles / "pass.toml").write_text(passing)
-    root = tmp_path / "roots"
-    project = root / "project"
-    (project / ".git").mkdir(parents=True)
-    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    (project / "poetry.lock").write_bytes(LOCK)
-    (project / "src").mkdir()
-    (project / "src" / "app.py").write_text("print('hi')\n")
-    (project / "old.txt").write_text("old\n")
-    for base, dirs, files in os.walk(project):
-        for name in [*dirs, *files]:
-            os.chown(os.path.join(base, name), OWNER, OWNER, follow_symlinks=False)
-    os.chown(project, OWNER, OWNER)
-    config = Config(state_dir=str(leftovers), adopt_roots=[str(root)], profiles_dir=str(profiles))
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with open_client(leftovers / "substrate.sock") as client:
-            ws = await client.call(
-                "workspace.adopt",
-                path=str(project),
-                policy={"write_deny": ["*.lock", ".env"]},
-            )
-            yield Env(daemon, client, ws["workspace"], project, leftovers)
-        nursery.cancel_scope.cancel()
+    profiles = profiles_dir(tmp_path / "profiles", ["tiny"], layer=layer, **{"pass": passing})
+    project = owned_project(
+        tmp_path / "roots" / "project",
+        {
+            ".git/HEAD": "ref: refs/heads/main\n",
+            "poetry.lock": LOCK,
+            "src/app.py": "print('hi')\n",
+            "old.txt": "old\n",
+        },
+    )
+    config = Config(
+        state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
+    )
+    async with serving(config) as daemon, open_client(engine_state / "substrate.sock") as client:
+        ws = await client.call(
+            "workspace.adopt", path=str(project), policy={"write_deny": ["*.lock", ".env"]}
+        )
+        yield Env(daemon, client, ws["workspace"], project, engine_state)
 
 
 async def test_the_sandbox_sees_a_verified_layer_and_a_read_only_git(env: Env) -> None:

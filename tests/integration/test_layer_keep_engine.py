@@ -10,21 +10,18 @@ one with `workspace = "layer"`). Every test ends with no mount left under the st
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.config import Config
+from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from tests.harness import wait_until_async
-from tests.harness.engine import remove_daemon_containers, sweep_mounts
+from tests.harness.inprocess import as_layer, owned_project, profiles_dir, serving
 
 OWNER = 1000
 CAP = 2
@@ -48,44 +45,20 @@ class Env:
 
 
 @pytest.fixture
-def leftovers(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    yield state
-    remove_daemon_containers(docker_client, state)
-    assert sweep_mounts(state) == []  # never leave a test's mount behind
-
-
-@pytest.fixture
-async def env(
-    tiny_image: str, leftovers: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Env]:
-    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
-    profiles = tmp_path / "profiles"
-    profiles.mkdir()
-    tiny = (PROJECT_ROOT / "profiles" / "tiny.toml").read_text()
-    (profiles / "layer.toml").write_text(tiny.replace('workspace = "rw"', 'workspace = "layer"'))
-    shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
-    project = tmp_path / "roots" / "project"
-    (project / "src").mkdir(parents=True)
-    (project / "old.txt").write_text("old\n")
-    (project / "src" / "app.py").write_text("print('hi')\n")
-    for base, dirs, files in os.walk(project):
-        for name in [*dirs, *files]:
-            os.chown(os.path.join(base, name), OWNER, OWNER, follow_symlinks=False)
-    os.chown(project, OWNER, OWNER)
+async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncIterator[Env]:
+    profiles = profiles_dir(tmp_path / "profiles", ["tiny"], layer=as_layer("tiny"))
+    project = owned_project(
+        tmp_path / "roots" / "project", {"old.txt": "old\n", "src/app.py": "print('hi')\n"}
+    )
     config = Config(
-        state_dir=str(leftovers),
+        state_dir=str(engine_state),
         adopt_roots=[str(project.parent)],
         profiles_dir=str(profiles),
         max_kept_changesets=CAP,
     )
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with open_client(leftovers / "substrate.sock") as client:
-            ws = await client.call("workspace.adopt", path=str(project))
-            yield Env(daemon, client, ws["workspace"], project, leftovers)
-        nursery.cancel_scope.cancel()
+    async with serving(config) as daemon, open_client(engine_state / "substrate.sock") as client:
+        ws = await client.call("workspace.adopt", path=str(project))
+        yield Env(daemon, client, ws["workspace"], project, engine_state)
 
 
 async def _marker(env: Env, name: str) -> None:

@@ -10,19 +10,17 @@ write a newly denied directory and nothing would catch it.
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.config import Config
+from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, open_client
-from tests.harness.engine import remove_daemon_containers
+from tests.harness.inprocess import owned_project, profiles_dir, serving
 
 OWNER = 1000
 
@@ -42,41 +40,21 @@ class Env:
 
 
 @pytest.fixture
-def state(docker_client: Any, tmp_path: Path) -> Iterator[Path]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    yield state
-    remove_daemon_containers(docker_client, state)
-
-
-@pytest.fixture
-async def env(
-    tiny_image: str, state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Env]:
-    monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
-    profiles = tmp_path / "profiles"
-    profiles.mkdir()
-    shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
-    project = tmp_path / "roots" / "project"
-    (project / "build").mkdir(parents=True)
-    (project / "build" / "keep").write_text("k\n")
+async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncIterator[Env]:
+    profiles = profiles_dir(tmp_path / "profiles", ["tiny"])
+    project = owned_project(tmp_path / "roots" / "project", {"build/keep": "k\n"})
     (project / "src").mkdir()
-    for base, dirs, files in os.walk(project):
-        for name in [*dirs, *files]:
-            os.chown(os.path.join(base, name), OWNER, OWNER, follow_symlinks=False)
-    os.chown(project, OWNER, OWNER)
+    os.chown(project / "src", OWNER, OWNER)
     config = Config(
-        state_dir=str(state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
+        state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
     )
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with (
-            open_client(state / "substrate.sock") as agent,
-            open_client(state / "operator.sock") as operator,
-        ):
-            ws = await agent.call("workspace.adopt", path=str(project))
-            yield Env(daemon, agent, operator, ws["workspace"], project)
-        nursery.cancel_scope.cancel()
+    async with (
+        serving(config) as daemon,
+        open_client(engine_state / "substrate.sock") as agent,
+        open_client(engine_state / "operator.sock") as operator,
+    ):
+        ws = await agent.call("workspace.adopt", path=str(project))
+        yield Env(daemon, agent, operator, ws["workspace"], project)
 
 
 async def test_set_policy_reaches_a_warm_sandbox(env: Env) -> None:
