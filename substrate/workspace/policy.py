@@ -41,6 +41,7 @@ import msgspec
 
 from substrate.errors import InvalidParams
 from substrate.schema.workspace import Policy
+from substrate.workspace.glob_regex import NEVER, GlobRegex, compile_sources
 
 GIT_DENY = ".git/**"
 #: The name git gives its directory (or, in worktrees and submodules, its pointer file).
@@ -71,7 +72,7 @@ def _translate_class(body: str) -> str:
     chars = "".join(c if c == "-" else re.escape(c) for c in body if c != "/")
     if negated:
         return "[^/" + chars + "]"
-    return "[" + chars + "]" if chars else "(?!)"
+    return "[" + chars + "]" if chars else NEVER
 
 
 def _translate(pattern: str) -> str:
@@ -113,8 +114,10 @@ def _parse(pattern: str) -> tuple[bool, str]:
     return "/" in body, body.lstrip("/")
 
 
-def compile_glob(pattern: str) -> re.Pattern[str]:
-    """Compile one pattern to a regex matched against a whole relative path (or prefix)."""
+def glob_source(pattern: str) -> str:
+    """The regex (unanchored at its end) of one pattern, matched against a whole relative
+    path (or prefix). Refuses `invalid_params` for a negation, a NUL or backslash, or an
+    empty pattern."""
     if pattern.startswith("!"):
         raise InvalidParams(f"policy glob {pattern!r}: negation is not supported", path="$.policy")
     if "\x00" in pattern or "\\" in pattern:
@@ -125,7 +128,15 @@ def compile_glob(pattern: str) -> re.Pattern[str]:
     # `X/**` covers X itself too: a denied `.git` may not be replaced by a file either.
     regex = _translate(body[:-3]) + "(?:/.*)?" if body.endswith("/**") else _translate(body)
     prefix = "" if anchored else "(?:.*/)?"
-    return re.compile(prefix + regex + r"\Z", re.DOTALL)
+    return prefix + regex
+
+
+def compile_glob(pattern: str) -> GlobRegex:
+    """One pattern compiled to match a whole relative path (`glob_regex`: bounded time
+    whatever the pattern). Refuses as `glob_source` does."""
+    compiled = compile_sources([glob_source(pattern)])
+    assert compiled is not None
+    return compiled
 
 
 def canonical_glob(pattern: str) -> str:
@@ -139,25 +150,24 @@ def canonical_glob(pattern: str) -> str:
 class GlobSet:
     patterns: tuple[str, ...]
     #: Every pattern as one alternation: one regex match per path prefix, however many.
-    _regex: re.Pattern[str] | None
+    _regex: GlobRegex | None
 
     @classmethod
     def of(cls, patterns: Sequence[str]) -> GlobSet:
-        parts = [compile_glob(p).pattern for p in patterns]
-        combined = re.compile("|".join(f"(?:{p})" for p in parts), re.DOTALL) if parts else None
-        return cls(tuple(patterns), combined)
+        """Refuses `invalid_params` for a bad pattern, or too many too complex to join."""
+        return cls(tuple(patterns), compile_sources([glob_source(p) for p in patterns]))
 
     def matches(self, path: str) -> bool:
         """True when `path` or any of its parent directories matches a pattern."""
         if self._regex is None:
             return False
-        parts = path.split("/")
-        return any(self._regex.match("/".join(parts[: i + 1])) for i in range(len(parts)))
+        regex, parts = self._regex, path.split("/")
+        return any(regex.match("/".join(parts[: i + 1])) for i in range(len(parts)))
 
     def matches_exactly(self, path: str) -> bool:
         """True when `path` itself matches a pattern (a walk that prunes what matches
         has already kept its parents): one regex match."""
-        return self._regex is not None and self._regex.match(path) is not None
+        return self._regex is not None and self._regex.match(path)
 
     def __bool__(self) -> bool:
         return bool(self.patterns)
@@ -312,7 +322,8 @@ def _components(body: str) -> list[str]:
 
 
 def _component_matches(segment: str, name: str) -> bool:
-    return re.match(_translate(segment) + r"\Z", name, re.DOTALL) is not None
+    compiled = compile_sources([_translate(segment)])
+    return compiled is not None and compiled.match(name)
 
 
 def _closure(segments: Sequence[str], states: set[int]) -> set[int]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -33,7 +32,8 @@ from substrate.workspace import fsops, paths
 from substrate.workspace.gate.attribution import Handle, handle_at
 from substrate.workspace.gate.diff import Node
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, MAX_KEPT_TOTAL, Keep
-from substrate.workspace.policy import CompiledPolicy, compile_glob
+from substrate.workspace.glob_regex import MAX_SOURCE_CHARS, GlobRegex, compile_sources
+from substrate.workspace.policy import CompiledPolicy, glob_source
 from substrate.workspace.registry import Workspace
 
 #: A file changed this close before its snapshot may change again within the same ctime
@@ -48,17 +48,16 @@ class Matcher:
     """The gated globs as one regex, matched against each path once (its ancestors were
     matched as the walk entered them, and a match there covers everything beneath)."""
 
-    regex: re.Pattern[str] | None
+    regex: GlobRegex | None
 
     @classmethod
     def of(cls, patterns: Iterable[str]) -> Matcher:
-        parts = [compile_glob(p).pattern for p in patterns]
-        if not parts:
-            return cls(None)
-        return cls(re.compile("|".join(f"(?:{p})" for p in parts), re.DOTALL))
+        # Two policy lists, each within the cap on its own (`compile_policy` checked).
+        sources = [glob_source(p) for p in patterns]
+        return cls(compile_sources(sources, limit=2 * MAX_SOURCE_CHARS + 1))
 
     def denied(self, rel: str) -> bool:
-        return self.regex is not None and self.regex.match(rel) is not None
+        return self.regex is not None and self.regex.match(rel)
 
 
 _matchers: dict[tuple[str, ...], Matcher] = {}
