@@ -133,9 +133,10 @@ async def through_daemon(base: Path, project: Path, runs: int) -> dict[str, list
     profiles = base / "profiles"
     profiles.mkdir()
     shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
-    config = Config(
-        state_dir=str(state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
-    )
+    config = Config(  # terminals on a free port: the default one may be another daemon's
+        state_dir=str(state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles),
+        listen="127.0.0.1:0",
+    )  # fmt: skip
     async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
         await nursery.start(daemon.serve)
         async with open_client(state / "substrate.sock") as client:
