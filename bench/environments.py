@@ -241,7 +241,8 @@ def record(steps: dict[str, list[Step]], run: int, key: str, step: Step) -> None
 
 def report(args: argparse.Namespace, steps: dict[str, list[Step]]) -> None:
     def med(key: str, attr: str) -> float:
-        return statistics.median(getattr(s, attr) for s in steps[key])
+        values: list[float] = [getattr(s, attr) for s in steps[key]]
+        return statistics.median(values)
 
     def span(key: str) -> str:
         totals = [s.total_s for s in steps[key]]

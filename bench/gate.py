@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from substrate.config import PROJECT_ROOT, Config  # noqa: E402
-from substrate.daemon import Daemon  # noqa: E402
+from substrate.daemon import open_daemon  # noqa: E402
 from substrate.protocol.client import open_client  # noqa: E402
 from substrate.schema.workspace import Policy  # noqa: E402
 from substrate.store.db import Store  # noqa: E402
@@ -133,32 +133,31 @@ async def through_daemon(base: Path, project: Path, runs: int) -> dict[str, list
     profiles = base / "profiles"
     profiles.mkdir()
     shutil.copy(PROJECT_ROOT / "profiles" / "tiny.toml", profiles / "tiny.toml")
-    config = Config(
-        state_dir=str(state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
-    )
-    daemon = Daemon(config)
-    out: dict[str, list[float]] = {}
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            async with open_client(state / "substrate.sock") as client:
-                ws = await client.call(
-                    "workspace.adopt", path=str(project), policy={"write_deny": DENY}
+    config = Config(  # terminals on a free port: the default one may be another daemon's
+        state_dir=str(state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles),
+        listen="127.0.0.1:0",
+    )  # fmt: skip
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(daemon.serve)
+        async with open_client(state / "substrate.sock") as client:
+            ws = await client.call(
+                "workspace.adopt", path=str(project), policy={"write_deny": DENY}
+            )
+
+            async def true() -> Any:
+                return await client.call(
+                    "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
                 )
 
-                async def true() -> Any:
-                    return await client.call(
-                        "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
-                    )
-
-                await true()  # container start and fact checks
-                processes = daemon.execution.processes
-                gate = processes.write_gate
-                for _ in range(3):
-                    await true()
-                gated: list[float] = []
-                bare: list[float] = []
-                duration: list[float] = []
+            await true()  # container start and fact checks
+            processes = daemon.execution.processes
+            gate = processes.write_gate
+            for _ in range(3):
+                await true()
+            gated: list[float] = []
+            bare: list[float] = []
+            duration: list[float] = []
+            try:
                 for _ in range(runs):  # interleaved, so background load hits both alike
                     processes.write_gate = gate
                     gated += await timed(true, 1)
@@ -167,12 +166,10 @@ async def through_daemon(base: Path, project: Path, runs: int) -> dict[str, list
                     result = await true()
                     bare.append((time.perf_counter() - t) * 1000)
                     duration.append(result["duration_ms"])
+            finally:
                 processes.write_gate = gate
-                out = {"gated": gated, "bare": bare, "duration": duration}
-            nursery.cancel_scope.cancel()
-    finally:
-        daemon.close()
-    return out
+        nursery.cancel_scope.cancel()
+    return {"gated": gated, "bare": bare, "duration": duration}
 
 
 async def main() -> None:

@@ -37,10 +37,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-from benchdaemon import BenchDaemon  # noqa: E402
-
+from bench.benchdaemon import BenchDaemon  # noqa: E402
 from substrate.protocol.client import Client  # noqa: E402
 
 WORKSPACE_UID = 1000

@@ -46,8 +46,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchdaemon import BenchDaemon  # noqa: E402
-
+from bench.benchdaemon import BenchDaemon  # noqa: E402
 from substrate.protocol.client import Client  # noqa: E402
 
 WORKSPACE_UID = 1000

@@ -37,14 +37,13 @@ import trio
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 # This file is bench/mcp.py: with bench/ first on sys.path, `import mcp` would import
-# it again instead of the SDK. The SDK first, then bench/ (for benchdaemon) and the repo.
+# it again instead of the SDK. The SDK first, then the repo (for `bench.` and `substrate.`).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
 
-sys.path[:0] = [str(REPO), str(HERE)]
+sys.path.insert(0, str(REPO))
 
-from benchdaemon import BenchDaemon  # noqa: E402
-
+from bench.benchdaemon import BenchDaemon  # noqa: E402
 from substrate.protocol.client import Client, open_client  # noqa: E402
 
 WORKSPACE_UID = 1000

@@ -35,8 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchdaemon import BenchDaemon  # noqa: E402
-
+from bench.benchdaemon import BenchDaemon  # noqa: E402
 from substrate.protocol import rpc  # noqa: E402
 from substrate.protocol.client import Client  # noqa: E402
 from substrate.schema.upload import chunk_bytes  # noqa: E402
