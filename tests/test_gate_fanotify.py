@@ -18,6 +18,7 @@ import pytest
 from substrate.workspace.gate import FanotifyAttribution, Unavailable
 from substrate.workspace.gate import relay as relay_mod
 from substrate.workspace.gate.attribution import handle_at, key
+from tests.harness import wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="fanotify needs root, as the daemon")
 
@@ -79,6 +80,56 @@ def test_a_writer_in_the_sandbox_is_attributed_even_after_it_exited(
     assert touches.verdict([key(here, ".env")]) == ("sandbox", None)
     assert touches.verdict([key(here, "poetry.lock")]) == ("unattributed", "changed outside")
     assert key(here, "poetry.lock") not in touches.sandbox
+
+
+def test_one_relay_serves_each_window_of_a_sandbox_and_ends_with_it(tmp_path: Path) -> None:
+    # A shell in its own pid namespace that writes the file named by each line it reads.
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", "sh", "-c",
+         'while read f; do (echo x > "$1/$f"); echo done; done', "sh", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    attribution = FanotifyAttribution()
+
+    def sandbox_writes(name: str) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(name.encode() + b"\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"done\n"
+
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        inner = wait_until(lambda: _child_of(proc.pid))
+        first = attribution.watch(root, inner)
+        sandbox_writes("a.txt")
+        one = first.touches()
+        first.close()
+        (relay,) = attribution._relays.values()
+        (tmp_path / "b.txt").write_text("between windows: no mark, no event\n")
+        second = attribution.watch(root, inner)
+        assert list(attribution._relays.values()) == [relay]  # the same relay, still running
+        sandbox_writes("a.txt")  # the same key again: relayed again in the new window
+        (tmp_path / "c.txt").write_text("the host's\n")
+        two = second.touches()
+        second.close()
+        here = handle_at(root)
+    finally:
+        os.close(root)
+        proc.kill()
+        proc.communicate()
+    assert here is not None and one.lost is None and two.lost is None
+    assert key(here, "a.txt") in one.sandbox and key(here, "a.txt") in two.sandbox
+    assert key(here, "b.txt") not in two.others | two.sandbox
+    assert two.verdict([key(here, "c.txt")]) == ("unattributed", "changed outside")
+    # The sandbox's end (its pid namespace's) ends the relay, and the daemon forgets it.
+    wait_until(lambda: not attribution._relays)
+    assert relay.ended
+
+
+def _child_of(pid: int) -> int | None:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return int(children[0]) if children else None
 
 
 def test_a_sandbox_sharing_the_daemons_pid_namespace_is_refused(tmp_path: Path) -> None:

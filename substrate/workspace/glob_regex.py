@@ -77,7 +77,7 @@ class GlobRegex:
 
     @property
     def engine(self) -> str:
-        """"re" or "re2": which one matches (for tests and docs)."""
+        """Which engine matches: "re" or "re2" (for tests and docs)."""
         return "re" if self._re is not None else "re2"
 
 

@@ -12,15 +12,22 @@ handle, name) key once, as the sandbox's or as someone else's.
 Needs `CAP_SYS_ADMIN` (the daemon runs as root) and a file system that gives file
 handles; otherwise `watch` raises `Unavailable` and the gate reverts nothing.
 
-Costs per watch: a relay process (`python -I -S`, about 30 ms to start, overlapping the
-snapshot walk), and for as long as it runs one pass over every event of the file system
-(the whole machine's writes to it, not only the workspace's); memory bounded by the
-relay's `MAX_KEYS` per kind.
+One relay per sandbox (its pid namespace) and file system, started with the first watch
+(`python -I -S`, about 30 ms) and kept while the sandbox lives: its end kills the relay
+with the rest of the namespace, and the relay exits when the daemon's end of its control
+pipe closes (a daemon killed outright included). A watch is a *window* on it: the
+group's file-system mark is added when the first window opens and flushed when the last
+one closes, so an idle sandbox costs no event; opening a window asks the relay to
+relay every key once again (`R`), closing one nothing. Events queued before a window
+opened may be counted in it: a host's one only makes a change unattributed (never
+reverted), a sandbox's one was the sandbox's. Costs per window: two round trips to the
+relay (well under a millisecond) and, while any window is open, one pass over every
+event of the file system (the whole machine's writes to it, not only the workspace's);
+memory bounded by `relay.MAX_KEYS` per kind, per window.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
@@ -29,8 +36,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from substrate.workspace.gate.attribution import Key, Touches, Unavailable, Watch
+from substrate.workspace.gate.relay import MAX_KEYS
 
 log = logging.getLogger("substrate.workspace.gate")
 
@@ -44,6 +53,7 @@ _FAN_REPORT_FID = 0x200
 _FAN_REPORT_DIR_FID = 0x400
 _FAN_REPORT_NAME = 0x800
 _FAN_MARK_ADD = 0x1
+_FAN_MARK_FLUSH = 0x80
 _FAN_MARK_FILESYSTEM = 0x100
 _EVENTS = (
     0x2  # FAN_MODIFY
@@ -73,11 +83,18 @@ def _errno_text() -> str:
 class FanotifyAttribution:
     """`gate.attribution.Attribution` from fanotify (see the module docstring)."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: (pid namespace st_dev, st_ino, workspace file system st_dev) → its relay. The
+        #: relay holds the namespace's fd, so no other namespace can take its inode.
+        self._relays: dict[tuple[int, int, int], _Relay] = {}
+
     def watch(self, root_fd: int, sandbox_pid: int | None) -> Watch:
-        """Mark the file system of `root_fd` and start the relay in the pid namespace of
-        `sandbox_pid`. Raises `Unavailable` when the namespace is the daemon's own (the
-        sandbox could not be told from the host), fanotify refuses, or the relay cannot
-        be started, or no sandbox is named. Blocking; costs a process start."""
+        """Open a window on the relay of `sandbox_pid`'s pid namespace for the file system
+        of `root_fd`, starting the relay first if there is none. Raises `Unavailable`
+        when no sandbox is named, its namespace is the daemon's own (the sandbox could
+        not be told from the host), fanotify refuses, or the relay cannot be started or
+        does not answer. Blocking; costs a process start the first time."""
         if sandbox_pid is None:
             raise Unavailable("no sandbox process named")
         try:
@@ -86,12 +103,65 @@ class FanotifyAttribution:
             raise Unavailable(
                 f"the sandbox's pid namespace: {os.strerror(exc.errno or 0)}"
             ) from exc
-        fds = [ns]
         try:
             mine = os.stat("/proc/self/ns/pid")
             theirs = os.fstat(ns)
             if (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino):
                 raise Unavailable("the sandbox shares the daemon's pid namespace")
+            where = (theirs.st_dev, theirs.st_ino, os.fstat(root_fd).st_dev)
+            with self._lock:
+                relay = self._relays.get(where)
+                if relay is None or relay.ended:
+                    relay = _Relay.start(ns, lambda: self._forget(where))
+                    ns = -1  # the relay holds it now
+                    self._relays[where] = relay
+        finally:
+            if ns >= 0:
+                os.close(ns)
+        return relay.open(root_fd)
+
+    def _forget(self, where: tuple[int, int, int]) -> None:
+        with self._lock:
+            relay = self._relays.get(where)
+            if relay is not None and relay.ended:
+                del self._relays[where]
+
+    def close(self) -> None:
+        """End every relay (the daemon stops). Blocking: each is reaped."""
+        with self._lock:
+            relays, self._relays = list(self._relays.values()), {}
+        for relay in relays:
+            relay.close()
+
+
+class _Relay:
+    """One running relay, the thread that reads what it relays, and its open windows."""
+
+    def __init__(
+        self, proc: subprocess.Popen[bytes], fan: int, ns: int, ctl: int, out: int, gone: Any
+    ) -> None:
+        self._proc = proc
+        self._fan = fan  # the group: the daemon adds and flushes its mark
+        self._ns = ns
+        self._ctl: int | None = ctl
+        self._gone = gone
+        self._cond = threading.Condition()
+        self._requests = threading.Lock()  # one request to the relay at a time
+        self._windows: set[FanotifyWatch] = set()
+        self._marked = False
+        self._flushed = 0
+        self.ended = False
+        self._reader = threading.Thread(
+            target=self._read, args=(out,), name="gate-relay", daemon=True
+        )
+        self._reader.start()
+
+    @classmethod
+    def start(cls, ns: int, gone: Any) -> _Relay:
+        """A relay in the pid namespace of `ns` (taken over: closed when the relay
+        ends). Raises `Unavailable`."""
+        fds = [ns]
+        try:
             flags = (
                 _FAN_CLOEXEC
                 | _FAN_NONBLOCK
@@ -103,14 +173,8 @@ class FanotifyAttribution:
             if fan < 0:
                 raise Unavailable(f"fanotify_init: {_errno_text()}")
             fds.append(fan)
-            # pathname NULL: the object of `root_fd` itself is marked, nothing is resolved.
-            flags = _FAN_MARK_ADD | _FAN_MARK_FILESYSTEM
-            if _libc.fanotify_mark(fan, flags, _EVENTS, root_fd, None) != 0:
-                raise Unavailable(f"fanotify_mark: {_errno_text()}")
             ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
-            fds.append(ctl_r)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
-            fds.append(out_w)
             try:
                 proc = subprocess.Popen(
                     [sys.executable, "-I", "-S", str(RELAY), str(fan), str(ns), str(ctl_r)],
@@ -120,31 +184,75 @@ class FanotifyAttribution:
                     pass_fds=(fan, ns, ctl_r),
                 )
             except OSError as exc:
-                os.close(ctl_w)
-                os.close(out_r)
+                for fd in (ctl_w, out_r):
+                    os.close(fd)
                 raise Unavailable(f"the relay: {os.strerror(exc.errno or 0)}") from exc
-            return FanotifyWatch(proc, ctl_w, out_r)
-        finally:
+            finally:
+                for fd in (ctl_r, out_w):
+                    os.close(fd)
+        except BaseException:
             for fd in fds:
                 os.close(fd)
+            raise
+        return cls(proc, fan, ns, ctl_w, out_r, gone)
 
+    def open(self, root_fd: int) -> FanotifyWatch:
+        """A new window: marks the file system of `root_fd` if no window is open, and has
+        the relay relay every key once again. Raises `Unavailable`."""
+        window = FanotifyWatch(self)
+        with self._requests:
+            with self._cond:
+                if self.ended:
+                    raise Unavailable("the relay ended")
+                self._windows.add(window)
+            if not self._marked:
+                # pathname NULL: the object of `root_fd` itself is marked, nothing resolved.
+                flags = _FAN_MARK_ADD | _FAN_MARK_FILESYSTEM
+                if _libc.fanotify_mark(self._fan, flags, _EVENTS, root_fd, None) != 0:
+                    text = _errno_text()
+                    self._drop(window)
+                    raise Unavailable(f"fanotify_mark: {text}")
+                self._marked = True
+            if not self._request(b"R"):
+                self._drop(window)
+                raise Unavailable("the relay did not answer")
+        return window
 
-class FanotifyWatch:
-    """A running relay and the thread that collects what it relays."""
+    def _drop(self, window: FanotifyWatch) -> None:
+        """Close `window`; the caller holds `_requests`."""
+        with self._cond:
+            self._windows.discard(window)
+            last = not self._windows
+        if last and self._marked:
+            # Unmarked, the group gets no events: an idle sandbox costs nothing. What is
+            # queued stays and is read with the next window's first request.
+            _libc.fanotify_mark(self._fan, _FAN_MARK_FLUSH | _FAN_MARK_FILESYSTEM, 0, -1, None)
+            self._marked = False
 
-    def __init__(self, proc: subprocess.Popen[bytes], ctl: int, out: int) -> None:
-        self._proc = proc
-        self._ctl: int | None = ctl
-        self._cond = threading.Condition()
-        self._sandbox: set[Key] = set()
-        self._others: set[Key] = set()
-        self._lost: str | None = None
-        self._flushed = 0
-        self._ended = False
-        self._reader = threading.Thread(
-            target=self._read, args=(out,), name="gate-relay", daemon=True
-        )
-        self._reader.start()
+    def close_window(self, window: FanotifyWatch) -> None:
+        with self._requests:
+            self._drop(window)
+
+    def flush(self) -> bool:
+        """Have the relay relay every event queued now; False when it did not answer
+        within `FLUSH_WAIT_S` or ended."""
+        with self._requests:
+            return self._request(b"F")
+
+    def _request(self, byte: bytes) -> bool:
+        """Send `byte` and wait for its `F`; the caller holds `_requests`."""
+        with self._cond:
+            target = self._flushed + 1
+            if self.ended or self._ctl is None:
+                return False
+        try:
+            os.write(self._ctl, byte)
+        except OSError:
+            return False  # the relay is gone: the reader records it
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._flushed >= target or self.ended, timeout=FLUSH_WAIT_S
+            ) and (self._flushed >= target)
 
     def _read(self, out: int) -> None:
         pending = b""
@@ -166,54 +274,83 @@ class FanotifyWatch:
         finally:
             os.close(out)
             with self._cond:
-                if self._lost is None and not self._ended:
-                    self._lost = "the relay ended early"
-                self._ended = True
+                self.ended = True
+                for window in self._windows:
+                    window.lose("the relay ended early")
                 self._cond.notify_all()
+            self._release()
 
     def _record(self, kind: bytes, key: Key) -> None:
         with self._cond:
-            if kind == b"S":
-                self._sandbox.add(key)
-            elif kind == b"H":
-                self._others.add(key)
-            elif kind == b"O":
-                self._lost = self._lost or "events were lost"
-            elif kind == b"F":
+            if kind == b"F":
                 self._flushed += 1
                 self._cond.notify_all()
-            elif kind == b"E":
-                self._ended = True
-                self._cond.notify_all()
+                return
+            for window in self._windows:
+                if kind == b"S":
+                    window.add(key, sandbox=True)
+                elif kind == b"H":
+                    window.add(key, sandbox=False)
+                elif kind == b"O":
+                    window.lose("events were lost")
+
+    def _release(self) -> None:
+        """After the relay's output ended: reap it and close what it used."""
+        with self._requests:
+            if self._ctl is not None:
+                os.close(self._ctl)
+                self._ctl = None
+            try:
+                self._proc.wait(timeout=FLUSH_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("the write gate's fanotify relay did not end: killed")
+                self._proc.kill()
+                self._proc.wait()
+            for fd in (self._fan, self._ns):
+                os.close(fd)
+            self._fan = self._ns = -1
+        self._gone()
+
+    def close(self) -> None:
+        """End the relay: its control pipe closes, it relays what is queued and exits."""
+        with self._requests:
+            if self._ctl is not None:
+                os.close(self._ctl)
+                self._ctl = None
+        self._reader.join(timeout=2 * FLUSH_WAIT_S)
+
+
+class FanotifyWatch:
+    """One window on a sandbox's relay (`gate.attribution.Watch`)."""
+
+    def __init__(self, relay: _Relay) -> None:
+        self._relay = relay
+        self._sandbox: set[Key] = set()
+        self._others: set[Key] = set()
+        self._lost: str | None = None
+        self._closed = False
+
+    def add(self, key: Key, *, sandbox: bool) -> None:
+        """A key the relay relayed while this window was open (under the relay's lock)."""
+        seen = self._sandbox if sandbox else self._others
+        if len(seen) >= MAX_KEYS:
+            self.lose("too many changes to tell apart")
+        else:
+            seen.add(key)
+
+    def lose(self, why: str) -> None:
+        self._lost = self._lost or why
 
     def touches(self) -> Touches:
         """Ask the relay to relay everything queued now, wait for it (at most
-        `FLUSH_WAIT_S`), and return what was seen. Blocking."""
-        with self._cond:
-            target = self._flushed + 1
-            ended = self._ended
-        if not ended and self._ctl is not None:
-            with contextlib.suppress(OSError):  # the relay is gone: the reader records it
-                os.write(self._ctl, b"F")
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._flushed >= target or self._ended, timeout=FLUSH_WAIT_S
-            ):
-                self._lost = self._lost or "the relay did not answer"
-            if self._flushed < target and self._lost is None:
-                self._lost = "the relay ended early"
+        `FLUSH_WAIT_S`), and return what this window saw. Blocking."""
+        if not self._relay.flush():
+            self.lose("the relay did not answer")
+        with self._relay._cond:
             return Touches(frozenset(self._sandbox), frozenset(self._others), self._lost)
 
     def close(self) -> None:
-        """Tell the relay to finish, reap it (killed after `FLUSH_WAIT_S`). Blocking."""
-        if self._ctl is None:
-            return
-        os.close(self._ctl)
-        self._ctl = None
-        try:
-            self._proc.wait(timeout=FLUSH_WAIT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("the write gate's fanotify relay did not end: killed")
-            self._proc.kill()
-            self._proc.wait()
-        self._reader.join(timeout=FLUSH_WAIT_S)
+        """Close the window (the relay keeps running for the sandbox). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._relay.close_window(self)

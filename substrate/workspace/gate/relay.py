@@ -19,8 +19,11 @@ path). Output on stdout, records of `kind (1 byte) + length (2 bytes LE) + key`:
 (each key once per kind; after `MAX_KEYS` distinct keys of one kind a single `O` is sent
 instead: the set is no longer complete), `O` events were lost (the kernel queue
 overflowed), `F` every event queued when the
-flush byte arrived on `CTL` has been relayed, `E` the same for `CTL`'s end-of-file, then
-the relay exits. A key is `handle_type (i32 LE) + handle bytes + NUL + name`, the fields
+flush byte (`F`, or `R`: then every key is forgotten as well, so each is relayed once
+again from here on: a new watch window began) arrived on `CTL` has been relayed, `E` the
+same for `CTL`'s end-of-file, then the relay exits. One relay serves a sandbox for as
+long as it lives (`fanotify.FanotifyAttribution`); the sandbox's end kills it with the
+rest of its pid namespace. A key is `handle_type (i32 LE) + handle bytes + NUL + name`, the fields
 of the event's `FAN_EVENT_INFO_TYPE_DFID_NAME` record (the fsid is dropped: the group
 marks one file system).
 
@@ -120,6 +123,12 @@ class Relay:
         if out:
             self._write(b"".join(out))
 
+    def reset(self) -> None:
+        """Forget every key relayed: from now on each is relayed once again (a new
+        watch window began), and the sets may fill up again."""
+        self._seen = {b"S": set(), b"H": set()}
+        self._full = set()
+
     def mark(self, kind: bytes) -> None:
         self._write(kind + b"\0\0")
 
@@ -164,6 +173,8 @@ def serve(fan: int, ctl: int, out: int) -> None:
                 if not request:
                     relay.mark(b"E")
                     return
+                if request == b"R":
+                    relay.reset()
                 relay.mark(b"F")
             else:
                 _drain(fan, relay, 1)
