@@ -12,10 +12,10 @@ from __future__ import annotations
 import array
 import bisect
 import os
-import re
 
 from substrate.artifacts.sink import boundary_before
 from substrate.schema.artifact import GrepMatch, GrepResult, LinesResult
+from substrate.workspace.agent_regex import Matcher
 
 #: Read size when scanning; also the granularity of the line index.
 BLOCK = 1 << 20
@@ -104,7 +104,7 @@ def read_lines(fd: int, offset: int, size: int, start: int, count: int) -> Lines
     return LinesResult(start=start, lines=lines, eof=pos >= size, truncated=cut_any)
 
 
-def grep_fd(fd: int, regex: re.Pattern[bytes], limit: int) -> GrepResult:
+def grep_fd(fd: int, regex: Matcher, limit: int) -> GrepResult:
     """One match per matching line, reading `BLOCK` at a time (memory ≤ 2 blocks).
 
     The pattern runs over whole lines (`re.MULTILINE`); of a line longer than
@@ -149,7 +149,7 @@ def grep_fd(fd: int, regex: re.Pattern[bytes], limit: int) -> GrepResult:
 
 
 def _scan(
-    regex: re.Pattern[bytes],
+    regex: Matcher,
     data: bytes,
     end: int,
     line_no: int,

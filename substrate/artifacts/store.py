@@ -54,6 +54,7 @@ from substrate.errors import ArtifactUnknown, InvalidParams, TooLarge
 from substrate.schema.artifact import GrepResult, LinesResult, ReadResult, StatResult
 from substrate.store.db import Store
 from substrate.workspace import fsops
+from substrate.workspace.agent_regex import matcher_for
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -320,8 +321,9 @@ class ArtifactStore:
 
         `max_matches` ≤ 10000 else `too_large`; a bad pattern is `invalid_params`. One
         match per line; only the first 1 MiB of a longer line is searched; `text` is cut
-        at 4 KiB. Costs one pass over the artifact (stops at `max_matches`). A
-        pathological regex can be slow: it runs in a worker thread, holding the GIL.
+        at 4 KiB. Costs one pass over the artifact (stops at `max_matches`), in linear
+        time unless the pattern needs backtracking (`workspace.agent_regex`: then at most
+        its budget, else `limit_exceeded`).
         """
         if max_matches > MAX_MATCHES:
             raise TooLarge(f"max_matches {max_matches} exceeds {MAX_MATCHES}", limit=MAX_MATCHES)
@@ -333,7 +335,7 @@ class ArtifactStore:
             raise InvalidParams(f"pattern: {exc}", path="$.pattern") from None
         fd, _row = self._open(artifact)
         try:
-            return grep_fd(fd, regex, max_matches)
+            return grep_fd(fd, matcher_for(regex), max_matches)
         finally:
             os.close(fd)
 

@@ -23,6 +23,7 @@ from typing import Any
 from substrate.errors import InvalidParams
 from substrate.schema.fs import SearchMatch, SearchParams, SearchResult
 from substrate.workspace import fsops, paths
+from substrate.workspace.agent_regex import Matcher, matcher_for
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.reads import pruner_for, walk_entries
 from substrate.workspace.registry import Workspace
@@ -59,6 +60,7 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     """
     regex = _compile_search(p)
     prefilter = _Prefilter.for_search(regex)
+    matcher = matcher_for(regex)
     try:
         globs = GlobSet.of([p.glob]) if p.glob else None
     except InvalidParams as exc:
@@ -99,7 +101,7 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
             continue
         files += 1
         scanned += len(data)
-        if _collect(regex, prefilter, data, found.rel, p.max_line_bytes, matches, p.max_matches):
+        if _collect(matcher, prefilter, data, found.rel, p.max_line_bytes, matches, p.max_matches):
             return SearchResult(
                 matches=matches, truncated=True, files_scanned=files, bytes_scanned=scanned
             )
@@ -254,7 +256,7 @@ def _line_bound(items: Any) -> bool:
 
 
 def _collect(
-    regex: re.Pattern[bytes],
+    regex: Matcher,
     prefilter: _Prefilter,
     data: bytes,
     rel: str,

@@ -69,6 +69,23 @@ def superset_of(regex: re.Pattern[bytes]) -> Any | None:
     there is no such translation. Costs one parse of the pattern and one RE2 compile
     (bounded by RE2's own memory budget, 8 MiB by default: a pattern over it gives None).
     """
+    translated = _translate(regex)
+    return None if translated is None else _compile(translated[0])
+
+
+def exact_of(regex: re.Pattern[bytes]) -> Any | None:
+    """An RE2 pattern matching exactly where `regex` does — the same language, so the
+    same leftmost match start from any position, which is all a search reports — or
+    None when the translation had to drop a constraint (a lookaround, an atomic group,
+    a possessive repeat) or there is none. Costs as `superset_of`."""
+    translated = _translate(regex)
+    if translated is None or not translated[1]:
+        return None
+    return _compile(translated[0])
+
+
+def _translate(regex: re.Pattern[bytes]) -> tuple[str, bool] | None:
+    """(RE2 source, exact) of `regex`, or None when it has no translation."""
     if not regex.flags & re.MULTILINE or regex.flags & re.LOCALE:
         return None
     try:
@@ -78,11 +95,14 @@ def superset_of(regex: re.Pattern[bytes]) -> Any | None:
             fold=bool(flags & _sre.SRE_FLAG_IGNORECASE),
             dotall=bool(flags & _sre.SRE_FLAG_DOTALL),
         )
-        source = "(?m)" + translator.sequence(parsed.data)
+        return "(?m)" + translator.sequence(parsed.data), translator.exact
     except (_Untranslatable, RecursionError):
         return None
-    except Exception:  # a parse tree this code does not know: no prefilter
+    except Exception:  # a parse tree this code does not know: no translation
         return None
+
+
+def _compile(source: str) -> Any | None:
     options = re2.Options()
     options.encoding = re2.Options.Encoding.LATIN1
     options.never_capture = True
@@ -97,6 +117,7 @@ class _Translator:
     def __init__(self, *, fold: bool, dotall: bool) -> None:
         self.fold = fold
         self.dotall = dotall
+        self.exact = True  # no constraint dropped so far
 
     def sequence(self, items: Any) -> str:
         return "".join(self.item(op, av) for op, av in items)
@@ -115,6 +136,8 @@ class _Translator:
         if op is _sre.AT:
             return _ANCHORS[av]
         if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
+            # Lazy or greedy, the language is the same; possessive matches less.
+            self.exact = self.exact and op is not _sre.POSSESSIVE_REPEAT
             low, high, sub = av
             if low > _RE2_MAX_REPEAT or (high is not _sre.MAXREPEAT and high > _RE2_MAX_REPEAT):
                 raise _Untranslatable
@@ -126,10 +149,12 @@ class _Translator:
                 raise _Untranslatable
             return f"(?:{self.sequence(sub)})"
         if op is _sre.ATOMIC_GROUP:
+            self.exact = False
             return f"(?:{self.sequence(av)})"
         if op is _sre.BRANCH:
             return "(?:" + "|".join(self.sequence(alt) for alt in av[1]) + ")"
         if op in (_sre.ASSERT, _sre.ASSERT_NOT):
+            self.exact = False
             return ""  # without its condition, the rest matches at least where it did
         raise _Untranslatable  # GROUPREF, GROUPREF_EXISTS, anything newer
 
