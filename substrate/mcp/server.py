@@ -9,7 +9,10 @@ filled in and counts clamped; the daemon validates and refuses. A refusal become
 tool error (`isError`) carrying `{refusal, code, message, data}`, never a protocol
 error or a crash; a result is cut to the size limit (`substrate.mcp.bounds`).
 `proc_output` subscribes on a connection of its own (`substrate.mcp.output`).
-Artifacts are resources (`substrate.mcp.resources`).
+Artifacts are resources (`substrate.mcp.resources`). A call that names a progress token
+(`_meta.progressToken`) gets a progress notification every `PROGRESS_INTERVAL_S` while
+the daemon works on it (the seconds so far: total unknown), so a client that resets its
+timeout on progress can wait for a long `proc_run` or `proc_wait`.
 
 Nothing here writes to stdout: the SDK owns it (fd 1 points at stderr while it serves).
 """
@@ -19,13 +22,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mcp.types as types
 import msgspec
+import outcome
 import trio
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel.server import Server
@@ -50,9 +54,13 @@ from substrate.schema import METHODS
 
 log = logging.getLogger("substrate.mcp")
 
+T = TypeVar("T")
+
 INVALID_PARAMS_CODE = InvalidParams.code
 #: The longest `proc_output` listens for pieces the daemon already has, seconds.
 OUTPUT_WAIT_S = 10.0
+#: Seconds between progress notifications of a call that asked for them.
+PROGRESS_INTERVAL_S = 1.0
 #: The daemon's default request line limit: longer requests are refused here, unsent.
 MAX_REQUEST_BYTES: int = next(
     f.default for f in msgspec.structs.fields(Config) if f.name == "max_request_bytes"
@@ -205,11 +213,14 @@ class Bridge:
         args = prepare_arguments(
             tool, params.arguments, default_workspace=self.workspace, result_bytes=limit
         )
-        try:
+
+        async def call() -> Any:
             if tool.name == "proc_output":
-                value: Any = await self._proc_output(args)
-            else:
-                value = await self.link.call(tool.method, args)
+                return await self._proc_output(args)
+            return await self.link.call(tool.method, args)
+
+        try:
+            value = await _reporting_progress(ctx, tool.name, call)
         except RpcError as exc:
             return refusal_result(exc)
         except ConnectionLost as exc:
@@ -398,3 +409,43 @@ def run(options: Options) -> int:
         print(f"substrate mcp: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _progress_token(ctx: ServerRequestContext[Any]) -> str | int | None:
+    meta = ctx.meta or {}
+    token = meta.get("progress_token", meta.get("progressToken"))
+    return token if isinstance(token, (str, int)) else None
+
+
+async def _reporting_progress(
+    ctx: ServerRequestContext[Any], name: str, call: Callable[[], Awaitable[T]]
+) -> T:
+    """`call()`, with progress reports beside it when the request asked for them; its
+    exception as it raised it (not in a group)."""
+    token = _progress_token(ctx)
+    if token is None:
+        return await call()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_report_progress, ctx, token, name)
+        result = await outcome.acapture(call)
+        nursery.cancel_scope.cancel()
+    return result.unwrap()
+
+
+async def _report_progress(ctx: ServerRequestContext[Any], token: str | int, name: str) -> None:
+    """Every `PROGRESS_INTERVAL_S` until cancelled: the seconds `name` has taken so far.
+    A notification that cannot be sent ends the reports, never the call."""
+    started = trio.current_time()
+    while True:
+        await trio.sleep(PROGRESS_INTERVAL_S)
+        elapsed = trio.current_time() - started
+        try:
+            await ctx.session.send_progress_notification(
+                token,
+                progress=round(elapsed, 1),
+                message=f"{name}: working for {elapsed:.0f} s",
+                related_request_id=None if ctx.request_id is None else str(ctx.request_id),
+            )
+        except Exception:  # the client went away: the call's own reply will say so
+            log.debug("a progress notification could not be sent", exc_info=True)
+            return

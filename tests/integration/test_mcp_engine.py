@@ -16,7 +16,7 @@ from mcp import ClientSession
 from mcp.types import TextResourceContents
 
 from tests.harness.engine import remove_daemon_containers
-from tests.harness.mcp import call_ok, open_mcp
+from tests.harness.mcp import call_ok, open_mcp, payload
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -142,3 +142,25 @@ async def test_a_large_inline_result_is_cut_and_stays_readable(
         assert "proc_output" in value["elided"]
         out, err, _ = await read_output(session, value["proc"])
         assert out == SEQ and err == b""
+
+
+async def test_a_long_call_reports_progress_when_asked(mcp_daemon: DaemonProcess) -> None:
+    ws = workspace(mcp_daemon)
+    seen: list[tuple[float, str | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        assert total is None  # how long a command takes is not known
+        seen.append((progress, message))
+
+    async with open_mcp(mcp_daemon, "--workspace", ws) as session:
+        argv = ["sh", "-c", "sleep 3; echo done"]
+        result = await session.call_tool(
+            "proc_run", {"profile": "tiny", "argv": argv}, progress_callback=on_progress
+        )
+        assert payload(result)["stdout"]["inline"] == "done\n"
+        assert len(seen) >= 2, seen  # one a second while the command ran
+        assert [p for p, _ in seen] == sorted(p for p, _ in seen) and seen[0][0] > 0
+        assert seen[0][1] is not None and seen[0][1].startswith("proc_run: working for")
+        # Without a progress token nothing is sent (and the call is the same).
+        quiet = await call_ok(session, "proc_run", profile="tiny", argv=["true"])
+        assert quiet["exit_code"] == 0
