@@ -7,6 +7,7 @@ Every key has a default that works on a fresh machine: the state dir from
 
 from __future__ import annotations
 
+import grp
 import os
 import tomllib
 from pathlib import Path
@@ -39,6 +40,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     listen: str = "127.0.0.1:7681"  # HTTP/WebSocket terminals, loopback only
     allowed_origins: list[str] = msgspec.field(default_factory=list)  # empty: the daemon's own
     allowed_uids: list[int] = msgspec.field(default_factory=list)  # empty: ours and root
+    #: a group (name or number) that may reach the agent socket: the state dir becomes
+    #: 0710 with that group (enter, not list) and the agent socket 0660 with it; the
+    #: operator socket and everything else stay the daemon's alone. "": 0700, root only
+    agent_socket_group: str = ""
     max_request_bytes: int = 1 << 20  # one JSON-RPC line, bytes
     inline_output_bytes: int = 64 << 10  # larger output streams become artifacts
     artifact_quota_bytes: int = 10 << 30  # total artifact bytes kept
@@ -68,6 +73,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
 
     def state_path(self) -> Path:
         return Path(self.state_dir).absolute()
+
+    def agent_gid(self) -> int | None:
+        """The gid of `agent_socket_group`, or None when unset. Raises `ConfigError` for a
+        group this host does not have."""
+        name = self.agent_socket_group
+        if not name:
+            return None
+        try:
+            return grp.getgrgid(int(name)).gr_gid if name.isdigit() else grp.getgrnam(name).gr_gid
+        except (KeyError, OverflowError):
+            raise ConfigError(f"agent_socket_group: no group {name!r} on this host") from None
 
     def public(self) -> dict[str, Any]:
         """Every key and its effective value, but any named like a secret (`daemon.info`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import logging
 import os
 import resource
@@ -27,7 +28,7 @@ from substrate import __version__
 from substrate.api import dispatcher
 from substrate.api.journal import terminal_listen
 from substrate.api.profile import reload_profiles
-from substrate.config import Config
+from substrate.config import Config, ConfigError
 from substrate.egress import EgressProxy, from_environ
 from substrate.errors import Refusal, StartupError
 from substrate.process.service import Execution
@@ -69,15 +70,29 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def prepare_state_dir(path: Path) -> Path:
-    """Create the state dir 0700 (or check an existing one); refuse a symlink or foreign owner."""
+def prepare_state_dir(path: Path, agent_gid: int | None = None) -> Path:
+    """Create the state dir 0700 (or check an existing one); refuse a symlink or foreign
+    owner. With `agent_gid` (`agent_socket_group`) it is 0710 with that group: its
+    members may enter it to reach the agent socket, never list it, and every entry in
+    it but that socket is the daemon's alone (0700 dirs, 0600 files)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise StartupError(f"state dir {path} is not a plain directory")
-    if st.st_uid != os.getuid():
-        raise StartupError(f"state dir {path} belongs to uid {st.st_uid}, not us")
-    os.chmod(path, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise StartupError(f"state dir {path} is not a plain directory") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise StartupError(f"state dir {path} belongs to uid {st.st_uid}, not us")
+        if agent_gid is None:
+            os.fchmod(fd, 0o700)
+        else:
+            os.fchown(fd, -1, agent_gid)
+            os.fchmod(fd, 0o710)
+    finally:
+        os.close(fd)
     return path
 
 
@@ -145,6 +160,9 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 agent, operator = self.state_dir / AGENT_SOCKET, self.state_dir / OPERATOR_SOCKET
                 await nursery.start(serve_socket, backend, agent, 0o660, "agent")
+                gid = self.config.agent_gid()
+                if gid is not None:  # its group may connect; until now only root could
+                    os.chown(agent, -1, gid, follow_symlinks=False)
                 await nursery.start(serve_socket, backend, operator, 0o600, "operator")
                 nursery.start_soon(trio.to_thread.run_sync, self.workspaces.clean_stale_temp_files)
                 await nursery.start(self.egress.serve)  # before any sandbox links to it
@@ -223,7 +241,11 @@ async def open_daemon(config: Config) -> AsyncIterator[Daemon]:
 
 def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     """Build every service in order; each one that holds resources is closed by `closing`."""
-    state_dir = prepare_state_dir(config.state_path())
+    try:
+        agent_gid = config.agent_gid()
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
+    state_dir = prepare_state_dir(config.state_path(), agent_gid)
     # Checked here too (bind_unix checks again) so a refusal is a message, not a traceback.
     for name in (AGENT_SOCKET, OPERATOR_SOCKET):
         check_socket_path(state_dir / name)
