@@ -262,6 +262,7 @@ class ExecDriver:
         """After the main process: reap what it left behind; return the OOM-kill count."""
         sandbox = run.sandbox
         alone = sandbox.running <= 1
+        await run.channel.quiesce()
         stragglers, oom_after = await trio.to_thread.run_sync(
             _after_exit, sandbox, run.proc, alone, limiter=self._fs_limiter
         )
@@ -402,6 +403,7 @@ class ExecDriver:
     async def _terminate(self, run: Run, *, alone: bool) -> None:
         """TERM the command's processes, KILL what is left after the grace; count both."""
         sandbox = run.sandbox
+        await run.channel.quiesce()
         termed, killed = await reaper.terminate(
             sandbox.cgroups,
             run.proc,

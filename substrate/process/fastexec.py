@@ -5,11 +5,13 @@
 `create` while it commits the command's record, so the two overlap.
 
 Fast path (docs/fast-exec.md), for a sandbox whose processes are host processes (runc)
-and whose supervisor is up: `create` makes the command's three pipes, hands the
-sandbox's ends to the supervisor, which forks the command and holds it, and checks the
-held child from the host (`substrate.sandbox.supervisor`); `start` lets it exec. The
-`FastChannel` then reads stdout and stderr from the pipes straight into the command's
-sinks (one worker thread, both pipes), writes stdin to its pipe, knows the main process
+and whose supervisor is up: `create` takes a held child (forked ahead by the sandbox's
+supervisor, or now), checked from the host just now (`substrate.sandbox.supervisor`),
+and makes the command's three pipes; `start` hands the child argv and the sandbox's
+pipe ends and lets it exec, then asks the supervisor for the next held child (its
+answer is settled by `FastChannel.quiesce`, before the run looks for its processes).
+The `FastChannel` reads stdout and stderr from the pipes straight into the command's
+sinks (on the event loop while small), writes stdin to its pipe, knows the main process
 by its pidfd from the start, and takes the exit code from the supervisor's report.
 
 Fallback: whenever the supervisor cannot be used for this command (no python3 in the
@@ -38,7 +40,7 @@ from substrate.sandbox.containers import Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.supervisor.link import LinkBroken, Spawned
-from substrate.sandbox.supervisor.supervisors import Supervisors
+from substrate.sandbox.supervisor.supervisors import Pending, Supervisors
 
 log = logging.getLogger("substrate.process.fastexec")
 
@@ -77,14 +79,17 @@ class FastPrepared:
     stdin_w: int | None
     out_r: int
     err_r: int
+    theirs: tuple[int, int, int]  # the command's stdin, stdout, stderr: sent with `go`
 
     def close(self) -> None:
         """Nothing will run: the held child exits when its channel closes."""
         self.spawned.close()
-        for fd in (self.stdin_w, self.out_r, self.err_r):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        self.close_theirs()
+        _close([self.stdin_w, self.out_r, self.err_r])
+
+    def close_theirs(self) -> None:
+        _close(self.theirs)
+        self.theirs = (-1, -1, -1)
 
 
 Prepared = EnginePrepared | FastPrepared
@@ -128,14 +133,19 @@ class Launcher:
     async def start(self, prepared: Prepared) -> ExecChannel:
         """Start a prepared command; its channel. Raises what `exec_start` raises."""
         if isinstance(prepared, FastPrepared):
+            spec = prepared.spec
             try:
-                await prepared.spawned.go()
+                await prepared.spawned.go(
+                    list(spec.argv), spec.environment, spec.workdir, prepared.theirs
+                )
             except LinkBroken:
                 # Gone between the check and the go: nothing ran; the engine runs it.
                 prepared.close()
                 await self._lost(prepared.sandbox, prepared.spawned)
                 prepared = await self._engine_create(prepared.spec)
             else:
+                prepared.close_theirs()  # the command has its own copies now
+                assert self._supervisors is not None
                 return FastChannel(
                     prepared.spawned,
                     prepared.stdin_w,
@@ -143,6 +153,7 @@ class Launcher:
                     prepared.err_r,
                     fs_limiter=self._fs_limiter,
                     on_lost=functools.partial(self._lost, prepared.sandbox, prepared.spawned),
+                    spare=await self._supervisors.prefork(prepared.sandbox),
                 )
         stream = await self._engine.exec_start(prepared.exec_id)
         return EngineChannel(self._engine, prepared.exec_id, stream, fs_limiter=self._fs_limiter)
@@ -166,28 +177,23 @@ class Launcher:
 
     async def _spawn(self, sandbox: Sandbox, spec: ExecSpec) -> FastPrepared | None:
         assert self._supervisors is not None
-        stdin_r, stdin_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        ours = [stdin_w, out_r, err_r]
-        try:
-            spawned = await self._supervisors.spawn(
-                sandbox, list(spec.argv), spec.environment, spec.workdir, (stdin_r, out_w, err_w)
-            )
-        except BaseException:
-            _close(ours)
-            raise
-        finally:
-            _close([stdin_r, out_w, err_w])  # the supervisor has its own copies now
-        if spawned is None or spawned.failed is not None:
-            if spawned is not None:
-                spawned.close()
-            _close(ours)
+        spawned = await self._supervisors.spawn(sandbox)
+        if spawned is None:
             return None
+        made: list[int] = []
+        try:
+            for _ in range(3):
+                made.extend(os.pipe())
+        except OSError:
+            _close(made)
+            spawned.close()  # nothing ran: the held child exits
+            raise
+        stdin_r, stdin_w, out_r, out_w, err_r, err_w = made
+        theirs = (stdin_r, out_w, err_w)
         if not spec.stdin:
             os.close(stdin_w)  # the command reads EOF at once
-            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r)
-        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r)
+            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r, theirs)
+        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r, theirs)
 
     async def _lost(self, sandbox: Sandbox, spawned: Spawned) -> bool:
         """Is the supervisor that forked `spawned` still serving? (Journals it if not.)"""
@@ -217,8 +223,10 @@ class FastChannel:
         *,
         fs_limiter: trio.CapacityLimiter | None,
         on_lost: Callable[[], Awaitable[bool]],
+        spare: Pending | None = None,
     ) -> None:
         self._spawned = spawned
+        self._spare = spare  # the next held child, asked for as this one started
         self._stdin_w = stdin_w
         self._out_r, self._err_r = out_r, err_r
         self._fs_limiter = fs_limiter
@@ -333,6 +341,16 @@ class FastChannel:
     def release(self) -> None:
         self.close()
         self._spawned.close()  # its channel: a command still running is the daemon's
+        spare, self._spare = self._spare, None
+        if spare is not None:  # never settled (the run ended early): let it go
+            spare.abandon()
+
+    async def quiesce(self) -> None:
+        """Settle the spare asked for as this command started (docs/fast-exec.md "Held
+        children"): kept, its pid protected, before the run scans the sandbox."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            await spare.settle()
 
     # -- the main process --------------------------------------------------------------
 

@@ -6,12 +6,17 @@ Theory of operation (docs/fast-exec.md):
   daemon's listening socket `daemon.sock` (owned by the sandbox's uid, 0600); it is bound
   read-only at `/run/substrate` (`Slot.mount`). The sandbox cannot write there: no
   socket of its own, no file, no disk use. `attach(slot, sandbox)` once it is verified.
-- `spawn(sandbox, ...)` (the fast path of one command): the sandbox's supervisor is
-  checked (`Link.problem`: same process, not traced, non-dumpable, same confinement) or
-  started, asked to fork the command held, and the held child is checked from the host;
-  a mismatch aborts it, kills the supervisor (`supervisor.tampered`) and refuses the
-  command `confinement_unmet`. None means "use the engine's exec": no python3 in the
-  image, a start that failed, too many restarts lately, or a supervisor lost right now.
+- `spawn(sandbox)` (the fast path of one command): the sandbox's supervisor is checked
+  (`Link.problem`: same process, not traced, non-dumpable, same confinement) or
+  started; the slot's *spare* (a held child forked ahead) is taken, or one is forked
+  now; and the held child is checked from the host. A mismatch aborts it, kills the
+  supervisor (`supervisor.tampered`) and refuses the command `confinement_unmet`. None
+  means "use the engine's exec": no python3 in the image, a start that failed, too many
+  restarts lately, or a supervisor lost right now.
+- `prefork(sandbox)`, once a command took the spare and started: ask for the next one
+  (`Pending`). The command's run `settle`s it before it looks for its own processes
+  (its stragglers, a kill): the spare's host pid then joins the sandbox's `protected`
+  pids, so no scan ever finds it unprotected (docs/fast-exec.md "Held children").
 - Start: one engine exec of `agent.COMMAND` as the sandbox's uid:gid with the profile's
   environment (no process marker: it belongs to no command). It says `ready` once it is
   non-dumpable; the daemon then checks it from the host, opens a pidfd on it, writes the
@@ -41,7 +46,6 @@ import shutil
 import signal
 import socket
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -110,6 +114,18 @@ class Slot:
     retry_at: float = 0.0  # trio clock: no start before this
     losses: list[float] = field(default_factory=list)  # trio clock of recent losses
     accepting: trio.socket.SocketType | None = None
+    #: A held child forked ahead for the next command (its host pid is protected).
+    spare: Spawned | None = None
+    asked: bool = False  # a spare was asked for and is not settled yet
+
+    def drop_spare(self) -> None:
+        """Let go of the spare (it exits without exec) and unprotect its pid."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        if self.sandbox is not None:
+            self.sandbox.protected = self.sandbox.protected - {spare.host_pid}
+        spare.close()
 
     def discard(self) -> None:
         """Its sandbox never came up, or went: `close`, and remove the directory (a
@@ -119,6 +135,7 @@ class Slot:
 
     def close(self) -> None:
         """Kill its supervisor, close the sockets (on the event loop's thread)."""
+        self.drop_spare()
         if self.link is not None:
             self.link.kill()
             self.link.close()
@@ -220,20 +237,14 @@ class Supervisors:
                 limiter=self._fs_limiter,
             )
 
-    async def spawn(
-        self,
-        sandbox: SandboxView,
-        argv: list[str],
-        env: Mapping[str, str],
-        cwd: str,
-        stdio: tuple[int, int, int],
-    ) -> Spawned | None:
-        """Fork `argv` held in `sandbox` through its supervisor, checked from the host.
+    async def spawn(self, sandbox: SandboxView) -> Spawned | None:
+        """A held child in `sandbox` (its supervisor's spare, or forked now), checked from
+        the host just now; `Spawned.go` makes it the command.
 
         None: use the engine's exec for this command (nothing ran). Refuses
         `confinement_unmet` when the held child's facts differ from the sandbox's (the
         child is killed before it exec'd; the supervisor is killed and journalled
-        `supervisor.tampered`). The caller keeps and closes its copies of `stdio`.
+        `supervisor.tampered`).
         """
         slot = self._slots.get(sandbox.id)
         if slot is None or slot.no_python:
@@ -241,11 +252,24 @@ class Supervisors:
         link = await self._ready(slot, sandbox)
         if link is None:
             return None
+        spawned = self._take_spare(slot, link)
         try:
-            spawned = await link.spawn(list(argv), dict(env), cwd, stdio, sandbox.who.gid)
+            if spawned is not None:
+                try:
+                    link.check(spawned)
+                except LinkBroken:  # killed by the sandbox itself: fork one now
+                    spawned.close()
+                    spawned = None
+            if spawned is None:
+                spawned = await link.spawn()
         except LinkBroken as exc:
+            if spawned is not None:
+                spawned.close()
             if exc.reason != "child-gone":  # a held child killed by the sandbox itself
                 await self._drop(slot, link, exc.reason)
+            return None
+        if spawned.failed is not None:
+            spawned.close()
             return None
         if spawned.mismatches:
             await spawned.abort()
@@ -259,6 +283,38 @@ class Supervisors:
                 **report,
             )
         return spawned
+
+    def _take_spare(self, slot: Slot, link: Link) -> Spawned | None:
+        """The slot's spare, unprotected (it is about to become a command), if it was
+        forked by `link` and still lives; else None (and it is let go)."""
+        spare = slot.spare
+        if spare is None:
+            return None
+        if spare.generation != link.generation or spare.exited():
+            slot.drop_spare()
+            return None
+        slot.spare = None
+        if slot.sandbox is not None:
+            slot.sandbox.protected = slot.sandbox.protected - {spare.host_pid}
+        return spare
+
+    async def prefork(self, sandbox: SandboxView) -> Pending | None:
+        """A command took the spare and started: ask `sandbox`'s supervisor for the next
+        one (None: it has one, one is asked for already, or there is no supervisor). The
+        caller `settle`s the answer before it scans the sandbox's processes, or
+        `abandon`s it."""
+        slot = self._slots.get(sandbox.id)
+        if slot is None or slot.link is None or slot.spare is not None or slot.asked:
+            return None
+        link = slot.link
+        slot.asked = True
+        try:
+            spawned = await link.fork()
+        except LinkBroken as exc:
+            slot.asked = False
+            await self._drop(slot, link, exc.reason)
+            return None
+        return Pending(self, slot, link, spawned)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -421,6 +477,7 @@ class Supervisors:
         if slot.link is not link:
             return
         slot.link = None
+        slot.drop_spare()
         link.broken = reason
         link.kill()
         link.close()
@@ -463,6 +520,52 @@ class Supervisors:
         await trio.to_thread.run_sync(
             lambda: self._journal.append(kind, data, workspace=sandbox.workspace)
         )
+
+
+class Pending:
+    """A spare asked for (`Supervisors.prefork`) and not yet kept or let go."""
+
+    def __init__(self, owner: Supervisors, slot: Slot, link: Link, spawned: Spawned) -> None:
+        self._owner = owner
+        self._slot = slot
+        self._link = link
+        self._spawned: Spawned | None = spawned
+
+    async def settle(self) -> None:
+        """Receive the supervisor's answer (bounded by `link.REPLY_S`) and keep the held
+        child as the slot's spare, its host pid protected; or let it go (a failed fork,
+        a supervisor dropped meanwhile, one kept already). A supervisor that did not
+        answer as it should is dropped (`supervisor.lost`)."""
+        spawned, self._spawned = self._spawned, None
+        if spawned is None:
+            return
+        slot, link = self._slot, self._link
+        try:
+            await link.forked(spawned)
+        except LinkBroken as exc:
+            slot.asked = False
+            spawned.close()
+            if exc.reason != "child-gone":
+                await self._owner._drop(slot, link, exc.reason)
+            return
+        slot.asked = False
+        sandbox = slot.sandbox
+        if spawned.failed is not None or slot.link is not link or slot.spare is not None:
+            spawned.close()
+            return
+        if sandbox is None:
+            spawned.close()
+            return
+        slot.spare = spawned
+        sandbox.protected = sandbox.protected | {spawned.host_pid}
+
+    def abandon(self) -> None:
+        """Not settled and not going to be (the run ended early): the held child exits
+        without exec when its channel closes."""
+        spawned, self._spawned = self._spawned, None
+        if spawned is not None:
+            self._slot.asked = False
+            spawned.close()
 
 
 async def _ready_line(sock: trio.socket.SocketType, initial: bytes) -> None:
