@@ -362,27 +362,17 @@ class FastChannel:
         killed or dropped), or the command ended and no report came within
         `REPORT_GRACE_S` from a supervisor that no longer serves (stopped, gone) — the
         code is lost (None), the loss is journalled, and the command itself is waited
-        for by its pidfd."""
+        for by its pidfd. One task: the report is waited for in rounds of
+        `REPORT_GRACE_S`, and between rounds a command that ended is asked about."""
         if self._reported:
             return self._code
-        found: list[tuple[int | None, int | None]] = []
-        async with trio.open_nursery() as nursery:
-
-            async def report() -> None:
-                found.append(await self._spawned.wait_exit())
-                nursery.cancel_scope.cancel()
-
-            async def watchdog() -> None:
-                await self._spawned.wait_gone()
-                while True:
-                    await trio.sleep(REPORT_GRACE_S)
-                    if not await self._on_lost():  # no longer served: the report is lost
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(report)
-            nursery.start_soon(watchdog)
-        code, err = found[0] if found else (None, None)
+        found: tuple[int | None, int | None] | None = None
+        while found is None:
+            with trio.move_on_after(REPORT_GRACE_S):
+                found = await self._spawned.wait_exit()
+            if found is None and self._spawned.exited() and not await self._on_lost():
+                break  # ended, and no longer served: the report is lost
+        code, err = found if found is not None else (None, None)
         if code is None:
             await self._on_lost()
             await self._spawned.wait_gone()

@@ -113,14 +113,16 @@ def oom_kills(dirs: CgroupDirs) -> int:
 
 
 def cgroup_pids(dirs: CgroupDirs) -> list[int]:
-    """Every process in the container's cgroup (and any nested one), as host pids."""
+    """Every process in the container's cgroup (and any nested one), as host pids.
+    Cost: one read and one directory listing per cgroup (tens of microseconds)."""
     found: list[int] = []
     stack = [dirs.procs]
     while stack:
         here = stack.pop()
         try:
-            found.extend(int(x) for x in (here / "cgroup.procs").read_text().split())
-            stack.extend(p for p in here.iterdir() if p.is_dir())
+            found.extend(int(x) for x in (here / "cgroup.procs").read_bytes().split())
+            with os.scandir(here) as entries:  # the type comes with the listing: no stats
+                stack.extend(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
         except (OSError, ValueError):
             continue
     return found

@@ -94,7 +94,7 @@ class Spawned:
         the caller bounds it (the command's deadline)."""
         try:
             message = await receive(self.chan, self.decoder, self.pending)
-        except (OSError, LinkBroken):
+        except (OSError, LinkBroken, trio.ClosedResourceError):
             return None, None
         for fd in message.pop("_fds", []):
             os.close(fd)
@@ -247,13 +247,22 @@ class Link:
             self.pidfd = -1
 
 
+def _view(sock: trio.socket.SocketType) -> socket.socket:
+    """A stdlib view of `sock`'s descriptor (AF_UNIX stream, as every socket here), for
+    calls that must not yield to the event loop when they can complete at once; the
+    caller detaches it (never closes it). Raises ClosedResourceError once closed."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
+
+
 async def send_frame(sock: trio.socket.SocketType, frame: bytes, fds: Sequence[int] = ()) -> None:
     """Send one frame (its descriptors with its first byte). Tried at once, without a
     trip through the event loop; waits only while the socket's buffer is full. Raises
-    OSError. Callers sharing `sock` hold a lock across the call."""
-    # A view of the same descriptor (AF_UNIX stream, as every socket here): detached
-    # below, never closed.
-    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, sock.fileno())
+    OSError (ClosedResourceError once `sock` is closed). Callers sharing `sock` hold a
+    lock across the call."""
+    raw = _view(sock)
     try:
         ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
         view = memoryview(frame)
@@ -280,11 +289,22 @@ async def receive(
     *,
     fds: int = 0,
 ) -> dict[str, Any]:
-    """The next message on a channel (its descriptors under "_fds"). Raises OSError on
-    end of stream, LinkBroken on a garbled one."""
+    """The next message on a channel (its descriptors under "_fds"). Read at once when it
+    is there (no trip through the event loop), else once the channel is readable.
+    Raises OSError on end of stream (ClosedResourceError once `chan` is closed),
+    LinkBroken on a garbled one."""
+    space = socket.CMSG_SPACE(agent.MAX_FDS * 4) if fds else 0
     while not pending:
-        space = socket.CMSG_SPACE(agent.MAX_FDS * 4) if fds else 0
-        data, ancdata, flags, _ = await chan.recvmsg(1 << 16, space, socket.MSG_CMSG_CLOEXEC)
+        raw = _view(chan)
+        try:
+            data, ancdata, flags, _ = raw.recvmsg(
+                1 << 16, space, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+            )
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(chan)
+            continue
+        finally:
+            raw.detach()
         got: list[int] = []
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -457,7 +457,7 @@ class Supervisors:
             pending: list[dict[str, Any]] = []
             try:
                 hello = await receive(conn, decoder, pending)
-            except (OSError, LinkBroken):
+            except (OSError, LinkBroken, trio.ClosedResourceError):
                 conn.close()
                 raise StartFailed("hello") from None
             mac = str(hello.get("mac", ""))
