@@ -195,11 +195,12 @@ class Launcher:
             return FastPrepared(spec, sandbox, spawned, None, out_r, err_r, theirs)
         return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r, theirs)
 
-    async def _lost(self, sandbox: Sandbox, spawned: Spawned) -> bool:
-        """Is the supervisor that forked `spawned` still serving? (Journals it if not.)"""
+    async def _lost(self, sandbox: Sandbox, spawned: Spawned, *, closed: bool = False) -> bool:
+        """Is the supervisor that forked `spawned` still serving? (Journals it if not.)
+        `closed`: the command's channel closed without a report (`Supervisors.serving`)."""
         if self._supervisors is None:
             return False
-        return await self._supervisors.serving(sandbox.id, spawned.generation)
+        return await self._supervisors.serving(sandbox.id, spawned.generation, closed=closed)
 
 
 def _close(fds: Sequence[int | None]) -> None:
@@ -222,7 +223,7 @@ class FastChannel:
         err_r: int,
         *,
         fs_limiter: trio.CapacityLimiter | None,
-        on_lost: Callable[[], Awaitable[bool]],
+        on_lost: Callable[..., Awaitable[bool]],
         spare: Pending | None = None,
     ) -> None:
         self._spawned = spawned
@@ -374,7 +375,7 @@ class FastChannel:
                 break  # ended, and no longer served: the report is lost
         code, err = found if found is not None else (None, None)
         if code is None:
-            await self._on_lost()
+            await self._on_lost(closed=found is not None)
             await self._spawned.wait_gone()
         self._code, self._errno, self._reported = code, err, True
         return code

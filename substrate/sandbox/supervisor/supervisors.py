@@ -70,6 +70,9 @@ MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
 #: After a failed start, the engine's exec is used for this long before trying again.
 RETRY_S = 60.0
+#: A channel closed without a report: how long a dying supervisor may take to read as
+#: exited (it closes its descriptors before it is a zombie), seconds.
+CLOSED_WAIT_S = 1.0
 #: Problems that mean the supervisor cannot be trusted (the others: it is just gone).
 TAMPERED = frozenset({"traced", "dumpable", "confinement", "cgroup", "namespaces", "protocol"})
 
@@ -489,17 +492,29 @@ class Supervisors:
             extra = {} if report is None else {"mismatches": sorted(report["required"])}
             await self._journal_async(kind, sandbox, link.generation, reason, **extra)
 
-    async def serving(self, container: str, generation: int) -> bool:
+    async def serving(self, container: str, generation: int, *, closed: bool = False) -> bool:
         """Is supervisor `generation` of `container` still current and serving? Asked when
         a command's report is late or its channel closed: a supervisor found gone,
-        stopped or tampered with is dropped and journalled now, not at the next command."""
+        stopped or tampered with is dropped and journalled now, not at the next command.
+
+        `closed`: a channel the supervisor holds closed without its report. A dying
+        process closes its descriptors before it is a zombie, so it is looked at again
+        for up to `CLOSED_WAIT_S` until it reads as exited; one that lives on and closed a
+        channel without reporting is not serving either ("closed")."""
         slot = self._slots.get(container)
         if slot is None or slot.link is None or slot.link.generation != generation:
             return False
-        problem = slot.link.problem()
+        link = slot.link
+        problem = link.problem()
+        if problem is None and closed:
+            with trio.move_on_after(CLOSED_WAIT_S):
+                while problem is None:
+                    await trio.sleep(0.005)
+                    problem = link.problem()
+            problem = problem or "closed"
         if problem is None:
             return True
-        await self._drop(slot, slot.link, problem)
+        await self._drop(slot, link, problem)
         return False
 
     async def _journal_async(
@@ -545,7 +560,9 @@ class Pending:
         except LinkBroken as exc:
             slot.asked = False
             spawned.close()
-            if exc.reason != "child-gone":
+            if exc.reason == "closed":  # gone, most likely: journalled as what it is
+                await self._owner.serving(link.container, link.generation, closed=True)
+            elif exc.reason != "child-gone":
                 await self._owner._drop(slot, link, exc.reason)
             return
         slot.asked = False
