@@ -203,6 +203,27 @@ class Launcher:
         return await self._supervisors.serving(sandbox.id, spawned.generation, closed=closed)
 
 
+def _read_into(
+    fd: int, streams: dict[int, OutputSink | None], forget: Callable[[int], None]
+) -> int:
+    """One read of a ready pipe into its sink; at its end (or a read error) the pipe
+    leaves `streams` and `forget` unregisters it. Returns the bytes moved."""
+    try:
+        data = os.read(fd, RECV_BYTES)
+    except BlockingIOError:
+        return 0
+    except OSError:
+        data = b""
+    if not data:
+        forget(fd)
+        del streams[fd]
+        return 0
+    sink = streams[fd]
+    if sink is not None:
+        sink.write(data)  # a spool append: microseconds at this size
+    return len(data)
+
+
 def _close(fds: Sequence[int | None]) -> None:
     for fd in fds:
         if fd is not None:
@@ -242,61 +263,48 @@ class FastChannel:
 
     async def pump(self, sinks: Mapping[int, OutputSink], limiter: trio.CapacityLimiter) -> None:
         """Both pipes into their sinks, until both end or `shutdown`. Read on the event
-        loop (no thread hop for the usual small output) until a stream passed
-        `LOOP_PUMP_BYTES`; the rest of it is read in a worker thread under `limiter`.
+        loop (no thread hop for the usual small output) by this one task, which waits on
+        an epoll set of both pipes and the wake pipe, until the output passed
+        `LOOP_PUMP_BYTES`; the rest is read in a worker thread under `limiter`.
         Shielded: a cancelled run still gets every byte the command wrote until it is
         woken by `shutdown`."""
+        streams: dict[int, OutputSink | None] = {
+            self._out_r: sinks.get(1),
+            self._err_r: sinks.get(2),
+        }
         with trio.CancelScope(shield=True):
-            async with trio.open_nursery() as nursery:
-                # The wake pipe ends both drains (a run that gave up on the streams).
-                nursery.start_soon(self._on_wake, nursery.cancel_scope)
-                async with trio.open_nursery() as drains:
-                    drains.start_soon(self._drain, self._out_r, sinks.get(1), limiter)
-                    drains.start_soon(self._drain, self._err_r, sinks.get(2), limiter)
-                nursery.cancel_scope.cancel()
-
-    async def _on_wake(self, scope: trio.CancelScope) -> None:
-        await trio.lowlevel.wait_readable(self._wake_r)
-        scope.cancel()
-
-    async def _drain(self, fd: int, sink: OutputSink | None, limiter: trio.CapacityLimiter) -> None:
-        os.set_blocking(fd, False)
-        moved = 0
-        while moved <= LOOP_PUMP_BYTES:
-            await trio.lowlevel.wait_readable(fd)
+            ready = select.epoll(3)
             try:
-                data = os.read(fd, RECV_BYTES)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            moved += len(data)
-            if sink is not None:
-                sink.write(data)  # a spool append: microseconds at this size
-        # Large output: a thread of the pump limiter, as for an engine exec. It stops
-        # on EOF or on the wake pipe (cancelling this task does not stop it).
-        await trio.to_thread.run_sync(self._drain_blocking, fd, sink, limiter=limiter)
+                for fd in streams:
+                    os.set_blocking(fd, False)
+                    ready.register(fd, select.EPOLLIN)
+                ready.register(self._wake_r, select.EPOLLIN)
+                moved = 0
+                while streams and moved <= LOOP_PUMP_BYTES:
+                    await trio.lowlevel.wait_readable(ready.fileno())
+                    for fd, _ in ready.poll(0):
+                        if fd == self._wake_r:
+                            return  # the run gave up on the streams
+                        if fd in streams:
+                            moved += _read_into(fd, streams, ready.unregister)
+            finally:
+                ready.close()
+            if streams:
+                # Large output: a thread of the pump limiter, as for an engine exec. It
+                # stops at both EOFs or on the wake pipe (cancelling does not stop it).
+                await trio.to_thread.run_sync(self._drain_blocking, streams, limiter=limiter)
 
-    def _drain_blocking(self, fd: int, sink: OutputSink | None) -> None:
+    def _drain_blocking(self, streams: dict[int, OutputSink | None]) -> None:
         poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        for fd in streams:
+            poller.register(fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        while True:
-            events = poller.poll()
-            if any(ready == self._wake_r for ready, _ in events):
-                return
-            try:
-                data = os.read(fd, RECV_BYTES)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            if sink is not None:
-                sink.write(data)
+        while streams:
+            for fd, _ in poller.poll():
+                if fd == self._wake_r:
+                    return
+                if fd in streams:
+                    _read_into(fd, streams, poller.unregister)
 
     def feed(self, data: bytes) -> None:
         fd = self._stdin_w

@@ -177,12 +177,17 @@ class Link:
         reads the answer). Raises LinkBroken when the request cannot be sent."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         spawned = Spawned(chan=trio.socket.from_stdlib_socket(ours), generation=self.generation)
+        frame = agent.encode({"op": "fork"}, 1)
         try:
             with trio.fail_after(REPLY_S):
-                async with self.send_lock:
-                    await send_frame(
-                        self.control, agent.encode({"op": "fork"}, 1), [theirs.fileno()]
-                    )
+                try:
+                    self.send_lock.acquire_nowait()  # free, as a rule: no trip through the loop
+                except trio.WouldBlock:
+                    await self.send_lock.acquire()
+                try:
+                    await send_frame(self.control, frame, [theirs.fileno()])
+                finally:
+                    self.send_lock.release()
         except (OSError, trio.TooSlowError, trio.ClosedResourceError):
             spawned.close()
             raise LinkBroken("control") from None

@@ -322,6 +322,9 @@ class Supervisors:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def _ready(self, slot: Slot, sandbox: SandboxView) -> Link | None:
+        link = slot.link
+        if link is not None and not slot.lock.locked() and link.problem() is None:
+            return link  # the usual case, decided without a trip through the event loop
         async with slot.lock:
             link = slot.link
             if link is not None:
