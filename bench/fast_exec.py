@@ -116,16 +116,18 @@ def cpu(proc: psutil.Process) -> float:
 
 
 def find_supervisor(container: str) -> psutil.Process:
-    """The supervisor process of `container` (its cgroup names the container's id)."""
+    """The supervisor process of `container` (its cgroup names the container's id; its
+    held child has the same command line, and the supervisor for its parent)."""
     found = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "ppid"]):
         if p.info["cmdline"] != list(agent.COMMAND):
             continue
         try:
             cgroup = Path(f"/proc/{p.pid}/cgroup").read_text()
-        except OSError:
+            parent = psutil.Process(p.info["ppid"]).cmdline()
+        except (OSError, psutil.Error):
             continue
-        if container in cgroup:
+        if container in cgroup and parent != list(agent.COMMAND):
             found.append(p)
     if len(found) != 1:
         raise SystemExit(f"expected one supervisor of {container[:12]}, found {len(found)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -302,6 +303,28 @@ async def test_a_held_child_killed_by_the_sandbox_is_replaced_on_demand(
     assert spare.host_pid not in world.sandbox.protected
     assert world.entries("supervisor.lost") == [] and world.entries("supervisor.tampered") == []
     channel.release()
+
+
+async def test_a_held_child_stopped_by_the_sandbox_is_killed_and_not_used(
+    world: World, tmp_path: Path
+) -> None:
+    (await run_to_end(world, tmp_path, ["true"], "a")).release()
+    spare = world.slot.spare
+    assert spare is not None
+    os.kill(spare.host_pid, signal.SIGSTOP)  # it would never exec
+    await wait_until_async(
+        lambda: checks.held_state_problem(checks.read_status(spare.host_pid)[0]), 10
+    )
+    pidfd = os.pidfd_open(spare.host_pid)
+    try:
+        channel = await run_to_end(world, tmp_path, ["true"], "b")  # not left waiting
+        assert channel.via == "supervisor" and channel.facts is not spare.facts
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(pidfd)  # killed: no task held for ever
+        assert spare.host_pid not in world.sandbox.protected
+        channel.release()
+    finally:
+        os.close(pidfd)
 
 
 async def test_a_run_that_ends_early_lets_the_asked_child_go(world: World) -> None:

@@ -247,6 +247,12 @@ def supervisor_problem(status: str, owner: int, uid: int) -> str | None:
     return None
 
 
+def held_state_problem(status: str) -> bool:
+    """Is a held child stopped or exiting (`State` T, t, Z, X), so that it would never
+    exec? (Pure; its sandbox's code may stop or kill it.)"""
+    return (P.parse_status_field(status, "State") or "")[:1] in ("T", "t", "Z", "X")
+
+
 def supervisor_start_problem(reading: Reading, base: Baseline, uid: int) -> str | None:
     """`supervisor_problem`, and at start also: "confinement" (status facts other than
     the baseline's), "cgroup", "namespaces" (pure)."""

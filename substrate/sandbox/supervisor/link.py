@@ -168,6 +168,7 @@ class Link:
             if spawned.failed is None:
                 self.check(spawned)
         except BaseException:
+            spawned.kill()  # held, never ran (a stopped one would hold a task)
             spawned.close()
             raise
         return spawned
@@ -226,12 +227,15 @@ class Link:
     def check(self, spawned: Spawned) -> None:
         """Read the held child from the host now (`facts`, `mismatches`). Blocking but
         small (procfs, about 0.1 ms): called on the event loop. Raises LinkBroken
-        ("child-gone") when it is gone: a reading taken after that may not be its own."""
+        ("child-gone") when it is gone (a reading taken after that may not be its own)
+        or stopped (it would never exec)."""
         try:
             reading = checks.read_process(spawned.host_pid)
         except ProcessLookupError:
             raise LinkBroken("child-gone") from None
         if spawned.exited():  # read after it was gone: the reading may not be its own
+            raise LinkBroken("child-gone")
+        if checks.held_state_problem(reading.status):  # stopped (or dying) by its sandbox
             raise LinkBroken("child-gone")
         spawned.facts = checks.command_facts(
             reading, self.base, supervisor_pid=self.pid, reported_pid=spawned.pid

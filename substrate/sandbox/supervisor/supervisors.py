@@ -260,13 +260,15 @@ class Supervisors:
             if spawned is not None:
                 try:
                     link.check(spawned)
-                except LinkBroken:  # killed by the sandbox itself: fork one now
+                except LinkBroken:  # killed or stopped by the sandbox itself: fork one now
+                    spawned.kill()  # a stopped one would hold a task of the pids limit
                     spawned.close()
                     spawned = None
             if spawned is None:
                 spawned = await link.spawn()
         except LinkBroken as exc:
             if spawned is not None:
+                spawned.kill()  # held, never ran: nothing of a command is killed
                 spawned.close()
             if exc.reason != "child-gone":  # a held child killed by the sandbox itself
                 await self._drop(slot, link, exc.reason)
