@@ -7,9 +7,9 @@
 Fast path (docs/fast-exec.md), for a sandbox whose processes are host processes (runc)
 and whose supervisor is up: `create` takes a held child (forked ahead by the sandbox's
 supervisor, or now), checked from the host just now (`substrate.sandbox.supervisor`),
-and makes the command's three pipes; `start` hands the child argv and the sandbox's
-pipe ends and lets it exec, then asks the supervisor for the next held child (its
-answer is settled by `FastChannel.quiesce`, before the run looks for its processes).
+makes the command's three pipes and asks the supervisor for the next held child (its
+answer is settled by `FastChannel.quiesce`, before the run looks for its processes);
+`start` hands the child argv and the sandbox's pipe ends and lets it exec.
 The `FastChannel` reads stdout and stderr from the pipes straight into the command's
 sinks (on the event loop while small), writes stdin to its pipe, knows the main process
 by its pidfd from the start, and takes the exit code from the supervisor's report.
@@ -80,12 +80,17 @@ class FastPrepared:
     out_r: int
     err_r: int
     theirs: tuple[int, int, int]  # the command's stdin, stdout, stderr: sent with `go`
+    spare: Pending | None  # the next held child, asked for as this one was taken
 
     def close(self) -> None:
-        """Nothing will run: the held child exits when its channel closes."""
+        """Nothing will run: the held child exits when its channel closes (and so does
+        the one asked for next)."""
         self.spawned.close()
         self.close_theirs()
         _close([self.stdin_w, self.out_r, self.err_r])
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.abandon()
 
     def close_theirs(self) -> None:
         _close(self.theirs)
@@ -145,7 +150,7 @@ class Launcher:
                 prepared = await self._engine_create(prepared.spec)
             else:
                 prepared.close_theirs()  # the command has its own copies now
-                assert self._supervisors is not None
+                spare, prepared.spare = prepared.spare, None
                 return FastChannel(
                     prepared.spawned,
                     prepared.stdin_w,
@@ -153,7 +158,7 @@ class Launcher:
                     prepared.err_r,
                     fs_limiter=self._fs_limiter,
                     on_lost=functools.partial(self._lost, prepared.sandbox, prepared.spawned),
-                    spare=await self._supervisors.prefork(prepared.sandbox),
+                    spare=spare,
                 )
         stream = await self._engine.exec_start(prepared.exec_id)
         return EngineChannel(self._engine, prepared.exec_id, stream, fs_limiter=self._fs_limiter)
@@ -190,10 +195,18 @@ class Launcher:
             raise
         stdin_r, stdin_w, out_r, out_w, err_r, err_w = made
         theirs = (stdin_r, out_w, err_w)
+        # The next command's held child is forked while this one's record commits and it
+        # runs (docs/fast-exec.md "Held children"); settled by its channel's `quiesce`.
+        try:
+            spare = await self._supervisors.prefork(sandbox)
+        except BaseException:  # cancelled (the record failed): nothing ran
+            spawned.close()
+            _close(made)
+            raise
         if not spec.stdin:
             os.close(stdin_w)  # the command reads EOF at once
-            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r, theirs)
-        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r, theirs)
+            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r, theirs, spare)
+        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r, theirs, spare)
 
     async def _lost(self, sandbox: Sandbox, spawned: Spawned, *, closed: bool = False) -> bool:
         """Is the supervisor that forked `spawned` still serving? (Journals it if not.)
@@ -248,7 +261,7 @@ class FastChannel:
         spare: Pending | None = None,
     ) -> None:
         self._spawned = spawned
-        self._spare = spare  # the next held child, asked for as this one started
+        self._spare = spare  # the next held child, asked for as this one was taken
         self._stdin_w = stdin_w
         self._out_r, self._err_r = out_r, err_r
         self._fs_limiter = fs_limiter
@@ -355,7 +368,7 @@ class FastChannel:
             spare.abandon()
 
     async def quiesce(self) -> None:
-        """Settle the spare asked for as this command started (docs/fast-exec.md "Held
+        """Settle the spare asked for as this command was taken (docs/fast-exec.md "Held
         children"): kept, its pid protected, before the run scans the sandbox."""
         spare, self._spare = self._spare, None
         if spare is not None:

@@ -192,6 +192,9 @@ class Link:
         except (OSError, trio.TooSlowError, trio.ClosedResourceError):
             spawned.close()
             raise LinkBroken("control") from None
+        except BaseException:
+            spawned.close()
+            raise
         finally:
             theirs.close()
         return spawned

@@ -13,8 +13,8 @@ Theory of operation (docs/fast-exec.md):
   supervisor (`supervisor.tampered`) and refuses the command `confinement_unmet`. None
   means "use the engine's exec": no python3 in the image, a start that failed, too many
   restarts lately, or a supervisor lost right now.
-- `prefork(sandbox)`, once a command took the spare and started: ask for the next one
-  (`Pending`). The command's run `settle`s it before it looks for its own processes
+- `prefork(sandbox)`, once a command took the spare: ask for the next one (`Pending`),
+  forked while the command's record commits and it runs. The command's run `settle`s it before it looks for its own processes
   (its stragglers, a kill): the spare's host pid then joins the sandbox's `protected`
   pids, so no scan ever finds it unprotected (docs/fast-exec.md "Held children").
 - Start: one engine exec of `agent.COMMAND` as the sandbox's uid:gid with the profile's
@@ -277,9 +277,11 @@ class Supervisors:
             spawned.close()
             return None
         if spawned.mismatches:
-            await spawned.abort()
-            spawned.kill()
-            spawned.close()
+            try:
+                await spawned.abort()
+            finally:
+                spawned.kill()
+                spawned.close()
             report = mismatch_report(spawned.mismatches)
             await self._drop(slot, link, "confinement", report)
             raise ConfinementUnmet(
@@ -319,6 +321,9 @@ class Supervisors:
             slot.asked = False
             await self._drop(slot, link, exc.reason)
             return None
+        except BaseException:  # cancelled: `fork` closed its side; the child exits
+            slot.asked = False
+            raise
         return Pending(self, slot, link, spawned)
 
     # -- lifecycle -----------------------------------------------------------------------
