@@ -7,9 +7,9 @@
 Fast path (docs/fast-exec.md), for a sandbox whose processes are host processes (runc)
 and whose supervisor is up: `create` takes a held child (forked ahead by the sandbox's
 supervisor, or now), checked from the host just now (`substrate.sandbox.supervisor`),
-makes the command's three pipes and asks the supervisor for the next held child (its
-answer is settled by `FastChannel.quiesce`, before the run looks for its processes);
-`start` hands the child argv and the sandbox's pipe ends and lets it exec.
+makes the command's three pipes; `start` hands the child argv and the sandbox's pipe
+ends, lets it exec, and asks the supervisor for the next held child (its answer is
+settled by `FastChannel.quiesce`, before the run looks for its processes).
 The `FastChannel` reads stdout and stderr from the pipes straight into the command's
 sinks (on the event loop while small), writes stdin to its pipe, knows the main process
 by its pidfd from the start, and takes the exit code from the supervisor's report.
@@ -80,17 +80,12 @@ class FastPrepared:
     out_r: int
     err_r: int
     theirs: tuple[int, int, int]  # the command's stdin, stdout, stderr: sent with `go`
-    spare: Pending | None  # the next held child, asked for as this one was taken
 
     def close(self) -> None:
-        """Nothing will run: the held child exits when its channel closes (and so does
-        the one asked for next)."""
+        """Nothing will run: the held child exits when its channel closes."""
         self.spawned.close()
         self.close_theirs()
         _close([self.stdin_w, self.out_r, self.err_r])
-        spare, self.spare = self.spare, None
-        if spare is not None:
-            spare.abandon()
 
     def close_theirs(self) -> None:
         _close(self.theirs)
@@ -150,7 +145,12 @@ class Launcher:
                 prepared = await self._engine_create(prepared.spec)
             else:
                 prepared.close_theirs()  # the command has its own copies now
-                spare, prepared.spare = prepared.spare, None
+                assert self._supervisors is not None
+                # The next command's held child is forked while this one runs
+                # (docs/fast-exec.md "Held children"); settled by the channel's
+                # `quiesce`. Shielded: the command runs, its channel must be returned.
+                with trio.CancelScope(shield=True):
+                    spare = await self._supervisors.prefork(prepared.sandbox)
                 return FastChannel(
                     prepared.spawned,
                     prepared.stdin_w,
@@ -195,18 +195,10 @@ class Launcher:
             raise
         stdin_r, stdin_w, out_r, out_w, err_r, err_w = made
         theirs = (stdin_r, out_w, err_w)
-        # The next command's held child is forked while this one's record commits and it
-        # runs (docs/fast-exec.md "Held children"); settled by its channel's `quiesce`.
-        try:
-            spare = await self._supervisors.prefork(sandbox)
-        except BaseException:  # cancelled (the record failed): nothing ran
-            spawned.close()
-            _close(made)
-            raise
         if not spec.stdin:
             os.close(stdin_w)  # the command reads EOF at once
-            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r, theirs, spare)
-        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r, theirs, spare)
+            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r, theirs)
+        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r, theirs)
 
     async def _lost(self, sandbox: Sandbox, spawned: Spawned, *, closed: bool = False) -> bool:
         """Is the supervisor that forked `spawned` still serving? (Journals it if not.)
@@ -261,7 +253,7 @@ class FastChannel:
         spare: Pending | None = None,
     ) -> None:
         self._spawned = spawned
-        self._spare = spare  # the next held child, asked for as this one was taken
+        self._spare = spare  # the next held child, asked for as this one started
         self._stdin_w = stdin_w
         self._out_r, self._err_r = out_r, err_r
         self._fs_limiter = fs_limiter
@@ -368,7 +360,7 @@ class FastChannel:
             spare.abandon()
 
     async def quiesce(self) -> None:
-        """Settle the spare asked for as this command was taken (docs/fast-exec.md "Held
+        """Settle the spare asked for as this command started (docs/fast-exec.md "Held
         children"): kept, its pid protected, before the run scans the sandbox."""
         spare, self._spare = self._spare, None
         if spare is not None:

@@ -13,8 +13,8 @@ Theory of operation (docs/fast-exec.md):
   supervisor (`supervisor.tampered`) and refuses the command `confinement_unmet`. None
   means "use the engine's exec": no python3 in the image, a start that failed, too many
   restarts lately, or a supervisor lost right now.
-- `prefork(sandbox)`, once a command took the spare: ask for the next one (`Pending`),
-  forked while the command's record commits and it runs. The command's run `settle`s it before it looks for its own processes
+- `prefork(sandbox)`, once a command started: ask for the next spare (`Pending`),
+  forked while the command runs. The command's run `settle`s it before it looks for its own processes
   (its stragglers, a kill): the spare's host pid then joins the sandbox's `protected`
   pids, so no scan ever finds it unprotected (docs/fast-exec.md "Held children").
 - Start: one engine exec of `agent.COMMAND` as the sandbox's uid:gid with the profile's
