@@ -321,10 +321,10 @@ class ExecDriver:
                     else:
                         signals.start_soon(stdin.drain, pipe)
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._pump, run)
                     if isinstance(stdin, bytes):
                         nursery.start_soon(trio.to_thread.run_sync, run.channel.feed, stdin)
                     nursery.start_soon(self._supervise, run)
+                    await self._pump(run)  # in the body: one task fewer per command
                 signals.cancel_scope.cancel()
         finally:
             run.channel.shutdown()

@@ -102,12 +102,12 @@ def oom_kills(dirs: CgroupDirs) -> int:
         return 0
     name = "memory.events" if dirs.v2 else "memory.oom_control"
     try:
-        text = (dirs.memory / name).read_text()
+        text = (dirs.memory / name).read_bytes()  # every command's way: no text layer
     except OSError:
         return 0
     for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill":
+        key, _, value = line.partition(b" ")
+        if key == b"oom_kill":
             return int(value)
     return 0
 

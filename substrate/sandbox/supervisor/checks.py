@@ -113,8 +113,11 @@ def read_process(pid: int) -> Reading:
 def pidfd_pid(pidfd: int) -> int | None:
     """The host pid a pidfd refers to (its fdinfo `Pid:`); None once it was reaped."""
     try:
-        with open(f"/proc/self/fdinfo/{pidfd}", encoding="ascii") as f:
-            text = f.read()
+        fd = os.open(f"/proc/self/fdinfo/{pidfd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            text = os.read(fd, 4096).decode("ascii", "replace")
+        finally:
+            os.close(fd)
     except OSError:
         return None
     value = P.parse_status_field(text, "Pid")
