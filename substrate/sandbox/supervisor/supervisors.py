@@ -59,6 +59,7 @@ from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import HOST_VISIBLE_RUNTIMES, RunAs
 from substrate.sandbox.supervisor import agent, checks
 from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned, receive
+from substrate.sandbox.supervisor.startup import StartFailed, read_ready, reason_of
 from substrate.store.journal import Journal
 
 log = logging.getLogger("substrate.sandbox.supervisor")
@@ -94,12 +95,6 @@ class SandboxView(Protocol):
     init_pid: int
     facts: list[Fact]
     protected: frozenset[int]
-
-
-class StartFailed(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass
@@ -380,7 +375,7 @@ class Supervisors:
             EngineError,
             OSError,
         ) as exc:
-            reason = exc.reason if isinstance(exc, StartFailed) else _reason(exc)
+            reason = exc.reason if isinstance(exc, StartFailed) else reason_of(exc)
             slot.retry_at = trio.current_time() + RETRY_S
             log.warning("%s: supervisor start failed: %s", sandbox.id[:12], reason)
             await self._journal_async("supervisor.unavailable", sandbox, generation, reason)
@@ -422,7 +417,7 @@ class Supervisors:
             # The pid first: whatever fails after this, the process is killed (its pidfd).
             pid = await self._exec_pid(exec_id)
             pidfd = os.pidfd_open(pid)
-            await _ready_line(sock, stream.initial)
+            await read_ready(sock, stream.initial)
             try:
                 reading = checks.read_process(pid)
             except ProcessLookupError:
@@ -593,40 +588,3 @@ class Pending:
         if spawned is not None:
             self._slot.asked = False
             spawned.close()
-
-
-async def _ready_line(sock: trio.socket.SocketType, initial: bytes) -> None:
-    """Read the engine's multiplexed stream until the program wrote `ready` on stdout."""
-    buf, out = bytearray(initial), bytearray()
-    while b"\n" not in out:
-        while len(buf) >= 8:
-            kind, length = struct.unpack(">BxxxI", buf[:8])
-            if len(buf) < 8 + length:
-                break
-            if kind == 1:
-                out += buf[8 : 8 + length]
-            del buf[: 8 + length]
-        if b"\n" in out:
-            break
-        if len(out) > 256 or len(buf) > 1 << 16:
-            raise StartFailed("protocol")
-        chunk = await sock.recv(4096)
-        if not chunk:
-            raise StartFailed("exited")
-        buf += chunk
-    if out.split(b"\n", 1)[0] != b"ready":
-        raise StartFailed("protocol")
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, trio.TooSlowError):
-        return "timeout"
-    if isinstance(exc, trio.ClosedResourceError):
-        return "closed"
-    if isinstance(exc, ContainerGone):
-        return "container_gone"
-    if isinstance(exc, Refusal):
-        return exc.name
-    if isinstance(exc, OSError):
-        return "os_error"
-    return "engine_error"
