@@ -5,16 +5,21 @@ measured in the same run, taking turns so background load hits every side alike.
 
 Two real daemons (`python -m substrate serve`), one with the default configuration (fast
 exec) and one with `fast_exec = false` (every command an engine exec), each with one
-warm `default` sandbox (substrate-sandbox:bookworm), driven through their agent sockets:
+adopted workspace and two warm sandboxes of it (substrate-sandbox:bookworm, runc): the
+`default` profile (`workspace = "layer"`: a working layer whose generation every command
+joins and concludes) and `interactive` (`workspace = "rw"`: a plain bind mount, the write
+gate's check around each command). The two show the supervisor path's own cost (rw)
+apart from the working layer's per-command cost (layer). Driven through the agent socket:
 
-1. warm `proc.run ["true"]`, p50/p90 over --runs: fast path, engine path, `docker exec
-   <ctr> true` (CLI), the SDK's `exec_run` on the same container, and a host fork/exec
-   of /bin/true (`os.posix_spawn` + `waitpid`);
-2. 100 sequential small commands (`ls /workspace`, `cat /workspace/README`,
-   `python3 -c pass`, in turn): total wall time of each side, --rounds times (medians);
-3. CPU per warm `true` on the fast path: the daemon's, and the supervisor's with its
-   children (the commands), load-independent (the engine's side is shared with whatever
-   else uses the engine on this host, so it is not attributed).
+1. warm `proc.run ["true"]`, p50/p90 over --runs: fast path (layer, rw), engine path
+   (layer, rw), `docker exec <ctr> true` (CLI) and the SDK's `exec_run` on the rw
+   sandbox's container, and a host fork/exec of /bin/true (`os.posix_spawn` + `waitpid`);
+2. CPU per warm `true` on the fast path, per profile: the daemon's, and the
+   supervisor's with its children (the commands), load-independent (the engine's side
+   is shared with whatever else uses the engine on this host, so it is not attributed);
+   and the engine path's daemon CPU;
+3. 100 sequential small commands (`ls /workspace`, `cat /workspace/README`,
+   `python3 -c pass`, in turn): total wall time of each side, --rounds times (medians).
 
 Needs the engine, substrate-sandbox:bookworm, and root (workspaces are chowned to 1000).
 """
@@ -45,6 +50,9 @@ from substrate.protocol.client import Client
 from substrate.sandbox.supervisor import agent
 
 SMALL = (["ls", "/workspace"], ["cat", "/workspace/README"], ["python3", "-c", "pass"])
+#: The profiles compared: a working layer ("layer") and a plain rw bind ("rw"), both runc.
+LAYER, RW = "default", "interactive"
+PROFILES = (LAYER, RW)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -65,7 +73,7 @@ def interleaved(fns: list[Callable[[], object]], runs: int) -> list[list[float]]
 
 
 class Side:
-    """One daemon with one adopted workspace and its warm default sandbox."""
+    """One daemon with one adopted workspace and a warm sandbox of each of `PROFILES`."""
 
     def __init__(self, base: Path, fast: bool) -> None:
         base.mkdir()
@@ -81,15 +89,20 @@ class Side:
             os.chown(p, 1000, 1000)
         self.client = Client(self.daemon.socket, timeout=600)
         self.ws = self.client.call("workspace.adopt", path=str(project))["workspace"]
-        first = self.run(["true"])
-        assert first["via"] == ("supervisor" if fast else "engine"), first
-        probe = self.client.call("facts.probe", workspace=self.ws, profile="default")
-        self.container: str = probe["container"]
+        self.containers: dict[str, str] = {}
+        for profile in PROFILES:
+            first = self.run(["true"], profile)
+            assert first["via"] == ("supervisor" if fast else "engine"), first
+            probe = self.client.call("facts.probe", workspace=self.ws, profile=profile)
+            self.containers[profile] = probe["container"]
 
-    def run(self, argv: list[str]) -> Any:
-        result = self.client.call("proc.run", workspace=self.ws, profile="default", argv=argv)
+    def run(self, argv: list[str], profile: str) -> Any:
+        result = self.client.call("proc.run", workspace=self.ws, profile=profile, argv=argv)
         assert result["exit_code"] == 0, result
         return result
+
+    def runner(self, profile: str) -> Callable[[list[str]], object]:
+        return lambda argv: self.run(argv, profile)
 
     def close(self) -> None:
         self.client.close()
@@ -102,19 +115,44 @@ def cpu(proc: psutil.Process) -> float:
     return float(t.user + t.system + t.children_user + t.children_system)
 
 
-def find_supervisor() -> psutil.Process:
-    """The one supervisor process on this host (the fast side's sandbox)."""
-    found = [
-        p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == list(agent.COMMAND)
-    ]
+def find_supervisor(container: str) -> psutil.Process:
+    """The supervisor process of `container` (its cgroup names the container's id; its
+    held child has the same command line, and the supervisor for its parent)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "ppid"]):
+        if p.info["cmdline"] != list(agent.COMMAND):
+            continue
+        try:
+            cgroup = Path(f"/proc/{p.pid}/cgroup").read_text()
+            parent = psutil.Process(p.info["ppid"]).cmdline()
+        except (OSError, psutil.Error):
+            continue
+        if container in cgroup and parent != list(agent.COMMAND):
+            found.append(p)
     if len(found) != 1:
-        raise SystemExit(f"expected one supervisor process, found {len(found)}")
+        raise SystemExit(f"expected one supervisor of {container[:12]}, found {len(found)}")
     return found[0]
 
 
 def host_true() -> None:
     pid = os.posix_spawn("/bin/true", ["true"], {})
     os.waitpid(pid, 0)
+
+
+def cpu_per_true(
+    daemon: psutil.Process,
+    supervisor: psutil.Process | None,
+    run: Callable[[list[str]], object],
+    n: int,
+) -> tuple[float, float]:
+    """(daemon ms, supervisor and command ms) per warm `true`, over `n` runs."""
+    d0 = cpu(daemon)
+    s0 = cpu(supervisor) if supervisor is not None else 0.0
+    for _ in range(n):
+        run(["true"])
+    d1 = cpu(daemon)
+    s1 = cpu(supervisor) if supervisor is not None else 0.0
+    return (d1 - d0) * 1000 / n, (s1 - s0) * 1000 / n
 
 
 def main() -> None:
@@ -128,52 +166,51 @@ def main() -> None:
     try:
         fast = Side(base / "fast", fast=True)
         engine = Side(base / "engine", fast=False)
-        ctr = sdk.containers.get(fast.container)
+        ctr = sdk.containers.get(fast.containers[RW])
         cli = ["docker", "exec", ctr.id]
 
-        names = ["substrate fast", "substrate engine", "docker exec CLI", "SDK exec_run", "host"]
-        fns: list[Callable[[], object]] = [
-            lambda: fast.run(["true"]),  # type: ignore[union-attr]
-            lambda: engine.run(["true"]),  # type: ignore[union-attr]
-            lambda: subprocess.run([*cli, "true"], check=True),
-            lambda: ctr.exec_run(["true"]),
-            host_true,
+        sides: list[tuple[str, Callable[[], object]]] = [
+            (f"fast {LAYER} (layer)", lambda: fast.run(["true"], LAYER)),  # type: ignore[union-attr]
+            (f"fast {RW} (rw)", lambda: fast.run(["true"], RW)),  # type: ignore[union-attr]
+            (f"engine {LAYER} (layer)", lambda: engine.run(["true"], LAYER)),  # type: ignore[union-attr]
+            (f"engine {RW} (rw)", lambda: engine.run(["true"], RW)),  # type: ignore[union-attr]
+            ("docker exec CLI", lambda: subprocess.run([*cli, "true"], check=True)),
+            ("SDK exec_run", lambda: ctr.exec_run(["true"])),
+            ("host", host_true),
         ]
-        for fn in fns:  # warm every path once more
+        names = [n for n, _ in sides]
+        for _, fn in sides:  # warm every path once more
             fn()
-        times = interleaved(fns, args.runs)
+        times = interleaved([fn for _, fn in sides], args.runs)
         p50 = {n: statistics.median(t) for n, t in zip(names, times, strict=True)}
         print(f"warm `true`, {args.runs} runs each (ms)   p50      p90      min")
         for n, t in zip(names, times, strict=True):
             print(f"  {n:28s} {p50[n]:8.2f} {pct(t, 0.9):8.2f} {min(t):8.2f}")
         cli50 = p50["docker exec CLI"]
-        print(
-            f"  ratios p50: fast/docker exec {p50['substrate fast'] / cli50:.3f}, "
-            f"fast/exec_run {p50['substrate fast'] / p50['SDK exec_run']:.3f}, "
-            f"fast/engine path {p50['substrate fast'] / p50['substrate engine']:.3f}, "
-            f"fast/host {p50['substrate fast'] / p50['host']:.1f}"
-        )
+        for profile, kind in ((RW, "rw"), (LAYER, "layer")):
+            f50 = p50[f"fast {profile} ({kind})"]
+            print(
+                f"  ratios p50, {kind}: fast/docker exec {f50 / cli50:.3f}, "
+                f"fast/exec_run {f50 / p50['SDK exec_run']:.3f}, "
+                f"fast/engine path {f50 / p50[f'engine {profile} ({kind})']:.3f}, "
+                f"fast/host {f50 / p50['host']:.1f}"
+            )
 
         # CPU per command (load-independent): the daemon, and the supervisor with its
         # children (the commands themselves). The engine's side (dockerd, containerd,
         # runc) is shared with whatever else uses the engine, so it is not attributed.
-        supervisor = find_supervisor()
-        daemon_ps = psutil.Process(fast.daemon.proc.pid)
-        d0, s0 = cpu(daemon_ps), cpu(supervisor)
         n = 100
-        for _ in range(n):
-            fast.run(["true"])
-        d1, s1 = cpu(daemon_ps), cpu(supervisor)
+        fast_ps = psutil.Process(fast.daemon.proc.pid)
         engine_ps = psutil.Process(engine.daemon.proc.pid)
-        e0 = cpu(engine_ps)
-        for _ in range(n):
-            engine.run(["true"])
-        e1 = cpu(engine_ps)
-        print(
-            f"CPU per warm `true` (ms, {n} runs): fast path daemon {(d1 - d0) * 1000 / n:.2f}"
-            f" + supervisor and command {(s1 - s0) * 1000 / n:.2f}; engine path daemon "
-            f"{(e1 - e0) * 1000 / n:.2f} (+ dockerd, containerd, runc: not attributed)"
-        )
+        print(f"CPU per warm `true` (ms, {n} runs each)")
+        for profile, kind in ((RW, "rw"), (LAYER, "layer")):
+            supervisor = find_supervisor(fast.containers[profile])
+            d, s = cpu_per_true(fast_ps, supervisor, fast.runner(profile), n)
+            e, _ = cpu_per_true(engine_ps, None, engine.runner(profile), n)
+            print(
+                f"  {kind:5s}: fast path daemon {d:.2f} + supervisor and command {s:.2f};"
+                f" engine path daemon {e:.2f} (+ dockerd, containerd, runc: not attributed)"
+            )
 
         def batch(one: Callable[[list[str]], object]) -> Callable[[], object]:
             def go() -> None:
@@ -182,22 +219,24 @@ def main() -> None:
 
             return go
 
-        sides = [
-            ("substrate fast", batch(fast.run)),
-            ("substrate engine", batch(engine.run)),
+        batches = [
+            ("fast (layer)", batch(fast.runner(LAYER))),
+            ("fast (rw)", batch(fast.runner(RW))),
+            ("engine (rw)", batch(engine.runner(RW))),
             (
                 "docker exec CLI",
                 batch(lambda a: subprocess.run([*cli, *a], check=True, capture_output=True)),
             ),
         ]
-        totals = interleaved([fn for _, fn in sides], args.rounds)
+        totals = interleaved([fn for _, fn in batches], args.rounds)
         print(f"100 small commands (ls, cat, python3 -c pass), total s, median of {args.rounds}")
-        med = {n: statistics.median(t) / 1000 for (n, _), t in zip(sides, totals, strict=True)}
-        for n, _ in sides:
+        med = {n: statistics.median(t) / 1000 for (n, _), t in zip(batches, totals, strict=True)}
+        for n, _ in batches:
             print(f"  {n:28s} {med[n]:8.2f}")
         print(
-            f"  ratio fast/docker exec {med['substrate fast'] / med['docker exec CLI']:.3f}, "
-            f"fast/engine path {med['substrate fast'] / med['substrate engine']:.3f}"
+            f"  ratio to docker exec: fast (rw) {med['fast (rw)'] / med['docker exec CLI']:.3f},"
+            f" fast (layer) {med['fast (layer)'] / med['docker exec CLI']:.3f};"
+            f" fast (rw)/engine (rw) {med['fast (rw)'] / med['engine (rw)']:.3f}"
         )
         print(f"load average at the end: {os.getloadavg()}")
     finally:

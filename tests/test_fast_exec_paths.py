@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -164,14 +165,7 @@ async def test_a_dead_supervisor_means_the_engine_for_this_command(world: World)
     with trio.fail_after(10):
         await trio.lowlevel.wait_readable(world.link.pidfd)
     world.slot.retry_at = trio.current_time() + 1000  # no new start in this test
-    stdio = os.pipe()
-    try:
-        found = await world.supervisors.spawn(
-            cast(Sandbox, world.sandbox), ["true"], {}, "/", (stdio[0], stdio[1], stdio[1])
-        )
-    finally:
-        for fd in stdio:
-            os.close(fd)
+    found = await world.supervisors.spawn(cast(Sandbox, world.sandbox))
     assert found is None
     assert [(e["generation"], e["reason"]) for e in world.entries("supervisor.lost")] == [
         (1, "exited")
@@ -245,3 +239,122 @@ async def test_shutdown_wakes_the_pump_of_a_command_still_writing(
     assert msgspec.to_builtins(sinks[1].close())["inline"] == "first\n"
     sinks[2].close()
     channel.release()
+
+
+# -- held children forked ahead (docs/fast-exec.md "Held children") ---------------------
+
+
+async def run_to_end(world: World, tmp_path: Path, argv: list[str], name: str) -> FastChannel:
+    """One command through the launcher, as the driver runs it: pump, exit, `quiesce`."""
+    owner = Owner(tmp_path)
+    sinks = {1: owner.sink(f"{name}-out"), 2: owner.sink(f"{name}-err")}
+    channel = await start(world, argv, stdin=False)
+    await channel.pump(sinks, trio.CapacityLimiter(2))
+    assert await channel.wait_exit(host_visible=True) == 0
+    await channel.quiesce()
+    for sink in sinks.values():
+        sink.close()
+    return channel
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_the_next_command_takes_a_held_child_forked_ahead_and_protected(
+    world: World, tmp_path: Path
+) -> None:
+    first = await run_to_end(world, tmp_path, ["true"], "a")
+    spare = world.slot.spare
+    assert spare is not None and alive(spare.host_pid)
+    # Protected from the reaper's scans (an unmarked child of the supervisor) while held.
+    assert world.sandbox.protected == {world.link.pid, spare.host_pid}
+    first.release()
+
+    second = await start(world, ["true"], stdin=False)
+    # The command is that very process, checked from the host just before it ran, and no
+    # longer protected: it is a command now.
+    assert second.facts and second.facts is spare.facts
+    assert {f.name: f.value for f in second.facts}["parent"] == "supervisor"
+    assert spare.host_pid not in world.sandbox.protected
+    assert world.slot.spare is None and world.slot.asked  # the next one is asked for
+    assert await second.wait_exit(host_visible=True) == 0
+    await second.quiesce()
+    nxt = world.slot.spare
+    assert nxt is not None and nxt.host_pid != spare.host_pid
+    assert world.sandbox.protected == {world.link.pid, nxt.host_pid}
+    second.release()
+
+
+async def test_a_held_child_killed_by_the_sandbox_is_replaced_on_demand(
+    world: World, tmp_path: Path
+) -> None:
+    (await run_to_end(world, tmp_path, ["true"], "a")).release()
+    spare = world.slot.spare
+    assert spare is not None
+    os.kill(spare.host_pid, 9)  # sandboxed code of the same uid may do this
+    await wait_until_async(spare.exited, 10, message="the held child did not die")
+    channel = await run_to_end(world, tmp_path, ["true"], "b")
+    assert channel.via == "supervisor" and channel.facts
+    assert spare.host_pid not in world.sandbox.protected
+    assert world.entries("supervisor.lost") == [] and world.entries("supervisor.tampered") == []
+    channel.release()
+
+
+async def test_a_held_child_stopped_by_the_sandbox_is_killed_and_not_used(
+    world: World, tmp_path: Path
+) -> None:
+    (await run_to_end(world, tmp_path, ["true"], "a")).release()
+    spare = world.slot.spare
+    assert spare is not None
+    os.kill(spare.host_pid, signal.SIGSTOP)  # it would never exec
+    await wait_until_async(
+        lambda: checks.held_state_problem(checks.read_status(spare.host_pid)[0]), 10
+    )
+    pidfd = os.pidfd_open(spare.host_pid)
+    try:
+        channel = await run_to_end(world, tmp_path, ["true"], "b")  # not left waiting
+        assert channel.via == "supervisor" and channel.facts is not spare.facts
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(pidfd)  # killed: no task held for ever
+        assert spare.host_pid not in world.sandbox.protected
+        channel.release()
+    finally:
+        os.close(pidfd)
+
+
+async def test_a_run_that_ends_early_lets_the_asked_child_go(world: World) -> None:
+    channel = await start(world, ["true"], stdin=False)
+    assert world.slot.asked
+    channel.release()  # never quiesced: the run was cut off before it looked
+    assert not world.slot.asked and world.slot.spare is None
+    assert world.sandbox.protected == {world.link.pid}
+    # The next command forks its own, and asks again.
+    again = await start(world, ["true"], stdin=False)
+    assert again.facts and world.slot.asked
+    assert await again.wait_exit(host_visible=True) == 0
+    await again.quiesce()
+    again.release()
+
+
+async def test_a_supervisor_dropped_takes_its_held_child_with_it(
+    world: World, tmp_path: Path
+) -> None:
+    (await run_to_end(world, tmp_path, ["true"], "a")).release()
+    spare = world.slot.spare
+    assert spare is not None
+    pidfd = os.pidfd_open(spare.host_pid)
+    try:
+        world.link.kill()
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(world.link.pidfd)
+        assert not await world.supervisors.serving(world.sandbox.id, world.link.generation)
+        assert world.slot.spare is None and world.sandbox.protected == frozenset()
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(pidfd)  # its channel closed: it exited
+    finally:
+        os.close(pidfd)

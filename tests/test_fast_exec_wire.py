@@ -21,11 +21,11 @@ from tests.harness.host_supervisor import host_link
 
 
 def test_frames_round_trip_split_anywhere() -> None:
-    frames = agent.encode({"op": "spawn", "argv": ["é", "\udcff"]}, 2) + agent.encode({"op": "go"})
+    frames = agent.encode({"op": "go", "argv": ["é", "\udcff"]}, 2) + agent.encode({"op": "abort"})
     for cut in range(len(frames) + 1):
         decoder = agent.Decoder(1 << 16)
         out = decoder.feed(frames[:cut], [7, 8]) + decoder.feed(frames[cut:])
-        assert [m for m, _ in out] == [{"op": "spawn", "argv": ["é", "\udcff"]}, {"op": "go"}]
+        assert [m for m, _ in out] == [{"op": "go", "argv": ["é", "\udcff"]}, {"op": "abort"}]
         assert [fds for _, fds in out] == [[7, 8], []]
         assert decoder.buffered == 0
 
@@ -210,13 +210,13 @@ async def run(
 ) -> tuple[int | None, int | None, bytes, bytes]:
     theirs, (in_w, out_r, err_r) = pipes()
     env = {"PATH": "/usr/bin:/bin", "SUBSTRATE_PROC": "p_test"}
-    spawned = await link.spawn(argv, env, "/", theirs, os.getgid())
-    for fd in theirs:
-        os.close(fd)
+    spawned = await link.spawn()
     try:
         assert spawned.mismatches == [], spawned.mismatches
         assert spawned.host_pid > 0 and not spawned.exited()
-        await spawned.go()
+        await spawned.go(argv, env, "/", theirs)
+        for fd in theirs:
+            os.close(fd)
         os.write(in_w, stdin)
         os.close(in_w)
         code, err = await spawned.wait_exit()
@@ -244,8 +244,7 @@ async def test_an_exec_that_fails_reports_its_errno(link: Link) -> None:
 
 
 async def test_the_held_child_is_checked_before_it_runs(link: Link) -> None:
-    theirs, ours = pipes()
-    spawned = await link.spawn(["sh", "-c", "echo ran"], {}, "/", theirs, os.getgid())
+    spawned = await link.spawn()
     try:
         names = {f.name: f.value for f in spawned.facts}
         assert names["parent"] == "supervisor" and names["cgroup"] == "sandbox"
@@ -255,43 +254,77 @@ async def test_the_held_child_is_checked_before_it_runs(link: Link) -> None:
         assert code == agent.ABORTED
     finally:
         spawned.close()
-        for fd in (*theirs, *ours):
+
+
+async def test_a_held_child_forked_ahead_waits_and_is_checked_when_used(link: Link) -> None:
+    spare = await link.fork()  # asked for; the answer is read later
+    try:
+        await link.forked(spare)
+        assert spare.host_pid > 0 and spare.facts == [] and not spare.exited()
+        with trio.move_on_after(0.2):  # held: nothing runs before `go`
+            await spare.wait_gone()
+        assert not spare.exited()
+        link.check(spare)  # read on the very process that will exec
+        assert spare.mismatches == []
+        assert {f.name: f.value for f in spare.facts}["parent"] == "supervisor"
+        theirs, (in_w, out_r, err_r) = pipes()
+        await spare.go(["sh", "-c", "echo ran; cat"], {"PATH": "/usr/bin:/bin"}, "/tmp", theirs)
+        for fd in theirs:
             os.close(fd)
+        os.write(in_w, b"late\n")
+        os.close(in_w)
+        code, err = await spare.wait_exit()
+        out = await trio.to_thread.run_sync(read_all, out_r)
+        assert (code, err, out) == (0, None, b"ran\nlate\n")
+        os.close(err_r)
+    finally:
+        spare.close()
+
+
+async def test_a_held_child_whose_channel_closes_exits_without_exec(link: Link) -> None:
+    spare = await link.fork()
+    await link.forked(spare)
+    pidfd = os.dup(spare.pidfd)
+    try:
+        spare.chan.close()  # the daemon let go of it
+        with trio.fail_after(10):
+            await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+        spare.close()
+
+
+async def test_a_held_child_gone_before_its_check_is_not_read(link: Link) -> None:
+    spare = await link.fork()
+    await link.forked(spare)
+    try:
+        spare.kill()  # what sandboxed code of the same uid could do to it
+        with trio.fail_after(10):
+            await spare.wait_gone()
+        with pytest.raises(LinkBroken, match="child-gone"):
+            link.check(spare)
+    finally:
+        spare.close()
 
 
 async def test_a_child_unlike_the_baseline_has_mismatches(link: Link) -> None:
     link.base = checks.Baseline(
         status={**link.base.status, "uid": 4321}, cgroup=link.base.cgroup, namespaces=(1,) * 7
     )
-    theirs, ours = pipes()
-    spawned = await link.spawn(["true"], {}, "/", theirs, os.getgid())
+    spawned = await link.spawn()
     try:
         assert sorted(m.name for m in spawned.mismatches) == ["namespaces", "uid"]
     finally:
         spawned.close()  # its channel closes: the held child exits, nothing ran
-        for fd in (*theirs, *ours):
-            os.close(fd)
-
-
-async def test_a_request_for_another_uid_is_refused(link: Link) -> None:
-    link.uid = os.getuid() + 1
-    theirs, ours = pipes()
-    spawned = await link.spawn(["true"], {}, "/", theirs, os.getgid())
-    try:
-        assert spawned.failed == errno.EPERM
-    finally:
-        spawned.close()
-        for fd in (*theirs, *ours):
-            os.close(fd)
 
 
 async def test_the_daemon_going_away_kills_running_children(link: Link) -> None:
     theirs, (in_w, out_r, err_r) = pipes()
-    spawned = await link.spawn(["sleep", "60"], {"PATH": "/usr/bin:/bin"}, "/", theirs, os.getgid())
-    for fd in theirs:
-        os.close(fd)
+    spawned = await link.spawn()
     try:
-        await spawned.go()
+        await spawned.go(["sleep", "60"], {"PATH": "/usr/bin:/bin"}, "/", theirs)
+        for fd in theirs:
+            os.close(fd)
         link.control.close()  # what a dead daemon's kernel does to the connection
         with trio.fail_after(10):
             await spawned.wait_gone()
@@ -310,10 +343,5 @@ async def test_a_dead_supervisor_breaks_the_link(link: Link) -> None:
     with trio.fail_after(10):
         await trio.lowlevel.wait_readable(link.pidfd)
     assert link.problem() == "exited"
-    theirs, ours = pipes()
-    try:
-        with pytest.raises(LinkBroken):
-            await link.spawn(["true"], {}, "/", theirs, os.getgid())
-    finally:
-        for fd in (*theirs, *ours):
-            os.close(fd)
+    with pytest.raises(LinkBroken):
+        await link.spawn()

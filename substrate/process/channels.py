@@ -75,6 +75,12 @@ class ExecChannel(Protocol):
         """The main process's host pid once it runs; None once it ended without one."""
         ...
 
+    async def quiesce(self) -> None:
+        """Before the run scans the sandbox's processes (stragglers, a kill): whatever
+        this path started besides the command is accounted for (a supervisor's next held
+        child is protected: docs/fast-exec.md). Bounded."""
+        ...
+
     async def wait_exit(self, *, host_visible: bool) -> int | None:
         """The exit code once the main process ended (128 + n for signal n); None when
         it was lost. Unbounded: the caller bounds it."""
@@ -130,6 +136,9 @@ class EngineChannel:
 
     def release(self) -> None:
         self._sock.close()  # closed by `close` already unless the run broke before
+
+    async def quiesce(self) -> None:
+        return None  # the engine starts nothing besides the command
 
     async def main_pid(self, *, first_sleep: float) -> int | None:
         """An exec the engine has not started yet also reads `Running: false`, but with no

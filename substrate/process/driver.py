@@ -262,6 +262,11 @@ class ExecDriver:
         """After the main process: reap what it left behind; return the OOM-kill count."""
         sandbox = run.sandbox
         alone = sandbox.running <= 1
+        await run.channel.quiesce()
+        if not sandbox.host_visible or _only_protected(sandbox):
+            # The usual case: nothing but the container's own processes is left. Two small
+            # cgroupfs reads, on the event loop (no thread hop for a quick command).
+            return reaper.oom_kills(sandbox.cgroups)
         stragglers, oom_after = await trio.to_thread.run_sync(
             _after_exit, sandbox, run.proc, alone, limiter=self._fs_limiter
         )
@@ -316,10 +321,10 @@ class ExecDriver:
                     else:
                         signals.start_soon(stdin.drain, pipe)
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._pump, run)
                     if isinstance(stdin, bytes):
                         nursery.start_soon(trio.to_thread.run_sync, run.channel.feed, stdin)
                     nursery.start_soon(self._supervise, run)
+                    await self._pump(run)  # in the body: one task fewer per command
                 signals.cancel_scope.cancel()
         finally:
             run.channel.shutdown()
@@ -402,6 +407,7 @@ class ExecDriver:
     async def _terminate(self, run: Run, *, alone: bool) -> None:
         """TERM the command's processes, KILL what is left after the grace; count both."""
         sandbox = run.sandbox
+        await run.channel.quiesce()
         termed, killed = await reaper.terminate(
             sandbox.cgroups,
             run.proc,
@@ -440,6 +446,14 @@ class ExecDriver:
 def _roots(entry: Entry) -> frozenset[Hashable]:
     """The main process as the reaper's extra root (its identity), once known."""
     return frozenset() if entry.main is None else frozenset([entry.main])
+
+
+def _only_protected(sandbox: Sandbox) -> bool:
+    """Is every process in the sandbox's cgroup a protected one (init, keep-alive,
+    supervisor, held child)? Then no command's process is left. In-memory cgroupfs: a
+    read and a listing, tens of microseconds."""
+    protected = sandbox.protected
+    return all(pid in protected for pid in reaper.cgroup_pids(sandbox.cgroups))
 
 
 def _after_exit(sandbox: Sandbox, proc: str, alone: bool) -> tuple[bool, int]:

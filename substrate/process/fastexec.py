@@ -5,11 +5,13 @@
 `create` while it commits the command's record, so the two overlap.
 
 Fast path (docs/fast-exec.md), for a sandbox whose processes are host processes (runc)
-and whose supervisor is up: `create` makes the command's three pipes, hands the
-sandbox's ends to the supervisor, which forks the command and holds it, and checks the
-held child from the host (`substrate.sandbox.supervisor`); `start` lets it exec. The
-`FastChannel` then reads stdout and stderr from the pipes straight into the command's
-sinks (one worker thread, both pipes), writes stdin to its pipe, knows the main process
+and whose supervisor is up: `create` takes a held child (forked ahead by the sandbox's
+supervisor, or now), checked from the host just now (`substrate.sandbox.supervisor`),
+makes the command's three pipes; `start` hands the child argv and the sandbox's pipe
+ends, lets it exec, and asks the supervisor for the next held child (its answer is
+settled by `FastChannel.quiesce`, before the run looks for its processes).
+The `FastChannel` reads stdout and stderr from the pipes straight into the command's
+sinks (on the event loop while small), writes stdin to its pipe, knows the main process
 by its pidfd from the start, and takes the exit code from the supervisor's report.
 
 Fallback: whenever the supervisor cannot be used for this command (no python3 in the
@@ -38,7 +40,7 @@ from substrate.sandbox.containers import Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.supervisor.link import LinkBroken, Spawned
-from substrate.sandbox.supervisor.supervisors import Supervisors
+from substrate.sandbox.supervisor.supervisors import Pending, Supervisors
 
 log = logging.getLogger("substrate.process.fastexec")
 
@@ -77,14 +79,17 @@ class FastPrepared:
     stdin_w: int | None
     out_r: int
     err_r: int
+    theirs: tuple[int, int, int]  # the command's stdin, stdout, stderr: sent with `go`
 
     def close(self) -> None:
         """Nothing will run: the held child exits when its channel closes."""
         self.spawned.close()
-        for fd in (self.stdin_w, self.out_r, self.err_r):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        self.close_theirs()
+        _close([self.stdin_w, self.out_r, self.err_r])
+
+    def close_theirs(self) -> None:
+        _close(self.theirs)
+        self.theirs = (-1, -1, -1)
 
 
 Prepared = EnginePrepared | FastPrepared
@@ -128,14 +133,24 @@ class Launcher:
     async def start(self, prepared: Prepared) -> ExecChannel:
         """Start a prepared command; its channel. Raises what `exec_start` raises."""
         if isinstance(prepared, FastPrepared):
+            spec = prepared.spec
             try:
-                await prepared.spawned.go()
+                await prepared.spawned.go(
+                    list(spec.argv), spec.environment, spec.workdir, prepared.theirs
+                )
             except LinkBroken:
                 # Gone between the check and the go: nothing ran; the engine runs it.
                 prepared.close()
                 await self._lost(prepared.sandbox, prepared.spawned)
                 prepared = await self._engine_create(prepared.spec)
             else:
+                prepared.close_theirs()  # the command has its own copies now
+                assert self._supervisors is not None
+                # The next command's held child is forked while this one runs
+                # (docs/fast-exec.md "Held children"); settled by the channel's
+                # `quiesce`. Shielded: the command runs, its channel must be returned.
+                with trio.CancelScope(shield=True):
+                    spare = await self._supervisors.prefork(prepared.sandbox)
                 return FastChannel(
                     prepared.spawned,
                     prepared.stdin_w,
@@ -143,6 +158,7 @@ class Launcher:
                     prepared.err_r,
                     fs_limiter=self._fs_limiter,
                     on_lost=functools.partial(self._lost, prepared.sandbox, prepared.spawned),
+                    spare=spare,
                 )
         stream = await self._engine.exec_start(prepared.exec_id)
         return EngineChannel(self._engine, prepared.exec_id, stream, fs_limiter=self._fs_limiter)
@@ -166,34 +182,51 @@ class Launcher:
 
     async def _spawn(self, sandbox: Sandbox, spec: ExecSpec) -> FastPrepared | None:
         assert self._supervisors is not None
-        stdin_r, stdin_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        ours = [stdin_w, out_r, err_r]
-        try:
-            spawned = await self._supervisors.spawn(
-                sandbox, list(spec.argv), spec.environment, spec.workdir, (stdin_r, out_w, err_w)
-            )
-        except BaseException:
-            _close(ours)
-            raise
-        finally:
-            _close([stdin_r, out_w, err_w])  # the supervisor has its own copies now
-        if spawned is None or spawned.failed is not None:
-            if spawned is not None:
-                spawned.close()
-            _close(ours)
+        spawned = await self._supervisors.spawn(sandbox)
+        if spawned is None:
             return None
+        made: list[int] = []
+        try:
+            for _ in range(3):
+                made.extend(os.pipe())
+        except OSError:
+            _close(made)
+            spawned.close()  # nothing ran: the held child exits
+            raise
+        stdin_r, stdin_w, out_r, out_w, err_r, err_w = made
+        theirs = (stdin_r, out_w, err_w)
         if not spec.stdin:
             os.close(stdin_w)  # the command reads EOF at once
-            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r)
-        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r)
+            return FastPrepared(spec, sandbox, spawned, None, out_r, err_r, theirs)
+        return FastPrepared(spec, sandbox, spawned, stdin_w, out_r, err_r, theirs)
 
-    async def _lost(self, sandbox: Sandbox, spawned: Spawned) -> bool:
-        """Is the supervisor that forked `spawned` still serving? (Journals it if not.)"""
+    async def _lost(self, sandbox: Sandbox, spawned: Spawned, *, closed: bool = False) -> bool:
+        """Is the supervisor that forked `spawned` still serving? (Journals it if not.)
+        `closed`: the command's channel closed without a report (`Supervisors.serving`)."""
         if self._supervisors is None:
             return False
-        return await self._supervisors.serving(sandbox.id, spawned.generation)
+        return await self._supervisors.serving(sandbox.id, spawned.generation, closed=closed)
+
+
+def _read_into(
+    fd: int, streams: dict[int, OutputSink | None], forget: Callable[[int], None]
+) -> int:
+    """One read of a ready pipe into its sink; at its end (or a read error) the pipe
+    leaves `streams` and `forget` unregisters it. Returns the bytes moved."""
+    try:
+        data = os.read(fd, RECV_BYTES)
+    except BlockingIOError:
+        return 0
+    except OSError:
+        data = b""
+    if not data:
+        forget(fd)
+        del streams[fd]
+        return 0
+    sink = streams[fd]
+    if sink is not None:
+        sink.write(data)  # a spool append: microseconds at this size
+    return len(data)
 
 
 def _close(fds: Sequence[int | None]) -> None:
@@ -216,9 +249,11 @@ class FastChannel:
         err_r: int,
         *,
         fs_limiter: trio.CapacityLimiter | None,
-        on_lost: Callable[[], Awaitable[bool]],
+        on_lost: Callable[..., Awaitable[bool]],
+        spare: Pending | None = None,
     ) -> None:
         self._spawned = spawned
+        self._spare = spare  # the next held child, asked for as this one started
         self._stdin_w = stdin_w
         self._out_r, self._err_r = out_r, err_r
         self._fs_limiter = fs_limiter
@@ -233,61 +268,48 @@ class FastChannel:
 
     async def pump(self, sinks: Mapping[int, OutputSink], limiter: trio.CapacityLimiter) -> None:
         """Both pipes into their sinks, until both end or `shutdown`. Read on the event
-        loop (no thread hop for the usual small output) until a stream passed
-        `LOOP_PUMP_BYTES`; the rest of it is read in a worker thread under `limiter`.
+        loop (no thread hop for the usual small output) by this one task, which waits on
+        an epoll set of both pipes and the wake pipe, until the output passed
+        `LOOP_PUMP_BYTES`; the rest is read in a worker thread under `limiter`.
         Shielded: a cancelled run still gets every byte the command wrote until it is
         woken by `shutdown`."""
+        streams: dict[int, OutputSink | None] = {
+            self._out_r: sinks.get(1),
+            self._err_r: sinks.get(2),
+        }
         with trio.CancelScope(shield=True):
-            async with trio.open_nursery() as nursery:
-                # The wake pipe ends both drains (a run that gave up on the streams).
-                nursery.start_soon(self._on_wake, nursery.cancel_scope)
-                async with trio.open_nursery() as drains:
-                    drains.start_soon(self._drain, self._out_r, sinks.get(1), limiter)
-                    drains.start_soon(self._drain, self._err_r, sinks.get(2), limiter)
-                nursery.cancel_scope.cancel()
-
-    async def _on_wake(self, scope: trio.CancelScope) -> None:
-        await trio.lowlevel.wait_readable(self._wake_r)
-        scope.cancel()
-
-    async def _drain(self, fd: int, sink: OutputSink | None, limiter: trio.CapacityLimiter) -> None:
-        os.set_blocking(fd, False)
-        moved = 0
-        while moved <= LOOP_PUMP_BYTES:
-            await trio.lowlevel.wait_readable(fd)
+            ready = select.epoll(3)
             try:
-                data = os.read(fd, RECV_BYTES)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            moved += len(data)
-            if sink is not None:
-                sink.write(data)  # a spool append: microseconds at this size
-        # Large output: a thread of the pump limiter, as for an engine exec. It stops
-        # on EOF or on the wake pipe (cancelling this task does not stop it).
-        await trio.to_thread.run_sync(self._drain_blocking, fd, sink, limiter=limiter)
+                for fd in streams:
+                    os.set_blocking(fd, False)
+                    ready.register(fd, select.EPOLLIN)
+                ready.register(self._wake_r, select.EPOLLIN)
+                moved = 0
+                while streams and moved <= LOOP_PUMP_BYTES:
+                    await trio.lowlevel.wait_readable(ready.fileno())
+                    for fd, _ in ready.poll(0):
+                        if fd == self._wake_r:
+                            return  # the run gave up on the streams
+                        if fd in streams:
+                            moved += _read_into(fd, streams, ready.unregister)
+            finally:
+                ready.close()
+            if streams:
+                # Large output: a thread of the pump limiter, as for an engine exec. It
+                # stops at both EOFs or on the wake pipe (cancelling does not stop it).
+                await trio.to_thread.run_sync(self._drain_blocking, streams, limiter=limiter)
 
-    def _drain_blocking(self, fd: int, sink: OutputSink | None) -> None:
+    def _drain_blocking(self, streams: dict[int, OutputSink | None]) -> None:
         poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        for fd in streams:
+            poller.register(fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
-        while True:
-            events = poller.poll()
-            if any(ready == self._wake_r for ready, _ in events):
-                return
-            try:
-                data = os.read(fd, RECV_BYTES)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            if sink is not None:
-                sink.write(data)
+        while streams:
+            for fd, _ in poller.poll():
+                if fd == self._wake_r:
+                    return
+                if fd in streams:
+                    _read_into(fd, streams, poller.unregister)
 
     def feed(self, data: bytes) -> None:
         fd = self._stdin_w
@@ -333,6 +355,16 @@ class FastChannel:
     def release(self) -> None:
         self.close()
         self._spawned.close()  # its channel: a command still running is the daemon's
+        spare, self._spare = self._spare, None
+        if spare is not None:  # never settled (the run ended early): let it go
+            spare.abandon()
+
+    async def quiesce(self) -> None:
+        """Settle the spare asked for as this command started (docs/fast-exec.md "Held
+        children"): kept, its pid protected, before the run scans the sandbox."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            await spare.settle()
 
     # -- the main process --------------------------------------------------------------
 
@@ -344,29 +376,19 @@ class FastChannel:
         killed or dropped), or the command ended and no report came within
         `REPORT_GRACE_S` from a supervisor that no longer serves (stopped, gone) — the
         code is lost (None), the loss is journalled, and the command itself is waited
-        for by its pidfd."""
+        for by its pidfd. One task: the report is waited for in rounds of
+        `REPORT_GRACE_S`, and between rounds a command that ended is asked about."""
         if self._reported:
             return self._code
-        found: list[tuple[int | None, int | None]] = []
-        async with trio.open_nursery() as nursery:
-
-            async def report() -> None:
-                found.append(await self._spawned.wait_exit())
-                nursery.cancel_scope.cancel()
-
-            async def watchdog() -> None:
-                await self._spawned.wait_gone()
-                while True:
-                    await trio.sleep(REPORT_GRACE_S)
-                    if not await self._on_lost():  # no longer served: the report is lost
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(report)
-            nursery.start_soon(watchdog)
-        code, err = found[0] if found else (None, None)
+        found: tuple[int | None, int | None] | None = None
+        while found is None:
+            with trio.move_on_after(REPORT_GRACE_S):
+                found = await self._spawned.wait_exit()
+            if found is None and self._spawned.exited() and not await self._on_lost():
+                break  # ended, and no longer served: the report is lost
+        code, err = found if found is not None else (None, None)
         if code is None:
-            await self._on_lost()
+            await self._on_lost(closed=found is not None)
             await self._spawned.wait_gone()
         self._code, self._errno, self._reported = code, err, True
         return code

@@ -45,14 +45,23 @@ def read_cpu_ns(dirs: CgroupDirs) -> int | None:
         return None
     try:
         if not dirs.v2:
-            return int((dirs.cpu / "cpuacct.usage").read_text())
-        for line in (dirs.cpu / "cpu.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "usage_usec":
+            return int(_read_small(dirs.cpu / "cpuacct.usage"))
+        for line in _read_small(dirs.cpu / "cpu.stat").splitlines():
+            key, _, value = line.partition(b" ")
+            if key == b"usage_usec":
                 return int(value) * 1000
     except (OSError, ValueError):
         return None
     return None
+
+
+def _read_small(path: Path) -> bytes:
+    """A small cgroupfs file in one read (no text layer: this is on every command's way)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
 
 
 class _Peak:

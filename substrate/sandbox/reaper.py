@@ -102,25 +102,27 @@ def oom_kills(dirs: CgroupDirs) -> int:
         return 0
     name = "memory.events" if dirs.v2 else "memory.oom_control"
     try:
-        text = (dirs.memory / name).read_text()
+        text = (dirs.memory / name).read_bytes()  # every command's way: no text layer
     except OSError:
         return 0
     for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill":
+        key, _, value = line.partition(b" ")
+        if key == b"oom_kill":
             return int(value)
     return 0
 
 
 def cgroup_pids(dirs: CgroupDirs) -> list[int]:
-    """Every process in the container's cgroup (and any nested one), as host pids."""
+    """Every process in the container's cgroup (and any nested one), as host pids.
+    Cost: one read and one directory listing per cgroup (tens of microseconds)."""
     found: list[int] = []
     stack = [dirs.procs]
     while stack:
         here = stack.pop()
         try:
-            found.extend(int(x) for x in (here / "cgroup.procs").read_text().split())
-            stack.extend(p for p in here.iterdir() if p.is_dir())
+            found.extend(int(x) for x in (here / "cgroup.procs").read_bytes().split())
+            with os.scandir(here) as entries:  # the type comes with the listing: no stats
+                stack.extend(Path(e.path) for e in entries if e.is_dir(follow_symlinks=False))
         except (OSError, ValueError):
             continue
     return found

@@ -69,11 +69,16 @@ class Env:
 
 
 def supervisor_pids(sandbox: Sandbox) -> set[int]:
-    """The protected pids that are a supervisor (by command line)."""
+    """The protected pids that are a supervisor (by command line; not a held child, which
+    has the same command line and a supervisor for its parent)."""
     found = set()
     for pid in sandbox.protected:
         try:
-            if psutil.Process(pid).cmdline() == list(agent.COMMAND):
+            proc = psutil.Process(pid)
+            parent = proc.parent()
+            if proc.cmdline() == list(agent.COMMAND) and (
+                parent is None or parent.cmdline() != list(agent.COMMAND)
+            ):
                 found.add(pid)
         except psutil.Error:
             continue
@@ -246,6 +251,38 @@ async def test_concurrent_commands_share_one_supervisor(env: Env) -> None:
             f"e{i}\n",
         )
     assert len(env.journal("supervisor.started")) == 1
+
+
+def held_children(sandbox: Sandbox) -> set[int]:
+    """The protected pids that are a supervisor's held child (forked ahead, not exec'd)."""
+    found = set()
+    for pid in sandbox.protected:
+        try:
+            proc = psutil.Process(pid)
+            parent = proc.parent()
+            if parent is not None and parent.pid in supervisor_pids(sandbox):
+                found.add(pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def test_a_held_child_waits_protected_and_is_never_a_straggler(env: Env) -> None:
+    procs = []
+    for i in range(6):  # alone in the sandbox: the reaper would take any ownerless process
+        result = await env.run(["true"] if i % 2 else ["sh", "-c", "exit 0"])
+        assert (result["via"], result["exit_code"]) == ("supervisor", 0)
+        procs.append(result["proc"])
+        held = held_children(env.sandbox())
+        assert len(held) == 1, held  # the next command's, forked while this one ran
+        assert env.command_pids() == []
+    exited = {e["proc"]: e for e in env.journal("proc.exited")}
+    assert [(exited[p]["reaped"], exited[p]["killed"]) for p in procs] == [(0, 0)] * 6
+    # Concurrent commands: one held child at a time, the others forked on demand.
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(env.run, ["sleep", "0.2"])
+    assert len(held_children(env.sandbox())) == 1 and env.command_pids() == []
 
 
 async def test_timeout_kills_the_whole_tree(env: Env) -> None:

@@ -15,15 +15,18 @@ Theory of operation (the program):
    the process non-dumpable), point stdio at /dev/null, connect to the daemon's socket
    in the read-only supervisor directory and send `hello` with `hello_mac(secret)`.
 2. Serve, single-threaded, from one poll loop over the control connection, each
-   command's channel, each child's pidfd and exec-error pipe:
-   - `spawn` (on the control connection, with four fds: the command's channel, its
-     stdin, stdout and stderr): fork. The child starts a new session (its own process
-     group), takes the three fds as 0/1/2, restores default signal handling, closes
-     everything else, says `forked` on the channel itself (its pid and a pidfd on
-     itself) and waits there: the daemon observes the held child from the host and
-     answers `go` (the child changes directory and execs argv) or `abort` / closes the
-     channel (the child exits 125, nothing ran). The supervisor's own work is off the
-     command's way to exec; it never reads the channel.
+   child's pidfd and exec-error pipe:
+   - `fork` (on the control connection, with one fd: the child's own channel to the
+     daemon): fork a *held child*. It starts a new session (its own process group),
+     restores default signal handling, closes everything but its channel and its
+     exec-error pipe, says `forked` on the channel itself (its pid and a pidfd on
+     itself) and waits there. The daemon asks for the next held child as soon as a
+     command took the last one, so the fork is off the next command's way
+     (docs/fast-exec.md "Held children"), observes it from the host, and answers `go`
+     with argv, env and cwd and three descriptors (stdin, stdout, stderr): the child
+     takes them as 0/1/2, changes directory and execs argv. `abort` or the channel
+     closing makes it exit 125 without exec (nothing ran). The supervisor never reads
+     a child's channel: until exec the child owns it.
    - The child exits: the supervisor reaps it and answers `exited` on the channel with
      the code (128 + n for a death by signal n) and, when exec itself failed, its errno
      (from a close-on-exec pipe the child writes it to).
@@ -49,7 +52,7 @@ import socket
 import struct
 import sys
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 #: Where the supervisor directory is bound inside the container.
@@ -60,10 +63,10 @@ PROGRAM_NAME = "supervisor.py"
 #: The interpreter and flags: isolated (no PYTHON* variables, no user site, no script
 #: directory on the path), no site module, no bytecode written.
 COMMAND = ("/usr/bin/python3", "-I", "-S", "-B", f"{MOUNT_POINT}/{PROGRAM_NAME}")
-#: Wire version, in `hello`.
-VERSION = 1
+#: Wire version, in `hello` (2: held children are forked ahead, `go` carries argv).
+VERSION = 2
 HEADER = struct.Struct(">IB")
-#: Largest frame the supervisor accepts (a spawn request: argv up to 1 MiB, env).
+#: Largest frame a supervisor or a held child accepts (`go`: argv up to 1 MiB, env).
 MAX_REQUEST = 4 << 20
 #: Largest frame the daemon accepts from a supervisor (its reports are tiny).
 MAX_REPORT = 64 << 10
@@ -257,48 +260,34 @@ class _Supervisor:
         except (OSError, ProtocolError):
             return False
         for message, fds in frames:
-            if message.get("op") == "spawn" and len(fds) == 4:
-                self._spawn(message, fds)
+            if message.get("op") == "fork" and len(fds) == 1:
+                self._fork(socket.socket(fileno=fds[0]))
             else:
                 _close_all(fds)
         return not eof
 
-    def _spawn(self, request: dict[str, Any], fds: list[int]) -> None:
-        chan = socket.socket(fileno=fds[0])
-        stdio = fds[1:]
-        try:
-            argv, env, cwd = _checked(request)
-        except ValueError:
-            self._refuse(chan, stdio, errno.EINVAL, "request")
-            return
-        if request.get("uid") != os.getuid() or request.get("gid") != os.getgid():
-            self._refuse(chan, stdio, errno.EPERM, "uid")
-            return
+    def _fork(self, chan: socket.socket) -> None:
         err_r, err_w = os.pipe()
         try:
             pid = os.fork()
         except OSError as exc:
             _close_all([err_r, err_w])
-            self._refuse(chan, stdio, exc.errno or errno.EAGAIN, "fork")
+            with contextlib.suppress(OSError):
+                chan.settimeout(5)
+                chan.sendall(encode({"op": "failed", "errno": exc.errno or errno.EAGAIN}))
+            chan.close()
             return
         if pid == 0:
-            _child(argv, {**self.environ, **env}, cwd, stdio, chan, err_w)
+            _child(self.environ, chan, err_w)
         # The child reports itself and takes `go` from its channel: nothing more of the
         # supervisor is on the command's way to exec.
-        _close_all([err_w, *stdio])
+        os.close(err_w)
         pidfd = os.pidfd_open(pid)
         child = _Child(pid, pidfd, chan, err_r)
         self.children[pid] = child
         for fd, what in ((pidfd, "pidfd"), (err_r, "err")):
             self.watch[fd] = (what, child)
             self.poll.register(fd, select.POLLIN)
-
-    def _refuse(self, chan: socket.socket, stdio: Sequence[int], code: int, stage: str) -> None:
-        _close_all(stdio)
-        with contextlib.suppress(OSError):
-            chan.settimeout(5)
-            chan.sendall(encode({"op": "failed", "errno": code, "stage": stage}))
-        chan.close()
 
     # -- one command ------------------------------------------------------------------
 
@@ -359,21 +348,13 @@ def _checked(request: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
     return argv, env, cwd
 
 
-def _child(
-    argv: list[str],
-    env: dict[str, str],
-    cwd: str,
-    stdio: Sequence[int],
-    chan: socket.socket,
-    err_w: int,
-) -> None:
+def _child(environ: dict[str, str], chan: socket.socket, err_w: int) -> None:
     """In the forked child: report itself on `chan` (its pid, a pidfd on itself), wait
-    for `go`, then exec. Never returns (exec, or `_exit`)."""
+    for `go` (argv, env, cwd, and stdin, stdout, stderr as descriptors), then exec.
+    Never returns (exec, or `_exit`)."""
     code = errno.EINVAL
     try:
         os.setsid()
-        for target, fd in enumerate(stdio):
-            os.dup2(fd, target)
         keep = sorted({chan.fileno(), err_w})
         low = 3
         for fd in keep:  # everything of the supervisor's goes: other commands' pipes too
@@ -390,19 +371,23 @@ def _child(
         if sent < len(frame):
             chan.sendall(frame[sent:])
         os.close(me)
-        decoder = Decoder(MAX_REPORT)
+        decoder = Decoder(MAX_REQUEST)
         while True:
-            data = chan.recv(4096)
-            if not data:
-                os._exit(ABORTED)  # the daemon let go of it: nothing runs
-            frames = decoder.feed(data)
-            if frames:
+            frames, eof = recv_frames(chan, decoder)
+            if frames or eof:
                 break
-        if frames[0][0].get("op") != "go":
+        if not frames:
+            os._exit(ABORTED)  # the daemon let go of it: nothing runs
+        request, stdio = frames[0]
+        if request.get("op") != "go" or len(stdio) != 3:
             os._exit(ABORTED)
+        argv, env, cwd = _checked(request)
+        for target, fd in enumerate(stdio):
+            os.dup2(fd, target)  # the copies at 0/1/2 are not close-on-exec
+        _close_all(stdio)
         chan.close()  # the supervisor reports the end on its own copy
         os.chdir(cwd)
-        os.execvpe(argv[0], argv, env)
+        os.execvpe(argv[0], argv, {**environ, **env})
     except OSError as exc:
         code = exc.errno or errno.EINVAL
     except BaseException:

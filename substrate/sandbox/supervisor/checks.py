@@ -113,8 +113,11 @@ def read_process(pid: int) -> Reading:
 def pidfd_pid(pidfd: int) -> int | None:
     """The host pid a pidfd refers to (its fdinfo `Pid:`); None once it was reaped."""
     try:
-        with open(f"/proc/self/fdinfo/{pidfd}", encoding="ascii") as f:
-            text = f.read()
+        fd = os.open(f"/proc/self/fdinfo/{pidfd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            text = os.read(fd, 4096).decode("ascii", "replace")
+        finally:
+            os.close(fd)
     except OSError:
         return None
     value = P.parse_status_field(text, "Pid")
@@ -245,6 +248,12 @@ def supervisor_problem(status: str, owner: int, uid: int) -> str | None:
     if uid != 0 and owner != 0:
         return "dumpable"
     return None
+
+
+def held_state_problem(status: str) -> bool:
+    """Is a held child stopped or exiting (`State` T, t, Z, X), so that it would never
+    exec? (Pure; its sandbox's code may stop or kill it.)"""
+    return (P.parse_status_field(status, "State") or "")[:1] in ("T", "t", "Z", "X")
 
 
 def supervisor_start_problem(reading: Reading, base: Baseline, uid: int) -> str | None:

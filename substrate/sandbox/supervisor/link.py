@@ -1,17 +1,21 @@
-"""The daemon's side of one running supervisor: spawning a command and following it.
+"""The daemon's side of one running supervisor: held children, and the commands they become.
 
 `Link` is a started, authenticated supervisor (its host pid, a pidfd on it, the control
-connection it opened to the daemon). `Link.spawn` asks it to fork a command with its
-stdio handed over as descriptors, receives the held child's pid and a pidfd on it, reads
-the child from the host (`checks`) and returns a `Spawned`; `Spawned.go` lets it exec,
-`Spawned.wait_exit` waits for the supervisor's report of its end.
+connection it opened to the daemon). `Link.fork` asks it to fork a *held child* (a
+`Spawned`: forked, not exec'd, waiting on its own channel); `Link.forked` receives the
+child's pid and a pidfd on it; `Link.check` reads the child from the host (`checks`)
+just before it is used. `Spawned.go` hands it argv and its stdio (descriptors) and lets
+it exec; `Spawned.wait_exit` waits for the supervisor's report of its end. `Link.spawn`
+is the three in a row (a held child on demand).
 
-Each command gets its own channel: a socketpair whose other end travels with the spawn
+Each command gets its own channel: a socketpair whose other end travels with the fork
 request, so replies never need demultiplexing and a command's end closes only its own
 channel. Every wait is bounded by the caller; a supervisor that does not answer within
-`REPLY_S` counts as lost.
+`REPLY_S` counts as lost. Sends are tried at once without yielding to the event loop
+(the frames are small; only a full socket buffer waits), which keeps the hot path to
+the few loop wake-ups it needs.
 
-Costs per command: one socketpair, one `sendmsg` of the request with four descriptors,
+Costs per command: one socketpair, a fork request with one descriptor, `go` with three,
 two small replies, the host reads of `checks` (about 0.1 ms).
 """
 
@@ -24,6 +28,7 @@ import select
 import signal
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,17 +71,22 @@ class Spawned:
     decoder: agent.Decoder = field(default_factory=lambda: agent.Decoder(agent.MAX_REPORT))
     pending: list[dict[str, Any]] = field(default_factory=list)
 
-    async def go(self) -> None:
-        """Let the held child exec. Raises LinkBroken when the channel is gone."""
+    async def go(
+        self, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]
+    ) -> None:
+        """Hand the held child `argv`, `env`, `cwd` and `stdio` (stdin, stdout, stderr;
+        the caller keeps and closes its copies) and let it exec. Raises LinkBroken when
+        the channel is gone (nothing ran)."""
+        frame = agent.encode({"op": "go", "argv": argv, "env": env, "cwd": cwd}, 3)
         try:
-            await self.chan.send(agent.encode({"op": "go"}))
+            await send_frame(self.chan, frame, stdio)
         except OSError:
             raise LinkBroken("closed") from None
 
     async def abort(self) -> None:
         """The child exits without exec'ing (best effort; closing the channel does too)."""
         with contextlib.suppress(OSError):
-            await self.chan.send(agent.encode({"op": "abort"}))
+            await send_frame(self.chan, agent.encode({"op": "abort"}))
 
     async def wait_exit(self) -> tuple[int | None, int | None]:
         """(exit code, exec errno) once the supervisor reaped the command; (None, None)
@@ -84,7 +94,7 @@ class Spawned:
         the caller bounds it (the command's deadline)."""
         try:
             message = await receive(self.chan, self.decoder, self.pending)
-        except (OSError, LinkBroken):
+        except (OSError, LinkBroken, trio.ClosedResourceError):
             return None, None
         for fd in message.pop("_fds", []):
             os.close(fd)
@@ -150,44 +160,49 @@ class Link:
             return "exited"
         return checks.supervisor_problem(status, owner, self.uid)
 
-    async def spawn(
-        self,
-        argv: list[str],
-        env: dict[str, str],
-        cwd: str,
-        stdio: tuple[int, int, int],
-        gid: int,
-    ) -> Spawned:
-        """Ask for a fork of `argv` with `stdio` (stdin, stdout, stderr); return it held.
-
-        The caller keeps and closes its own copies of `stdio`. Raises LinkBroken when the
-        supervisor does not answer as it should (the caller drops it)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        chan = trio.socket.from_stdlib_socket(ours)
-        request = {"op": "spawn", "argv": argv, "env": env, "cwd": cwd, "uid": self.uid, "gid": gid}
-        spawned = Spawned(chan=chan, generation=self.generation)
+    async def spawn(self) -> Spawned:
+        """A held child on demand: `fork`, `forked`, `check`. Raises LinkBroken."""
+        spawned = await self.fork()
         try:
-            frame = agent.encode(request, 4)
-            fds = struct.pack("4i", theirs.fileno(), *stdio)
-            try:
-                with trio.fail_after(REPLY_S):
-                    async with self.send_lock:
-                        sent = await self.control.sendmsg(
-                            [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
-                        )
-                        while sent < len(frame):
-                            sent += await self.control.send(frame[sent:])
-            except (OSError, trio.TooSlowError, trio.ClosedResourceError):
-                raise LinkBroken("control") from None
-            finally:
-                theirs.close()
-            await self._forked(spawned)
+            await self.forked(spawned)
+            if spawned.failed is None:
+                self.check(spawned)
         except BaseException:
+            spawned.kill()  # held, never ran (a stopped one would hold a task)
             spawned.close()
             raise
         return spawned
 
-    async def _forked(self, spawned: Spawned) -> None:
+    async def fork(self) -> Spawned:
+        """Ask for a held child; returns it before the supervisor answered (`forked`
+        reads the answer). Raises LinkBroken when the request cannot be sent."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        spawned = Spawned(chan=trio.socket.from_stdlib_socket(ours), generation=self.generation)
+        frame = agent.encode({"op": "fork"}, 1)
+        try:
+            with trio.fail_after(REPLY_S):
+                try:
+                    self.send_lock.acquire_nowait()  # free, as a rule: no trip through the loop
+                except trio.WouldBlock:
+                    await self.send_lock.acquire()
+                try:
+                    await send_frame(self.control, frame, [theirs.fileno()])
+                finally:
+                    self.send_lock.release()
+        except (OSError, trio.TooSlowError, trio.ClosedResourceError):
+            spawned.close()
+            raise LinkBroken("control") from None
+        except BaseException:
+            spawned.close()
+            raise
+        finally:
+            theirs.close()
+        return spawned
+
+    async def forked(self, spawned: Spawned) -> None:
+        """Receive the held child's `forked` (its pid, a pidfd on it; its host pid from
+        the pidfd), or `failed` (`Spawned.failed`). Raises LinkBroken: "unresponsive",
+        "closed", "protocol", "child-gone"."""
         try:
             with trio.fail_after(REPLY_S):
                 message = await receive(spawned.chan, spawned.decoder, spawned.pending, fds=1)
@@ -211,14 +226,22 @@ class Link:
         if host_pid is None:
             raise LinkBroken("child-gone")
         spawned.host_pid = host_pid
+
+    def check(self, spawned: Spawned) -> None:
+        """Read the held child from the host now (`facts`, `mismatches`). Blocking but
+        small (procfs, about 0.1 ms): called on the event loop. Raises LinkBroken
+        ("child-gone") when it is gone (a reading taken after that may not be its own)
+        or stopped (it would never exec)."""
         try:
-            reading = checks.read_process(host_pid)
+            reading = checks.read_process(spawned.host_pid)
         except ProcessLookupError:
             raise LinkBroken("child-gone") from None
         if spawned.exited():  # read after it was gone: the reading may not be its own
             raise LinkBroken("child-gone")
+        if checks.held_state_problem(reading.status):  # stopped (or dying) by its sandbox
+            raise LinkBroken("child-gone")
         spawned.facts = checks.command_facts(
-            reading, self.base, supervisor_pid=self.pid, reported_pid=pid
+            reading, self.base, supervisor_pid=self.pid, reported_pid=spawned.pid
         )
         spawned.mismatches = checks.mismatches(spawned.facts, self.base)
 
@@ -236,6 +259,41 @@ class Link:
             self.pidfd = -1
 
 
+def _view(sock: trio.socket.SocketType) -> socket.socket:
+    """A stdlib view of `sock`'s descriptor (AF_UNIX stream, as every socket here), for
+    calls that must not yield to the event loop when they can complete at once; the
+    caller detaches it (never closes it). Raises ClosedResourceError once closed."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError
+    return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)
+
+
+async def send_frame(sock: trio.socket.SocketType, frame: bytes, fds: Sequence[int] = ()) -> None:
+    """Send one frame (its descriptors with its first byte). Tried at once, without a
+    trip through the event loop; waits only while the socket's buffer is full. Raises
+    OSError (ClosedResourceError once `sock` is closed). Callers sharing `sock` hold a
+    lock across the call."""
+    raw = _view(sock)
+    try:
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
+        view = memoryview(frame)
+        while True:
+            try:
+                sent = raw.sendmsg([view], ancillary if fds else [], socket.MSG_DONTWAIT)
+                break
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+        view = view[sent:]
+        while view:
+            try:
+                view = view[raw.send(view, socket.MSG_DONTWAIT) :]
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+    finally:
+        raw.detach()
+
+
 async def receive(
     chan: trio.socket.SocketType,
     decoder: agent.Decoder,
@@ -243,11 +301,22 @@ async def receive(
     *,
     fds: int = 0,
 ) -> dict[str, Any]:
-    """The next message on a channel (its descriptors under "_fds"). Raises OSError on
-    end of stream, LinkBroken on a garbled one."""
+    """The next message on a channel (its descriptors under "_fds"). Read at once when it
+    is there (no trip through the event loop), else once the channel is readable.
+    Raises OSError on end of stream (ClosedResourceError once `chan` is closed),
+    LinkBroken on a garbled one."""
+    space = socket.CMSG_SPACE(agent.MAX_FDS * 4) if fds else 0
     while not pending:
-        space = socket.CMSG_SPACE(agent.MAX_FDS * 4) if fds else 0
-        data, ancdata, flags, _ = await chan.recvmsg(1 << 16, space, socket.MSG_CMSG_CLOEXEC)
+        raw = _view(chan)
+        try:
+            data, ancdata, flags, _ = raw.recvmsg(
+                1 << 16, space, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+            )
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(chan)
+            continue
+        finally:
+            raw.detach()
         got: list[int] = []
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

@@ -6,12 +6,17 @@ Theory of operation (docs/fast-exec.md):
   daemon's listening socket `daemon.sock` (owned by the sandbox's uid, 0600); it is bound
   read-only at `/run/substrate` (`Slot.mount`). The sandbox cannot write there: no
   socket of its own, no file, no disk use. `attach(slot, sandbox)` once it is verified.
-- `spawn(sandbox, ...)` (the fast path of one command): the sandbox's supervisor is
-  checked (`Link.problem`: same process, not traced, non-dumpable, same confinement) or
-  started, asked to fork the command held, and the held child is checked from the host;
-  a mismatch aborts it, kills the supervisor (`supervisor.tampered`) and refuses the
-  command `confinement_unmet`. None means "use the engine's exec": no python3 in the
-  image, a start that failed, too many restarts lately, or a supervisor lost right now.
+- `spawn(sandbox)` (the fast path of one command): the sandbox's supervisor is checked
+  (`Link.problem`: same process, not traced, non-dumpable, same confinement) or
+  started; the slot's *spare* (a held child forked ahead) is taken, or one is forked
+  now; and the held child is checked from the host. A mismatch aborts it, kills the
+  supervisor (`supervisor.tampered`) and refuses the command `confinement_unmet`. None
+  means "use the engine's exec": no python3 in the image, a start that failed, too many
+  restarts lately, or a supervisor lost right now.
+- `prefork(sandbox)`, once a command started: ask for the next spare (`Pending`),
+  forked while the command runs. The command's run `settle`s it before it looks for its own processes
+  (its stragglers, a kill): the spare's host pid then joins the sandbox's `protected`
+  pids, so no scan ever finds it unprotected (docs/fast-exec.md "Held children").
 - Start: one engine exec of `agent.COMMAND` as the sandbox's uid:gid with the profile's
   environment (no process marker: it belongs to no command). It says `ready` once it is
   non-dumpable; the daemon then checks it from the host, opens a pidfd on it, writes the
@@ -41,7 +46,6 @@ import shutil
 import signal
 import socket
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -55,6 +59,7 @@ from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import HOST_VISIBLE_RUNTIMES, RunAs
 from substrate.sandbox.supervisor import agent, checks
 from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned, receive
+from substrate.sandbox.supervisor.startup import StartFailed, read_ready, reason_of
 from substrate.store.journal import Journal
 
 log = logging.getLogger("substrate.sandbox.supervisor")
@@ -66,6 +71,9 @@ MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
 #: After a failed start, the engine's exec is used for this long before trying again.
 RETRY_S = 60.0
+#: A channel closed without a report: how long a dying supervisor may take to read as
+#: exited (it closes its descriptors before it is a zombie), seconds.
+CLOSED_WAIT_S = 1.0
 #: Problems that mean the supervisor cannot be trusted (the others: it is just gone).
 TAMPERED = frozenset({"traced", "dumpable", "confinement", "cgroup", "namespaces", "protocol"})
 
@@ -89,12 +97,6 @@ class SandboxView(Protocol):
     protected: frozenset[int]
 
 
-class StartFailed(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 @dataclass
 class Slot:
     """One sandbox's supervisor directory and its current supervisor (`link`)."""
@@ -110,6 +112,18 @@ class Slot:
     retry_at: float = 0.0  # trio clock: no start before this
     losses: list[float] = field(default_factory=list)  # trio clock of recent losses
     accepting: trio.socket.SocketType | None = None
+    #: A held child forked ahead for the next command (its host pid is protected).
+    spare: Spawned | None = None
+    asked: bool = False  # a spare was asked for and is not settled yet
+
+    def drop_spare(self) -> None:
+        """Let go of the spare (it exits without exec) and unprotect its pid."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return
+        if self.sandbox is not None:
+            self.sandbox.protected = self.sandbox.protected - {spare.host_pid}
+        spare.close()
 
     def discard(self) -> None:
         """Its sandbox never came up, or went: `close`, and remove the directory (a
@@ -119,6 +133,7 @@ class Slot:
 
     def close(self) -> None:
         """Kill its supervisor, close the sockets (on the event loop's thread)."""
+        self.drop_spare()
         if self.link is not None:
             self.link.kill()
             self.link.close()
@@ -220,20 +235,14 @@ class Supervisors:
                 limiter=self._fs_limiter,
             )
 
-    async def spawn(
-        self,
-        sandbox: SandboxView,
-        argv: list[str],
-        env: Mapping[str, str],
-        cwd: str,
-        stdio: tuple[int, int, int],
-    ) -> Spawned | None:
-        """Fork `argv` held in `sandbox` through its supervisor, checked from the host.
+    async def spawn(self, sandbox: SandboxView) -> Spawned | None:
+        """A held child in `sandbox` (its supervisor's spare, or forked now), checked from
+        the host just now; `Spawned.go` makes it the command.
 
         None: use the engine's exec for this command (nothing ran). Refuses
         `confinement_unmet` when the held child's facts differ from the sandbox's (the
         child is killed before it exec'd; the supervisor is killed and journalled
-        `supervisor.tampered`). The caller keeps and closes its copies of `stdio`.
+        `supervisor.tampered`).
         """
         slot = self._slots.get(sandbox.id)
         if slot is None or slot.no_python:
@@ -241,16 +250,33 @@ class Supervisors:
         link = await self._ready(slot, sandbox)
         if link is None:
             return None
+        spawned = self._take_spare(slot, link)
         try:
-            spawned = await link.spawn(list(argv), dict(env), cwd, stdio, sandbox.who.gid)
+            if spawned is not None:
+                try:
+                    link.check(spawned)
+                except LinkBroken:  # killed or stopped by the sandbox itself: fork one now
+                    spawned.kill()  # a stopped one would hold a task of the pids limit
+                    spawned.close()
+                    spawned = None
+            if spawned is None:
+                spawned = await link.spawn()
         except LinkBroken as exc:
+            if spawned is not None:
+                spawned.kill()  # held, never ran: nothing of a command is killed
+                spawned.close()
             if exc.reason != "child-gone":  # a held child killed by the sandbox itself
                 await self._drop(slot, link, exc.reason)
             return None
-        if spawned.mismatches:
-            await spawned.abort()
-            spawned.kill()
+        if spawned.failed is not None:
             spawned.close()
+            return None
+        if spawned.mismatches:
+            try:
+                await spawned.abort()
+            finally:
+                spawned.kill()
+                spawned.close()
             report = mismatch_report(spawned.mismatches)
             await self._drop(slot, link, "confinement", report)
             raise ConfinementUnmet(
@@ -260,9 +286,47 @@ class Supervisors:
             )
         return spawned
 
+    def _take_spare(self, slot: Slot, link: Link) -> Spawned | None:
+        """The slot's spare, unprotected (it is about to become a command), if it was
+        forked by `link` and still lives; else None (and it is let go)."""
+        spare = slot.spare
+        if spare is None:
+            return None
+        if spare.generation != link.generation or spare.exited():
+            slot.drop_spare()
+            return None
+        slot.spare = None
+        if slot.sandbox is not None:
+            slot.sandbox.protected = slot.sandbox.protected - {spare.host_pid}
+        return spare
+
+    async def prefork(self, sandbox: SandboxView) -> Pending | None:
+        """A command took the spare and started: ask `sandbox`'s supervisor for the next
+        one (None: it has one, one is asked for already, or there is no supervisor). The
+        caller `settle`s the answer before it scans the sandbox's processes, or
+        `abandon`s it."""
+        slot = self._slots.get(sandbox.id)
+        if slot is None or slot.link is None or slot.spare is not None or slot.asked:
+            return None
+        link = slot.link
+        slot.asked = True
+        try:
+            spawned = await link.fork()
+        except LinkBroken as exc:
+            slot.asked = False
+            await self._drop(slot, link, exc.reason)
+            return None
+        except BaseException:  # cancelled: `fork` closed its side; the child exits
+            slot.asked = False
+            raise
+        return Pending(self, slot, link, spawned)
+
     # -- lifecycle -----------------------------------------------------------------------
 
     async def _ready(self, slot: Slot, sandbox: SandboxView) -> Link | None:
+        link = slot.link
+        if link is not None and not slot.lock.locked() and link.problem() is None:
+            return link  # the usual case, decided without a trip through the event loop
         async with slot.lock:
             link = slot.link
             if link is not None:
@@ -311,7 +375,7 @@ class Supervisors:
             EngineError,
             OSError,
         ) as exc:
-            reason = exc.reason if isinstance(exc, StartFailed) else _reason(exc)
+            reason = exc.reason if isinstance(exc, StartFailed) else reason_of(exc)
             slot.retry_at = trio.current_time() + RETRY_S
             log.warning("%s: supervisor start failed: %s", sandbox.id[:12], reason)
             await self._journal_async("supervisor.unavailable", sandbox, generation, reason)
@@ -353,7 +417,7 @@ class Supervisors:
             # The pid first: whatever fails after this, the process is killed (its pidfd).
             pid = await self._exec_pid(exec_id)
             pidfd = os.pidfd_open(pid)
-            await _ready_line(sock, stream.initial)
+            await read_ready(sock, stream.initial)
             try:
                 reading = checks.read_process(pid)
             except ProcessLookupError:
@@ -401,7 +465,7 @@ class Supervisors:
             pending: list[dict[str, Any]] = []
             try:
                 hello = await receive(conn, decoder, pending)
-            except (OSError, LinkBroken):
+            except (OSError, LinkBroken, trio.ClosedResourceError):
                 conn.close()
                 raise StartFailed("hello") from None
             mac = str(hello.get("mac", ""))
@@ -421,6 +485,7 @@ class Supervisors:
         if slot.link is not link:
             return
         slot.link = None
+        slot.drop_spare()
         link.broken = reason
         link.kill()
         link.close()
@@ -432,17 +497,29 @@ class Supervisors:
             extra = {} if report is None else {"mismatches": sorted(report["required"])}
             await self._journal_async(kind, sandbox, link.generation, reason, **extra)
 
-    async def serving(self, container: str, generation: int) -> bool:
+    async def serving(self, container: str, generation: int, *, closed: bool = False) -> bool:
         """Is supervisor `generation` of `container` still current and serving? Asked when
         a command's report is late or its channel closed: a supervisor found gone,
-        stopped or tampered with is dropped and journalled now, not at the next command."""
+        stopped or tampered with is dropped and journalled now, not at the next command.
+
+        `closed`: a channel the supervisor holds closed without its report. A dying
+        process closes its descriptors before it is a zombie, so it is looked at again
+        for up to `CLOSED_WAIT_S` until it reads as exited; one that lives on and closed a
+        channel without reporting is not serving either ("closed")."""
         slot = self._slots.get(container)
         if slot is None or slot.link is None or slot.link.generation != generation:
             return False
-        problem = slot.link.problem()
+        link = slot.link
+        problem = link.problem()
+        if problem is None and closed:
+            with trio.move_on_after(CLOSED_WAIT_S):
+                while problem is None:
+                    await trio.sleep(0.005)
+                    problem = link.problem()
+            problem = problem or "closed"
         if problem is None:
             return True
-        await self._drop(slot, slot.link, problem)
+        await self._drop(slot, link, problem)
         return False
 
     async def _journal_async(
@@ -465,38 +542,49 @@ class Supervisors:
         )
 
 
-async def _ready_line(sock: trio.socket.SocketType, initial: bytes) -> None:
-    """Read the engine's multiplexed stream until the program wrote `ready` on stdout."""
-    buf, out = bytearray(initial), bytearray()
-    while b"\n" not in out:
-        while len(buf) >= 8:
-            kind, length = struct.unpack(">BxxxI", buf[:8])
-            if len(buf) < 8 + length:
-                break
-            if kind == 1:
-                out += buf[8 : 8 + length]
-            del buf[: 8 + length]
-        if b"\n" in out:
-            break
-        if len(out) > 256 or len(buf) > 1 << 16:
-            raise StartFailed("protocol")
-        chunk = await sock.recv(4096)
-        if not chunk:
-            raise StartFailed("exited")
-        buf += chunk
-    if out.split(b"\n", 1)[0] != b"ready":
-        raise StartFailed("protocol")
+class Pending:
+    """A spare asked for (`Supervisors.prefork`) and not yet kept or let go."""
 
+    def __init__(self, owner: Supervisors, slot: Slot, link: Link, spawned: Spawned) -> None:
+        self._owner = owner
+        self._slot = slot
+        self._link = link
+        self._spawned: Spawned | None = spawned
 
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, trio.TooSlowError):
-        return "timeout"
-    if isinstance(exc, trio.ClosedResourceError):
-        return "closed"
-    if isinstance(exc, ContainerGone):
-        return "container_gone"
-    if isinstance(exc, Refusal):
-        return exc.name
-    if isinstance(exc, OSError):
-        return "os_error"
-    return "engine_error"
+    async def settle(self) -> None:
+        """Receive the supervisor's answer (bounded by `link.REPLY_S`) and keep the held
+        child as the slot's spare, its host pid protected; or let it go (a failed fork,
+        a supervisor dropped meanwhile, one kept already). A supervisor that did not
+        answer as it should is dropped (`supervisor.lost`)."""
+        spawned, self._spawned = self._spawned, None
+        if spawned is None:
+            return
+        slot, link = self._slot, self._link
+        try:
+            await link.forked(spawned)
+        except LinkBroken as exc:
+            slot.asked = False
+            spawned.close()
+            if exc.reason == "closed":  # gone, most likely: journalled as what it is
+                await self._owner.serving(link.container, link.generation, closed=True)
+            elif exc.reason != "child-gone":
+                await self._owner._drop(slot, link, exc.reason)
+            return
+        slot.asked = False
+        sandbox = slot.sandbox
+        if spawned.failed is not None or slot.link is not link or slot.spare is not None:
+            spawned.close()
+            return
+        if sandbox is None:
+            spawned.close()
+            return
+        slot.spare = spawned
+        sandbox.protected = sandbox.protected | {spawned.host_pid}
+
+    def abandon(self) -> None:
+        """Not settled and not going to be (the run ended early): the held child exits
+        without exec when its channel closes."""
+        spawned, self._spawned = self._spawned, None
+        if spawned is not None:
+            self._slot.asked = False
+            spawned.close()
