@@ -276,8 +276,12 @@ class Processes:
             parts = paths.split_relpath(req.cwd, allow_root=True)
             # Held only to prove the directory is really there, beneath the root, with no
             # symlink on the way; inside the sandbox the engine resolves it again, but
-            # only within the sandbox's own mount namespace.
-            await trio.to_thread.run_sync(req.ws.check_dir, parts, req.cwd)
+            # only within the sandbox's own mount namespace. The root itself (the usual
+            # cwd) is one reopen of a held fd: no thread hop for it.
+            if parts:
+                await trio.to_thread.run_sync(req.ws.check_dir, parts, req.cwd)
+            else:
+                req.ws.check_dir(parts, req.cwd)
         return _Checked(profile=profile, workdir=workdir, limit_s=limit_s)
 
     async def _run_in(
