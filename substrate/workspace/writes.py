@@ -66,7 +66,7 @@ from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.preview import unified_preview
 from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TempFiles
+from substrate.workspace.temp_files import RESERVE, TempFiles
 from substrate.workspace.write_base import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
@@ -197,7 +197,7 @@ class Writer:
         self._store = store
         self._journal = journal
         self._preimages = preimages
-        self._temps = TempFiles(store, journal.epoch)
+        self._temps = TempFiles(store, journal.epoch, reserve=RESERVE)
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
