@@ -15,6 +15,7 @@ private temp dir, waits for its socket, and prints one table measured in this ru
 Every figure is the median of `--rounds` rounds (default 5) after one warm-up.
 
     python bench/foundation.py [--dir /tmp] [--writes 500] [--stats 5000] [--rounds 5]
+                               [--no-search]
 """
 
 from __future__ import annotations
@@ -407,13 +408,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=TREE_FILES)
     ap.add_argument("--bytes", type=int, default=TREE_BYTES)
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
+    ap.add_argument("--no-search", action="store_true", help="only the write and stat rows")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()[0]
 
     with running(args.dir, args.keep) as daemon:
         ws_dir = daemon.roots / "bench"
         (ws_dir / "w").mkdir(parents=True)
-        tree_bytes = make_tree(ws_dir / "tree", args.files, args.bytes)
+        tree_bytes = 0 if args.no_search else make_tree(ws_dir / "tree", args.files, args.bytes)
         chown_tree(ws_dir)
         client = Client(daemon.socket, timeout=600)
         ws = client.call("workspace.adopt", path=str(ws_dir))["workspace"]
@@ -432,7 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         grep_env = dict(os.environ, LC_ALL="C")
         searches = []
-        for pattern in (SEARCH_PATTERN, SEARCH_PATTERN_CLASS, SEARCH_PATTERN_NO_LITERAL):
+        patterns = (
+            ()
+            if args.no_search
+            else (SEARCH_PATTERN, SEARCH_PATTERN_CLASS, SEARCH_PATTERN_NO_LITERAL)
+        )
+        for pattern in patterns:
             count = same_matches(client, ws, pattern, ws_dir / "tree", grep_env)
             ours_cpu: list[float] = []
             grep_cpu: list[float] = []
