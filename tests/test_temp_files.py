@@ -240,19 +240,11 @@ def test_a_users_prefixed_file_survives_a_daemon_restart(
     assert users.name in listed
 
 
-def test_a_run_of_writes_in_a_directory_commits_its_names_once_per_reserve(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_run_of_writes_in_a_directory_commits_its_names_once_per_reserve(env: Env) -> None:
     writer = Writer(env.store, env.journal)
-    commits = []
-    real = Store.transaction
-
-    def counting(self: Store) -> Any:
-        commits.append(1)
-        return real(self)
-
+    commits: list[str] = []
     base = sha(b"x = 1\n")
-    monkeypatch.setattr(Store, "transaction", counting)
+    env.store._db.set_trace_callback(lambda sql: sql == "COMMIT" and commits.append(sql))
     for i in range(2 * RESERVE + 1):
         data = f"x = {i + 2}\n"
         plan = writer.write(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -198,6 +199,8 @@ class Writer:
         self._journal = journal
         self._preimages = preimages
         self._temps = TempFiles(store, journal.epoch, reserve=RESERVE)
+        #: The journal transactions of plain writes, committed together when concurrent.
+        self._group = store.group
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
@@ -394,7 +397,8 @@ class Writer:
                 os.fsync(parent_fd)
             else:
                 fsops.rename_into(parent_fd, temp, name)
-            with self._store.transaction() as db:
+
+            def journal(db: sqlite3.Connection) -> None:
                 if temp is not None:
                     self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
                 if approval is not None:
@@ -418,6 +422,17 @@ class Writer:
                 )
                 if pre is not None and self._preimages is not None:
                     self._preimages.record_in(db, pre, entry.seq, plan.new_sha256)
+
+            if approval is not None or pre is not None:
+                # Consumed or kept under the lock: no later write may see it unsettled.
+                with self._store.transaction() as db:
+                    journal(db)
+                ticket = None
+            else:
+                # Queued in lock order; its commit is shared with concurrent writes'.
+                ticket = self._group.submit(journal)
+        if ticket is not None:
+            self._group.wait(ticket)
         if pre is not None and self._preimages is not None:
             self._preimages.settle()
 
