@@ -7,6 +7,7 @@ the daemon test restarts a real daemon.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sqlite3
@@ -286,3 +287,32 @@ def test_reserved_names_are_bounded_and_a_restart_passes_over_them(env: Env) -> 
     env.restart()
     assert env.registry.clean_stale_temp_files() == 0  # reserved names name no file
     assert env.rows() == [] and users.read_text() == "mine"
+
+
+def test_a_reservation_that_did_not_commit_hands_out_no_name(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temps = TempFiles(env.store, env.journal.epoch, reserve=RESERVE)
+    real = Store.transaction
+
+    @contextlib.contextmanager
+    def failing_commit(self: Store) -> Iterator[sqlite3.Connection]:
+        with real(self) as db:
+            yield db
+            raise sqlite3.OperationalError("disk I/O error")  # rolled back, not committed
+
+    monkeypatch.setattr(Store, "transaction", failing_commit)
+    root_fd = os.open(env.root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            temps.create(env.ws.id, root_fd, (), "demo:x")
+        assert env.rows() == []
+        assert not any(n.startswith(TEMP_PREFIX) for n in os.listdir(env.root))
+        monkeypatch.setattr(Store, "transaction", real)
+        name, fd = temps.create(env.ws.id, root_fd, (), "demo:x")
+        os.close(fd)
+        # A fresh reservation: every name handed out has its row.
+        assert (env.ws.id, "", name) in env.rows() and len(env.rows()) == RESERVE
+        temps.discard(env.ws.id, root_fd, (), name)
+    finally:
+        os.close(root_fd)

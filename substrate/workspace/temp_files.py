@@ -169,24 +169,27 @@ class TempFiles:
                 return names.pop()
         fresh = [new_name() for _ in range(self._reserve)]
         evicted: list[tuple[tuple[str, str | bytes], list[str]]] = []
+        with self._reserved_lock:
+            while len(self._reserved) >= RESERVED_DIRS and key not in self._reserved:
+                evicted.append(self._reserved.popitem(last=False))
         with self._store.transaction() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO temp_files(workspace, dir, name, epoch)"
                 " VALUES (?, ?, ?, ?)",
                 [(workspace, key[1], name, self._epoch) for name in fresh],
             )
-            with self._reserved_lock:
-                # Kept last first: `pop` takes them in the order they were made.
-                self._reserved.setdefault(key, [])[:0] = reversed(fresh[1:])
-                self._reserved.move_to_end(key)
-                while len(self._reserved) > RESERVED_DIRS:
-                    evicted.append(self._reserved.popitem(last=False))
             # Names of directories no longer kept will never be used: their rows go
             # (a row naming no file is harmless; this only keeps the table small).
             db.executemany(
                 "DELETE FROM temp_files WHERE workspace = ? AND dir = ? AND name = ?",
                 [(ws, d, name) for (ws, d), names in evicted for name in names],
             )
+        if len(fresh) > 1:
+            # Only once committed: a name is handed out only when its row is durable.
+            with self._reserved_lock:
+                # Kept last first: `pop` takes them in the order they were made.
+                self._reserved.setdefault(key, [])[:0] = reversed(fresh[1:])
+                self._reserved.move_to_end(key)
         return fresh[0]
 
     def discard(self, workspace: str, dir_fd: int, dirs: Sequence[str], name: str) -> None:
