@@ -144,13 +144,11 @@ class TempFiles:
         """
         for _ in range(8):
             name = self._take(workspace, dirs)
-            if paths.lstat_at(dir_fd, name) is not None:
-                self.forget(workspace, dirs, name)
-                continue
             try:
                 fd = fsops.create_exclusive(dir_fd, name)
             except BaseException as exc:
-                # Not ours (planted since the lstat) or not made: the record must go.
+                # Not ours (something holds the name, a symlink included) or not made:
+                # the record must go.
                 self.forget(workspace, dirs, name)
                 if isinstance(exc, FileExistsError):
                     continue

@@ -9,6 +9,10 @@ O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and
 then, under the workspace's commit lock, the base is checked once more, the temp file is
 renamed over the target through the same dir fd, the directory is fsynced, and the
 approval (if any) is consumed in the same database transaction as the journal entry.
+A write with no approval and no pre-image to keep submits that transaction to the
+store's group commit under the lock and waits for it after (`substrate.store.group`):
+concurrent writes share one fsynced commit, entries keep the lock's order, and the write
+returns only once its entry is durable, as before.
 The file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.write` and
 `fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
 "exactly one of" pairs arrive as one tagged Struct it `match`es on.
