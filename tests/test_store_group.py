@@ -141,3 +141,14 @@ def test_a_write_journaled_in_a_group_stays_before_a_later_entry(
     finally:
         registry.close()
         store.close()
+
+
+def test_a_nested_transaction_fails_as_before_and_leaves_the_queue_alone(store: Store) -> None:
+    with store.transaction() as db:
+        db.execute("INSERT INTO t(v) VALUES ('outer')")
+        ticket = store.group.submit(insert("queued"))
+        with pytest.raises(sqlite3.OperationalError), store.transaction():
+            pass  # never waits for a batch that needs the lock this thread holds
+        assert not ticket.done
+    assert store.group.wait(ticket) == "queued"
+    assert values(store) == ["outer", "queued"]
