@@ -5,7 +5,8 @@ private temp dir, waits for its socket, and prints one table measured in this ru
 
 1. guarded 4 KiB replace through the socket (`fs.write` bound to the previous sha256,
    sequential) vs a plain local loop of write temp + fsync + rename + dir fsync on the
-   same filesystem: ops/s of both and their ratio (goal >= 0.5);
+   same filesystem: ops/s of both and their ratio (goal >= 0.5); the same with 8
+   connections writing a file each at once vs the loop in 8 threads (group commit);
 2. `fs.stat` round trips/s on one connection: sequential, and with 32 requests in flight
    (raw socket pipelining, and the Trio client with 32 tasks);
 3. `fs.search` of a regex over a generated tree of 5,000 files / 50 MB vs
@@ -15,6 +16,7 @@ private temp dir, waits for its socket, and prints one table measured in this ru
 Every figure is the median of `--rounds` rounds (default 5) after one warm-up.
 
     python bench/foundation.py [--dir /tmp] [--writes 500] [--stats 5000] [--rounds 5]
+                               [--no-search]
 """
 
 from __future__ import annotations
@@ -41,17 +43,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchdaemon import BenchDaemon  # noqa: E402
+from foundation_writes import (  # noqa: E402
+    WRITERS,
+    chown_tree,
+    concurrent_guarded_writes,
+    concurrent_local_writes,
+    guarded_writes,
+    inprocess_writes,
+    local_writes,
+)
 
-from substrate.config import Config  # noqa: E402
 from substrate.protocol.client import Client, open_client  # noqa: E402
-from substrate.schema.fs import WriteParams, write_request  # noqa: E402
-from substrate.store.db import Store  # noqa: E402
-from substrate.store.journal import Journal  # noqa: E402
-from substrate.workspace.registry import WorkspaceRegistry  # noqa: E402
-from substrate.workspace.writes import Writer  # noqa: E402
 
-WORKSPACE_UID = 1000
-PAYLOAD = 4096
 WINDOW = 32
 TREE_FILES = 5000
 TREE_BYTES = 50 << 20
@@ -97,113 +100,6 @@ def process_cpu(pid: int) -> float:
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def payload(i: int) -> bytes:
-    head = f"revision {i:08d}\n".encode()
-    line = b"lorem ipsum dolor sit amet, consectetur adipiscing elit\n"
-    body = (line * (PAYLOAD // len(line) + 1))[: PAYLOAD - len(head)]
-    return head + body
-
-
-def chown_tree(path: Path) -> None:
-    if os.geteuid() != 0:
-        return
-    os.lchown(path, WORKSPACE_UID, WORKSPACE_UID)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
-
-
-# --- 1. guarded writes vs a local atomic-replace loop -------------------------------------------
-
-
-def guarded_writes(client: Client, ws: str, n: int) -> Callable[[], float]:
-    first = client.call(
-        "fs.write", workspace=ws, path="w/target.txt", content=payload(0).decode(), base_sha256=None
-    )
-    base: str = first["new_sha256"]
-    i = 0
-
-    def run() -> float:
-        nonlocal base, i
-        start = time.perf_counter()
-        for _ in range(n):
-            i += 1
-            plan = client.call(
-                "fs.write",
-                workspace=ws,
-                path="w/target.txt",
-                content=payload(i).decode(),
-                base_sha256=base,
-            )
-            base = plan["new_sha256"]
-        return n / (time.perf_counter() - start)
-
-    return run
-
-
-def local_writes(directory: Path, n: int) -> Callable[[], float]:
-    directory.mkdir()
-    counter = iter(range(1, 1 << 30))
-
-    def run() -> float:
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            start = time.perf_counter()
-            for _ in range(n):
-                i = next(counter)
-                temp = f".tmp-{i}"
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
-                try:
-                    os.write(fd, payload(i))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(temp, "target.txt", src_dir_fd=dfd, dst_dir_fd=dfd)
-                os.fsync(dfd)
-            return n / (time.perf_counter() - start)
-        finally:
-            os.close(dfd)
-
-    return run
-
-
-def inprocess_writes(state: Path, roots: Path, n: int) -> Callable[[], float]:
-    """The same guarded replace without the daemon: `Writer` called in this process.
-
-    A diagnostic: the gap between this and the socket figure is the transport (JSON-RPC,
-    the Trio loop, one worker-thread hop), the gap to the local loop is the write path's
-    own work (the base check, the plan, the journal commit).
-    """
-    state.mkdir(mode=0o700)
-    ws_dir = roots / "inproc"
-    ws_dir.mkdir()
-    chown_tree(ws_dir)
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    config = Config(state_dir=str(state), adopt_roots=[str(roots)])
-    registry = WorkspaceRegistry(config, store, journal, state)
-    ws = registry.adopt(str(ws_dir), None, None, "bench")
-    writer = Writer(store, journal)
-
-    def params(i: int, base: str | None) -> WriteParams:
-        return WriteParams(
-            workspace=ws.id, path="target.txt", content=payload(i).decode(), base_sha256=base
-        )
-
-    base = writer.write(ws, write_request(params(0, None)), "bench").new_sha256
-    i = 0
-
-    def run() -> float:
-        nonlocal base, i
-        start = time.perf_counter()
-        for _ in range(n):
-            i += 1
-            base = writer.write(ws, write_request(params(i, base)), "bench").new_sha256
-        return n / (time.perf_counter() - start)
-
-    return run
 
 
 # --- 2. stat round trips ----------------------------------------------------------------------
@@ -407,13 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=TREE_FILES)
     ap.add_argument("--bytes", type=int, default=TREE_BYTES)
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
+    ap.add_argument("--no-search", action="store_true", help="only the write and stat rows")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()[0]
 
     with running(args.dir, args.keep) as daemon:
         ws_dir = daemon.roots / "bench"
         (ws_dir / "w").mkdir(parents=True)
-        tree_bytes = make_tree(ws_dir / "tree", args.files, args.bytes)
+        tree_bytes = 0 if args.no_search else make_tree(ws_dir / "tree", args.files, args.bytes)
         chown_tree(ws_dir)
         client = Client(daemon.socket, timeout=600)
         ws = client.call("workspace.adopt", path=str(ws_dir))["workspace"]
@@ -424,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
             inprocess_writes(daemon.base / "inproc-state", daemon.roots, args.writes),
             local_writes(daemon.base / "local", args.writes),
         )
+        together, local_together = interleaved(
+            args.rounds,
+            concurrent_guarded_writes(daemon.socket, ws, args.writes, WRITERS),
+            concurrent_local_writes(daemon.base / "local-together", args.writes, WRITERS),
+        )
         seq, piped, tasks = interleaved(
             args.rounds,
             stat_sequential(client, ws, args.stats),
@@ -432,7 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         grep_env = dict(os.environ, LC_ALL="C")
         searches = []
-        for pattern in (SEARCH_PATTERN, SEARCH_PATTERN_CLASS, SEARCH_PATTERN_NO_LITERAL):
+        patterns = (
+            ()
+            if args.no_search
+            else (SEARCH_PATTERN, SEARCH_PATTERN_CLASS, SEARCH_PATTERN_NO_LITERAL)
+        )
+        for pattern in patterns:
             count = same_matches(client, ws, pattern, ws_dir / "tree", grep_env)
             ours_cpu: list[float] = []
             grep_cpu: list[float] = []
@@ -468,6 +375,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{inproc:,.0f} ops/s",
             local_s,
             f"{inproc / local:.2f}",
+            "",
+        )
+    )
+    print(
+        row(
+            f"guarded 4 KiB replace, {WRITERS} connections at once, a file each (N={args.writes})",
+            f"{together:,.0f} ops/s",
+            f"{local_together:,.0f} ops/s (the local loop in {WRITERS} threads)",
+            f"{together / local_together:.2f}",
             "",
         )
     )

@@ -7,6 +7,7 @@ the daemon test restarts a real daemon.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sqlite3
@@ -23,7 +24,7 @@ from substrate.schema.fs import WriteParams, write_request
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
-from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
+from substrate.workspace.temp_files import RESERVE, RESERVED_DIRS, TEMP_PREFIX, TempFiles
 from substrate.workspace.writes import Writer
 from tests.harness import wait_until
 
@@ -140,9 +141,12 @@ def test_a_temp_file_is_recorded_before_it_exists_and_forgotten_after(
     seen: list[tuple[list[tuple[str, str, str]], bool]] = []
     real_open = os.open
 
+    opened: list[str] = []
+
     def watching_open(path: Any, flags: int, *args: Any, **kw: Any) -> int:
         if isinstance(path, str) and path.startswith(TEMP_PREFIX):
-            seen.append((env.rows(), os.path.lexists(env.root / path)))
+            opened.append(path)
+            seen.append((env.rows(), os.path.lexists(env.root / "src" / path)))
         return real_open(path, flags, *args, **kw)
 
     monkeypatch.setattr(os, "open", watching_open)
@@ -155,8 +159,14 @@ def test_a_temp_file_is_recorded_before_it_exists_and_forgotten_after(
     )
     assert plan.applied
     [(rows, existed)] = seen
-    assert [(w, d) for w, d, _ in rows] == [(env.ws.id, "src")] and not existed
-    assert env.rows() == []
+    [name] = opened
+    # Committed before the file existed, with the names reserved alongside it.
+    assert (env.ws.id, "src", name) in rows and not existed
+    assert {(w, d) for w, d, _ in rows} == {(env.ws.id, "src")} and len(rows) == RESERVE
+    # Forgotten with the write's journal entry; what stays names no file.
+    left = env.rows()
+    assert (env.ws.id, "src", name) not in left and len(left) == RESERVE - 1
+    assert not any((env.root / "src" / n).exists() for _, _, n in left)
 
 
 def test_a_crashed_write_is_cleaned_at_a_fast_restart(
@@ -187,7 +197,8 @@ def test_a_crashed_write_is_cleaned_at_a_fast_restart(
             "agent:0",
         )
     left = [n for n in os.listdir(env.root) if n.startswith(TEMP_PREFIX)]
-    assert len(left) == 1 and len(env.rows()) == 1
+    assert len(left) == 1 and (env.ws.id, "", left[0]) in env.rows()
+    assert len(env.rows()) == RESERVE  # the file's name and the reserved ones
 
     env.restart()
     assert env.registry.clean_stale_temp_files() == 1
@@ -228,3 +239,80 @@ def test_a_users_prefixed_file_survives_a_daemon_restart(
     with Client(d.agent_path) as c:
         listed = {e["name"] for e in c.call("fs.list", workspace=ws)["entries"]}
     assert users.name in listed
+
+
+def test_a_run_of_writes_in_a_directory_commits_its_names_once_per_reserve(env: Env) -> None:
+    writer = Writer(env.store, env.journal)
+    commits: list[str] = []
+    base = sha(b"x = 1\n")
+    env.store._db.set_trace_callback(lambda sql: sql == "COMMIT" and commits.append(sql))
+    for i in range(2 * RESERVE + 1):
+        data = f"x = {i + 2}\n"
+        plan = writer.write(
+            env.ws,
+            write_request(
+                WriteParams(workspace=env.ws.id, path="src/m.py", content=data, base_sha256=base)
+            ),
+            "agent:0",
+        )
+        base = plan.new_sha256
+    # One journal commit per write, one reservation per RESERVE writes.
+    assert len(commits) == (2 * RESERVE + 1) + 3
+    assert [n for n in os.listdir(env.root / "src") if n.startswith(TEMP_PREFIX)] == []
+    assert len(env.rows()) == RESERVE - 1
+
+
+def test_reserved_names_are_bounded_and_a_restart_passes_over_them(env: Env) -> None:
+    writer = Writer(env.store, env.journal)
+    for i in range(RESERVED_DIRS + 3):
+        writer.write(
+            env.ws,
+            write_request(
+                WriteParams(
+                    workspace=env.ws.id,
+                    path=f"d{i}/f.txt",
+                    content="x\n",
+                    base_sha256=None,
+                    create_parents=True,
+                )
+            ),
+            "agent:0",
+        )
+    # The oldest directories' names were dropped with their rows.
+    assert len(env.rows()) == RESERVED_DIRS * (RESERVE - 1)
+    assert {d for _, d, _ in env.rows()} == {f"d{i}" for i in range(3, RESERVED_DIRS + 3)}
+    # A user's file at a name never reserved, beside reserved ones: never touched.
+    users = env.root / "d5" / f"{TEMP_PREFIX}users-own"
+    users.write_text("mine")
+    env.restart()
+    assert env.registry.clean_stale_temp_files() == 0  # reserved names name no file
+    assert env.rows() == [] and users.read_text() == "mine"
+
+
+def test_a_reservation_that_did_not_commit_hands_out_no_name(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temps = TempFiles(env.store, env.journal.epoch, reserve=RESERVE)
+    real = Store.transaction
+
+    @contextlib.contextmanager
+    def failing_commit(self: Store) -> Iterator[sqlite3.Connection]:
+        with real(self) as db:
+            yield db
+            raise sqlite3.OperationalError("disk I/O error")  # rolled back, not committed
+
+    monkeypatch.setattr(Store, "transaction", failing_commit)
+    root_fd = os.open(env.root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            temps.create(env.ws.id, root_fd, (), "demo:x")
+        assert env.rows() == []
+        assert not any(n.startswith(TEMP_PREFIX) for n in os.listdir(env.root))
+        monkeypatch.setattr(Store, "transaction", real)
+        name, fd = temps.create(env.ws.id, root_fd, (), "demo:x")
+        os.close(fd)
+        # A fresh reservation: every name handed out has its row.
+        assert (env.ws.id, "", name) in env.rows() and len(env.rows()) == RESERVE
+        temps.discard(env.ws.id, root_fd, (), name)
+    finally:
+        os.close(root_fd)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -514,7 +515,7 @@ def test_a_planted_temp_name_is_skipped_not_followed(
 ) -> None:
     victim = tmp_path / "victim"
     victim.write_text("untouched\n")
-    names = iter(["planted", "fresh"])
+    names = itertools.chain(["planted"], (f"fresh{i}" for i in itertools.count()))
     (env.root / "src" / f"{TEMP_PREFIX}planted").symlink_to(victim)
     monkeypatch.setattr(secrets, "token_hex", lambda n: next(names))
     env.write("src/util.py", "MINE = 1\n", env.sha("src/util.py"))

@@ -4,7 +4,12 @@ Writes run in threads that are never abandoned (trio's default), so a cancelled 
 or a daemon shutting down still lets a started write finish and journal itself.
 
 Reads share `fs_limiter` and stay bounded there: a file digest is computed inline only up
-to `inline_hash_bytes`. A bigger one is computed only on request (`hash: true`), on
+to `inline_hash_bytes`. `fs.stat` is the exception that runs on the event loop first: a
+thread hop costs more than the stat itself (two wake-ups, about half of a round trip),
+and the stat's work there is bounded - one `openat2` beneath the root fd, an lstat, and
+for a regular file an open, an fstat and at most `LOOP_HASH_BYTES` hashed. Only when the
+digest needs more than that (a file over `LOOP_HASH_BYTES`, not cached, and within
+`inline_hash_bytes`) does the stat go to a worker thread, as any read. A bigger one is computed only on request (`hash: true`), on
 `hash_limiter`'s own few threads, so long hashes never hold the threads small reads need;
 such a hash only reads, so a cancelled request abandons it (it finishes and is cached).
 """
@@ -44,6 +49,8 @@ if TYPE_CHECKING:
 
 
 _R = TypeVar("_R", StatResult, ReadResult)
+#: The most bytes `fs.stat` hashes on the event loop (tens of microseconds of SHA-256).
+LOOP_HASH_BYTES = 64 << 10
 
 
 async def _answered(
@@ -67,7 +74,14 @@ async def _answered(
 
 @handles("fs.stat")
 async def stat(daemon: Daemon, caller: Caller, p: StatParams) -> StatResult:
-    return await _answered(daemon, reads.stat_path, p)
+    inline = daemon.config.inline_hash_bytes
+    ws = daemon.workspaces.get(p.workspace)
+    # On the loop, hashing at most LOOP_HASH_BYTES; what it could not finish goes on.
+    quick = reads.stat_path(ws, p, daemon.digests, min(inline, LOOP_HASH_BYTES))
+    if quick.sha256_deferred and (quick.size <= inline or p.hash):
+        return await _answered(daemon, reads.stat_path, p)
+    await trio.lowlevel.checkpoint()
+    return quick
 
 
 @handles("fs.read")

@@ -175,7 +175,12 @@ class Connection:
     async def send(self, data: bytes) -> None:
         if self._closed:
             return
-        async with self._send_lock:
+        try:
+            # Free in the common case: taken without a scheduling round (send_all has its own).
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
             with trio.move_on_after(SEND_TIMEOUT_S) as scope:
                 try:
                     await self.stream.send_all(data)
@@ -185,6 +190,8 @@ class Connection:
                 # The peer stopped reading: drop it rather than hold memory for it.
                 self._closed = True
                 await trio.aclose_forcefully(self.stream)
+        finally:
+            self._send_lock.release()
 
     async def notify(self, method: str, params: Any) -> None:
         await self.send(rpc.notification(method, params))
@@ -282,7 +289,10 @@ class Connection:
             if not decoded.is_notification:
                 await self.send(rpc.refusal_error(decoded.id, refused))
             return
-        await self._in_flight.acquire()
+        try:
+            self._in_flight.acquire_nowait()  # a scheduling round saved per request
+        except trio.WouldBlock:
+            await self._in_flight.acquire()  # the cap reached: the reader waits
         self.state.call_started()
         nursery.start_soon(self._run_call, caller, decoded)
 
@@ -290,10 +300,12 @@ class Connection:
         try:
             # A shutdown lets a started change finish; shielded, its reply is sent too
             # (bounded by the send timeout), so a write that landed never looks lost.
-            with trio.CancelScope(shield=call.spec.shielded):
-                reply = await self._invoke(caller, call)
-                if not call.is_notification:
-                    await self.send(reply)
+            # (A scope costs microseconds: only a shielded call gets one.)
+            if call.spec.shielded:
+                with trio.CancelScope(shield=True):
+                    await self._answer(caller, call)
+            else:
+                await self._answer(caller, call)
         finally:
             now = trio.current_time()
             self.state.call_finished(now)
@@ -302,6 +314,11 @@ class Connection:
                 self._receive_scope.deadline = self.state.deadline(now, held=self._held())
             if not self.state.in_flight:
                 self._quiet.set()
+
+    async def _answer(self, caller: Caller, call: rpc.Call) -> None:
+        reply = await self._invoke(caller, call)
+        if not call.is_notification:
+            await self.send(reply)
 
     async def _invoke(self, caller: Caller, call: rpc.Call) -> bytes:
         try:

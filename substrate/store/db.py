@@ -15,6 +15,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from substrate.store.group import GroupCommit
+
 
 class Store:
     """The state database. Opened once per daemon; `close` at shutdown."""
@@ -32,6 +34,9 @@ class Store:
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.execute("PRAGMA busy_timeout=5000")
         path.chmod(0o600)
+        #: Units of work committed together (`substrate.store.group`): guarded writes'
+        #: journal entries. `transaction` flushes it first, so order is kept.
+        self.group = GroupCommit(self._plain_transaction)
 
     def ensure_schema(self, ddl: str) -> None:
         """Run idempotent DDL (`CREATE TABLE IF NOT EXISTS ...`)."""
@@ -49,7 +54,19 @@ class Store:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """Hold the lock for one atomic transaction; rolls back if the block raises."""
+        """Hold the lock for one atomic transaction; rolls back if the block raises.
+
+        Whatever `group` holds queued is committed first (its own commit), so this
+        transaction comes after every unit submitted before it began."""
+        if not self._lock._is_owned():  # type: ignore[attr-defined]
+            # (Nested in this thread's own transaction it fails anyway; never wait on a
+            # leader that needs the lock this thread holds.)
+            self.group.flush()
+        with self._plain_transaction() as db:
+            yield db
+
+    @contextmanager
+    def _plain_transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:

@@ -2,16 +2,27 @@
 
 Theory of operation. A guarded write (and the write gate restoring a file) puts its new
 bytes in `.substrate-tmp-<16 hex>` in the target's directory, then renames it over the
-target. Before creating that file (`TempFiles.create`) it commits a row `(workspace,
-dir, name, epoch)` to the state database; the row is deleted in the transaction that
-journals the applied write (or once the restore's rename is done), or after the temp
-file is unlinked when the write fails (`TempFiles.discard`). A batch of writes
-(`substrate.workspace.batch_writes`) commits the rows of all its temp files in one
-transaction before creating the first (`record_many_in`) and forgets them in the one
-that journals the batch (`forget_many_in`). A crash therefore leaves, at worst, rows
-naming files that may exist. At the next start `clean_recorded` visits exactly the rows of earlier runs
-(epochs): it opens the recorded directory beneath the workspace root fd without following
-a symlink and unlinks the name only if it is still a regular file.
+target. The name is a row `(workspace, dir, name, epoch)` committed (fsynced) to the
+state database before the file is created (`TempFiles.create`); the row is deleted in the
+transaction that journals the applied write (or once the restore's rename is done), or
+after the temp file is unlinked when the write fails (`TempFiles.discard`).
+
+For guarded writes (`TempFiles(..., reserve=RESERVE)`, `substrate.workspace.writes`) `create` does not
+commit a row per file: it takes a name reserved earlier for that directory, and when
+none is left it reserves `RESERVE` fresh ones there in one commit,
+so a run of writes in one directory pays one fsynced commit per `RESERVE` files instead
+of one each. A reserved name is durable before any file has it, which is all the cleaner
+relies on; a reservation never used is a row naming a file that never existed, which the
+cleaner passes over. At most `RESERVE` names are held for each of the `RESERVED_DIRS`
+directories used last (an older directory's are deleted).
+
+A batch of writes (`substrate.workspace.batch_writes`) commits the rows of all its temp
+files in one transaction before creating the first (`record_many_in`) and forgets them
+in the one that journals the batch (`forget_many_in`). A crash therefore leaves, at
+worst, rows naming files that may exist. At the next start `clean_recorded` visits
+exactly the rows of earlier runs (epochs): it opens the recorded directory beneath the
+workspace root fd without following a symlink and unlinks the name only if it is still
+a regular file.
 
 A file with the prefix that substrate never recorded - a user's, or a sandbox's - is never
 touched, whatever its age; guarded writes refuse names with the prefix, so an agent cannot
@@ -24,6 +35,8 @@ import os
 import secrets
 import sqlite3
 import stat
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from substrate.errors import PathDenied, Refusal
@@ -31,6 +44,11 @@ from substrate.store.db import Store
 from substrate.workspace import fsops, paths
 
 TEMP_PREFIX = ".substrate-tmp-"
+#: Names reserved (recorded) at once for a directory that has none left.
+RESERVE = 8
+#: Directories whose unused reserved names are kept; past this the least recently used
+#: directory's are dropped (their rows deleted).
+RESERVED_DIRS = 16
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS temp_files (
@@ -69,10 +87,18 @@ class TempFiles:
     Every method is blocking (one SQLite transaction, fsynced); call it from a thread.
     """
 
-    def __init__(self, store: Store, epoch: int) -> None:
+    def __init__(self, store: Store, epoch: int, *, reserve: int = 1) -> None:
         self._store = store
         self._epoch = epoch
+        #: Names recorded at once for a directory that has none left: `RESERVE` for the
+        #: guarded writes' run of files, 1 (a commit per file, no row left behind) for
+        #: rarer users such as the gate's restores.
+        self._reserve = max(1, reserve)
         store.ensure_schema(SCHEMA)
+        #: (workspace, dir key) → names recorded in this run and not yet used, most
+        #: recently used directory last.
+        self._reserved: OrderedDict[tuple[str, str | bytes], list[str]] = OrderedDict()
+        self._reserved_lock = threading.Lock()
 
     def record(self, workspace: str, dirs: Sequence[str], name: str) -> None:
         """Commit the row for a temp file about to be created (before creating it)."""
@@ -106,30 +132,63 @@ class TempFiles:
     def create(
         self, workspace: str, dir_fd: int, dirs: Sequence[str], where: str
     ) -> tuple[str, int]:
-        """Record, then create (`O_CREAT | O_EXCL | O_NOFOLLOW`, 0600) a new temp file in
-        `dir_fd`, the directory `dirs` beneath the workspace's root. Returns its name and
-        an fd open for writing; the caller renames it or `discard`s it.
+        """Create (`O_CREAT | O_EXCL | O_NOFOLLOW`, 0600) a new temp file under a recorded
+        name in `dir_fd`, the directory `dirs` beneath the workspace's root. Returns its
+        name and an fd open for writing; the caller renames it or `discard`s it.
 
-        Recorded first, so a crash at any later point leaves a record to clean by. A name
-        that something already holds (maybe planted) is passed over for another. Refuses
-        `path_denied` when eight random names in a row are taken. Costs one commit (two
-        when the creation fails).
+        The name was recorded (committed, fsynced) before the file exists, so a crash at
+        any later point leaves a record to clean by. A name that something already holds
+        (maybe planted) is passed over for another. Refuses `path_denied` when eight
+        recorded names in a row are taken. Costs one commit per `reserve` files made in
+        a directory, and one more when a creation fails.
         """
         for _ in range(8):
-            name = new_name()
-            if paths.lstat_at(dir_fd, name) is not None:
-                continue
-            self.record(workspace, dirs, name)
+            name = self._take(workspace, dirs)
             try:
                 fd = fsops.create_exclusive(dir_fd, name)
             except BaseException as exc:
-                # Not ours (planted since the lstat) or not made: the record must go.
+                # Not ours (something holds the name, a symlink included) or not made:
+                # the record must go.
                 self.forget(workspace, dirs, name)
                 if isinstance(exc, FileExistsError):
                     continue
                 raise
             return name, fd
         raise PathDenied(f"{where}: could not create a temp file")
+
+    def _take(self, workspace: str, dirs: Sequence[str]) -> str:
+        """A name recorded for `dirs` in this run and never used: a reserved one, or the
+        first of the `reserve` fresh ones recorded now (one commit)."""
+        key = (workspace, _dir_key(dirs))
+        with self._reserved_lock:
+            names = self._reserved.get(key)
+            if names:
+                self._reserved.move_to_end(key)
+                return names.pop()
+        fresh = [new_name() for _ in range(self._reserve)]
+        evicted: list[tuple[tuple[str, str | bytes], list[str]]] = []
+        with self._reserved_lock:
+            while len(self._reserved) >= RESERVED_DIRS and key not in self._reserved:
+                evicted.append(self._reserved.popitem(last=False))
+        with self._store.transaction() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO temp_files(workspace, dir, name, epoch)"
+                " VALUES (?, ?, ?, ?)",
+                [(workspace, key[1], name, self._epoch) for name in fresh],
+            )
+            # Names of directories no longer kept will never be used: their rows go
+            # (a row naming no file is harmless; this only keeps the table small).
+            db.executemany(
+                "DELETE FROM temp_files WHERE workspace = ? AND dir = ? AND name = ?",
+                [(ws, d, name) for (ws, d), names in evicted for name in names],
+            )
+        if len(fresh) > 1:
+            # Only once committed: a name is handed out only when its row is durable.
+            with self._reserved_lock:
+                # Kept last first: `pop` takes them in the order they were made.
+                self._reserved.setdefault(key, [])[:0] = reversed(fresh[1:])
+                self._reserved.move_to_end(key)
+        return fresh[0]
 
     def discard(self, workspace: str, dir_fd: int, dirs: Sequence[str], name: str) -> None:
         """Unlink a temp file that will not be renamed, then forget its record."""

@@ -9,6 +9,10 @@ O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and
 then, under the workspace's commit lock, the base is checked once more, the temp file is
 renamed over the target through the same dir fd, the directory is fsynced, and the
 approval (if any) is consumed in the same database transaction as the journal entry.
+A write with no approval and no pre-image to keep submits that transaction to the
+store's group commit under the lock and waits for it after (`substrate.store.group`):
+concurrent writes share one fsynced commit, entries keep the lock's order, and the write
+returns only once its entry is durable, as before.
 The file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.write` and
 `fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
 "exactly one of" pairs arrive as one tagged Struct it `match`es on.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,7 +71,7 @@ from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.preview import unified_preview
 from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TempFiles
+from substrate.workspace.temp_files import RESERVE, TempFiles
 from substrate.workspace.write_base import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
@@ -197,7 +202,9 @@ class Writer:
         self._store = store
         self._journal = journal
         self._preimages = preimages
-        self._temps = TempFiles(store, journal.epoch)
+        self._temps = TempFiles(store, journal.epoch, reserve=RESERVE)
+        #: The journal transactions of plain writes, committed together when concurrent.
+        self._group = store.group
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
@@ -394,7 +401,8 @@ class Writer:
                 os.fsync(parent_fd)
             else:
                 fsops.rename_into(parent_fd, temp, name)
-            with self._store.transaction() as db:
+
+            def journal(db: sqlite3.Connection) -> None:
                 if temp is not None:
                     self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
                 if approval is not None:
@@ -418,6 +426,17 @@ class Writer:
                 )
                 if pre is not None and self._preimages is not None:
                     self._preimages.record_in(db, pre, entry.seq, plan.new_sha256)
+
+            if approval is not None or pre is not None:
+                # Consumed or kept under the lock: no later write may see it unsettled.
+                with self._store.transaction() as db:
+                    journal(db)
+                ticket = None
+            else:
+                # Queued in lock order; its commit is shared with concurrent writes'.
+                ticket = self._group.submit(journal)
+        if ticket is not None:
+            self._group.wait(ticket)
         if pre is not None and self._preimages is not None:
             self._preimages.settle()
 

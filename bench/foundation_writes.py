@@ -1,0 +1,204 @@
+"""The write measures of `bench/foundation.py` (issue 2, issue 12): a guarded 4 KiB
+replace through the socket, sequential and from several connections at once, the same
+`Writer` in-process, and the local atomic-replace loop they are compared with.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from substrate.config import Config  # noqa: E402
+from substrate.protocol.client import Client  # noqa: E402
+from substrate.schema.fs import WriteParams, write_request  # noqa: E402
+from substrate.store.db import Store  # noqa: E402
+from substrate.store.journal import Journal  # noqa: E402
+from substrate.workspace.registry import WorkspaceRegistry  # noqa: E402
+from substrate.workspace.writes import Writer  # noqa: E402
+
+WORKSPACE_UID = 1000
+PAYLOAD = 4096
+#: Connections (and local threads) writing at once in the concurrent write row.
+WRITERS = 8
+
+
+def payload(i: int) -> bytes:
+    head = f"revision {i:08d}\n".encode()
+    line = b"lorem ipsum dolor sit amet, consectetur adipiscing elit\n"
+    body = (line * (PAYLOAD // len(line) + 1))[: PAYLOAD - len(head)]
+    return head + body
+
+
+def chown_tree(path: Path) -> None:
+    if os.geteuid() != 0:
+        return
+    os.lchown(path, WORKSPACE_UID, WORKSPACE_UID)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), WORKSPACE_UID, WORKSPACE_UID)
+
+
+# --- 1. guarded writes vs a local atomic-replace loop -------------------------------------------
+
+
+def guarded_writes(client: Client, ws: str, n: int) -> Callable[[], float]:
+    first = client.call(
+        "fs.write", workspace=ws, path="w/target.txt", content=payload(0).decode(), base_sha256=None
+    )
+    base: str = first["new_sha256"]
+    i = 0
+
+    def run() -> float:
+        nonlocal base, i
+        start = time.perf_counter()
+        for _ in range(n):
+            i += 1
+            plan = client.call(
+                "fs.write",
+                workspace=ws,
+                path="w/target.txt",
+                content=payload(i).decode(),
+                base_sha256=base,
+            )
+            base = plan["new_sha256"]
+        return n / (time.perf_counter() - start)
+
+    return run
+
+
+def local_writes(directory: Path, n: int) -> Callable[[], float]:
+    directory.mkdir()
+    counter = iter(range(1, 1 << 30))
+
+    def run() -> float:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            start = time.perf_counter()
+            for _ in range(n):
+                i = next(counter)
+                temp = f".tmp-{i}"
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+                try:
+                    os.write(fd, payload(i))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(temp, "target.txt", src_dir_fd=dfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+            return n / (time.perf_counter() - start)
+        finally:
+            os.close(dfd)
+
+    return run
+
+
+def concurrent_guarded_writes(path: Path, ws: str, n: int, writers: int) -> Callable[[], float]:
+    """`writers` connections, each replacing its own file `n // writers` times, at once."""
+    clients = [Client(path, timeout=600) for _ in range(writers)]
+    bases: list[str] = []
+    for k, client in enumerate(clients):
+        first = client.call(
+            "fs.write", workspace=ws, path=f"w/c{k}.txt", content=payload(0).decode(),
+            base_sha256=None,
+        )  # fmt: skip
+        bases.append(first["new_sha256"])
+    each = max(1, n // writers)
+    counter = iter(range(1, 1 << 30))
+
+    def one(k: int) -> None:
+        for _ in range(each):
+            plan = clients[k].call(
+                "fs.write", workspace=ws, path=f"w/c{k}.txt",
+                content=payload(next(counter)).decode(), base_sha256=bases[k],
+            )  # fmt: skip
+            bases[k] = plan["new_sha256"]
+
+    def run() -> float:
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(writers)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return each * writers / (time.perf_counter() - start)
+
+    return run
+
+
+def concurrent_local_writes(directory: Path, n: int, writers: int) -> Callable[[], float]:
+    """The local loop in `writers` threads, each on its own file in one directory."""
+    directory.mkdir()
+    each = max(1, n // writers)
+    counter = iter(range(1, 1 << 30))
+
+    def one(dfd: int, k: int) -> None:
+        for _ in range(each):
+            i = next(counter)
+            temp = f".tmp-{i}"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+            try:
+                os.write(fd, payload(i))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, f"target{k}.txt", src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+
+    def run() -> float:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            threads = [threading.Thread(target=one, args=(dfd, k)) for k in range(writers)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return each * writers / (time.perf_counter() - start)
+        finally:
+            os.close(dfd)
+
+    return run
+
+
+def inprocess_writes(state: Path, roots: Path, n: int) -> Callable[[], float]:
+    """The same guarded replace without the daemon: `Writer` called in this process.
+
+    A diagnostic: the gap between this and the socket figure is the transport (JSON-RPC,
+    the Trio loop, one worker-thread hop), the gap to the local loop is the write path's
+    own work (the base check, the plan, the journal commit).
+    """
+    state.mkdir(mode=0o700)
+    ws_dir = roots / "inproc"
+    ws_dir.mkdir()
+    chown_tree(ws_dir)
+    store = Store(state / "substrate.db")
+    journal = Journal(store)
+    config = Config(state_dir=str(state), adopt_roots=[str(roots)])
+    registry = WorkspaceRegistry(config, store, journal, state)
+    ws = registry.adopt(str(ws_dir), None, None, "bench")
+    writer = Writer(store, journal)
+
+    def params(i: int, base: str | None) -> WriteParams:
+        return WriteParams(
+            workspace=ws.id, path="target.txt", content=payload(i).decode(), base_sha256=base
+        )
+
+    base = writer.write(ws, write_request(params(0, None)), "bench").new_sha256
+    i = 0
+
+    def run() -> float:
+        nonlocal base, i
+        start = time.perf_counter()
+        for _ in range(n):
+            i += 1
+            base = writer.write(ws, write_request(params(i, base)), "bench").new_sha256
+        return n / (time.perf_counter() - start)
+
+    return run

@@ -1,0 +1,154 @@
+"""substrate.store.group: concurrent units share a commit, each keeps its own outcome,
+and every other transaction comes after what was submitted before it."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from substrate.config import Config
+from substrate.schema.fs import WriteParams, write_request
+from substrate.store.db import Store
+from substrate.store.group import Ticket
+from substrate.store.journal import Journal
+from substrate.workspace.registry import WorkspaceRegistry
+from substrate.workspace.writes import Writer
+
+PATIENCE_S = 30.0
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store(tmp_path / "db")
+    s.ensure_schema("CREATE TABLE IF NOT EXISTS t (v TEXT NOT NULL);")
+    commits: list[str] = []
+    s._db.set_trace_callback(lambda sql: sql == "COMMIT" and commits.append(sql))
+    s.commits = commits  # type: ignore[attr-defined]
+    yield s
+    s.close()
+
+
+def insert(value: str) -> Callable[[sqlite3.Connection], str]:
+    def work(db: sqlite3.Connection) -> str:
+        db.execute("INSERT INTO t(v) VALUES (?)", (value,))
+        return value
+
+    return work
+
+
+def values(store: Store) -> list[str]:
+    return [r["v"] for r in store.query("SELECT v FROM t ORDER BY rowid")]
+
+
+def test_units_submitted_while_a_batch_commits_share_the_next_commit(store: Store) -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def first(db: sqlite3.Connection) -> str:
+        db.execute("INSERT INTO t(v) VALUES ('first')")
+        inside.set()
+        assert release.wait(PATIENCE_S)
+        return "first"
+
+    results: dict[str, str] = {}
+    leader = threading.Thread(target=lambda: results.update(a=store.group.run(first)))
+    leader.start()
+    assert inside.wait(PATIENCE_S)  # the first batch is being committed
+    tickets: list[Ticket[str]] = [store.group.submit(insert(f"u{i}")) for i in range(5)]
+    waiters = [
+        threading.Thread(target=lambda t=t: results.update({t.result or "?": store.group.wait(t)}))
+        for t in tickets
+    ]
+    for w in waiters:
+        w.start()
+    release.set()
+    leader.join(PATIENCE_S)
+    for w in waiters:
+        w.join(PATIENCE_S)
+    assert results["a"] == "first" and [t.result for t in tickets] == [f"u{i}" for i in range(5)]
+    assert values(store) == ["first", "u0", "u1", "u2", "u3", "u4"]
+    assert len(store.commits) == 2  # type: ignore[attr-defined]
+
+
+def test_a_failing_unit_rolls_back_alone(store: Store) -> None:
+    def bad(db: sqlite3.Connection) -> None:
+        db.execute("INSERT INTO t(v) VALUES ('bad')")
+        raise ValueError("this unit fails")
+
+    ok1 = store.group.submit(insert("ok1"))
+    failing = store.group.submit(bad)
+    ok2 = store.group.submit(insert("ok2"))
+    assert store.group.wait(ok2) == "ok2"  # leads the batch of three
+    with pytest.raises(ValueError, match="this unit fails"):
+        store.group.wait(failing)
+    assert store.group.wait(ok1) == "ok1"
+    assert values(store) == ["ok1", "ok2"]
+    assert len(store.commits) == 1  # type: ignore[attr-defined]
+
+
+def test_a_transaction_commits_what_was_submitted_before_it_first(store: Store) -> None:
+    ticket = store.group.submit(insert("queued"))
+    with store.transaction() as db:
+        assert ticket.done  # committed before this transaction began
+        db.execute("INSERT INTO t(v) VALUES ('later')")
+    assert store.group.wait(ticket) == "queued"
+    assert values(store) == ["queued", "later"]
+
+
+def test_a_write_journaled_in_a_group_stays_before_a_later_entry(
+    tmp_path: Path, adopt_root: Path, make_workspace: Callable[..., Path]
+) -> None:
+    """A write renamed under the commit lock, still waiting for its group commit, when
+    another entry is journaled: the write's entry comes first (a checkpoint taken then
+    must see the write before it)."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    store = Store(state / "substrate.db")
+    journal = Journal(store)
+    registry = WorkspaceRegistry(
+        Config(state_dir=str(state), adopt_roots=[str(adopt_root)]), store, journal, state
+    )
+    try:
+        ws = registry.adopt(str(make_workspace("demo", {"a.txt": "alpha\n"})), None, None, "t")
+        writer = Writer(store, journal)
+        group = store.group
+
+        class LateWaits:
+            def submit(self, work: Callable[[sqlite3.Connection], Any]) -> Ticket[Any]:
+                return group.submit(work)
+
+            def wait(self, ticket: Ticket[Any]) -> Any:
+                # Another caller journals while this write's unit is still queued.
+                assert not ticket.done
+                other = threading.Thread(target=journal.append, args=("test.later", {}))
+                other.start()
+                other.join(PATIENCE_S)
+                assert ticket.done  # the other transaction committed it first
+                return group.wait(ticket)
+
+        writer._group = LateWaits()  # type: ignore[assignment]
+        base = hashlib.sha256(b"alpha\n").hexdigest()
+        req = WriteParams(workspace=ws.id, path="a.txt", content="beta\n", base_sha256=base)
+        writer.write(ws, write_request(req), "agent:0")
+        kinds = [e.kind for e in journal.read()]
+        assert kinds[-2:] == ["fs.write", "test.later"]
+        assert journal.verify() is None
+    finally:
+        registry.close()
+        store.close()
+
+
+def test_a_nested_transaction_fails_as_before_and_leaves_the_queue_alone(store: Store) -> None:
+    with store.transaction() as db:
+        db.execute("INSERT INTO t(v) VALUES ('outer')")
+        ticket = store.group.submit(insert("queued"))
+        with pytest.raises(sqlite3.OperationalError), store.transaction():
+            pass  # never waits for a batch that needs the lock this thread holds
+        assert not ticket.done
+    assert store.group.wait(ticket) == "queued"
+    assert values(store) == ["outer", "queued"]
