@@ -6,7 +6,7 @@ adopted by a daemon in this process with the shipped `setup` and `default` profi
 1. before any set-up, `default` runs tests/test_policy.py and tests/test_paths.py with
    the image's `python3` and they cannot even load (no msgspec there);
 2. `setup` makes a venv in the workspace's persistent home and installs what those two
-   files import and the image lacks (msgspec, trio, pytest, pytest-trio, at the versions
+   files import and the image lacks (msgspec, trio, google-re2, pytest, pytest-trio, at the versions
    pyproject.toml declares: not the whole dev extra), downloaded from the package index
    this machine's pip uses, through the daemon's egress proxy;
 3. `default` (no network: `lo` only, no route) runs them with the venv's Python: every
@@ -47,7 +47,7 @@ from tests.harness.workspaces import chown_tree, remove_tree, short_tempdir
 pytestmark = pytest.mark.slow
 
 #: What the two test files import beyond the standard library and the image's Python.
-NEEDED = ("msgspec", "trio", "pytest", "pytest-trio")
+NEEDED = ("msgspec", "trio", "google-re2", "pytest", "pytest-trio")
 TESTS = ["tests/test_policy.py", "tests/test_paths.py"]
 #: pytest with nothing written into the checkout: no bytecode, no .pytest_cache.
 PYTEST = ["-B", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
