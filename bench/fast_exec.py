@@ -42,10 +42,8 @@ import docker
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchdaemon import BenchDaemon
-
+from bench.benchdaemon import BenchDaemon
 from substrate.protocol.client import Client
 from substrate.sandbox.supervisor import agent
 
@@ -170,10 +168,10 @@ def main() -> None:
         cli = ["docker", "exec", ctr.id]
 
         sides: list[tuple[str, Callable[[], object]]] = [
-            (f"fast {LAYER} (layer)", lambda: fast.run(["true"], LAYER)),  # type: ignore[union-attr]
-            (f"fast {RW} (rw)", lambda: fast.run(["true"], RW)),  # type: ignore[union-attr]
-            (f"engine {LAYER} (layer)", lambda: engine.run(["true"], LAYER)),  # type: ignore[union-attr]
-            (f"engine {RW} (rw)", lambda: engine.run(["true"], RW)),  # type: ignore[union-attr]
+            (f"fast {LAYER} (layer)", lambda: fast.run(["true"], LAYER)),
+            (f"fast {RW} (rw)", lambda: fast.run(["true"], RW)),
+            (f"engine {LAYER} (layer)", lambda: engine.run(["true"], LAYER)),
+            (f"engine {RW} (rw)", lambda: engine.run(["true"], RW)),
             ("docker exec CLI", lambda: subprocess.run([*cli, "true"], check=True)),
             ("SDK exec_run", lambda: ctr.exec_run(["true"])),
             ("host", host_true),
@@ -199,14 +197,14 @@ def main() -> None:
         # CPU per command (load-independent): the daemon, and the supervisor with its
         # children (the commands themselves). The engine's side (dockerd, containerd,
         # runc) is shared with whatever else uses the engine, so it is not attributed.
-        n = 100
+        count = 100
         fast_ps = psutil.Process(fast.daemon.proc.pid)
         engine_ps = psutil.Process(engine.daemon.proc.pid)
-        print(f"CPU per warm `true` (ms, {n} runs each)")
+        print(f"CPU per warm `true` (ms, {count} runs each)")
         for profile, kind in ((RW, "rw"), (LAYER, "layer")):
             supervisor = find_supervisor(fast.containers[profile])
-            d, s = cpu_per_true(fast_ps, supervisor, fast.runner(profile), n)
-            e, _ = cpu_per_true(engine_ps, None, engine.runner(profile), n)
+            d, s = cpu_per_true(fast_ps, supervisor, fast.runner(profile), count)
+            e, _ = cpu_per_true(engine_ps, None, engine.runner(profile), count)
             print(
                 f"  {kind:5s}: fast path daemon {d:.2f} + supervisor and command {s:.2f};"
                 f" engine path daemon {e:.2f} (+ dockerd, containerd, runc: not attributed)"

@@ -42,8 +42,8 @@ import trio
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchdaemon import BenchDaemon  # noqa: E402
-from foundation_writes import (  # noqa: E402
+from bench.benchdaemon import BenchDaemon  # noqa: E402
+from bench.foundation_writes import (  # noqa: E402
     WRITERS,
     chown_tree,
     concurrent_guarded_writes,
@@ -52,7 +52,6 @@ from foundation_writes import (  # noqa: E402
     inprocess_writes,
     local_writes,
 )
-
 from substrate.protocol.client import Client, open_client  # noqa: E402
 
 WINDOW = 32
@@ -64,12 +63,6 @@ SEARCH_PATTERN = r"def \w+_handler\("
 SEARCH_PATTERN_CLASS = r"[A-Z][a-z]+Error\(\w+"
 #: A third with no literal every match must contain: screened by RE2 (`search_re2`).
 SEARCH_PATTERN_NO_LITERAL = r"[0-9]{5}"
-
-
-# --- the daemon --------------------------------------------------------------------------
-
-
-Daemon = BenchDaemon
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -277,9 +270,9 @@ def same_matches(client: Client, ws: str, pattern: str, tree: Path, env: dict[st
 
 
 @contextlib.contextmanager
-def running(base_dir: str | None, keep: bool) -> Iterator[Daemon]:
+def running(base_dir: str | None, keep: bool) -> Iterator[BenchDaemon]:
     base = Path(tempfile.mkdtemp(prefix="sbb-", dir=base_dir))
-    daemon = Daemon(base)
+    daemon = BenchDaemon(base)
     try:
         yield daemon
     finally:
