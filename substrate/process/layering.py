@@ -102,7 +102,7 @@ async def conclude(
     ws, actor, mode = req.ws, req.actor, req.changes
     error: str | None = None
     try:
-        if not await trio.to_thread.run_sync(_changed, layer, ws, limiter=limiter):
+        if not await _needs_swap(layer, ws, limiter):
             return ProcChanges(generation=layer.plan.generation, mode=mode)
         old = await trio.to_thread.run_sync(_swap, layer, ws, limiter=limiter)
     except OSError as exc:
@@ -151,6 +151,23 @@ async def conclude(
     )
 
 
+async def _needs_swap(
+    layer: working_layer.WorkingLayer, ws: Workspace, limiter: trio.CapacityLimiter | None
+) -> bool:
+    """`_changed`, on the event loop when that is a few system calls on the state dir's
+    own disk (no passthrough dir to look up in the checkout, and the layer's lock free of
+    mount calls): a thread hop costs more than the look. Else in a worker thread."""
+    if not layer.passthrough and layer.mounting.acquire(blocking=False):
+        try:
+            changed = _upper_changed(layer)
+        finally:
+            layer.mounting.release()
+        if not changed:
+            working_layer.restart(layer)
+        return changed
+    return await trio.to_thread.run_sync(_changed, layer, ws, limiter=limiter)
+
+
 def _changed(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
     """Does the generation need a swap? Not when its upper layer holds nothing and the
     passthrough dirs bound are still those the checkout has: then no user changed
@@ -158,23 +175,28 @@ def _changed(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
     new one would have); a write by a straggler after this look lands in it and goes
     with its next conclusion. True for a closed layer (the swap path handles it)."""
     with ws.use(), layer.mounting:
-        if layer.closed:
+        if _upper_changed(layer):
             return True
-        plan = layer.plan
-        try:
-            upper_fd = os.open(plan.upper, _DIR_FLAGS)
-        except FileNotFoundError:
-            return True
-        try:
-            if holds_changes(upper_fd):
-                return True
-        finally:
-            os.close(upper_fd)
-        bound = [(part.rel, part.identity) for part in plan.passthrough]
+        bound = [(part.rel, part.identity) for part in layer.plan.passthrough]
         if passthrough.existing(ws.root_fd, layer.passthrough) != bound:
             return True
     working_layer.restart(layer)
     return False
+
+
+def _upper_changed(layer: working_layer.WorkingLayer) -> bool:
+    """Has the current generation's upper dir anything in it (or is the layer closed,
+    or its upper gone: the swap path says what then)? The caller holds `mounting`."""
+    if layer.closed:
+        return True
+    try:
+        upper_fd = os.open(layer.plan.upper, _DIR_FLAGS)
+    except FileNotFoundError:
+        return True
+    try:
+        return holds_changes(upper_fd)
+    finally:
+        os.close(upper_fd)
 
 
 def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:
