@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from substrate.artifacts.store import ArtifactStore
-from substrate.errors import LimitExceeded
+from substrate.errors import InvalidParams, LimitExceeded
 from substrate.schema.fs import SearchParams
 from substrate.store.db import Store
 from substrate.workspace import agent_regex
@@ -105,3 +105,15 @@ def test_artifact_grep_is_bounded_too(arts: ArtifactStore, monkeypatch: pytest.M
     monkeypatch.setattr(agent_regex, "REGEX_BUDGET_S", 0.2)
     with pytest.raises(LimitExceeded):
         arts.grep(ref.artifact, r"(?=a)(a|aa)+$")
+
+
+def test_a_pattern_the_budgeted_engine_refuses_is_invalid_params(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(pattern: bytes, flags: int) -> None:
+        raise ValueError("no")
+
+    monkeypatch.setattr(agent_regex.regex_mod, "compile", refuse)
+    with pytest.raises(InvalidParams) as info:
+        matcher_for(re.compile(rb"(?=a)b", re.M))
+    assert info.value.data == {"path": "$.pattern"}

@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any, Protocol
 
-from substrate.errors import LimitExceeded
+from substrate.errors import InvalidParams, LimitExceeded
 from substrate.workspace.search_re2 import exact_of
 
 #: mrab-regex ships no type information.
@@ -79,7 +79,13 @@ class _Budgeted:
         for flag, name in _FLAGS:
             if regex.flags & flag:
                 flags |= getattr(regex_mod, name)
-        self._pattern = regex_mod.compile(regex.pattern, flags)
+        try:
+            self._pattern = regex_mod.compile(regex.pattern, flags)
+        except Exception as exc:  # `re` took it; never seen, but never an internal error
+            raise InvalidParams(
+                f"pattern: not supported with lookarounds or backreferences ({exc})",
+                path="$.pattern",
+            ) from None
         self._deadline = time.monotonic() + budget_s
         self._budget_s = budget_s
         self.engine = "regex"
