@@ -126,13 +126,6 @@ class FanotifyAttribution:
             if relay is not None and relay.ended:
                 del self._relays[where]
 
-    def close(self) -> None:
-        """End every relay (the daemon stops). Blocking: each is reaped."""
-        with self._lock:
-            relays, self._relays = list(self._relays.values()), {}
-        for relay in relays:
-            relay.close()
-
 
 class _Relay:
     """One running relay, the thread that reads what it relays, and its open windows."""
@@ -229,6 +222,11 @@ class _Relay:
             _libc.fanotify_mark(self._fan, _FAN_MARK_FLUSH | _FAN_MARK_FILESYSTEM, 0, -1, None)
             self._marked = False
 
+    def seen(self, window: FanotifyWatch) -> Touches:
+        """`window`'s keys, read under the lock the reader records them under."""
+        with self._cond:
+            return window.seen()
+
     def close_window(self, window: FanotifyWatch) -> None:
         with self._requests:
             self._drop(window)
@@ -311,14 +309,6 @@ class _Relay:
             self._fan = self._ns = -1
         self._gone()
 
-    def close(self) -> None:
-        """End the relay: its control pipe closes, it relays what is queued and exits."""
-        with self._requests:
-            if self._ctl is not None:
-                os.close(self._ctl)
-                self._ctl = None
-        self._reader.join(timeout=2 * FLUSH_WAIT_S)
-
 
 class FanotifyWatch:
     """One window on a sandbox's relay (`gate.attribution.Watch`)."""
@@ -346,8 +336,11 @@ class FanotifyWatch:
         `FLUSH_WAIT_S`), and return what this window saw. Blocking."""
         if not self._relay.flush():
             self.lose("the relay did not answer")
-        with self._relay._cond:
-            return Touches(frozenset(self._sandbox), frozenset(self._others), self._lost)
+        return self._relay.seen(self)
+
+    def seen(self) -> Touches:
+        """What was recorded so far; the caller holds the relay's lock (`_Relay.seen`)."""
+        return Touches(frozenset(self._sandbox), frozenset(self._others), self._lost)
 
     def close(self) -> None:
         """Close the window (the relay keeps running for the sandbox). Idempotent."""
