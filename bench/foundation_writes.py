@@ -73,6 +73,19 @@ def guarded_writes(client: Client, ws: str, n: int) -> Callable[[], float]:
     return run
 
 
+def local_write(dfd: int, i: int, target: str) -> None:
+    """The baseline's one write: temp file, fsync, rename over `target`, dir fsync."""
+    temp = f".tmp-{i}"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
+    try:
+        os.write(fd, payload(i))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(temp, target, src_dir_fd=dfd, dst_dir_fd=dfd)
+    os.fsync(dfd)
+
+
 def local_writes(directory: Path, n: int) -> Callable[[], float]:
     directory.mkdir()
     counter = iter(range(1, 1 << 30))
@@ -82,16 +95,7 @@ def local_writes(directory: Path, n: int) -> Callable[[], float]:
         try:
             start = time.perf_counter()
             for _ in range(n):
-                i = next(counter)
-                temp = f".tmp-{i}"
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
-                try:
-                    os.write(fd, payload(i))
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.rename(temp, "target.txt", src_dir_fd=dfd, dst_dir_fd=dfd)
-                os.fsync(dfd)
+                local_write(dfd, next(counter), "target.txt")
             return n / (time.perf_counter() - start)
         finally:
             os.close(dfd)
@@ -140,16 +144,7 @@ def concurrent_local_writes(directory: Path, n: int, writers: int) -> Callable[[
 
     def one(dfd: int, k: int) -> None:
         for _ in range(each):
-            i = next(counter)
-            temp = f".tmp-{i}"
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dfd)
-            try:
-                os.write(fd, payload(i))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(temp, f"target{k}.txt", src_dir_fd=dfd, dst_dir_fd=dfd)
-            os.fsync(dfd)
+            local_write(dfd, next(counter), f"target{k}.txt")
 
     def run() -> float:
         dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
