@@ -16,6 +16,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import stat
 import time
 from collections.abc import AsyncIterator
@@ -96,6 +97,21 @@ def prepare_state_dir(path: Path, agent_gid: int | None = None) -> Path:
     return path
 
 
+def notify_service_manager(state: str) -> None:
+    """Tell systemd `state` ("READY=1", "STOPPING=1") when it runs us as `Type=notify`
+    (`$NOTIFY_SOCKET`: a path, or `@` for the abstract namespace); nothing otherwise.
+    A failure is logged, never fatal: the daemon serves either way. One datagram."""
+    where = os.environ.get("NOTIFY_SOCKET", "")
+    if not where:
+        return
+    address = "\0" + where[1:] if where.startswith("@") else where
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(state.encode(), address)
+    except OSError as exc:
+        log.warning("could not tell the service manager %s: %s", state, exc)
+
+
 def check_socket_path(path: Path) -> None:
     """Refuse anything but nothing or a stale socket at `path` (never follow a planted link)."""
     try:
@@ -170,12 +186,14 @@ class Daemon:
                 await nursery.start(self.terminals.serve)
                 nursery.start_soon(self._expire_uploads)
                 task_status.started()
+                notify_service_manager("READY=1")  # every socket accepts now
                 nursery.start_soon(self._banner)
                 async for signum in signals:
                     if signum == signal.SIGHUP:
                         nursery.start_soon(self._reload_profiles)
                         continue
                     log.info("signal %s: stopping", signal.Signals(signum).name)
+                    notify_service_manager("STOPPING=1")
                     nursery.cancel_scope.cancel()
                     break
         await trio.to_thread.run_sync(self.journal.append, "daemon.stopped", {"reason": "signal"})
