@@ -24,7 +24,7 @@ from substrate.workspace.registry import Workspace
 FLAGS = re.MULTILINE
 #: Pieces of patterns both engines read alike; `(?=)` (always true) forces the budgeted
 #: engine without changing what matches.
-ATOMS = ["a", "b", "ab", ".", "[ab]", "[^a]", r"\w", r"\s", r"\d", r"\b", "^", "$", r"\n"]
+ATOMS = ["a", "b", "ab", ".", "[ab]", "[^a]", r"\w", r"\s", r"\d", r"\b", r"\B", "^", "$", r"\n"]
 
 
 def _pattern(rng: random.Random, depth: int = 0) -> str:
@@ -35,7 +35,7 @@ def _pattern(rng: random.Random, depth: int = 0) -> str:
             atom = "(?:" + _pattern(rng, depth + 1) + "|" + _pattern(rng, depth + 1) + ")"
         else:
             atom = rng.choice(ATOMS)
-        if atom not in ("^", "$", r"\b") and rng.random() < 0.4:
+        if atom not in ("^", "$", r"\b", r"\B") and rng.random() < 0.4:
             atom += rng.choice(["*", "+", "?", "{1,3}", "*?", "+?"])
         out.append(atom)
     return "".join(out)
@@ -52,10 +52,16 @@ def test_both_engines_find_what_re_finds(seed: int) -> None:
         budgeted = matcher_for(re.compile(b"(?=)" + source.encode(), FLAGS))
         assert linear.engine == "re2", source
         assert budgeted.engine == "regex"
-        for pos, endpos in ((0, len(data)), (7, 40), (rng.randrange(60), 60)):
-            want = regex.search(data, pos, endpos)
+        for text, pos, endpos in (
+            (data, 0, len(data)),
+            (data, 7, 40),
+            (data, rng.randrange(60), 60),
+            (b"", 0, 0),
+            (data, 0, 0),
+        ):
+            want = regex.search(text, pos, endpos)
             for matcher in (linear, budgeted):
-                got = matcher.search(data, pos, endpos)
+                got = matcher.search(text, pos, endpos)
                 assert (got and got.start()) == (want and want.start()), (source, pos, endpos)
 
 

@@ -59,16 +59,21 @@ def matcher_for(regex: re.Pattern[bytes], budget_s: float | None = None) -> Matc
     Costs a parse and a compile."""
     exact = exact_of(regex)
     if exact is not None:
-        return _Linear(exact)
+        return _Linear(exact, regex)
     return _Budgeted(regex, REGEX_BUDGET_S if budget_s is None else budget_s)
 
 
 class _Linear:
-    def __init__(self, compiled: Any) -> None:
+    def __init__(self, compiled: Any, regex: re.Pattern[bytes]) -> None:
         self._compiled = compiled
+        self._regex = regex
         self.engine = "re2"
 
     def search(self, data: bytes, pos: int = 0, endpos: int = sys.maxsize) -> Found | None:
+        if min(endpos, len(data)) == 0:
+            # `re`'s own answer for an empty text (its `\B` never matches one; RE2's
+            # does): nothing to backtrack over, so it costs no more than the pattern.
+            return self._regex.search(data, pos, endpos)
         found: Found | None = self._compiled.search(data, pos, min(endpos, len(data)))
         return found
 
@@ -86,11 +91,14 @@ class _Budgeted:
                 f"pattern: not supported with lookarounds or backreferences ({exc})",
                 path="$.pattern",
             ) from None
+        self._regex = regex
         self._deadline = time.monotonic() + budget_s
         self._budget_s = budget_s
         self.engine = "regex"
 
     def search(self, data: bytes, pos: int = 0, endpos: int = sys.maxsize) -> Found | None:
+        if min(endpos, len(data)) == 0:
+            return self._regex.search(data, pos, endpos)  # as `_Linear.search`
         left = self._deadline - time.monotonic()
         try:
             if left <= 0:

@@ -27,7 +27,7 @@ from substrate.workspace.agent_regex import Matcher, matcher_for
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.reads import pruner_for, walk_entries
 from substrate.workspace.registry import Workspace
-from substrate.workspace.search_re2 import superset_of
+from substrate.workspace.search_re2 import exact_of, superset_of
 
 #: The stdlib's own regex parser (private, stable since 3.11): see `_Prefilter`.
 _sre: Any = importlib.import_module("re._constants")
@@ -127,6 +127,9 @@ class _Prefilter:
     line_bound: bool = False
     #: Without a literal: an RE2 pattern matching wherever the regex can, or None.
     screen: Any = None
+    #: The screen matches exactly where the regex does (`search_re2.exact_of`): its hit
+    #: from a line's start is that line's match, with no second search.
+    exact: bool = False
 
     @classmethod
     def for_search(cls, regex: re.Pattern[bytes]) -> _Prefilter:
@@ -134,6 +137,9 @@ class _Prefilter:
         literal = cls.of(regex)
         if literal.literal:
             return literal
+        exact = exact_of(regex)
+        if exact is not None:
+            return cls(screen=exact, exact=True, line_bound=literal.line_bound)
         return cls(screen=superset_of(regex), line_bound=literal.line_bound)
 
     @classmethod
@@ -302,8 +308,12 @@ def _collect(
             end = data.find(b"\n", hit.start())
             end = len(data) if end < 0 else end
             # Up to and with the newline: an empty line is not an empty string (`\B`); a
-            # match there starting past the newline is the next line's.
-            m = regex.search(data, start, min(end + 1, len(data)))
+            # match there starting past the newline is the next line's. An exact screen's
+            # hit is that match already: it was searched for from this line's start (or
+            # the file's), with the same context before it.
+            # (`re` alone answers for an empty file: its `\B` never matches one.)
+            exact = prefilter.exact and data
+            m = hit if exact else regex.search(data, start, min(end + 1, len(data)))
             if m is not None and m.start() > end:
                 m = None
             if m is not None and add(start, end, m.start() - start + 1):
