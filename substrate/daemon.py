@@ -155,6 +155,9 @@ class Daemon:
     #: Whole-file digests over `inline_hash_bytes`, asked for explicitly, take minutes on
     #: huge files: they get threads of their own, so reads never wait behind them.
     hash_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(2))
+    #: Searches whose pattern needs the budgeted backtracking engine hold a thread for up
+    #: to its budget (10 s): two threads of their own, never the file operations' ones.
+    backtrack_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(2))
     digests: reads.Digests = field(default_factory=reads.Digests)
     started: float = field(default_factory=time.monotonic)
     #: `profile_digest` of each profile in force; replaced by each reload.

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from substrate.api.base import Caller, handles
+from substrate.artifacts.store import compile_grep
+from substrate.errors import InvalidParams
 from substrate.schema.artifact import (
     GrepParams,
     GrepResult,
@@ -22,6 +24,7 @@ from substrate.schema.artifact import (
     StatParams,
     StatResult,
 )
+from substrate.workspace import agent_regex
 
 if TYPE_CHECKING:
     from substrate.artifacts.store import ArtifactStore
@@ -67,4 +70,10 @@ async def grep(daemon: Daemon, caller: Caller, p: GrepParams) -> GrepResult:
             ignore_case=p.ignore_case,
         )
 
-    return await trio.to_thread.run_sync(run, limiter=daemon.fs_limiter)
+    try:  # a backtracking pattern gets threads of its own (`Daemon.backtrack_limiter`)
+        regex = compile_grep(p.pattern, fixed=p.fixed, ignore_case=p.ignore_case)
+        slow = agent_regex.backtracks(regex)
+    except InvalidParams:
+        slow = False  # refused by `grep` itself, at once
+    limiter = daemon.backtrack_limiter if slow else daemon.fs_limiter
+    return await trio.to_thread.run_sync(run, limiter=limiter)

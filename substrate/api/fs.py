@@ -104,7 +104,9 @@ async def walk(daemon: Daemon, caller: Caller, p: WalkParams) -> WalkResult:
 @handles("fs.search")
 async def search_(daemon: Daemon, caller: Caller, p: SearchParams) -> SearchResult:
     ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(search.search, ws, p, limiter=daemon.fs_limiter)
+    slow = search.backtracks(p)  # its own threads: see `Daemon.backtrack_limiter`
+    limiter = daemon.backtrack_limiter if slow else daemon.fs_limiter
+    return await trio.to_thread.run_sync(search.search, ws, p, limiter=limiter)
 
 
 @handles("fs.write")

@@ -105,6 +105,16 @@ class _Meta(msgspec.Struct, frozen=True):
     created: float
 
 
+def compile_grep(pattern: str, *, fixed: bool, ignore_case: bool) -> re.Pattern[bytes]:
+    """`artifact.grep`'s pattern over bytes (multi-line). Refuses `invalid_params`."""
+    source = re.escape(pattern) if fixed else pattern
+    flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0)
+    try:
+        return re.compile(source.encode("utf-8", "surrogateescape"), flags)
+    except re.error as exc:
+        raise InvalidParams(f"pattern: {exc}", path="$.pattern") from None
+
+
 class ArtifactStore:
     """Sinks for running output, and the finished artifacts they become."""
 
@@ -327,12 +337,7 @@ class ArtifactStore:
         """
         if max_matches > MAX_MATCHES:
             raise TooLarge(f"max_matches {max_matches} exceeds {MAX_MATCHES}", limit=MAX_MATCHES)
-        source = re.escape(pattern) if fixed else pattern
-        flags = re.MULTILINE | (re.IGNORECASE if ignore_case else 0)
-        try:
-            regex = re.compile(source.encode("utf-8", "surrogateescape"), flags)
-        except re.error as exc:
-            raise InvalidParams(f"pattern: {exc}", path="$.pattern") from None
+        regex = compile_grep(pattern, fixed=fixed, ignore_case=ignore_case)
         fd, _row = self._open(artifact)
         try:
             return grep_fd(fd, matcher_for(regex), max_matches)

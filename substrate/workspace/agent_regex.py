@@ -53,6 +53,13 @@ class Matcher(Protocol):
     def search(self, data: bytes, pos: int = 0, endpos: int = sys.maxsize) -> Found | None: ...
 
 
+def backtracks(regex: re.Pattern[bytes]) -> bool:
+    """Would `matcher_for(regex)` run a backtracking engine (within its budget)? Callers
+    give such searches threads of their own, so that a few of them, each holding a thread
+    for up to the budget, never starve the file operations every client shares."""
+    return exact_of(regex) is None
+
+
 def matcher_for(regex: re.Pattern[bytes], budget_s: float | None = None) -> Matcher:
     """The bounded matcher of `regex` (see the module doc): RE2 when its translation is
     exact, else `regex` with a budget of `budget_s` (default `REGEX_BUDGET_S`) from now.

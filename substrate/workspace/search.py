@@ -22,7 +22,7 @@ from typing import Any
 
 from substrate.errors import InvalidParams
 from substrate.schema.fs import SearchMatch, SearchParams, SearchResult
-from substrate.workspace import fsops, paths
+from substrate.workspace import agent_regex, fsops, paths
 from substrate.workspace.agent_regex import Matcher, matcher_for
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.reads import pruner_for, walk_entries
@@ -36,6 +36,15 @@ _sre_parser: Any = importlib.import_module("re._parser")
 #: Files larger than this are skipped by search (reported in files_scanned only when read).
 SEARCH_MAX_FILE = 64 << 20
 _BINARY_SNIFF = 8192
+
+
+def backtracks(p: SearchParams) -> bool:
+    """Does `fs.search` `p` need the budgeted backtracking engine (`agent_regex`)? A bad
+    pattern says no: `search` refuses it at once. Costs a compile and a translation."""
+    try:
+        return agent_regex.backtracks(_compile_search(p))
+    except InvalidParams:
+        return False
 
 
 def _compile_search(p: SearchParams) -> re.Pattern[bytes]:
