@@ -97,8 +97,8 @@ class ProcChanges(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     generation concluded: it is kept as a pending set, `changeset` when known), or a
     refusal name. `mode` is the mode the set was concluded in (the most conservative its
     users asked; the run's own `changes` when deferred); `changeset` the id under which
-    the set is kept (`changes.get`), absent for "discard"; `review` the changes awaiting
-    `changes.apply` (mode "review")."""
+    the set is kept (`changes.get`), absent for "discard" and for a command that changed
+    nothing; `review` the changes awaiting `changes.apply` (mode "review")."""
 
     generation: int  # the layer generation that held the changes (upper/<generation>)
     deferred: bool = False
