@@ -9,7 +9,7 @@ gives the same answer a thread would have.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,8 +22,6 @@ from substrate.api import fs as fs_api
 from substrate.config import Config
 from substrate.protocol.caller import Caller
 from substrate.schema.fs import StatParams
-from substrate.store.db import Store
-from substrate.store.journal import Journal
 from substrate.workspace.digests import Digests
 from substrate.workspace.registry import WorkspaceRegistry
 
@@ -31,28 +29,21 @@ BIG = fs_api.LOOP_HASH_BYTES + 1
 
 
 @pytest.fixture
-def daemon(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -> Iterator[Any]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    registry = WorkspaceRegistry(config, store, journal, state)
+def daemon(
+    registry: WorkspaceRegistry,
+    adopt_root: Path,
+    tmp_path: Path,
+    make_workspace: Callable[..., Path],
+) -> Any:
     root = make_workspace("demo", {"a.txt": "alpha\n", "big.bin": b"b" * BIG})
-    ws = registry.adopt(str(root), None, None, "agent:0")
-    fake = SimpleNamespace(
-        config=config,
+    return SimpleNamespace(
+        config=Config(state_dir=str(tmp_path / "state"), adopt_roots=[str(adopt_root)]),
         workspaces=registry,
         digests=Digests(),
         fs_limiter=trio.CapacityLimiter(1),
         hash_limiter=trio.CapacityLimiter(1),
-        ws=ws,
+        ws=registry.adopt(str(root), None, None, "agent:0"),
     )
-    try:
-        yield fake
-    finally:
-        registry.close()
-        store.close()
 
 
 async def _no_notify(method: str, params: Any) -> None:

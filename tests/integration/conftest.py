@@ -18,14 +18,14 @@ from __future__ import annotations
 import gc
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from substrate.sandbox.images import build as imagebuild
-from tests.harness import engine
+from tests.harness import DaemonProcess, engine
 
 _HERE = Path(__file__).resolve().parent
 
@@ -89,3 +89,29 @@ def engine_state(
     yield state
     engine.remove_daemon_containers(docker_client, state)
     assert engine.sweep_mounts(state) == []
+
+
+@pytest.fixture
+def engine_daemons(
+    daemon_factory: Callable[..., DaemonProcess], docker_client: Any
+) -> Iterator[Callable[..., DaemonProcess]]:
+    """`engine_daemons(**substrate_toml_keys)`: `daemon_factory`'s daemons, each stopped
+    at teardown (a graceful stop takes its sandboxes and working layers down), then every
+    container labelled with its daemon id removed (a daemon killed with -9 cannot remove
+    its own), and a mount left under its state dir unmounted and failing the test."""
+    made: list[DaemonProcess] = []
+
+    def make(**config: Any) -> DaemonProcess:
+        made.append(daemon_factory(**config))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        left: list[str] = []
+        for d in made:
+            if d.running:
+                d.stop()
+            engine.remove_daemon_containers(docker_client, d.state_dir)
+            left += engine.sweep_mounts(d.state_dir)
+        assert left == []  # never leave a test's mount behind

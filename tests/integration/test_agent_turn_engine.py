@@ -38,9 +38,8 @@ import pytest
 
 from substrate.config import PROJECT_ROOT
 from substrate.protocol.client import RpcError
-from substrate.sandbox.layers import mounted_under
 from tests.harness import DaemonProcess, daemon_env
-from tests.harness.engine import TEST_LABELS, remove_daemon_containers
+from tests.harness.engine import TEST_LABELS
 
 EXAMPLES = PROJECT_ROOT / "docs" / "examples"
 SHIPPED = PROJECT_ROOT / "profiles"
@@ -116,11 +115,8 @@ def agent_profile(**changes: str) -> str:
 
 @pytest.fixture
 def make_daemon(
-    daemon_factory: Callable[..., DaemonProcess],
-    docker_client: Any,
-    stand_in_image: str,
-    tmp_path: Path,
-) -> Iterator[Callable[..., DaemonProcess]]:
+    engine_daemons: Callable[..., DaemonProcess], stand_in_image: str, tmp_path: Path
+) -> Callable[..., DaemonProcess]:
     """`make(**profiles)`: a daemon (not started) whose profiles are `default` and
     `agent-cli`, plus any given as name → TOML text."""
     made: list[DaemonProcess] = []
@@ -132,16 +128,10 @@ def make_daemon(
         (profiles / "agent-cli.toml").write_text(agent_profile())
         for name, text in extra.items():
             (profiles / f"{name}.toml").write_text(text)
-        d = daemon_factory(start=False, profiles_dir=str(profiles))
-        made.append(d)
-        return d
+        made.append(engine_daemons(start=False, profiles_dir=str(profiles)))
+        return made[-1]
 
-    yield make
-    for d in made:
-        if d.running:
-            d.stop()
-        remove_daemon_containers(docker_client, d.state_dir)
-        assert [m.mount_point for m in mounted_under(str(d.state_dir))] == []
+    return make
 
 
 def set_secret(d: DaemonProcess, name: str, value: str) -> None:

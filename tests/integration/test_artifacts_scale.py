@@ -22,7 +22,7 @@ import hashlib
 import math
 import os
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,6 @@ import trio
 
 from substrate.protocol.client import AsyncClient, RpcError
 from tests.harness import wait_until_async
-from tests.harness.engine import remove_daemon_containers
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -57,24 +56,10 @@ def sha(data: bytes) -> str:
 
 @pytest.fixture
 def docker_daemons(
-    tiny_image: str, docker_client: Any, daemon_factory: Callable[..., DaemonProcess]
-) -> Iterator[Callable[..., DaemonProcess]]:
-    """`daemon_factory`, plus removal of every sandbox of those daemons at teardown
-    (a daemon killed with -9 cannot remove its own)."""
-    made: list[DaemonProcess] = []
-
-    def make(**config: Any) -> DaemonProcess:
-        d = daemon_factory(**config)
-        made.append(d)
-        return d
-
-    try:
-        yield make
-    finally:
-        for d in made:
-            if d.running:
-                d.stop()
-            remove_daemon_containers(docker_client, d.state_dir)
+    tiny_image: str, engine_daemons: Callable[..., DaemonProcess]
+) -> Callable[..., DaemonProcess]:
+    """`engine_daemons` on the tiny image."""
+    return engine_daemons
 
 
 async def refusal(c: AsyncClient, method: str, **params: Any) -> str | None:

@@ -10,6 +10,7 @@ and `missing` (naming a secret nobody set). Secrets are set with the real comman
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ import secrets
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,6 @@ from substrate.protocol.client import Client, RpcError
 from substrate.sandbox.containers import daemon_id_for
 from substrate.sandbox.spec import LABEL_DAEMON
 from tests.harness import DaemonProcess, daemon_env
-from tests.harness.engine import remove_daemon_containers
 
 SHIPPED = PROJECT_ROOT / "profiles"
 
@@ -53,23 +53,9 @@ def profiles(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def make_daemon(
-    daemon_factory: Callable[..., DaemonProcess],
-    docker_client: Any,
-    tiny_image: str,
-    profiles: Path,
-) -> Iterator[Callable[[], DaemonProcess]]:
-    made: list[DaemonProcess] = []
-
-    def make() -> DaemonProcess:
-        d = daemon_factory(start=False, profiles_dir=str(profiles))
-        made.append(d)
-        return d
-
-    yield make
-    for d in made:
-        if d.running:
-            d.stop()
-        remove_daemon_containers(docker_client, d.state_dir)
+    engine_daemons: Callable[..., DaemonProcess], tiny_image: str, profiles: Path
+) -> Callable[[], DaemonProcess]:
+    return functools.partial(engine_daemons, start=False, profiles_dir=str(profiles))
 
 
 def secret_cli(

@@ -8,14 +8,13 @@ Each test runs its own daemon; its sandboxes are removed when it stops and by th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from mcp import ClientSession
 from mcp.types import TextResourceContents
 
-from tests.harness.engine import remove_daemon_containers
 from tests.harness.mcp import call_ok, open_mcp, payload
 
 if TYPE_CHECKING:
@@ -25,28 +24,9 @@ SEQ = "".join(f"{i}\n" for i in range(1, 5001)).encode()
 
 
 @pytest.fixture
-def engine_daemon(
-    daemon_factory: Callable[..., DaemonProcess], docker_client: Any, tiny_image: str
-) -> Iterator[Callable[..., DaemonProcess]]:
-    """`engine_daemon(**config)`: a daemon whose sandboxes are removed at teardown."""
-    made: list[DaemonProcess] = []
-
-    def make(**config: Any) -> DaemonProcess:
-        made.append(daemon_factory(**config))
-        return made[-1]
-
-    try:
-        yield make
-    finally:
-        for d in made:
-            d.close()
-            remove_daemon_containers(docker_client, d.state_dir)
-
-
-@pytest.fixture
-def mcp_daemon(engine_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
+def mcp_daemon(engine_daemons: Callable[..., DaemonProcess], tiny_image: str) -> DaemonProcess:
     # Output past 1 KiB becomes an artifact, so a `seq` is enough to make one.
-    return engine_daemon(inline_output_bytes=1024)
+    return engine_daemons(inline_output_bytes=1024)
 
 
 def workspace(d: DaemonProcess) -> str:

@@ -12,33 +12,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 
 from substrate.config import PROJECT_ROOT
 from tests.harness import DaemonProcess, daemon_env
-from tests.harness.engine import remove_daemon_containers
 
 EXAMPLE = PROJECT_ROOT / "docs" / "examples" / "agent_loop.py"
 
 
 @pytest.fixture
 def make_daemon(
-    daemon_factory: Callable[..., DaemonProcess], docker_client: Any, sandbox_image: str
-) -> Iterator[Callable[..., DaemonProcess]]:
-    made: list[DaemonProcess] = []
-
-    def make(**config: Any) -> DaemonProcess:
-        made.append(daemon_factory(**config))
-        return made[-1]
-
-    yield make
-    for d in made:
-        if d.running:
-            d.stop()
-        remove_daemon_containers(docker_client, d.state_dir)
+    engine_daemons: Callable[..., DaemonProcess], sandbox_image: str
+) -> Callable[..., DaemonProcess]:
+    return engine_daemons
 
 
 def run_example(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
