@@ -4,7 +4,7 @@ slow patterns cannot starve every client's reads and writes (`substrate.api.fs`)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,35 +14,22 @@ import trio
 import trio.testing
 
 from substrate.api import fs as fs_api
-from substrate.config import Config
+from substrate.errors import InvalidParams
 from substrate.protocol.caller import Caller
 from substrate.schema.fs import SearchParams
-from substrate.store.db import Store
-from substrate.store.journal import Journal
 from substrate.workspace import search
 from substrate.workspace.registry import WorkspaceRegistry
 
 
 @pytest.fixture
-def daemon(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -> Iterator[Any]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    registry = WorkspaceRegistry(config, store, journal, state)
+def daemon(registry: WorkspaceRegistry, make_workspace: Callable[..., Path]) -> Any:
     root = make_workspace("demo", {"a.txt": "alpha!\n"})
-    fake = SimpleNamespace(
+    return SimpleNamespace(
         workspaces=registry,
         fs_limiter=trio.CapacityLimiter(1),
         backtrack_limiter=trio.CapacityLimiter(1),
         ws=registry.adopt(str(root), None, None, "agent:0"),
     )
-    try:
-        yield fake
-    finally:
-        registry.close()
-        store.close()
 
 
 async def _no_notify(method: str, params: Any) -> None:
@@ -53,13 +40,14 @@ CALLER = Caller(actor="agent", uid=1000, connection=1, notify=_no_notify)
 
 
 def test_which_patterns_backtrack() -> None:
-    def p(pattern: str, **kw: Any) -> SearchParams:
-        return SearchParams(workspace="w", pattern=pattern, **kw)
+    def backtracks(pattern: str, **kw: Any) -> bool:
+        return search.matcher(SearchParams(workspace="w", pattern=pattern, **kw)).exact is None
 
-    assert not search.backtracks(p("alpha")) and not search.backtracks(p(r"(a|aa)+$"))
-    assert not search.backtracks(p("(?<=a)!", fixed=True))  # a literal string
-    assert search.backtracks(p("(?<=a)!")) and search.backtracks(p(r"(a)\1"))
-    assert not search.backtracks(p("(unclosed"))  # refused by the search itself
+    assert not backtracks("alpha") and not backtracks(r"(a|aa)+$")
+    assert not backtracks("(?<=a)!", fixed=True)  # a literal string
+    assert backtracks("(?<=a)!") and backtracks(r"(a)\1")
+    with pytest.raises(InvalidParams):
+        backtracks("(unclosed")
 
 
 async def test_a_backtracking_search_never_takes_a_file_thread(daemon: Any) -> None:

@@ -13,7 +13,6 @@ import trio
 
 from substrate.api.base import Caller, handles
 from substrate.artifacts.store import compile_grep
-from substrate.errors import InvalidParams
 from substrate.schema.artifact import (
     GrepParams,
     GrepResult,
@@ -60,20 +59,16 @@ async def lines(daemon: Daemon, caller: Caller, p: LinesParams) -> LinesResult:
 @handles("artifact.grep")
 async def grep(daemon: Daemon, caller: Caller, p: GrepParams) -> GrepResult:
     store = _store(daemon)
+    # Compiled off the loop, then given its thread by its kind, as `fs.search`.
+    matcher = await trio.to_thread.run_sync(_grep_matcher, p)
+    limiter = daemon.fs_limiter if matcher.exact is not None else daemon.backtrack_limiter
+    return await trio.to_thread.run_sync(
+        store.grep_with, p.artifact, matcher, p.max_matches, limiter=limiter
+    )
 
-    def run() -> GrepResult:
-        return store.grep(
-            p.artifact,
-            p.pattern,
-            max_matches=p.max_matches,
-            fixed=p.fixed,
-            ignore_case=p.ignore_case,
-        )
 
-    try:  # a backtracking pattern gets threads of its own (`Daemon.backtrack_limiter`)
-        regex = compile_grep(p.pattern, fixed=p.fixed, ignore_case=p.ignore_case)
-        slow = agent_regex.backtracks(regex)
-    except InvalidParams:
-        slow = False  # refused by `grep` itself, at once
-    limiter = daemon.backtrack_limiter if slow else daemon.fs_limiter
-    return await trio.to_thread.run_sync(run, limiter=limiter)
+def _grep_matcher(p: GrepParams) -> agent_regex.Matcher:
+    """`artifact.grep`'s bounded matcher. Refuses `invalid_params` for a bad pattern."""
+    return agent_regex.matcher_for(
+        compile_grep(p.pattern, fixed=p.fixed, ignore_case=p.ignore_case)
+    )

@@ -104,9 +104,11 @@ async def walk(daemon: Daemon, caller: Caller, p: WalkParams) -> WalkResult:
 @handles("fs.search")
 async def search_(daemon: Daemon, caller: Caller, p: SearchParams) -> SearchResult:
     ws = daemon.workspaces.get(p.workspace)
-    slow = search.backtracks(p)  # its own threads: see `Daemon.backtrack_limiter`
-    limiter = daemon.backtrack_limiter if slow else daemon.fs_limiter
-    return await trio.to_thread.run_sync(search.search, ws, p, limiter=limiter)
+    # Compiled off the loop (a crafted 4 KiB pattern takes tens of ms), on trio's own
+    # threads; then a backtracking one gets threads of its own (`backtrack_limiter`).
+    matcher = await trio.to_thread.run_sync(search.matcher, p)
+    limiter = daemon.fs_limiter if matcher.exact is not None else daemon.backtrack_limiter
+    return await trio.to_thread.run_sync(search.search, ws, p, matcher, limiter=limiter)
 
 
 @handles("fs.write")

@@ -54,7 +54,7 @@ from substrate.errors import ArtifactUnknown, InvalidParams, TooLarge
 from substrate.schema.artifact import GrepResult, LinesResult, ReadResult, StatResult
 from substrate.store.db import Store
 from substrate.workspace import fsops
-from substrate.workspace.agent_regex import matcher_for
+from substrate.workspace.agent_regex import Matcher, matcher_for
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -338,9 +338,16 @@ class ArtifactStore:
         if max_matches > MAX_MATCHES:
             raise TooLarge(f"max_matches {max_matches} exceeds {MAX_MATCHES}", limit=MAX_MATCHES)
         regex = compile_grep(pattern, fixed=fixed, ignore_case=ignore_case)
+        return self.grep_with(artifact, matcher_for(regex), max_matches)
+
+    def grep_with(self, artifact: str, matcher: Matcher, max_matches: int) -> GrepResult:
+        """`grep` with the pattern already compiled into its bounded matcher (the caller
+        picked its thread by the matcher's kind)."""
+        if max_matches > MAX_MATCHES:
+            raise TooLarge(f"max_matches {max_matches} exceeds {MAX_MATCHES}", limit=MAX_MATCHES)
         fd, _row = self._open(artifact)
         try:
-            return grep_fd(fd, matcher_for(regex), max_matches)
+            return grep_fd(fd, matcher, max_matches)
         finally:
             os.close(fd)
 

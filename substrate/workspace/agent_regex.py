@@ -48,22 +48,22 @@ class Found(Protocol):
 
 
 class Matcher(Protocol):
-    """`re.Pattern.search`'s shape, as the searches use it."""
+    """`re.Pattern.search`'s shape, as the searches use it. `exact`: the RE2 pattern
+    matching exactly where the regex does (the search's screen), or None when the
+    matcher backtracks (within its budget): callers give such searches threads of their
+    own, so a few of them, each holding a thread for up to the budget, never starve the
+    file operations every client shares."""
+
+    exact: Any
 
     def search(self, data: bytes, pos: int = 0, endpos: int = sys.maxsize) -> Found | None: ...
 
 
-def backtracks(regex: re.Pattern[bytes]) -> bool:
-    """Would `matcher_for(regex)` run a backtracking engine (within its budget)? Callers
-    give such searches threads of their own, so that a few of them, each holding a thread
-    for up to the budget, never starve the file operations every client shares."""
-    return exact_of(regex) is None
-
-
 def matcher_for(regex: re.Pattern[bytes], budget_s: float | None = None) -> Matcher:
     """The bounded matcher of `regex` (see the module doc): RE2 when its translation is
-    exact, else `regex` with a budget of `budget_s` (default `REGEX_BUDGET_S`) from now.
-    Costs a parse and a compile."""
+    exact, else `regex` with a budget of `budget_s` (default `REGEX_BUDGET_S`), counted
+    from its first search (not while it waits for a thread). Costs a parse and a
+    compile."""
     exact = exact_of(regex)
     if exact is not None:
         return _Linear(exact, regex)
@@ -72,7 +72,7 @@ def matcher_for(regex: re.Pattern[bytes], budget_s: float | None = None) -> Matc
 
 class _Linear:
     def __init__(self, compiled: Any, regex: re.Pattern[bytes]) -> None:
-        self._compiled = compiled
+        self._compiled = self.exact = compiled
         self._regex = regex
         self.engine = "re2"
 
@@ -99,13 +99,16 @@ class _Budgeted:
                 path="$.pattern",
             ) from None
         self._regex = regex
-        self._deadline = time.monotonic() + budget_s
+        self._deadline: float | None = None  # set by the first search
         self._budget_s = budget_s
+        self.exact = None
         self.engine = "regex"
 
     def search(self, data: bytes, pos: int = 0, endpos: int = sys.maxsize) -> Found | None:
         if min(endpos, len(data)) == 0:
             return self._regex.search(data, pos, endpos)  # as `_Linear.search`
+        if self._deadline is None:
+            self._deadline = time.monotonic() + self._budget_s
         left = self._deadline - time.monotonic()
         try:
             if left <= 0:

@@ -22,7 +22,7 @@ from typing import Any
 
 from substrate.errors import InvalidParams
 from substrate.schema.fs import SearchMatch, SearchParams, SearchResult
-from substrate.workspace import agent_regex, fsops, paths
+from substrate.workspace import fsops, paths
 from substrate.workspace.agent_regex import Matcher, matcher_for
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.reads import pruner_for, walk_entries
@@ -38,13 +38,11 @@ SEARCH_MAX_FILE = 64 << 20
 _BINARY_SNIFF = 8192
 
 
-def backtracks(p: SearchParams) -> bool:
-    """Does `fs.search` `p` need the budgeted backtracking engine (`agent_regex`)? A bad
-    pattern says no: `search` refuses it at once. Costs a compile and a translation."""
-    try:
-        return agent_regex.backtracks(_compile_search(p))
-    except InvalidParams:
-        return False
+def matcher(p: SearchParams) -> Matcher:
+    """The bounded matcher of `fs.search` `p`'s pattern (`agent_regex.matcher_for`):
+    the caller picks its thread by `exact`, then hands it to `search`. Refuses
+    `invalid_params` for a bad pattern. Costs a compile and a translation."""
+    return matcher_for(_compile_search(p))
 
 
 def _compile_search(p: SearchParams) -> re.Pattern[bytes]:
@@ -56,7 +54,7 @@ def _compile_search(p: SearchParams) -> re.Pattern[bytes]:
         raise InvalidParams(f"pattern: {exc}", path="$.pattern") from None
 
 
-def search(ws: Workspace, p: SearchParams) -> SearchResult:
+def search(ws: Workspace, p: SearchParams, found_by: Matcher | None = None) -> SearchResult:
     """`fs.search`: regex (or fixed string) over the tree's text files, bounded.
 
     Skips symlinks, binary files (a NUL in the first 8 KiB), files over 64 MiB, `.git`,
@@ -68,8 +66,8 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
     of the pattern's superset (`search_re2`); stops at `max_matches`.
     """
     regex = _compile_search(p)
-    prefilter = _Prefilter.for_search(regex)
-    matcher = matcher_for(regex)
+    matching = found_by or matcher_for(regex)
+    prefilter = _Prefilter.for_search(regex, matching.exact)
     try:
         globs = GlobSet.of([p.glob]) if p.glob else None
     except InvalidParams as exc:
@@ -110,13 +108,17 @@ def search(ws: Workspace, p: SearchParams) -> SearchResult:
             continue
         files += 1
         scanned += len(data)
-        if _collect(matcher, prefilter, data, found.rel, p.max_line_bytes, matches, p.max_matches):
+        if _collect(matching, prefilter, data, found.rel, p.max_line_bytes, matches, p.max_matches):
             return SearchResult(
                 matches=matches, truncated=True, files_scanned=files, bytes_scanned=scanned
             )
     return SearchResult(
         matches=matches, truncated=False, files_scanned=files, bytes_scanned=scanned
     )
+
+
+#: `_Prefilter.for_search` without the matcher's exact pattern: translate it there.
+_LOOK: Any = object()
 
 
 @dataclass(frozen=True)
@@ -141,12 +143,14 @@ class _Prefilter:
     exact: bool = False
 
     @classmethod
-    def for_search(cls, regex: re.Pattern[bytes]) -> _Prefilter:
-        """The literal prefilter, or else the RE2 screen (`search_re2`)."""
+    def for_search(cls, regex: re.Pattern[bytes], exact: Any = _LOOK) -> _Prefilter:
+        """The literal prefilter, or else the RE2 screen (`search_re2`): `exact` when
+        given (the matcher's, or None), else looked up."""
         literal = cls.of(regex)
         if literal.literal:
             return literal
-        exact = exact_of(regex)
+        if exact is _LOOK:
+            exact = exact_of(regex)
         if exact is not None:
             return cls(screen=exact, exact=True, line_bound=literal.line_bound)
         return cls(screen=superset_of(regex), line_bound=literal.line_bound)
