@@ -103,9 +103,9 @@ async def test_start_output_wait_and_signal(mcp_daemon: DaemonProcess) -> None:
 
 
 async def test_a_large_inline_result_is_cut_and_stays_readable(
-    engine_daemon: Callable[..., DaemonProcess],
+    engine_daemons: Callable[..., DaemonProcess], tiny_image: str
 ) -> None:
-    d = engine_daemon()  # output up to 64 KiB stays inline
+    d = engine_daemons()  # output up to 64 KiB stays inline
     ws = workspace(d)
     limit = 8192
     async with open_mcp(d, "--workspace", ws, "--max-result-bytes", str(limit)) as session:
