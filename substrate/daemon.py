@@ -159,6 +159,8 @@ class Daemon:
     #: to its budget (10 s): two threads of their own, never the file operations' ones.
     backtrack_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(2))
     digests: reads.Digests = field(default_factory=reads.Digests)
+    #: `agent_socket_group`'s gid, resolved once at start (None: root only).
+    agent_gid: int | None = None
     started: float = field(default_factory=time.monotonic)
     #: `profile_digest` of each profile in force; replaced by each reload.
     profile_digests: dict[str, str] = field(default_factory=dict)
@@ -179,9 +181,8 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 agent, operator = self.state_dir / AGENT_SOCKET, self.state_dir / OPERATOR_SOCKET
                 await nursery.start(serve_socket, backend, agent, 0o660, "agent")
-                gid = self.config.agent_gid()
-                if gid is not None:  # its group may connect; until now only root could
-                    os.chown(agent, -1, gid, follow_symlinks=False)
+                if self.agent_gid is not None:  # its group may connect; so far only root
+                    os.chown(agent, -1, self.agent_gid, follow_symlinks=False)
                 await nursery.start(serve_socket, backend, operator, 0o600, "operator")
                 nursery.start_soon(trio.to_thread.run_sync, self.workspaces.clean_stale_temp_files)
                 await nursery.start(self.egress.serve)  # before any sandbox links to it
@@ -326,4 +327,5 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         uploads=uploads,
         upload_writer=UploadWriter(store, journal, digests, checkpoints),
         profile_digests=profile_digests,
+        agent_gid=agent_gid,
     )
