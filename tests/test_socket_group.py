@@ -10,13 +10,17 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from substrate.config import Config, ConfigError
 from substrate.daemon import prepare_state_dir
 from tests.harness import DaemonProcess
+from tests.harness.daemon import daemon_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="changes uid and group: needs root")
 
@@ -100,3 +104,16 @@ def test_without_the_group_the_state_dir_is_closed_again(tmp_path: Path) -> None
     assert stat.S_IMODE(os.stat(state).st_mode) == 0o710
     prepare_state_dir(state)
     assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+
+
+def test_an_unknown_group_stops_the_start(tmp_path: Path) -> None:
+    assert Config(agent_socket_group=str(grp.getgrnam(GROUP).gr_gid)).agent_gid() is not None
+    with pytest.raises(ConfigError, match="no group 'no-such-group-here'"):
+        Config(agent_socket_group="no-such-group-here").agent_gid()
+    argv = [sys.executable, "-m", "substrate", "--state-dir", str(tmp_path / "state"),
+            "serve", "--config", str(tmp_path / "substrate.toml")]  # fmt: skip
+    (tmp_path / "substrate.toml").write_text('agent_socket_group = "no-such-group-here"\n')
+    started = subprocess.run(argv, env=daemon_env(), capture_output=True, timeout=60)
+    assert started.returncode != 0
+    assert b"no group 'no-such-group-here'" in started.stderr
+    assert not (tmp_path / "state" / "substrate.sock").exists()
