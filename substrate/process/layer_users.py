@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +47,7 @@ from substrate.sandbox.engine import ContainerGone
 from substrate.sandbox.generation import Conclusion, Deferred, User, combined
 from substrate.schema.proc import ChangesMode, ProcChanges
 from substrate.store.journal import Journal
-from substrate.workspace.layer import Changesets
+from substrate.workspace.layer import Changesets, upper_holds_changes
 from substrate.workspace.writes import Writer
 
 if TYPE_CHECKING:
@@ -231,7 +230,7 @@ class LayerUsers:
         assert layer is not None
         if self._writer is None:
             return None
-        if not await trio.to_thread.run_sync(_holds_anything, layer.plan.upper):
+        if not await trio.to_thread.run_sync(upper_holds_changes, layer.plan.upper):
             return None  # nothing written: the next start removes the empty generation
         asked = combined(u.mode for u in holders)
         actor = holders[-1].actor
@@ -305,15 +304,6 @@ class LayerUsers:
             )
         except Exception:  # the set is applied (or kept) and journaled already
             log.exception("journaling %s failed", kind)
-
-
-def _holds_anything(upper: str) -> bool:
-    """Does the generation's upper dir hold any entry? (A missing one holds nothing.)"""
-    try:
-        with os.scandir(upper) as it:
-            return next(it, None) is not None
-    except FileNotFoundError:
-        return False
 
 
 def journal_summary(changes: ProcChanges) -> dict[str, Any]:

@@ -65,9 +65,9 @@ from substrate.workspace.layer import (
     Changesets,
     Outcomes,
     apply,
-    holds_changes,
     remove_layer,
     scan,
+    upper_holds_changes,
 )
 from substrate.workspace.layer.versions import Versions
 from substrate.workspace.registry import Workspace
@@ -187,16 +187,7 @@ def _changed(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
 def _upper_changed(layer: working_layer.WorkingLayer) -> bool:
     """Has the current generation's upper dir anything in it (or is the layer closed,
     or its upper gone: the swap path says what then)? The caller holds `mounting`."""
-    if layer.closed:
-        return True
-    try:
-        upper_fd = os.open(layer.plan.upper, _DIR_FLAGS)
-    except FileNotFoundError:
-        return True
-    try:
-        return holds_changes(upper_fd)
-    finally:
-        os.close(upper_fd)
+    return layer.closed or upper_holds_changes(layer.plan.upper) is not False
 
 
 def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:

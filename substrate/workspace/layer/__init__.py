@@ -5,7 +5,7 @@ through the guarded write path (`apply`).
 
 from substrate.workspace.layer.apply import ApplyResult, Outcomes, apply
 from substrate.workspace.layer.changeset import Blocked, Change, ChangeSet, Seen, classify
-from substrate.workspace.layer.scan import holds_changes, scan
+from substrate.workspace.layer.scan import holds_changes, scan, upper_holds_changes
 from substrate.workspace.layer.store import Changesets, Kept, remove_layer
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "holds_changes",
     "remove_layer",
     "scan",
+    "upper_holds_changes",
 ]

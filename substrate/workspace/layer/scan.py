@@ -343,6 +343,19 @@ def holds_changes(upper_fd: int) -> bool:
     return _opaque(upper_fd)
 
 
+def upper_holds_changes(upper: str) -> bool | None:
+    """`holds_changes` of the upper dir at `upper` (a path the daemon made under its
+    state dir, opened without following a symlink), or None when it is gone."""
+    try:
+        fd = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        return holds_changes(fd)
+    finally:
+        os.close(fd)
+
+
 def _opaque(dir_fd: int) -> bool:
     return _xattr(dir_fd, OPAQUE_XATTR) == b"y"
 
