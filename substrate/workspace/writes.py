@@ -65,7 +65,7 @@ from substrate.schema.fs import (
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import fsops, patching, paths
+from substrate.workspace import discoverable, fsops, patching, paths
 from substrate.workspace.batch_writes import BatchWriter, FileChange
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.digests import hash_fd
@@ -146,6 +146,8 @@ def _plan(
             current = _read_current(parent_fd, parts[-1], where, MAX_PATCH_FILE)
         if (new_of is None or callable(new_of)) and not current.exists:
             raise NotFound(f"{where}: not found")
+        made = (*missing, parts[-1]) if not current.exists else missing
+        discoverable.check_write(discoverable.GitDirs(ws.root_fd), parts, where, made)
         if base != current.sha256:
             if base is None:
                 raise AlreadyExists(f"{where}: exists; bind the write to its sha256 to replace it")
