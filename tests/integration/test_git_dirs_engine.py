@@ -105,3 +105,44 @@ async def test_passthrough_binds_are_nosuid_nodev(env: Env) -> None:
     options = result["stdout"]["inline"].split()[5].split(",")
     assert {"rw", "nosuid", "nodev"} <= set(options)
     assert stat.S_ISDIR((env.path / "node_modules").stat().st_mode)
+
+
+async def test_what_a_command_leaves_in_a_passthrough_dir_is_reported_and_neutralised(
+    env: Env,
+) -> None:
+    nm = env.path / "node_modules"
+    result = await env.sh(
+        "cd node_modules && mkdir -p evil/.git/objects evil/.git/refs"
+        f" && printf '{HEAD}' > evil/.git/HEAD"
+        " && printf '[core]\\n\\tfsmonitor = touch MARKER\\n' > evil/.git/config"
+        " && echo x > run && chmod 4755 run && ln run run2 && ln -s /etc/shadow shadow"
+        " && ln -s / rootlink && mkfifo pipe",
+        "pass",
+    )
+    assert result["exit_code"] == 0
+    found = {
+        (e["path"], e["reason"]): e.get("mode")
+        for e in result["changes"]["blocked"]
+        if e.get("rule") == "passthrough"
+    }
+    assert found == {
+        ("node_modules/evil/.git", "git_dir"): 0,
+        ("node_modules/run", "setid"): 0o755,
+        ("node_modules/run2", "hard_link"): None,
+        ("node_modules/shadow", "symlink"): None,
+        ("node_modules/rootlink", "symlink"): None,
+        ("node_modules/pipe", "fifo"): None,
+    }
+    assert stat.S_IMODE((nm / "evil" / ".git" / "HEAD").stat().st_mode) == 0
+    assert stat.S_IMODE((nm / "run2").stat().st_mode) == 0o755  # one inode, bits gone
+    # A set-id file the command made keeps its bytes and loses its bits.
+    again = await env.sh("cd node_modules && echo y > tool && chmod 6755 tool", "pass")
+    entries = [e for e in again["changes"]["blocked"] if e.get("rule") == "passthrough"]
+    assert {
+        "path": "node_modules/tool",
+        "reason": "setid",
+        "rule": "passthrough",
+        "mode": 0o755,
+    } in entries
+    assert stat.S_IMODE((nm / "tool").stat().st_mode) == 0o755
+    assert (nm / "tool").read_text() == "y\n"
