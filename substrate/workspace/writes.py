@@ -1,8 +1,9 @@
 """Guarded writes: the only way substrate changes a file (docs/protocol.md §4).
 
 Theory of operation. A write is first *planned*, touching nothing: validate the path,
-check the policy, read the current bytes through the held parent directory fd, check
-them against `base_sha256`, compute the new bytes, their digest and the plan digest,
+check the policy, read the current bytes through the held parent directory fd, refuse
+what host tools would take for a repository or a misleading new name
+(`discoverable.check_write`), check them against `base_sha256`, compute the new bytes, their digest and the plan digest,
 check a given `plan_digest` and the operator approval. A dry run returns that plan. To
 *apply*, the new bytes go to a temp file created in the same directory (`O_CREAT |
 O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and owner;
