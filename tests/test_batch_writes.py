@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from substrate.config import Config
-from substrate.errors import StaleBase
+from substrate.errors import PathDenied, PathInvalid, StaleBase
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
@@ -398,4 +398,36 @@ def test_replaced_and_deleted_files_are_released_not_leaked(env: Env) -> None:
     # The old files' fds go to the background releaser; none stays open.
     wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before, message="fds left open")
     assert sorted(os.listdir(env.root / "many")) == sorted(f"f{i}" for i in range(20))
+    env.assert_clean()
+
+
+def test_pieces_of_one_batch_never_complete_a_git_dir(env: Env) -> None:
+    # Executable files named like git's pieces pass git's `access(X_OK)` test, and
+    # arrive together: the one that would complete `x` is refused.
+    (env.root / "x").mkdir()
+    changes = [
+        env.change(f"x/{name}", b"ref: refs/heads/m\n", 0o755)
+        for name in ("HEAD", "objects", "refs")
+    ]
+    landings = env.apply(changes)
+    assert [landing.status for landing in landings] == ["applied", "applied", "refused"]
+    refusal = landings[2].refusal
+    assert isinstance(refusal, PathDenied)
+    assert refusal.data == {"reason": "git_dir", "git_dir": "x"}
+    assert not (env.root / "x" / "refs").exists()
+    # Directory steps, in their own batch: `refs` as a directory is refused as well.
+    dirs = env.writer.batch.apply_dirs(env.ws, [DirChange("x/refs", "mkdir", None)], ACTOR)
+    assert dirs[0].status == "refused" and isinstance(dirs[0].refusal, PathDenied)
+    assert not (env.root / "x" / "refs").exists()
+    env.assert_clean()
+
+
+def test_a_batch_never_makes_a_misleading_name(env: Env) -> None:
+    landings = env.apply([env.change("ok.txt", b"ok\n"), env.change("a\nb", b"x\n")])
+    assert landings[0].status == "applied" and landings[1].status == "refused"
+    assert isinstance(landings[1].refusal, PathInvalid)
+    assert landings[1].refusal.data["reason"] == "control_character"
+    dirs = env.writer.batch.apply_dirs(env.ws, [DirChange("r\u202ed", "mkdir", None)], ACTOR)
+    assert isinstance(dirs[0].refusal, PathInvalid)
+    assert sorted(p.name for p in env.root.iterdir() if "\n" in p.name or "\u202e" in p.name) == []
     env.assert_clean()

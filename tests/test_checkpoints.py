@@ -359,3 +359,25 @@ def test_the_quota_never_expires_a_checkpoint_under_its_own_restore(env: Env) ->
     (expired,) = env.kinds("workspace.checkpoint_expired")
     assert expired.data["checkpoint"] == checkpoint
     assert env.checkpoints.stored_bytes() == 0
+
+
+def test_a_restore_never_completes_a_git_dir_nor_recreates_a_misleading_name(env: Env) -> None:
+    (env.root / "tools").mkdir()
+    (env.root / "tools" / "HEAD").write_text("ref: refs/heads/main\n")
+    (env.root / "odd\nname").write_text("host\n")
+    checkpoint, _ = env.checkpoint()
+    env.delete("tools/HEAD", env.sha("tools/HEAD"))  # `tools` was no git dir: allowed
+    env.delete("odd\nname", env.sha("odd\nname"))  # an existing name: allowed
+    # The host makes `tools` hold objects/ and refs/ since: putting HEAD back would
+    # complete a git dir by content.
+    (env.root / "tools" / "objects").mkdir()
+    (env.root / "tools" / "refs").mkdir()
+    for dry_run in (True, False):
+        result = env.restore(checkpoint, dry_run=dry_run)
+        assert sorted((f.path, f.reason) for f in result.blocked) == [
+            ("demo:odd\nname", "control_character"),
+            ("demo:tools/HEAD", "git_dir"),
+        ]
+        assert result.restored == []
+    assert not (env.root / "tools" / "HEAD").exists()
+    assert not (env.root / "odd\nname").exists()

@@ -269,3 +269,64 @@ def test_directory_holding_a_host_file_is_not_removed(env: Env) -> None:
         ("d", "not_empty"),
     ]
     assert (env.root / "d" / "sub" / "host.txt").read_bytes() == b"mine\n"
+
+
+def test_a_git_dir_planted_by_content_never_lands(env: Env) -> None:
+    # HEAD + objects/ + refs/ + config in `tools/`: a repository by content, whose config
+    # host git would run. None of it lands; the command's ordinary files do.
+    put(env.upper / "tools" / "HEAD", b"ref: refs/heads/main\n")
+    put(env.upper / "tools" / "config", b"[core]\n\tfsmonitor = touch MARKER\n\tworktree = ..\n")
+    put(env.upper / "tools" / "objects" / "ab" / "cdef", b"blob")
+    put(env.upper / "tools" / "refs" / "heads" / "main", b"0" * 40 + b"\n")
+    put(env.upper / "src" / "ok.py", b"ok\n")
+    cs = env.scan()
+    blocked = {(b.path, b.reason) for b in cs.blocked}
+    assert blocked == {
+        ("tools/HEAD", "git_dir"),
+        ("tools/config", "git_dir"),
+        ("tools/objects", "git_dir"),
+        ("tools/objects/ab", "git_dir"),
+        ("tools/objects/ab/cdef", "git_dir"),
+        ("tools/refs", "git_dir"),
+        ("tools/refs/heads", "git_dir"),
+        ("tools/refs/heads/main", "git_dir"),
+    }
+    result = env.apply(cs)
+    assert paths_of(result.applied) == [("tools", "mkdir"), ("src/ok.py", "create")]
+    assert os.listdir(env.root / "tools") == []
+    assert (env.root / "src" / "ok.py").read_bytes() == b"ok\n"
+
+
+def test_the_pieces_already_in_the_checkout_count(env: Env) -> None:
+    (env.root / "d" / "objects").mkdir()
+    (env.root / "d" / "refs").mkdir()
+    put(env.upper / "d" / "HEAD", b"ref: refs/heads/main\n")
+    put(env.upper / "d" / "note", b"n\n")
+    cs = env.scan()
+    # Everything the set puts in a directory it would complete is blocked, as in `.git`.
+    assert [(b.path, b.reason) for b in cs.blocked] == [
+        ("d/HEAD", "git_dir"),
+        ("d/note", "git_dir"),
+    ]
+    assert env.apply(cs).applied == ()
+    # Scanned before the host completed it: the apply itself refuses, blocked.
+    (env.root / "e" / "objects").mkdir(parents=True)
+    put(env.upper / "e" / "HEAD", b"ref: refs/heads/main\n")
+    cs = env.scan()
+    (env.root / "e" / "refs").mkdir()
+    result = env.apply(cs)
+    assert [(o.path, o.reason) for o in result.blocked] == [("e/HEAD", "git_dir")]
+    assert not (env.root / "e" / "HEAD").exists()
+
+
+def test_misleading_new_names_are_blocked(env: Env) -> None:
+    put(env.upper / "a\nb.txt", b"x\n")
+    put(env.upper / "r\u202efdp.exe" / "inner", b"x\n")
+    put(env.upper / "fine.txt", b"x\n")
+    cs = env.scan()
+    assert sorted((b.path, b.reason) for b in cs.blocked) == [
+        ("a\nb.txt", "control_character"),
+        ("r\u202efdp.exe", "bidi_control"),
+        ("r\u202efdp.exe/inner", "bidi_control"),
+    ]
+    assert paths_of(env.apply(cs).applied) == [("fine.txt", "create")]

@@ -76,16 +76,21 @@ def test_verify_accepts_the_planned_mounts() -> None:
     verify(plan("/s", "sb", 2, [(".git", (1, 2))]), _mountinfo(_ROOT, _BASE, _MERGED, _GIT))
 
 
-_NODE = "23 21 8:1 /c/node_modules /s/layers/sb/merged/node_modules rw - ext4 /dev/sda1 rw"
+_NODE = (
+    "23 21 8:1 /c/node_modules /s/layers/sb/merged/node_modules rw,nosuid,nodev - ext4 /dev/sda1 rw"
+)
 
 
-def test_verify_wants_each_passthrough_as_a_rw_bind() -> None:
+def test_verify_wants_each_passthrough_as_a_rw_nosuid_nodev_bind() -> None:
     p = plan("/s", "sb", 2, [(".git", (1, 2))], [("node_modules", (1, 3))])
+    assert p.passthrough[0].staging == "/s/layers/sb/pt/0"
     verify(p, _mountinfo(_ROOT, _BASE, _MERGED, _GIT, _NODE))
     for lines in (
         (_ROOT, _BASE, _MERGED, _GIT),
-        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace(" rw - ", " ro - ")),
+        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace(" rw,", " ro,")),
         (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace("node_modules rw", "other rw")),
+        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace("rw,nosuid,nodev", "rw,nodev")),
+        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace("rw,nosuid,nodev", "rw,nosuid")),
     ):
         with pytest.raises(ConfinementUnmet):
             verify(p, _mountinfo(*lines))
@@ -275,7 +280,10 @@ def test_passthrough_writes_land_in_the_checkout_across_swaps(layer: Layer) -> N
     # The bind hides the overlay beneath it: the upper layer shows nothing there.
     assert sorted(os.listdir(first.upper)) == ["made.txt"]
     assert _write_errno(f"{first.base}/node_modules/pkg/.git/new") == errno.EROFS
-    assert not _mount_at(f"{first.base}/node_modules").read_only
+    bound = _mount_at(f"{first.base}/node_modules")
+    assert not bound.read_only
+    assert {"nosuid", "nodev"} <= set(bound.options)  # a set-id file there is inert
+    assert layers.mounted_under(f"{first.sandbox_dir}/pt") == []  # the staging bind went
     _check_readonly_parts(first.base)
 
     second = _passthrough_plan(layer, 2)

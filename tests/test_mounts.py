@@ -58,6 +58,32 @@ def test_every_git_at_any_depth_is_found_never_through_a_symlink(
     ]
 
 
+def test_git_dirs_by_content_and_gitfile_targets_are_found(root: Path, root_fd: int) -> None:
+    # `git init --separate-git-dir=<checkout>/gitstore`: `.git` is a file naming it.
+    for name in ("objects", "refs", "hooks"):
+        (root / "gitstore" / name).mkdir(parents=True)
+    (root / "gitstore" / "HEAD").write_text("ref: refs/heads/main\n")
+    (root / ".git").write_text("gitdir: gitstore\n")
+    # A bare repository under any name; what is inside it is covered by its mount.
+    for name in ("HEAD", "objects", "refs"):
+        (root / "fixtures" / "bare" / name).mkdir(parents=True)
+    (root / "fixtures" / "bare" / "refs" / ".git").mkdir()
+    # A `.git` file naming, by absolute path, a directory that is no git dir (yet).
+    (root / "wt" / "store").mkdir(parents=True)
+    (root / "wt" / ".git").write_text(f"gitdir: {root}/wt/store\n")
+    (root / "other").mkdir()
+    (root / "other" / ".git").write_text("gitdir: /elsewhere/repo\n")  # outside: not ours
+    found = git_paths(root_fd, checkout_path=str(root))
+    assert found == [
+        (".git", identity(root / ".git")),
+        ("fixtures/bare", identity(root / "fixtures" / "bare")),
+        ("gitstore", identity(root / "gitstore")),
+        ("other/.git", identity(root / "other" / ".git")),
+        ("wt/.git", identity(root / "wt" / ".git")),
+        ("wt/store", identity(root / "wt" / "store")),
+    ]
+
+
 def test_the_search_is_bounded_with_a_named_refusal(
     root: Path, root_fd: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

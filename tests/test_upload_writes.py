@@ -20,6 +20,7 @@ from substrate.errors import (
     ApprovalRequired,
     NotFound,
     PathDenied,
+    PathInvalid,
     PlanMismatch,
     StaleBase,
     SymlinkRefused,
@@ -214,6 +215,26 @@ def test_begin_refuses_what_fs_write_refuses(
     (env.root / ".git").mkdir(exist_ok=True)
     with pytest.raises(refusal):
         env.writer.check(env.ws, path, base, False)
+
+
+def test_an_upload_never_completes_a_git_dir_nor_makes_a_misleading_name(env: Env) -> None:
+    (env.root / "lib" / "objects").mkdir(parents=True)
+    (env.root / "lib" / "HEAD").write_text("ref: refs/heads/main\n")
+    with pytest.raises(PathDenied) as caught:
+        env.writer.check(env.ws, "lib/refs/x", None, True)
+    assert caught.value.data == {"reason": "git_dir", "git_dir": "lib"}
+    (env.root / "tools" / "objects").mkdir(parents=True)
+    with pytest.raises(PathInvalid) as invalid:
+        env.writer.check(env.ws, "notes\u202etxt.sh", None, False)
+    assert invalid.value.data["reason"] == "bidi_control"
+    # Begun while `tools` lacked `refs`; the host made it before the commit: refused then.
+    up = env.upload("tools/HEAD", b"ref: refs/heads/main\n", None)
+    (env.root / "tools" / "refs").mkdir()
+    with pytest.raises(PathDenied) as caught:
+        env.commit(up)
+    assert caught.value.data["reason"] == "git_dir"
+    assert not (env.root / "tools" / "HEAD").exists()
+    assert env.entries() == [] and temp_files(env.root) == []
 
 
 def test_a_change_on_the_host_after_begin_is_stale_at_commit_and_kept(env: Env) -> None:

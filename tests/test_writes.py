@@ -26,6 +26,7 @@ from substrate.errors import (
     NotFound,
     PatchConflict,
     PathDenied,
+    PathInvalid,
     PlanMismatch,
     Refusal,
     StaleBase,
@@ -415,6 +416,86 @@ def test_policy_refusals(env: Env) -> None:
         env.write("README.md", "x", env.sha("README.md"))  # not in write_allow
     assert env.write("src/ok.py", "x", None).applied
     assert temp_files(env.root) == []
+
+
+# --- git directories by content, and misleading names (docs/confinement.md) -------------------
+
+
+def _pieces(root: Path, rel: str, *names: str) -> None:
+    """The host makes git-dir pieces in `rel`: `HEAD` a file, the rest directories."""
+    for name in names:
+        if name == "HEAD":
+            (root / rel).mkdir(parents=True, exist_ok=True)
+            (root / rel / "HEAD").write_text("ref: refs/heads/main\n")
+        else:
+            (root / rel / name).mkdir(parents=True, exist_ok=True)
+
+
+def test_a_write_that_completes_a_git_dir_is_refused(env: Env) -> None:
+    _pieces(env.root, "tools", "objects", "refs")
+    with pytest.raises(PathDenied) as caught:
+        env.write("tools/HEAD", "ref: refs/heads/main\n", None)
+    assert caught.value.data == {"reason": "git_dir", "git_dir": "tools"}
+    assert not (env.root / "tools" / "HEAD").exists()
+    # A missing parent the write would make counts too (`refs` made by create_parents).
+    _pieces(env.root, "lib", "HEAD", "objects")
+    with pytest.raises(PathDenied) as caught:
+        env.write("lib/refs/heads/x", "0" * 40, None, create_parents=True)
+    assert caught.value.data["reason"] == "git_dir"
+    assert not (env.root / "lib" / "refs").exists()
+    # An incomplete one is an ordinary directory: its config is only a file.
+    assert env.write("lib/config", "[core]\n", None).applied
+    assert temp_files(env.root) == []
+
+
+def test_nothing_is_written_or_deleted_beneath_a_git_dir_by_content(env: Env) -> None:
+    # `git init --separate-git-dir=gitstore`: the real git dir under another name.
+    (env.root / ".git").rename(env.root / "gitstore")
+    (env.root / ".git").write_text("gitdir: gitstore\n")
+    (env.root / "gitstore" / "hooks").mkdir(exist_ok=True)
+    (env.root / "gitstore" / "config").write_text("[core]\n")
+    for path in ("gitstore/hooks/post-checkout", "gitstore/objects/ab/cd"):
+        with pytest.raises(PathDenied) as caught:
+            env.write(path, "#!/bin/sh\ntouch /tmp/owned\n", None, create_parents=True)
+        assert caught.value.data["git_dir"] == "gitstore"
+    config = env.sha("gitstore/config")
+    with pytest.raises(PathDenied):
+        env.write("gitstore/config", "[core]\n\tfsmonitor = touch x\n", config)
+    with pytest.raises(PathDenied):
+        env.patch("gitstore/config", config, edits=[Edit(old="[core]", new="[core]\n x=1")])
+    with pytest.raises(PathDenied):
+        env.delete("gitstore/HEAD", env.sha("gitstore/HEAD"))
+    assert (env.root / "gitstore" / "config").read_text() == "[core]\n"
+    assert not (env.root / "gitstore" / "hooks" / "post-checkout").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("a\nb.txt", "control_character"),
+        ("tab\there", "control_character"),
+        ("del\x7f", "control_character"),
+        ("c1\x85", "control_character"),
+        ("invoice\u202etxt.exe", "bidi_control"),
+        ("mark\u200f", "bidi_control"),
+        ("iso\u2067x", "bidi_control"),
+        ("arabic\u061c", "bidi_control"),
+    ],
+)
+def test_new_names_with_control_characters_are_refused(env: Env, name: str, reason: str) -> None:
+    with pytest.raises(PathInvalid) as caught:
+        env.write(name, "x", None)
+    assert caught.value.data["reason"] == reason
+    with pytest.raises(PathInvalid):  # a directory the write would make, too
+        env.write(f"{name}/f", "x", None, create_parents=True)
+    assert sorted(os.listdir(env.root)) == sorted(["README.md", "src", "ci", ".git"])
+
+
+def test_a_file_that_already_has_such_a_name_stays_writable(env: Env) -> None:
+    (env.root / "old\nname").write_text("host\n")
+    plan = env.write("old\nname", "agent\n", env.sha("old\nname"))
+    assert plan.applied and (env.root / "old\nname").read_text() == "agent\n"
+    assert env.delete("old\nname", plan.new_sha256 or "").applied
 
 
 # --- patch ------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
 from substrate.process import layer_keep
-from substrate.sandbox import passthrough, working_layer
+from substrate.sandbox import passthrough, passthrough_scan, working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.layer_plan import LayerPlan
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
@@ -95,7 +95,49 @@ async def conclude(
     the module doc); None for a sandbox with no layer. Never raises a refusal: each
     failure is the summary's `error`. Call it shielded. Cost: two to four mount calls,
     one observation, and the scan and apply (a read and hash per changed file, two
-    fsyncs per applied file) or the removal."""
+    fsyncs per applied file) or the removal; with passthrough dirs bound, their walk
+    (`passthrough_scan.inspect`), whose findings join `blocked` (`rule: "passthrough"`)."""
+    layer = sandbox.layer
+    found: list[passthrough_scan.Finding] = []
+    if layer is not None and layer.plan.passthrough:
+        found = await trio.to_thread.run_sync(_inspect_passthrough, layer, req.ws, limiter=limiter)
+    changes = await _conclude(containers, writer, sandbox, req, changesets, limiter)
+    if changes is None or not found:
+        return changes
+    log.warning("passthrough dirs of %s: %d findings", sandbox.id[:12], len(found))
+    extra = [
+        ChangeEntry(path=f.path, reason=f.reason, rule="passthrough", mode=f.mode) for f in found
+    ]
+    counts = msgspec.structs.replace(changes.counts, blocked=changes.counts.blocked + len(found))
+    blocked = (changes.blocked + extra)[:MAX_CHANGE_ENTRIES]
+    return msgspec.structs.replace(changes, blocked=blocked, counts=counts)
+
+
+def _inspect_passthrough(
+    layer: working_layer.WorkingLayer, ws: Workspace
+) -> list[passthrough_scan.Finding]:
+    """What the generation's users left in its passthrough dirs (`passthrough_scan`):
+    changes since the generation began count as theirs; with no start known, nothing is
+    neutralised (a person's file is never touched on a guess)."""
+    generation, began = layer.began
+    since = began if generation == layer.plan.generation else 1 << 62
+    readonly = {part.rel for part in layer.plan.readonly}
+    dirs = [part.rel for part in layer.plan.passthrough]
+    try:
+        with ws.use():
+            return passthrough_scan.inspect(ws.root_fd, dirs, since, readonly)
+    except Refusal:  # the workspace was released meanwhile: the conclusion says so
+        return []
+
+
+async def _conclude(
+    containers: Containers,
+    writer: Writer,
+    sandbox: Sandbox,
+    req: RunRequest,
+    changesets: Changesets | None,
+    limiter: trio.CapacityLimiter | None,
+) -> ProcChanges | None:
     layer = sandbox.layer
     if layer is None:
         return None

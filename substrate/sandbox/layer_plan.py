@@ -12,6 +12,7 @@ parsed `/proc/self/mountinfo` for `verify`. Layout, for sandbox `S` and generati
     <state>/layers/S/work/N         overlayfs' work dir for N
     <state>/layers/S/empty          the empty second lower dir of each read-only part
     <state>/layers/S/ro/<i>         staging point of read-only part i when it is a file
+    <state>/layers/S/pt/<i>         staging point of passthrough bind i (made nosuid,nodev)
 
 The lower layer is the checkout itself, named at mount time as `/proc/self/fd/<n>` of the
 root fd the daemon holds (never a path resolved earlier). Each read-only part (every
@@ -50,6 +51,11 @@ class ReadonlyPart(msgspec.Struct, frozen=True, kw_only=True):
     staging: str  # where its read-only overlay goes first when the part is a file
 
 
+#: The per-mount options of every passthrough bind, as mountinfo shows them: a set-id
+#: file or a device node the sandbox leaves there is inert to the host through it.
+PASSTHROUGH_OPTIONS = ("rw", "nosuid", "nodev")
+
+
 class PassthroughPart(msgspec.Struct, frozen=True, kw_only=True):
     """One checkout directory bound read-write over the merged view (profile
     `passthrough`): writes under it go straight to the checkout, never to the upper."""
@@ -57,6 +63,9 @@ class PassthroughPart(msgspec.Struct, frozen=True, kw_only=True):
     rel: str  # workspace-relative, validated by `substrate.sandbox.passthrough`
     identity: tuple[int, int]  # (st_dev, st_ino) found: re-checked at mount time
     target: str  # base + rel
+    #: Where the bind is made nosuid,nodev first (private: never propagated), then bound
+    #: onto `target` from there (a remount would not reach the container's copy).
+    staging: str = ""
 
 
 class LayerPlan(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,8 +134,13 @@ def plan(
         work=_join(sandbox_dir, f"work/{generation}"),
         readonly=tuple(parts),
         passthrough=tuple(
-            PassthroughPart(rel=rel, identity=identity, target=_join(base, rel))
-            for rel, identity in sorted(passthrough)
+            PassthroughPart(
+                rel=rel,
+                identity=identity,
+                target=_join(base, rel),
+                staging=_join(sandbox_dir, f"pt/{index}"),
+            )
+            for index, (rel, identity) in enumerate(sorted(passthrough))
             if _check_rel("passthrough path", rel)
         ),
     )
@@ -157,7 +171,8 @@ def verify(p: LayerPlan, mounts: Sequence[Mount]) -> None:
     Required: on the base, visible, an overlay whose one lower dir is a held fd and whose
     upper and work dirs are this generation's; at each read-only part's target, visible,
     an overlay superblock that is read-only; at each passthrough target, visible, a
-    read-write bind that is not an overlay; nothing else visible at or under the base.
+    read-write bind that is not an overlay, `nosuid` and `nodev` (`PASSTHROUGH_OPTIONS`);
+    nothing else visible at or under the base.
     Refuses `confinement_unmet` with the required and observed mount facts otherwise.
     """
     visible = visible_mounts(mounts)
@@ -165,7 +180,7 @@ def verify(p: LayerPlan, mounts: Sequence[Mount]) -> None:
     for part in p.readonly:
         required[part.target] = "overlay ro superblock"
     for pass_part in p.passthrough:
-        required[pass_part.target] = "bind rw"
+        required[pass_part.target] = "bind " + " ".join(PASSTHROUGH_OPTIONS)
     observed: dict[str, str] = {}
     for m in visible:
         if m.mount_point == p.base or m.mount_point.startswith(p.base + "/"):
@@ -182,7 +197,7 @@ def _describe(m: Mount, p: LayerPlan) -> str:
     """A mount as `verify` compares it: what it is, not its ids."""
     if m.fstype != "overlay":
         if any(m.mount_point == part.target for part in p.passthrough) and not m.read_only:
-            return "bind rw"
+            return "bind " + " ".join(o for o in PASSTHROUGH_OPTIONS if o in m.options)
         return f"{m.fstype} {m.source}"
     opts = dict(o.partition("=")[::2] for o in m.super_options)
     lower = opts.get("lowerdir", "").split(":")

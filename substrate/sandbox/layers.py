@@ -43,6 +43,7 @@ from substrate.sandbox.parsers import Mount, parse_mountinfo, visible_mounts
 from substrate.workspace.paths import open_dir
 
 MS_RDONLY = 0x1
+MS_REMOUNT = 0x20
 MS_NOSUID = 0x2
 MS_NODEV = 0x4
 MS_BIND = 0x1000
@@ -119,8 +120,8 @@ def prepare(p: LayerPlan) -> None:
     """
     for path in (p.layers_dir, p.sandbox_dir, p.base, p.empty):
         _mkdir(path)
-    for path in (f"{p.sandbox_dir}/upper", f"{p.sandbox_dir}/work", f"{p.sandbox_dir}/ro"):
-        _mkdir(path)
+    for name in ("upper", "work", "ro", "pt"):
+        _mkdir(f"{p.sandbox_dir}/{name}")
     points = {m.mount_point for m in read_mounts()}
     if p.layers_dir not in points:
         mount(p.layers_dir, p.layers_dir, None, MS_BIND)
@@ -325,9 +326,14 @@ def _mount_readonly(p: LayerPlan, part: ReadonlyPart, root_fd: int) -> None:
 
 def _mount_passthrough(p: LayerPlan, part: PassthroughPart, root_fd: int) -> None:
     """Bind the checkout's directory `part.rel` (opened beneath the held root, no symlink
-    followed, identity re-checked) read-write onto the same path in the merged view
-    (opened beneath the base the same way; the overlay shows the lower dir there)."""
+    followed, identity re-checked) read-write, `nosuid` and `nodev`, onto the same path
+    in the merged view (opened beneath the base the same way; the overlay shows the lower
+    dir there). The flags are set on a private staging bind first and the target bound
+    from it: a bind copies its source mount's flags, and propagation copies the bind,
+    whereas a remount of the target would change the daemon's copy only, not the
+    container's."""
     *parents, name = part.rel.split("/")
+    _mkdir(part.staging)
     with (
         _fd(open_dir(root_fd, parents, where=part.rel)) as real_parent,
         _fd(os.open(name, _DIR_FLAGS, dir_fd=real_parent)) as real,
@@ -336,7 +342,14 @@ def _mount_passthrough(p: LayerPlan, part: PassthroughPart, root_fd: int) -> Non
         _fd(os.open(name, _DIR_FLAGS, dir_fd=merged_parent)) as target,
     ):
         _check_identity(os.fstat(real), part)
-        mount(_fd_path(real), _fd_path(target), None, MS_BIND)
+        mount(_fd_path(real), part.staging, None, MS_BIND)
+        try:
+            mount(None, part.staging, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+            with _fd(os.open(part.staging, _DIR_FLAGS)) as staged:
+                _check_identity(os.fstat(staged), part)
+                mount(_fd_path(staged), _fd_path(target), None, MS_BIND)
+        finally:
+            umount(part.staging)
 
 
 def _check_identity(st: os.stat_result, part: ReadonlyPart | PassthroughPart) -> None:

@@ -38,6 +38,7 @@ from substrate.sandbox import facts as F
 from substrate.sandbox import observe_gvisor
 from substrate.sandbox import parsers as P
 from substrate.sandbox.facts import Fact, FactValue
+from substrate.sandbox.layer_plan import PASSTHROUGH_OPTIONS
 from substrate.sandbox.netns import read_netns
 from substrate.sandbox.readings import facts, failed, read_at, read_path, why
 
@@ -253,6 +254,7 @@ MOUNT_FACTS = (
     "tmpfs",
     "docker_socket_absent",
     "passthrough",
+    "passthrough_options",
 )
 
 
@@ -262,7 +264,7 @@ def _mount_facts(
     source = "kernel:mountinfo"
     names = ["rootfs_readonly", "workspace_mount", "readonly_dirs", "tmpfs", "docker_socket_absent"]
     if layer:
-        names.append("passthrough")
+        names += ["passthrough", "passthrough_options"]
     try:
         mounts = P.parse_mountinfo(read_at(proc_fd, "mountinfo"))
     except (OSError, ValueError) as exc:
@@ -286,7 +288,14 @@ def _mount_facts(
         source,
     )
     if layer:
-        found += facts({"passthrough": _passthrough(visible, target)}, source)
+        binds = _passthrough_mounts(visible, target)
+        found += facts(
+            {
+                "passthrough": sorted(binds),
+                "passthrough_options": sorted(f"{rel}: {opts}" for rel, opts in binds.items()),
+            },
+            source,
+        )
     # The engine's list of binds, checked again against what the kernel mounted.
     in_kernel = any(
         m.root.endswith("/docker.sock") or m.mount_point.endswith("/docker.sock") for m in mounts
@@ -298,15 +307,17 @@ def _mount_facts(
     return found
 
 
-def _passthrough(visible: Sequence[P.Mount], target: str) -> list[str]:
+def _passthrough_mounts(visible: Sequence[P.Mount], target: str) -> dict[str, str]:
     """The workspace-relative paths where a writable mount that is not an overlay sits
-    over a working layer: its passthrough binds (the read-only parts are overlays)."""
+    over a working layer — its passthrough binds (the read-only parts are overlays) —
+    each with which of `PASSTHROUGH_OPTIONS` its per-mount options hold (`rw,nosuid,nodev`
+    required: a set-id file or device node left there is inert to the host)."""
     top = target.rstrip("/") + "/"
-    return sorted(
-        m.mount_point[len(top) :]
+    return {
+        m.mount_point[len(top) :]: ",".join(o for o in PASSTHROUGH_OPTIONS if o in m.options)
         for m in visible
         if m.mount_point.startswith(top) and m.fstype != "overlay" and not m.read_only
-    )
+    }
 
 
 def _is_layer(visible: Sequence[P.Mount], target: str) -> bool:

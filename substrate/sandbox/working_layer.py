@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from substrate.sandbox import layers, passthrough
 from substrate.sandbox.facts import FactValue
 from substrate.sandbox.generation import Users
-from substrate.sandbox.layer_plan import LayerPlan, plan
+from substrate.sandbox.layer_plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
 from substrate.workspace.paths import open_dir
 
 log = logging.getLogger("substrate.sandbox.working_layer")
@@ -152,6 +152,9 @@ def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
         found: dict[str, FactValue] = {
             "workspace_identity": f"{st.st_dev}:{st.st_ino}",
             "passthrough": sorted(part.rel for part in p.passthrough),
+            "passthrough_options": sorted(
+                f"{part.rel}: {','.join(PASSTHROUGH_OPTIONS)}" for part in p.passthrough
+            ),
         }
         for part in p.readonly:
             *parents, name = part.rel.split("/")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from substrate.errors import ApprovalRequired, NotFound, PathDenied, Refusal
-from substrate.workspace import batch_base, fsops, paths
+from substrate.workspace import batch_base, discoverable, fsops, paths
 from substrate.workspace.batch_base import UNCHANGED, BatchCore, HeldDirs, Landing, Step
 from substrate.workspace.registry import Workspace
 from substrate.workspace.write_base import (
@@ -48,8 +48,10 @@ class DirBatches(BatchCore):
         policy asks for one). Costs per step an lstat and the step; per chunk two
         transactions and one fsync (or one `syncfs` per file system) for the parents."""
 
+        git_dirs = discoverable.GitDirs(ws.root_fd)  # the pieces of this batch count together
+
         def plan(dirs: HeldDirs, i: int) -> Step | Landing:
-            return self._plan_dir(ws, dirs, i, changes[i], actor, dry_run)
+            return self._plan_dir(ws, dirs, git_dirs, i, changes[i], actor, dry_run)
 
         def land(dirs: HeldDirs, steps: list[Step]) -> dict[int, Landing]:
             return self._land_dirs(ws, dirs, steps)
@@ -61,6 +63,7 @@ class DirBatches(BatchCore):
         self,
         ws: Workspace,
         dirs: HeldDirs,
+        git_dirs: discoverable.GitDirs,
         index: int,
         change: DirChange,
         actor: str,
@@ -93,6 +96,8 @@ class DirBatches(BatchCore):
             check_not_reserved(parts, where)
             if not ws.policy.may_write(rel):
                 raise PathDenied(f"{where}: denied by the workspace write policy")
+            made = parts[-1:] if change.op == "mkdir" and absent else ()
+            discoverable.check_write(git_dirs, parts, where, made)
             needs_approval = ws.policy.needs_approval(rel)
             if needs_approval and (
                 dry_run or self._approvals.find(ws.id, digest, time.time()) is None
@@ -102,6 +107,10 @@ class DirBatches(BatchCore):
                 )
         except Refusal as exc:
             return Landing("refused", refusal=exc)
+        if change.op == "rmdir":
+            git_dirs.remove(parts)
+        else:
+            git_dirs.add(parts)
         data = {
             "path": where,
             "op": change.op,

@@ -57,7 +57,7 @@ from substrate.errors import (
     Refusal,
     StaleBase,
 )
-from substrate.workspace import batch_base, fsops, paths
+from substrate.workspace import batch_base, discoverable, fsops, paths
 from substrate.workspace.batch_base import (
     RELEASER,
     SOURCE_CHANGED,
@@ -124,8 +124,10 @@ class BatchWriter(DirBatches):
         two transactions, a `syncfs` for the temp files and one for the parents (an
         fsync when there is one)."""
 
+        git_dirs = discoverable.GitDirs(ws.root_fd)  # the pieces of this batch count together
+
         def plan(dirs: HeldDirs, i: int) -> Step | Landing:
-            return self._plan_file(ws, dirs, i, changes[i], actor, dry_run)
+            return self._plan_file(ws, dirs, git_dirs, i, changes[i], actor, dry_run)
 
         def land(dirs: HeldDirs, steps: list[Step]) -> dict[int, Landing]:
             return self._land_files(ws, dirs, steps, source)
@@ -146,6 +148,7 @@ class BatchWriter(DirBatches):
         self,
         ws: Workspace,
         dirs: HeldDirs,
+        git_dirs: discoverable.GitDirs,
         index: int,
         change: FileChange,
         actor: str,
@@ -185,6 +188,8 @@ class BatchWriter(DirBatches):
             assert current is not None
             if change.new_sha256 is None and not current.exists:
                 raise NotFound(f"{where}: not found")
+            made = () if current.exists else parts[-1:]
+            discoverable.check_write(git_dirs, parts, where, made)
             if change.base != current.sha256:
                 if change.base is None:
                     raise AlreadyExists(
@@ -210,6 +215,10 @@ class BatchWriter(DirBatches):
                 )
         except Refusal as exc:
             return Landing("refused", refusal=exc)
+        if change.new_sha256 is None:
+            git_dirs.remove(parts)
+        else:
+            git_dirs.add(parts)
         current.data = b""  # held for the chunk: only its digest and metadata are needed
         data = {
             "path": where,

@@ -29,7 +29,7 @@ import errno
 import hashlib
 import stat
 
-from substrate.errors import ApprovalRequired, NotFound, PathDenied, Refusal
+from substrate.errors import ApprovalRequired, NotFound, PathDenied, PathInvalid, Refusal
 from substrate.schema.workspace import (
     MAX_RESTORE_LISTED,
     RestoreCounts,
@@ -37,7 +37,7 @@ from substrate.schema.workspace import (
     RestoreResult,
 )
 from substrate.store.journal import Journal
-from substrate.workspace import fsops, paths
+from substrate.workspace import discoverable, fsops, paths
 from substrate.workspace.checkpoints import Checkpoints, History
 from substrate.workspace.layer.apply import denying_rule
 from substrate.workspace.registry import Workspace
@@ -96,7 +96,12 @@ def _one(
             return "conflicts", entry(reason="preimage_missing", current_sha256=now_sha)
     try:
         plan = writer.restore_file(ws, h.rel, h.last_sha256, data, mode, dry_run, actor)
-    except PathDenied:
+    except (PathDenied, PathInvalid) as exc:
+        why = discoverable.blocked_reason(exc)  # git_dir, control_character, bidi_control
+        if why is not None:
+            return "blocked", entry(reason=why)
+        if isinstance(exc, PathInvalid):
+            return "conflicts", entry(reason=exc.name, current_sha256=now_sha)
         return "blocked", entry(reason=PathDenied.name, rule=denying_rule(ws.policy, h.rel))
     except ApprovalRequired as exc:
         return "pending", entry(reason=exc.name, plan_digest=exc.data.get("plan_digest"))

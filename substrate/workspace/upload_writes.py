@@ -50,7 +50,7 @@ from substrate.schema.fs import Plan
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import fsops, paths
+from substrate.workspace import discoverable, fsops, paths
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.digests import Digests
 from substrate.workspace.preview import PREVIEW_DIFF_LIMIT, unified_preview
@@ -140,6 +140,15 @@ def _current(
     )
 
 
+def _check_discoverable(
+    ws: Workspace, target: _Target, missing: tuple[str, ...], current: _Current
+) -> None:
+    """`discoverable.check_write` of the target: no git directory by content completed
+    or written beneath, no misleading new name (`path_denied`, `path_invalid`)."""
+    made = (*missing, target.parts[-1]) if not current.exists else missing
+    discoverable.check_write(discoverable.GitDirs(ws.root_fd), target.parts, target.where, made)
+
+
 def _check_base(base: str | None, current: _Current, where: str) -> None:
     if base != current.sha256:
         if base is None:
@@ -184,12 +193,13 @@ class UploadWriter:
         file unless its digest is cached."""
         with ws.use():
             target = _target(ws, path)
-            parent_fd, _missing = _open_parent(ws, target.parts, target.where, create_parents)
+            parent_fd, missing = _open_parent(ws, target.parts, target.where, create_parents)
             try:
                 current = _current(parent_fd, target.parts[-1], target.where, self._digests, 0)
             finally:
                 if parent_fd is not None:
                     os.close(parent_fd)
+            _check_discoverable(ws, target, missing, current)
             _check_base(base, current, target.where)
             self._check_keepable(ws, current, target.where)
 
@@ -248,6 +258,7 @@ class UploadWriter:
     ) -> Plan:
         name, where = target.parts[-1], target.where
         current = _current(parent_fd, name, where, self._digests, PREVIEW_DIFF_LIMIT)
+        _check_discoverable(ws, target, missing, current)
         _check_base(up.base_sha256, current, where)
         self._check_keepable(ws, current, where)
         op: Op = "replace" if current.exists else "create"

@@ -1,8 +1,9 @@
 """Guarded writes: the only way substrate changes a file (docs/protocol.md §4).
 
 Theory of operation. A write is first *planned*, touching nothing: validate the path,
-check the policy, read the current bytes through the held parent directory fd, check
-them against `base_sha256`, compute the new bytes, their digest and the plan digest,
+check the policy, read the current bytes through the held parent directory fd, refuse
+what host tools would take for a repository or a misleading new name
+(`discoverable.check_write`), check them against `base_sha256`, compute the new bytes, their digest and the plan digest,
 check a given `plan_digest` and the operator approval. A dry run returns that plan. To
 *apply*, the new bytes go to a temp file created in the same directory (`O_CREAT |
 O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and owner;
@@ -65,7 +66,7 @@ from substrate.schema.fs import (
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import fsops, patching, paths
+from substrate.workspace import discoverable, fsops, patching, paths
 from substrate.workspace.batch_writes import BatchWriter, FileChange
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.digests import hash_fd
@@ -146,6 +147,8 @@ def _plan(
             current = _read_current(parent_fd, parts[-1], where, MAX_PATCH_FILE)
         if (new_of is None or callable(new_of)) and not current.exists:
             raise NotFound(f"{where}: not found")
+        made = (*missing, parts[-1]) if not current.exists else missing
+        discoverable.check_write(discoverable.GitDirs(ws.root_fd), parts, where, made)
         if base != current.sha256:
             if base is None:
                 raise AlreadyExists(f"{where}: exists; bind the write to its sha256 to replace it")

@@ -35,7 +35,7 @@ from typing import Literal
 import msgspec
 
 from substrate.errors import ApprovalRequired, PathDenied, Refusal
-from substrate.workspace import fsops, paths
+from substrate.workspace import discoverable, fsops, paths
 from substrate.workspace.batch_base import Landing
 from substrate.workspace.batch_dirs import DirChange
 from substrate.workspace.batch_writes import FileChange
@@ -184,6 +184,9 @@ def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
             )
             return _conflict(ws, change, reason)
     refusal = landing.refusal
+    why = discoverable.blocked_reason(refusal)  # git_dir, control_character, bidi_control
+    if why is not None:
+        return out("blocked", reason=why)
     if isinstance(refusal, PathDenied):
         return out("blocked", reason=PathDenied.name, rule=denying_rule(ws.policy, change.path))
     if isinstance(refusal, ApprovalRequired):

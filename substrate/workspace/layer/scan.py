@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from substrate.errors import NotADirectory, NotFound, Refusal, SymlinkRefused, TooLarge
-from substrate.workspace import fsops, paths
+from substrate.workspace import discoverable, fsops, paths
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.gate.diff import display_rel
 from substrate.workspace.layer.changeset import (
@@ -328,7 +328,11 @@ def scan(
                         _delete_one(lower_fd, ldir, sub, seen, budget, out, [])
                         if seen.kind == "dir" and _utf8("/".join(sub)):
                             _delete_lower_tree(lower_fd, sub, budget, out)
-    changes = ordered(out.changes)
+    # Screened whole: no piece of a git directory by content, no misleading new name.
+    kept, refused = discoverable.screen(out.changes, lower_fd)
+    for change, reason in refused:
+        out.block(tuple(change.path.split("/")), change.kind, reason)
+    changes = ordered(kept)
     shown = tuple(_previewed(upper_fd, lower_fd, c) for c in changes[:MAX_PREVIEWS])
     return ChangeSet(changes=(*shown, *changes[MAX_PREVIEWS:]), blocked=tuple(out.blocked))
 
