@@ -12,9 +12,10 @@ import pytest
 
 from substrate.workspace import homes as homes_mod
 from substrate.workspace.homes import Homes, home_key
+from substrate.workspace.identity import checkout_identity
 from tests.harness import DaemonProcess
 
-CHECKOUT = (2049, 123456)
+CHECKOUT = "2049:123456:b1733000000.000000001"
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def test_a_home_is_made_per_checkout_and_uid_owned_by_that_uid(homes: Homes) -> 
         assert (pst.st_uid, stat.S_IMODE(pst.st_mode)) == (os.geteuid(), 0o700)
     assert homes.prepare(CHECKOUT, 1000, 1001) == home  # found again, not made again
     other_uid = homes.prepare(CHECKOUT, 2000, 2000)
-    other_checkout = homes.prepare((2049, 7), 1000, 1000)
+    other_checkout = homes.prepare("2049:7:b1.000000002", 1000, 1000)
     assert len({home.source, other_uid.source, other_checkout.source}) == 3
 
 
@@ -90,7 +91,7 @@ def test_remove_takes_the_home_and_nothing_it_points_to(homes: Homes, tmp_path: 
     (outside / "sub").mkdir(parents=True)
     (outside / "sub" / "precious").write_text("keep\n")
     root = Path(homes.prepare(CHECKOUT, 1000, 1000).source)
-    other = Path(homes.prepare((1, 2), 1000, 1000).source)
+    other = Path(homes.prepare("1:2:b1.000000003", 1000, 1000).source)
     (root / "venv" / "lib").mkdir(parents=True)
     (root / "venv" / "lib" / "x.py").write_text("x\n")
     os.symlink(outside, root / "to-outside")
@@ -109,8 +110,12 @@ def test_info_reports_the_home_and_release_keeps_it_unless_told(
     c = daemon.client()
     ws = daemon.adopt(workspace_dir)
     assert "home" not in c.call("workspace.info", workspace=ws)  # no sandbox yet: none
-    st = os.stat(workspace_dir)
-    home = Path(Homes(daemon.state_dir).prepare((st.st_dev, st.st_ino), 1000, 1000).source)
+    fd = os.open(workspace_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        key = checkout_identity(fd).key
+    finally:
+        os.close(fd)
+    home = Path(Homes(daemon.state_dir).prepare(key, 1000, 1000).source)
     (home / "note").write_bytes(b"x" * 10)
     info = c.call("workspace.info", workspace=ws)
     assert info["home"] == {"bytes": 10, "files": 1, "truncated": False}

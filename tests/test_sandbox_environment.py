@@ -6,6 +6,7 @@ its identity, and outlives its sandboxes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -145,7 +146,7 @@ async def test_the_home_is_bound_read_write_and_required_by_identity(layer: Laye
         m["Target"]: m for m in layer.engine.containers[sandbox.id].request["host_config"]["mounts"]
     }
     home = binds[HOME_TARGET]
-    expected = layer.state / "homes" / home_key(layer.ws.dev_ino) / "1000"
+    expected = layer.state / "homes" / home_key(layer.ws.checkout) / "1000"
     assert home["Source"] == str(expected) and home["ReadOnly"] is False
     st = os.stat(expected)
     assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1000, 1000, 0o700)
@@ -166,9 +167,9 @@ class SwappedHomes(Homes):
         super().__init__(state)
         self.elsewhere = elsewhere
 
-    def prepare(self, dev_ino: tuple[int, int], uid: int, gid: int) -> Home:
-        real = super().prepare(dev_ino, uid, gid)
-        return Home(source=str(self.elsewhere), identity=real.identity)
+    def prepare(self, checkout: str, uid: int, gid: int, secrets: str | None = None) -> Home:
+        real = super().prepare(checkout, uid, gid, secrets)
+        return dataclasses.replace(real, source=str(self.elsewhere))
 
 
 async def test_a_home_that_is_not_the_prepared_directory_is_refused(

@@ -33,6 +33,7 @@ from substrate.workspace.registry import (
     derive_root_id,
     read_vcs,
 )
+from tests.harness import reuse_inode
 
 HEAD = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "89abcdef0123456789abcdef0123456789abcdef"
@@ -789,3 +790,43 @@ def test_a_workspace_from_before_remembered_policies_keeps_its_policy(
     env.registry.release(ws.id, "agent:0")
     with pytest.raises(PolicyLocked):
         env.registry.adopt(str(workspace_dir), None, Policy(), "agent:0")
+
+
+def test_a_reused_inode_is_a_new_checkout_with_none_of_the_old_policy(
+    env: Env, adopt_root: Path, make_workspace: Callable[..., Path]
+) -> None:
+    """`rm -rf old/` frees its inode; the next directory made gets it (ext4). The new
+    directory is another checkout: nothing remembered for the old one reaches it."""
+    old_path = make_workspace("old")
+    old = env.registry.adopt(str(old_path), None, LOCKED, "agent:0")
+    env.registry.set_policy(old.id, Policy(write_allow=["docs/**"]), "operator:0")
+    env.registry.release(old.id, "agent:0")
+    new_path = reuse_inode(old_path, adopt_root)
+    new = env.registry.adopt(str(new_path), None, None, "agent:0")
+    assert new.dev_ino == old.dev_ino  # the same (st_dev, st_ino): only that was reused
+    assert new.policy.may_read("a.pem") and new.policy.may_write("src/x.py")
+    assert new.policy.policy == env.config.policy
+    assert new.checkout != old.checkout
+    env.reopen()  # and after a restart
+    again = env.registry.adopt(str(new_path), None, None, "agent:0")
+    assert again.policy.may_read("a.pem") and again.policy.may_write("src/x.py")
+
+
+def test_reload_drops_a_workspace_whose_directory_was_replaced(
+    env: Env, adopt_root: Path, make_workspace: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The same path, another directory (here even with the old inode): the persisted
+    workspace is not re-bound to it, so its journal history and handle stay the old
+    checkout's; adopting the path again makes a new workspace."""
+    path = make_workspace("proj")
+    old = env.registry.adopt(str(path), None, None, "agent:0")
+    env.registry.close()
+    new = reuse_inode(path, adopt_root, "fresh")
+    new.rename(path)
+    env.reopen()
+    assert env.registry.all() == []
+    (entry,) = [e for e in env.journal.read(limit=1000) if e.kind == "workspace.unavailable"]
+    assert entry.workspace == old.id
+    assert entry.data == {"root_id": "proj", "refusal": "not_found", "reason": "replaced"}
+    again = env.registry.adopt(str(path), None, None, "agent:0")
+    assert again.id != old.id

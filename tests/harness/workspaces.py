@@ -99,3 +99,29 @@ def remove_tree(path: Path) -> None:
                 if not os.path.islink(p):
                     os.chmod(p, 0o700)
     shutil.rmtree(path, ignore_errors=True)
+
+
+#: How many directories `reuse_inode` makes before it gives up.
+REUSE_TRIES = 1000
+
+
+def reuse_inode(old: Path, parent: Path, stem: str = "new") -> Path:
+    """Remove `old` (a directory tree) and make directories in `parent` until one has the
+    inode `old` had (ext4 hands a freed inode out again at once); the others are removed.
+    Fails the test loudly when no reuse happens in `REUSE_TRIES` tries: a test of what a
+    reused inode inherits must never pass because none was reused."""
+    st = os.stat(old)
+    shutil.rmtree(old)
+    made: list[Path] = []
+    try:
+        for i in range(REUSE_TRIES):
+            candidate = parent / f"{stem}-{i}"
+            candidate.mkdir()
+            if os.stat(candidate).st_ino == st.st_ino and os.stat(candidate).st_dev == st.st_dev:
+                os.chown(candidate, WORKSPACE_UID, WORKSPACE_GID)
+                return candidate
+            made.append(candidate)
+    finally:
+        for path in made:
+            path.rmdir()
+    raise AssertionError(f"no directory got inode {st.st_ino} again in {REUSE_TRIES} tries")
