@@ -142,3 +142,41 @@ def test_remove_leaves_alone_what_it_did_not_make(homes: Homes) -> None:
     with pytest.raises(OSError):
         homes.remove(CHECKOUT)
     assert planted.read_text() == "not a home\n"
+
+
+def test_a_home_per_secret_set(homes: Homes) -> None:
+    assert homes_mod.secret_set({}) is None
+    one = homes_mod.secret_set({"API_KEY": "api-key"})
+    assert one == homes_mod.secret_set({"API_KEY": "api-key"})
+    assert one is not None and len(one) == 32
+    assert homes_mod.secret_set({"API_KEY": "other"}) != one  # another secret
+    assert homes_mod.secret_set({"KEY": "api-key"}) != one  # the same one elsewhere
+    two = {"A": "a", "B": "b"}
+    assert homes_mod.secret_set(two) == homes_mod.secret_set(dict(reversed(two.items())))
+    plain = homes.prepare(CHECKOUT, 1000, 1000)
+    secret = homes.prepare(CHECKOUT, 1000, 1000, one)
+    assert (plain.name, secret.name) == ("1000", f"1000-{one}")
+    assert Path(secret.source).parent == Path(plain.source).parent
+    assert secret.identity != plain.identity
+    (Path(plain.source) / "a").write_bytes(b"12")
+    (Path(secret.source) / "b").write_bytes(b"123")
+    every = homes.usage(CHECKOUT)
+    assert every is not None and (every.files, every.bytes) == (2, 5)  # all of them
+    only = homes.usage(CHECKOUT, secret.name)
+    assert only is not None and (only.files, only.bytes) == (1, 3)
+    assert homes.remove(CHECKOUT) is True
+    assert not Path(secret.source).exists() and not Path(plain.source).exists()
+
+
+def test_claim_legacy_moves_an_old_home_once_and_never_merges(homes: Homes) -> None:
+    assert homes.claim_legacy("2049:9", "2049:9:b1.000000001") == "none"
+    old = homes.directory / "2049-9" / "1000"
+    old.mkdir(parents=True)
+    (old / "note").write_text("old\n")
+    assert homes.claim_legacy("2049:9", "2049:9:b1.000000001") == "moved"
+    assert not old.parent.exists()
+    assert (Path(homes.prepare("2049:9:b1.000000001", 1000, 1000).source) / "note").exists()
+    old.mkdir(parents=True)  # another old home of the same inode: the claimed one stays
+    assert homes.claim_legacy("2049:9", "2049:9:b1.000000001") == "kept"
+    assert old.is_dir()
+    assert sorted(os.listdir(homes.directory)) == ["2049-9", "2049-9-b1.000000001"]

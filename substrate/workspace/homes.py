@@ -219,18 +219,6 @@ class Homes:
             finally:
                 os.close(top)
 
-    def checkouts(self) -> list[str]:
-        """The names of every checkout's homes directory (`home_key`), sorted: for the
-        operator's listing of homes, orphans included."""
-        top = self._open_top(create=False)
-        if top is None:
-            return []
-        try:
-            with os.scandir(top) as it:
-                return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
-        finally:
-            os.close(top)
-
 
 def _lstat(dir_fd: int, name: str) -> os.stat_result | None:
     try:

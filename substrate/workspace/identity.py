@@ -73,11 +73,6 @@ class CheckoutId:
         return (self.dev, self.ino)
 
 
-def is_legacy(key: str) -> bool:
-    """True for a key an older release stored (`st_dev:st_ino`, nothing that proves it)."""
-    return key.count(":") == 1
-
-
 def checkout_identity(fd: int) -> CheckoutId:
     """The identity of the directory open at `fd`. Refuses `path_denied` when the
     filesystem gives it neither a birth time nor a file handle."""
