@@ -71,9 +71,11 @@ def test_a_cheap_walk_is_redone_after_each_command_a_dear_one_amortised(home: Fa
     quota.check("c", "1000")
     assert home.walks == 3
     home.now += home_quota.AMORTISE * 1.0 / 2
+    assert not quota.due("c", "1000")
     quota.check("c", "1000")
     assert home.walks == 3  # too soon: the last figure stands
     home.now += home_quota.AMORTISE * 1.0
+    assert quota.due("c", "1000")
     home.usage = HomeUsage(bytes=500, files=1)
     with pytest.raises(LimitExceeded):
         quota.check("c", "1000")

@@ -100,8 +100,12 @@ class SandboxEnvironment:
         """Before a command or terminal in a sandbox with `home`: refuses `limit_exceeded`
         (`scope: "home"`) while the home is over its quota (`HomeQuota.check`: a bounded
         walk when one is due, in a worker thread; else a lookup)."""
-        if self.homes is None or home is None or self.homes.quota.quota_bytes <= 0:
+        if self.homes is None or home is None:
+            return
+        quota = self.homes.quota
+        if not quota.due(home.checkout, home.name):
+            quota.check(home.checkout, home.name, walk=False)  # the last figure stands
             return
         await trio.to_thread.run_sync(
-            self.homes.quota.check, home.checkout, home.name, limiter=self._fs_limiter
+            quota.check, home.checkout, home.name, limiter=self._fs_limiter
         )

@@ -62,17 +62,27 @@ class HomeQuota:
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, str], _Seen] = {}
 
-    def check(self, checkout: str, home: str) -> None:
+    def due(self, checkout: str, home: str) -> bool:
+        """Would `check` walk the home now? (A dict lookup: `check` is then cheap enough
+        for the event loop when this says no.)"""
+        if self.quota_bytes <= 0:
+            return False
+        with self._lock:
+            seen = self._seen.get((checkout, home))
+            return seen is None or self._due(seen)
+
+    def check(self, checkout: str, home: str, *, walk: bool = True) -> None:
         """Before a command in home `home` of `checkout`: refuse `limit_exceeded`
         (`scope: "home"`, with `bytes`, `files`, `quota_bytes`, `truncated`) while the
         home is over the quota, else count the command as one that may change it. Costs
-        a walk when one is due (see the module), else a dict lookup."""
+        a walk when one is due (see the module) and `walk` allows it (False: the last
+        figure stands, for the event loop after `due` said no), else a dict lookup."""
         if self.quota_bytes <= 0:
             return
         key = (checkout, home)
         with self._lock:
             seen = self._seen.get(key)
-            due = seen is None or self._due(seen)
+            due = seen is None or (walk and self._due(seen))
         if due:
             started = self._clock()
             usage = self._measure(checkout, home) or HomeUsage(bytes=0, files=0)

@@ -136,8 +136,10 @@ def reuse_inode(old: Path, parent: Path, stem: str = "new") -> Path:
             for path in made:
                 path.rmdir()
 
-    return wait_until(
+    found = wait_until(
         attempt,
         REUSE_WAIT_S,
         message=f"no directory got inode {st.st_ino} again ({REUSE_TRIES} per try)",
     )
+    assert found is not None  # wait_until returns only something truthy
+    return found
