@@ -48,6 +48,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     inline_output_bytes: int = 64 << 10  # larger output streams become artifacts
     artifact_quota_bytes: int = 10 << 30  # total artifact bytes kept
     artifact_max_age_s: float = 7 * 24 * 3600.0  # artifacts older than this are collected
+    #: bytes one persistent home may hold; while over, its commands are refused
+    #: limit_exceeded (checked before each, docs/environments.md); 0: no bound
+    home_quota_bytes: int = 10 << 30
     max_connections: int = 2048  # per socket; more are refused with limit_exceeded
     max_connections_per_uid: int = 1024  # per peer uid and socket; more: limit_exceeded
     max_in_flight: int = 64  # concurrent requests per connection
@@ -114,6 +117,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         raise ConfigError("max_request_bytes: must be at least 1024")
     if config.inline_hash_bytes < 0:
         raise ConfigError("inline_hash_bytes: must not be negative")
+    if config.home_quota_bytes < 0:
+        raise ConfigError("home_quota_bytes: must not be negative")
     if config.preimage_quota_bytes < 0:
         raise ConfigError("preimage_quota_bytes: must not be negative")
     if config.max_kept_changesets < 1:

@@ -296,7 +296,14 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     egress = EgressProxy(upstream=from_environ(os.environ))
     try:
         execution = Execution(
-            config, store, journal, state_dir, fs_limiter=fs_limiter, writer=writer, egress=egress
+            config,
+            store,
+            journal,
+            state_dir,
+            fs_limiter=fs_limiter,
+            writer=writer,
+            egress=egress,
+            homes=workspaces.homes,
         )
     except ProfileError as exc:
         raise StartupError(str(exc)) from None

@@ -12,9 +12,10 @@ import pytest
 
 from substrate.workspace import homes as homes_mod
 from substrate.workspace.homes import Homes, home_key
+from substrate.workspace.identity import checkout_identity
 from tests.harness import DaemonProcess
 
-CHECKOUT = (2049, 123456)
+CHECKOUT = "2049:123456:b1733000000.000000001"
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def test_a_home_is_made_per_checkout_and_uid_owned_by_that_uid(homes: Homes) -> 
         assert (pst.st_uid, stat.S_IMODE(pst.st_mode)) == (os.geteuid(), 0o700)
     assert homes.prepare(CHECKOUT, 1000, 1001) == home  # found again, not made again
     other_uid = homes.prepare(CHECKOUT, 2000, 2000)
-    other_checkout = homes.prepare((2049, 7), 1000, 1000)
+    other_checkout = homes.prepare("2049:7:b1.000000002", 1000, 1000)
     assert len({home.source, other_uid.source, other_checkout.source}) == 3
 
 
@@ -90,7 +91,7 @@ def test_remove_takes_the_home_and_nothing_it_points_to(homes: Homes, tmp_path: 
     (outside / "sub").mkdir(parents=True)
     (outside / "sub" / "precious").write_text("keep\n")
     root = Path(homes.prepare(CHECKOUT, 1000, 1000).source)
-    other = Path(homes.prepare((1, 2), 1000, 1000).source)
+    other = Path(homes.prepare("1:2:b1.000000003", 1000, 1000).source)
     (root / "venv" / "lib").mkdir(parents=True)
     (root / "venv" / "lib" / "x.py").write_text("x\n")
     os.symlink(outside, root / "to-outside")
@@ -109,8 +110,12 @@ def test_info_reports_the_home_and_release_keeps_it_unless_told(
     c = daemon.client()
     ws = daemon.adopt(workspace_dir)
     assert "home" not in c.call("workspace.info", workspace=ws)  # no sandbox yet: none
-    st = os.stat(workspace_dir)
-    home = Path(Homes(daemon.state_dir).prepare((st.st_dev, st.st_ino), 1000, 1000).source)
+    fd = os.open(workspace_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        key = checkout_identity(fd).key
+    finally:
+        os.close(fd)
+    home = Path(Homes(daemon.state_dir).prepare(key, 1000, 1000).source)
     (home / "note").write_bytes(b"x" * 10)
     info = c.call("workspace.info", workspace=ws)
     assert info["home"] == {"bytes": 10, "files": 1, "truncated": False}
@@ -137,3 +142,41 @@ def test_remove_leaves_alone_what_it_did_not_make(homes: Homes) -> None:
     with pytest.raises(OSError):
         homes.remove(CHECKOUT)
     assert planted.read_text() == "not a home\n"
+
+
+def test_a_home_per_secret_set(homes: Homes) -> None:
+    assert homes_mod.secret_set({}) is None
+    one = homes_mod.secret_set({"API_KEY": "api-key"})
+    assert one == homes_mod.secret_set({"API_KEY": "api-key"})
+    assert one is not None and len(one) == 32
+    assert homes_mod.secret_set({"API_KEY": "other"}) != one  # another secret
+    assert homes_mod.secret_set({"KEY": "api-key"}) != one  # the same one elsewhere
+    two = {"A": "a", "B": "b"}
+    assert homes_mod.secret_set(two) == homes_mod.secret_set(dict(reversed(two.items())))
+    plain = homes.prepare(CHECKOUT, 1000, 1000)
+    secret = homes.prepare(CHECKOUT, 1000, 1000, one)
+    assert (plain.name, secret.name) == ("1000", f"1000-{one}")
+    assert Path(secret.source).parent == Path(plain.source).parent
+    assert secret.identity != plain.identity
+    (Path(plain.source) / "a").write_bytes(b"12")
+    (Path(secret.source) / "b").write_bytes(b"123")
+    every = homes.usage(CHECKOUT)
+    assert every is not None and (every.files, every.bytes) == (2, 5)  # all of them
+    only = homes.usage(CHECKOUT, secret.name)
+    assert only is not None and (only.files, only.bytes) == (1, 3)
+    assert homes.remove(CHECKOUT) is True
+    assert not Path(secret.source).exists() and not Path(plain.source).exists()
+
+
+def test_claim_legacy_moves_an_old_home_once_and_never_merges(homes: Homes) -> None:
+    assert homes.claim_legacy("2049:9", "2049:9:b1.000000001") == "none"
+    old = homes.directory / "2049-9" / "1000"
+    old.mkdir(parents=True)
+    (old / "note").write_text("old\n")
+    assert homes.claim_legacy("2049:9", "2049:9:b1.000000001") == "moved"
+    assert not old.parent.exists()
+    assert (Path(homes.prepare("2049:9:b1.000000001", 1000, 1000).source) / "note").exists()
+    old.mkdir(parents=True)  # another old home of the same inode: the claimed one stays
+    assert homes.claim_legacy("2049:9", "2049:9:b1.000000001") == "kept"
+    assert old.is_dir()
+    assert sorted(os.listdir(homes.directory)) == ["2049-9", "2049-9-b1.000000001"]

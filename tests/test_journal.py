@@ -12,6 +12,7 @@ import pytest
 
 from substrate.store.db import Store
 from substrate.store.journal import GENESIS, Draft, Entry, Journal, canonical, entry_hash
+from tests.harness import DaemonProcess, reuse_inode
 
 
 @pytest.fixture
@@ -287,3 +288,27 @@ def test_entry_hash_is_stable() -> None:
     )
     assert digest == hashlib.sha256(GENESIS.encode() + literal).hexdigest()
     assert digest == "8d184a88f518d39231da19dea4988c6e847bfb980c95896a215150f9b72014ec"
+
+
+def test_replay_of_a_new_directory_at_a_workspace_path_lists_none_of_the_old_writes(
+    daemon: DaemonProcess, workspace_dir: Path
+) -> None:
+    """The daemon stopped, the checkout was removed and another directory made at its path
+    (with the old inode, as ext4 gives it): the persisted workspace is not re-bound to
+    it, so the new checkout's replay holds none of the old one's writes."""
+    c = daemon.client()
+    ws = daemon.adopt(workspace_dir)
+    for i in range(5):
+        c.call("fs.write", workspace=ws, path=f"w{i}.txt", content="old\n", base_sha256=None)
+    assert len(c.call("journal.replay", workspace=ws)["files"]) == 5
+    daemon.stop()
+    fresh = reuse_inode(workspace_dir, workspace_dir.parent, "fresh")
+    fresh.rename(workspace_dir)
+    (workspace_dir / "w0.txt").write_text("new\n")
+    daemon.start()
+    c = daemon.client()
+    assert c.call("workspace.list")["workspaces"] == []
+    again = daemon.adopt(workspace_dir)
+    assert again != ws
+    replay = c.call("journal.replay", workspace=again)
+    assert (replay["files"], replay["drifted"]) == ([], 0)

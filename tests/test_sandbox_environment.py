@@ -6,6 +6,7 @@ its identity, and outlives its sandboxes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from collections.abc import Callable, Iterator
@@ -16,14 +17,14 @@ from typing import Any
 import pytest
 from fake_execution import IMAGE, PROFILES, Layer, fake_layer
 
-from substrate.errors import ConfinementUnmet, SecretUnknown
+from substrate.errors import ConfinementUnmet, LimitExceeded, SecretUnknown
 from substrate.process.argv import exec_env
 from substrate.pty.docker import DockerPtys
 from substrate.sandbox.fake_engine import FakeExec
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import HOME_TARGET
 from substrate.secrets import SecretStore
-from substrate.workspace.homes import Home, Homes, home_key
+from substrate.workspace.homes import Home, Homes, home_key, secret_set
 
 # The fake engine keeps no working layers: plain-bind ("rw") profiles.
 SECRET = Profile(name="secret", image=IMAGE, workspace="rw", secrets={"API_TOKEN": "api-token"})
@@ -145,7 +146,7 @@ async def test_the_home_is_bound_read_write_and_required_by_identity(layer: Laye
         m["Target"]: m for m in layer.engine.containers[sandbox.id].request["host_config"]["mounts"]
     }
     home = binds[HOME_TARGET]
-    expected = layer.state / "homes" / home_key(layer.ws.dev_ino) / "1000"
+    expected = layer.state / "homes" / home_key(layer.ws.checkout) / "1000"
     assert home["Source"] == str(expected) and home["ReadOnly"] is False
     st = os.stat(expected)
     assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1000, 1000, 0o700)
@@ -166,9 +167,9 @@ class SwappedHomes(Homes):
         super().__init__(state)
         self.elsewhere = elsewhere
 
-    def prepare(self, dev_ino: tuple[int, int], uid: int, gid: int) -> Home:
-        real = super().prepare(dev_ino, uid, gid)
-        return Home(source=str(self.elsewhere), identity=real.identity)
+    def prepare(self, checkout: str, uid: int, gid: int, secrets: str | None = None) -> Home:
+        real = super().prepare(checkout, uid, gid, secrets)
+        return dataclasses.replace(real, source=str(self.elsewhere))
 
 
 async def test_a_home_that_is_not_the_prepared_directory_is_refused(
@@ -181,3 +182,33 @@ async def test_a_home_that_is_not_the_prepared_directory_is_refused(
         await layer.containers.ensure(layer.ws, BOX)
     assert "home_identity" in caught.value.data["required"]
     assert layer.engine.containers == {}
+
+
+async def test_a_profile_holding_secrets_gets_the_home_of_its_secret_set(layer: Layer) -> None:
+    store(layer).set("api-token", b"t")
+    plain = await layer.containers.ensure(layer.ws, BOX)
+    secret = await layer.containers.ensure(layer.ws, SECRET)
+    assert plain.home is not None and secret.home is not None
+    assert secret.home.name == f"1000-{secret_set(SECRET.secrets)}" and plain.home.name == "1000"
+    assert Path(secret.home.source).parent == Path(plain.home.source).parent
+    binds = {
+        m["Target"]: m for m in layer.engine.containers[secret.id].request["host_config"]["mounts"]
+    }
+    assert binds[HOME_TARGET]["Source"] == secret.home.source
+    st = os.stat(secret.home.source)
+    assert {f.name: f.value for f in secret.facts}["home_identity"] == f"{st.st_dev}:{st.st_ino}"
+
+
+async def test_a_home_over_its_quota_refuses_the_next_command(layer: Layer) -> None:
+    homes = layer.containers.environment.homes
+    assert homes is not None
+    homes.quota.quota_bytes = 100
+    sandbox = await layer.containers.ensure(layer.ws, BOX)
+    assert sandbox.home is not None
+    big = Path(sandbox.home.source) / "big"
+    big.write_bytes(b"x" * 200)
+    with pytest.raises(LimitExceeded) as caught:
+        await layer.processes.run(layer.request(["printenv"], "box"))
+    assert caught.value.data["scope"] == "home" and caught.value.data["bytes"] == 200
+    big.unlink()
+    await output(layer, "box")

@@ -33,6 +33,7 @@ from substrate.workspace.registry import (
     derive_root_id,
     read_vcs,
 )
+from tests.harness import reuse_inode
 
 HEAD = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "89abcdef0123456789abcdef0123456789abcdef"
@@ -789,3 +790,119 @@ def test_a_workspace_from_before_remembered_policies_keeps_its_policy(
     env.registry.release(ws.id, "agent:0")
     with pytest.raises(PolicyLocked):
         env.registry.adopt(str(workspace_dir), None, Policy(), "agent:0")
+
+
+def test_a_reused_inode_is_a_new_checkout_with_none_of_the_old_policy(
+    env: Env, adopt_root: Path, make_workspace: Callable[..., Path]
+) -> None:
+    """`rm -rf old/` frees its inode; the next directory made gets it (ext4). The new
+    directory is another checkout: nothing remembered for the old one reaches it."""
+    old_path = make_workspace("old")
+    old = env.registry.adopt(str(old_path), None, LOCKED, "agent:0")
+    env.registry.set_policy(old.id, Policy(write_allow=["docs/**"]), "operator:0")
+    env.registry.release(old.id, "agent:0")
+    new_path = reuse_inode(old_path, adopt_root)
+    new = env.registry.adopt(str(new_path), None, None, "agent:0")
+    assert new.dev_ino == old.dev_ino  # the same (st_dev, st_ino): only that was reused
+    assert new.policy.may_read("a.pem") and new.policy.may_write("src/x.py")
+    assert new.policy.policy == env.config.policy
+    assert new.checkout != old.checkout
+    env.reopen()  # and after a restart
+    again = env.registry.adopt(str(new_path), None, None, "agent:0")
+    assert again.policy.may_read("a.pem") and again.policy.may_write("src/x.py")
+
+
+def test_reload_drops_a_workspace_whose_directory_was_replaced(
+    env: Env, adopt_root: Path, make_workspace: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The same path, another directory (here even with the old inode): the persisted
+    workspace is not re-bound to it, so its journal history and handle stay the old
+    checkout's; adopting the path again makes a new workspace."""
+    path = make_workspace("proj")
+    old = env.registry.adopt(str(path), None, None, "agent:0")
+    env.registry.close()
+    new = reuse_inode(path, adopt_root, "fresh")
+    new.rename(path)
+    env.reopen()
+    assert env.registry.all() == []
+    (entry,) = [e for e in env.journal.read(limit=1000) if e.kind == "workspace.unavailable"]
+    assert entry.workspace == old.id
+    assert entry.data == {"root_id": "proj", "refusal": "not_found", "reason": "replaced"}
+    again = env.registry.adopt(str(path), None, None, "agent:0")
+    assert again.id != old.id
+
+
+def make_legacy(env: Env, ws: adopted.Workspace) -> Path:
+    """Rewrite what `ws` left in the store and homes as a release keeping (st_dev,
+    st_ino) only would have: no identity in its row, its checkout and home by
+    `st_dev:st_ino`. Returns the legacy home (with a note in it)."""
+    legacy = f"{ws.dev_ino[0]}:{ws.dev_ino[1]}"
+    with env.store.transaction() as db:
+        db.execute("UPDATE workspaces SET checkout = NULL")
+        db.execute("UPDATE checkout_policies SET checkout = ?", (legacy,))
+    home = env.state_dir / "homes" / legacy.replace(":", "-") / "1000"
+    home.mkdir(parents=True)
+    (home / "note").write_text("an old session\n")
+    return home
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_an_older_release_s_workspace_and_home_are_migrated_once_when_the_path_matches(
+    env: Env, workspace_dir: Path, released: bool
+) -> None:
+    """At the restart (a persisted workspace) or at the next adoption (a released one)."""
+    ws = env.registry.adopt(str(workspace_dir), None, LOCKED, "agent:0")
+    if released:
+        env.registry.release(ws.id, "agent:0")
+    old_home = make_legacy(env, ws)
+    env.reopen()
+    if released:
+        again = env.registry.adopt(str(workspace_dir), None, None, "agent:0")
+    else:
+        again = env.registry.get(ws.id)
+    assert again.checkout == ws.checkout and not again.policy.may_read("a.pem")
+    assert not old_home.parent.exists()
+    moved = env.state_dir / "homes" / ws.checkout.replace(":", "-") / "1000" / "note"
+    assert moved.read_text() == "an old session\n"
+    (entry,) = [e for e in env.journal.read(limit=1000) if e.kind == "workspace.identity_migrated"]
+    assert entry.workspace == again.id
+    assert entry.data == {"root_id": ws.root_id, "home": "moved"}
+    rows = env.store.query("SELECT checkout FROM checkout_policies")
+    assert [r["checkout"] for r in rows] == [ws.checkout]
+    env.reopen()  # once
+    assert env.kinds().count("workspace.identity_migrated") == 1
+
+
+def test_an_older_release_s_state_is_never_handed_over_by_inode_alone(
+    env: Env, adopt_root: Path, make_workspace: Callable[..., Path]
+) -> None:
+    """Its row says st_dev:st_ino and a path; the inode is another directory's now, at
+    another path: neither the policy nor the home go to it; the home stays, an orphan."""
+    old_path = make_workspace("old")
+    old = env.registry.adopt(str(old_path), None, LOCKED, "agent:0")
+    env.registry.release(old.id, "agent:0")
+    old_home = make_legacy(env, old)
+    env.reopen()
+    new_path = reuse_inode(old_path, adopt_root)
+    new = env.registry.adopt(str(new_path), None, None, "agent:0")
+    assert new.dev_ino == old.dev_ino
+    assert new.policy.may_read("a.pem")
+    assert (old_home / "note").read_text() == "an old session\n"
+    assert not (env.state_dir / "homes" / new.checkout.replace(":", "-")).exists()
+    assert "workspace.identity_migrated" not in env.kinds()
+
+
+def test_an_older_release_s_workspace_at_a_replaced_path_is_dropped(
+    env: Env, adopt_root: Path, make_workspace: Callable[..., Path]
+) -> None:
+    path = make_workspace("proj")
+    ws = env.registry.adopt(str(path), None, None, "agent:0")
+    old_home = make_legacy(env, ws)
+    env.registry.close()
+    os.rename(path, adopt_root / "elsewhere")  # keeps the old inode busy: a new one at path
+    path.mkdir()
+    env.reopen()
+    assert env.registry.all() == []
+    (entry,) = [e for e in env.journal.read(limit=1000) if e.kind == "workspace.unavailable"]
+    assert entry.data["reason"] == "replaced"
+    assert (old_home / "note").exists()

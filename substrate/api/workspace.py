@@ -85,7 +85,7 @@ async def info(daemon: Daemon, caller: Caller, p: WorkspaceRef) -> WorkspaceInfo
     found = await trio.to_thread.run_sync(ws.info)
     homes = daemon.execution.homes
     # A bounded walk (homes.MAX_USAGE_ENTRIES): at most a few hundred milliseconds.
-    home = await trio.to_thread.run_sync(homes.usage, ws.dev_ino, limiter=daemon.fs_limiter)
+    home = await trio.to_thread.run_sync(homes.usage, ws.checkout, limiter=daemon.fs_limiter)
     return msgspec.structs.replace(found, home=home)
 
 
@@ -98,18 +98,16 @@ async def release(daemon: Daemon, caller: Caller, p: ReleaseParams) -> ReleaseRe
         return ReleaseResult(workspace=ws.id, released=True, home="kept")
     # Its sandboxes are gone and the checkout is no longer adopted: nothing uses the home.
     removed = await trio.to_thread.run_sync(
-        _remove_home, daemon, ws.dev_ino, ws.root_id, ws.id, caller.name
+        _remove_home, daemon, ws.checkout, ws.root_id, ws.id, caller.name
     )
     return ReleaseResult(workspace=ws.id, released=True, home="removed" if removed else "none")
 
 
-def _remove_home(
-    daemon: Daemon, dev_ino: tuple[int, int], root_id: str, workspace: str, actor: str
-) -> bool:
-    """Remove the checkout's home (`Homes.remove`) and journal it; False: it had none.
+def _remove_home(daemon: Daemon, checkout: str, root_id: str, workspace: str, actor: str) -> bool:
+    """Remove the checkout's homes, every uid's and secret set's (`Homes.remove`) and journal it; False: it had none.
     Refuses `internal` when it cannot be removed whole (the workspace stays released)."""
     try:
-        if not daemon.execution.homes.remove(dev_ino):
+        if not daemon.execution.homes.remove(checkout):
             return False
     except OSError as exc:
         # The reason names a host path: the log has it, the client does not.

@@ -70,6 +70,7 @@ class Execution:
         engine: Engine | None = None,
         writer: Writer | None = None,
         egress: EgressProxy | None = None,
+        homes: Homes | None = None,
     ) -> None:
         self.config = config
         self.journal = journal
@@ -80,7 +81,9 @@ class Execution:
         self.daemon_id = daemon_id_for(state_dir)
         #: Operator secrets (`substrate secret set`) and the workspaces' persistent homes.
         self.secrets = SecretStore(state_dir)
-        self.homes = Homes(state_dir)
+        self.homes = (
+            homes if homes is not None else Homes(state_dir, quota_bytes=config.home_quota_bytes)
+        )
         self._warn_missing_secrets()
         self.artifacts = ArtifactStore(
             store,

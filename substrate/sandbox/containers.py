@@ -164,7 +164,8 @@ class Containers:
 
         Refuses `confinement_unmet` (root owner without allow_root; a fact that does not
         hold; a labelled container with weaker settings), `runtime_unavailable`,
-        `image_missing`, `secret_unknown` (a secret the profile names is not set). A warm
+        `image_missing`, `secret_unknown` (a secret the profile names is not set),
+        `limit_exceeded` (its home is over `home_quota_bytes`). A warm
         call costs one procfs read (and one lstat per secret of the profile); a cold one a
         container start and a fact check (a few hundred milliseconds).
         """
@@ -186,6 +187,7 @@ class Containers:
         if self.environment.secrets_changed(profile, found.secrets_version):
             # Set again or removed since they were read (`secret_unknown` once removed).
             found.profile, found.secrets_version = await self.environment.load_secrets(profile)
+        await self.environment.check_home(found.home)
         return found
 
     def _alive(self, sandbox: Sandbox) -> bool:
@@ -254,7 +256,8 @@ class Containers:
         ro_dirs = await trio.to_thread.run_sync(
             mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
         )
-        home = await self.environment.prepare_home(ws, who)
+        home = await self.environment.prepare_home(ws, who, profile)
+        await self.environment.check_home(home)  # over its quota: nothing is made
         layer = None
         if profile.workspace == "layer":
             passthrough.check_policy(ws.policy, profile.passthrough)

@@ -5,7 +5,11 @@ workspace's persistent home (docs/protocol.md §12, docs/environments.md).
 values a profile names (before a sandbox is made, so a missing one refuses
 `secret_unknown` with nothing created; and again whenever `secrets_changed` says their
 files changed, one lstat each, so a value set with `substrate secret set` reaches the
-next command); `prepare_home` makes or finds the home bound at /home/agent.
+next command); `prepare_home` makes or finds the home bound at /home/agent: the one of
+the workspace's checkout for the uid that runs and the profile's *secret set*
+(`homes.secret_set`), so a profile holding secrets never runs code, or leaves data, in a
+home that a profile without them (or with others) can write or read; `check_home`
+refuses a command while its home is over `home_quota_bytes`.
 
 The values end up in `Sandbox.profile.env` (`profiles.with_secrets`), which
 `process.argv.exec_env` gives each exec; the container itself is created from the
@@ -23,7 +27,7 @@ from substrate.sandbox import profiles
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import RunAs
 from substrate.secrets import SecretStore
-from substrate.workspace.homes import Home, Homes
+from substrate.workspace.homes import Home, Homes, secret_set
 from substrate.workspace.registry import Workspace
 
 log = logging.getLogger("substrate.sandbox.environment")
@@ -69,14 +73,21 @@ class SandboxEnvironment:
             return False
         return self.secrets.version(profile.secrets.values()) != version
 
-    async def prepare_home(self, ws: Workspace, who: RunAs) -> Home | None:
-        """The workspace's persistent home for `who`, made if missing (`Homes.prepare`).
-        Refuses `runtime_unavailable` when it cannot be made (the log says why)."""
+    async def prepare_home(self, ws: Workspace, who: RunAs, profile: Profile) -> Home | None:
+        """The workspace's persistent home for `who` and `profile`'s secret set, made if
+        missing (`Homes.prepare`). Refuses `runtime_unavailable` when it cannot be made
+        (the log says why)."""
         if self.homes is None:
             return None
+        secrets = secret_set(profile.secrets)
         try:
             return await trio.to_thread.run_sync(
-                self.homes.prepare, ws.dev_ino, who.uid, who.gid, limiter=self._fs_limiter
+                self.homes.prepare,
+                ws.checkout,
+                who.uid,
+                who.gid,
+                secrets,
+                limiter=self._fs_limiter,
             )
         except OSError as exc:
             # The reason names a host path: the log has it, the client does not.
@@ -84,3 +95,17 @@ class SandboxEnvironment:
             raise RuntimeUnavailable(
                 "the workspace's persistent home cannot be prepared (see the log)"
             ) from None
+
+    async def check_home(self, home: Home | None) -> None:
+        """Before a command or terminal in a sandbox with `home`: refuses `limit_exceeded`
+        (`scope: "home"`) while the home is over its quota (`HomeQuota.check`: a bounded
+        walk when one is due, in a worker thread; else a lookup)."""
+        if self.homes is None or home is None:
+            return
+        quota = self.homes.quota
+        if not quota.due(home.checkout, home.name):
+            quota.check(home.checkout, home.name, walk=False)  # the last figure stands
+            return
+        await trio.to_thread.run_sync(
+            quota.check, home.checkout, home.name, limiter=self._fs_limiter
+        )

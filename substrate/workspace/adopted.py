@@ -82,6 +82,9 @@ class Workspace:
     owner_gid: int
     adopted: float
     dev_ino: tuple[int, int]
+    #: The checkout's identity (`CheckoutId.key`): what its remembered policy, homes and
+    #: change sets are kept by, and what a persisted workspace must still match.
+    checkout: str
     #: The root's resolved host path (internal): how nested checkouts are found.
     checkout_path: str
     #: Serialises the check-then-rename of guarded writes in this workspace.

@@ -2,8 +2,9 @@
 operator).
 
 A checkout's own policy (what the operator set with `workspace.set_policy`, plus what
-agents added at adopt) is kept in the store by the identity of its root directory,
-across release and restarts. Its effective policy is the operator's default plus that,
+agents added at adopt) is kept in the store by the identity of its root directory
+(`substrate.workspace.identity`: st_dev, st_ino and what a reused inode cannot
+inherit), across release and restarts. Its effective policy is the operator's default plus that,
 plus the rules of every remembered checkout nested in it (prefixed) or enclosing it
 (re-rooted): `substrate.workspace.policy` does the glob arithmetic, this module the bookkeeping.
 
@@ -23,6 +24,7 @@ import msgspec
 from substrate.errors import PolicyLocked
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
+from substrate.workspace.identity import CheckoutId
 from substrate.workspace.policy import (
     DENY_LISTS,
     additions,
@@ -34,7 +36,8 @@ from substrate.workspace.policy import (
 )
 
 SCHEMA = """
--- `checkout`: "st_dev:st_ino" of the root; `path`: its resolved host path when last
+-- `checkout`: the root's identity (`CheckoutId.key`; "st_dev:st_ino" in rows an older
+-- release made, matched by path only, never by that key); `path`: its resolved host path when last
 -- adopted, to find the checkouts nested in or enclosing another; `policy`: its own
 -- policy (JSON), beside the operator's default.
 CREATE TABLE IF NOT EXISTS checkout_policies (
@@ -48,11 +51,6 @@ CREATE INDEX IF NOT EXISTS checkout_policies_path ON checkout_policies(path);
 
 #: A policy with no rule at all (`Policy()` holds the default `.git/**`).
 NOTHING = Policy(write_deny=[])
-
-
-def checkout_key(dev_ino: tuple[int, int]) -> str:
-    """A checkout's identity (text: st_ino may not fit SQLite's signed 64 bits)."""
-    return f"{dev_ino[0]}:{dev_ino[1]}"
 
 
 def nested(inner: str, outer: str) -> bool:
@@ -86,6 +84,21 @@ class CheckoutPolicies:
                 "SELECT 1 FROM checkout_policies WHERE checkout = ? OR path = ?", (key, path)
             )
         )
+
+    def legacy_at(self, ident: CheckoutId, path: str) -> bool:
+        """Did an older release remember this checkout: a row keyed by its st_dev:st_ino
+        alone *and* recorded at this path? The closest an old row comes to proving it is
+        this directory (`save` then takes its policy over, by path, and drops it)."""
+        return bool(
+            self._store.query(
+                "SELECT 1 FROM checkout_policies WHERE checkout = ? AND path = ?",
+                (ident.legacy, path),
+            )
+        )
+
+    def recorded_at(self, path: str) -> bool:
+        """Is any checkout remembered at this path?"""
+        return bool(self._store.query("SELECT 1 FROM checkout_policies WHERE path = ?", (path,)))
 
     def own(self, key: str, path: str) -> Policy:
         """The checkout's own policy: by its identity, and by its path when another

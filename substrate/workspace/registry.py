@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import sqlite3
 import stat
 import threading
 import time
@@ -46,11 +47,12 @@ from substrate.workspace.adopted import Workspace as Workspace
 from substrate.workspace.checkouts import (
     NOTHING,
     CheckoutPolicies,
-    checkout_key,
     glob_count,
     nested,
     summary,
 )
+from substrate.workspace.homes import Homes
+from substrate.workspace.identity import CheckoutId, checkout_identity
 from substrate.workspace.policy import (
     DENY_LISTS,
     GIT_NAME,
@@ -78,6 +80,10 @@ CREATE TABLE IF NOT EXISTS workspaces (
 );
 """
 
+#: Added since: the checkout's identity (`CheckoutId.key`) the workspace was adopted
+#: with. NULL in a row an older release made (migrated once at start, see `_reload`).
+ADDED_COLUMNS = {"checkout": "TEXT"}
+
 #: How long `release` waits for operations using the root fd before returning anyway
 #: (the fd is then closed by the last of them to finish, never under one).
 RELEASE_DRAIN_S = 30.0
@@ -101,8 +107,12 @@ class WorkspaceRegistry:
         self._lock = threading.Lock()
         self._by_id: dict[str, Workspace] = {}
         store.ensure_schema(SCHEMA)
+        store.ensure_columns("workspaces", ADDED_COLUMNS)
         self._approvals = Approvals(store)
         self._checkouts = CheckoutPolicies(store, config.policy)
+        #: The checkouts' persistent homes (the sandboxes' `$HOME`): kept by the same
+        #: identity, so an older release's are migrated here with their checkout.
+        self.homes = Homes(state_dir, quota_bytes=config.home_quota_bytes)
         self._reload()
 
     # -- adoption ------------------------------------------------------------------------
@@ -185,9 +195,10 @@ class WorkspaceRegistry:
             if not stat.S_ISDIR(st.st_mode):
                 raise NotADirectory("workspace path is not a directory")
             self._check_state_dir_outside(root_fd)
+            ident = checkout_identity(root_fd)
             with self._lock:
                 for ws in self._by_id.values():
-                    if ws.dev_ino == (st.st_dev, st.st_ino):
+                    if ws.checkout == ident.key:
                         if policy is not None:
                             self._add_policy(ws, policy, actor)
                         os.close(root_fd)
@@ -198,7 +209,8 @@ class WorkspaceRegistry:
                 chosen = root_id or self._free_root_id(
                     derive_root_id(os.path.basename(os.path.normpath(path))), taken
                 )
-                key = checkout_key((st.st_dev, st.st_ino))
+                key = ident.key
+                legacy = self._checkouts.legacy_at(ident, checkout_path)
                 own = self._checkouts.own(key, checkout_path)
                 added = NOTHING
                 if policy is not None:
@@ -213,21 +225,25 @@ class WorkspaceRegistry:
                     owner_uid=st.st_uid,
                     owner_gid=st.st_gid,
                     adopted=round(time.time(), 6),
-                    dev_ino=(st.st_dev, st.st_ino),
+                    dev_ino=ident.dev_ino,
+                    checkout=key,
                     checkout_path=checkout_path,
                 )
                 with self._store.transaction() as db:
+                    if legacy:
+                        self._migrate_in(db, ident, ws.root_id, ws.id)
                     self._checkouts.save(db, key, checkout_path, own)
                     policies = self._recompute([ws, *self._related_live(checkout_path)])
                     db.execute(
-                        "INSERT INTO workspaces(id, root_id, path, policy, adopted)"
-                        " VALUES (?, ?, ?, ?, ?)",
+                        "INSERT INTO workspaces(id, root_id, path, policy, adopted, checkout)"
+                        " VALUES (?, ?, ?, ?, ?, ?)",
                         (
                             ws.id,
                             ws.root_id,
                             ws.host_path,
                             msgspec.json.encode(policies[ws.id].policy).decode(),
                             ws.adopted,
+                            key,
                         ),
                     )
                     vcs = read_vcs(root_fd)
@@ -264,30 +280,48 @@ class WorkspaceRegistry:
         return f"{base[:60]}-{n}"
 
     def _reload(self) -> None:
-        """Re-adopt persisted workspaces at start; one that cannot be reopened is dropped.
+        """Re-adopt persisted workspaces at start. One that cannot be reopened, or whose
+        path now holds another directory than the one adopted (another identity, even
+        with the old inode), is dropped (`workspace.unavailable`): its handle and journal
+        history are never given to that directory, which is adopted anew when asked.
 
         A workspace persisted before checkouts had remembered policies gets its stored
-        policy remembered as its checkout's, so an upgrade loosens nothing.
+        policy remembered as its checkout's, so an upgrade loosens nothing. One persisted
+        by a release that kept no identity is migrated once, when the checkout remembered
+        at its path has the st_dev:st_ino it has now (`_migrate_in`); else dropped.
         """
         for row in self._store.query("SELECT * FROM workspaces ORDER BY adopted"):
             try:
                 root_fd, checkout_path = self._open_under_adopt_root(row["path"])
             except Refusal as refusal:
-                self._journal.append(
-                    "workspace.unavailable",
-                    {"root_id": row["root_id"], "refusal": refusal.name},
-                    workspace=row["id"],
-                )
-                with self._store.transaction() as db:
-                    db.execute("DELETE FROM workspaces WHERE id = ?", (row["id"],))
+                self._drop_row(row, {"refusal": refusal.name})
                 continue
-            st = os.fstat(root_fd)
-            key = checkout_key((st.st_dev, st.st_ino))
-            if not self._checkouts.known(key, checkout_path):
-                stored = msgspec.json.decode(row["policy"], type=Policy)
+            try:
+                ident = checkout_identity(root_fd)
+            except Refusal as refusal:
+                os.close(root_fd)
+                self._drop_row(row, {"refusal": refusal.name})
+                continue
+            recorded: str | None = row["checkout"]
+            legacy = recorded is None and self._checkouts.legacy_at(ident, checkout_path)
+            if not self._same_checkout(recorded, legacy, ident, checkout_path):
+                os.close(root_fd)
+                self._drop_row(row, {"refusal": "not_found", "reason": "replaced"})
+                continue
+            key = ident.key
+            known = self._checkouts.known(key, checkout_path)
+            if legacy or recorded is None or not known:
                 with self._store.transaction() as db:
-                    own = subtract(stored, self._config.policy)
+                    if legacy:
+                        self._migrate_in(db, ident, row["root_id"], row["id"])
+                    db.execute("UPDATE workspaces SET checkout = ? WHERE id = ?", (key, row["id"]))
+                    if not known:
+                        stored = msgspec.json.decode(row["policy"], type=Policy)
+                        own = subtract(stored, self._config.policy)
+                    else:
+                        own = self._checkouts.own(key, checkout_path)
                     self._checkouts.save(db, key, checkout_path, own)
+            st = os.fstat(root_fd)
             self._by_id[row["id"]] = Workspace(
                 id=row["id"],
                 root_id=row["root_id"],
@@ -297,12 +331,50 @@ class WorkspaceRegistry:
                 owner_uid=st.st_uid,
                 owner_gid=st.st_gid,
                 adopted=row["adopted"],
-                dev_ino=(st.st_dev, st.st_ino),
+                dev_ino=ident.dev_ino,
+                checkout=key,
                 checkout_path=checkout_path,
             )
         # No cap here: what was adopted stays adopted; the cap applies to changes.
         live = list(self._by_id.values())
         self._apply(self._recompute(live, capped=False), None)
+
+    def _same_checkout(
+        self, recorded: str | None, legacy: bool, ident: CheckoutId, path: str
+    ) -> bool:
+        """Is the directory now at a persisted workspace's path the checkout it adopted?
+        Its recorded identity says; a row of an older release (none recorded) passes when
+        the checkout remembered at that path has this st_dev:st_ino (`legacy`), or when
+        no checkout was remembered there at all (a database older than remembered
+        policies: the path is all it ever kept)."""
+        if recorded is not None:
+            return recorded == ident.key
+        return legacy or not self._checkouts.recorded_at(path)
+
+    def _drop_row(self, row: sqlite3.Row, why: dict[str, str]) -> None:
+        """A persisted workspace that is not there any more: journaled and forgotten."""
+        self._journal.append(
+            "workspace.unavailable", {"root_id": row["root_id"], **why}, workspace=row["id"]
+        )
+        with self._store.transaction() as db:
+            db.execute("DELETE FROM workspaces WHERE id = ?", (row["id"],))
+
+    def _migrate_in(
+        self, db: sqlite3.Connection, ident: CheckoutId, root_id: str, workspace: str
+    ) -> None:
+        """An older release kept this checkout by st_dev:st_ino only, at the same path:
+        its homes become this identity's (`Homes.claim_legacy`; its policy row is taken
+        over by path in `CheckoutPolicies.save`), once, journaled
+        `workspace.identity_migrated`. That old key cannot prove the directory is the
+        same (an inode reused at the same path passes too): the path matching as well
+        is the most an old row holds, and it is trusted this one time only."""
+        home = self.homes.claim_legacy(ident.legacy, ident.key)
+        self._journal.append_in(
+            db,
+            "workspace.identity_migrated",
+            {"root_id": root_id, "home": home},
+            workspace=workspace,
+        )
 
     # -- policy of checkouts ----------------------------------------------------------------
 
@@ -322,7 +394,7 @@ class WorkspaceRegistry:
 
     def _add_policy(self, ws: Workspace, policy: Policy, actor: str) -> None:
         """An agent's policy for an adopted checkout: add what it adds (caller holds the lock)."""
-        key = checkout_key(ws.dev_ino)
+        key = ws.checkout
         own = self._checkouts.own(key, ws.checkout_path)
         added = self._checkouts.additions(own, policy)
         if not glob_count(added):
@@ -334,7 +406,7 @@ class WorkspaceRegistry:
         journal `kind` with a summary of `told` (counts and a digest, never the globs),
         in one transaction; then swap the compiled policies in (caller holds the lock)."""
         with self._store.transaction() as db:
-            self._checkouts.save(db, checkout_key(ws.dev_ino), ws.checkout_path, own)
+            self._checkouts.save(db, ws.checkout, ws.checkout_path, own)
             policies = self._recompute([ws, *self._related_live(ws.checkout_path)])
             self._journal.append_in(
                 db, kind, {"root_id": ws.root_id, **summary(told)}, workspace=ws.id, actor=actor
@@ -356,7 +428,7 @@ class WorkspaceRegistry:
         more than MAX_GLOBS globs in a list (checked before anything is applied)."""
         out: dict[str, CompiledPolicy] = {}
         for ws in spaces:
-            effective = self._checkouts.effective(checkout_key(ws.dev_ino), ws.checkout_path)
+            effective = self._checkouts.effective(ws.checkout, ws.checkout_path)
             compiled = compile_policy(effective)
             for name in ("write_allow", *DENY_LISTS):
                 if capped and len(getattr(compiled.policy, name)) > MAX_GLOBS:

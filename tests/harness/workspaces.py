@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from tests.harness.waiting import wait_until
+
 #: Workspaces in tests belong to this user, as agents' checkouts do (we run as root).
 WORKSPACE_UID = 1000
 WORKSPACE_GID = 1000
@@ -99,3 +101,45 @@ def remove_tree(path: Path) -> None:
                 if not os.path.islink(p):
                     os.chmod(p, 0o700)
     shutil.rmtree(path, ignore_errors=True)
+
+
+#: How many directories `reuse_inode` makes per try, and how long it keeps trying.
+REUSE_TRIES = 1000
+REUSE_WAIT_S = 30.0
+
+
+def reuse_inode(old: Path, parent: Path, stem: str = "new") -> Path:
+    """Remove `old` (a directory tree) and make directories in `parent` until one has the
+    inode `old` had (ext4 hands a freed inode out again at once, once nothing holds it:
+    a container's mount namespace may hold it a moment after the container is gone, so
+    this tries again until `REUSE_WAIT_S`); the others are removed. Fails the test
+    loudly when no reuse happens: a test of what a reused inode inherits must never
+    pass because none was reused."""
+    st = os.stat(old)
+    shutil.rmtree(old)
+    rounds = itertools.count()
+
+    def attempt() -> Path | None:
+        made: list[Path] = []
+        n = next(rounds)
+        try:
+            for i in range(REUSE_TRIES):
+                candidate = parent / f"{stem}-{n}-{i}"
+                candidate.mkdir()
+                cst = os.stat(candidate)
+                if (cst.st_dev, cst.st_ino) == (st.st_dev, st.st_ino):
+                    os.chown(candidate, WORKSPACE_UID, WORKSPACE_GID)
+                    return candidate
+                made.append(candidate)
+            return None
+        finally:
+            for path in made:
+                path.rmdir()
+
+    found = wait_until(
+        attempt,
+        REUSE_WAIT_S,
+        message=f"no directory got inode {st.st_ino} again ({REUSE_TRIES} per try)",
+    )
+    assert found is not None  # wait_until returns only something truthy
+    return found

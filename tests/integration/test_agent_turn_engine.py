@@ -273,7 +273,7 @@ def test_a_turn_is_streamed_reviewed_gated_and_resumed_from_home(
     assert [e["path"] for e in done2.applied] == ["src/farewell.py"]
     assert done2.not_accepted == []
     assert (path / "src" / "farewell.py").exists() and greeting.exists()
-    (stored,) = d.state_dir.glob(f"homes/*/1000/.claude/projects/-workspace/{session}.jsonl")
+    (stored,) = d.state_dir.glob(f"homes/*/1000-*/.claude/projects/-workspace/{session}.jsonl")
     history = [json.loads(line) for line in stored.read_text().splitlines()]
     assert [h.get("prompt") for h in history if h["type"] == "user"] == [
         PROMPT_1.strip(),

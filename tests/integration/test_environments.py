@@ -28,7 +28,7 @@ from substrate.config import PROJECT_ROOT
 from substrate.protocol.client import Client, RpcError
 from substrate.sandbox.containers import daemon_id_for
 from substrate.sandbox.spec import LABEL_DAEMON
-from tests.harness import DaemonProcess, daemon_env
+from tests.harness import DaemonProcess, daemon_env, reuse_inode
 
 SHIPPED = PROJECT_ROOT / "profiles"
 
@@ -245,3 +245,108 @@ def test_the_default_image_can_set_up_a_python_project(
     assert lines[-1] == "42"
     # The venv lives in the persistent home, not in the checkout.
     assert c.call("workspace.info", workspace=ws)["home"]["files"] > 100
+
+
+def test_a_reused_inode_gets_a_home_of_its_own(make_daemon: Callable[[], DaemonProcess]) -> None:
+    """`rm -rf old/` and a new directory that got its inode: the new checkout's sandbox
+    finds an empty home, never the old one's (sessions, credentials, a venv)."""
+    d = make_daemon().start()
+    c = d.client()
+    old_path = d.make_workspace()
+    old = d.adopt(old_path)
+    run(c, old, 'echo "the old checkout\'s session" > "$HOME/session"')
+    assert c.call("workspace.release", workspace=old)["home"] == "kept"
+    new_path = reuse_inode(old_path, old_path.parent)
+    new = d.adopt(new_path)
+    assert out(run(c, new, 'ls -A "$HOME"; echo end')) == "end\n"
+    assert "home" in c.call("workspace.info", workspace=new)
+    assert c.call("workspace.info", workspace=new)["home"]["files"] == 0
+    # The old home is kept (never handed to a new checkout), beside the new one.
+    kept = [p for p in (d.state_dir / "homes").iterdir() if (p / "1000" / "session").exists()]
+    assert len(kept) == 1
+    assert c.call("workspace.release", workspace=new, keep_home=False)["home"] == "removed"
+    assert kept[0].exists()
+
+
+PLANT = r"""
+import os, site
+target = site.getusersitepackages()
+os.makedirs(target, exist_ok=True)
+with open(os.path.join(target, "usercustomize.py"), "w") as f:
+    f.write(
+        "import os\n"
+        "key = os.environ.get('API_KEY')\n"
+        "if key:\n"
+        "    open(os.path.expanduser('~/leak'), 'w').write(key)\n"
+        "    open(os.path.expanduser('~/ran-with-key'), 'w').write('ran')\n"
+    )
+print(target)
+"""
+
+
+def test_a_secrets_profile_never_runs_or_shares_what_a_profile_without_them_plants(
+    engine_daemons: Callable[..., DaemonProcess], sandbox_image: str, profiles: Path
+) -> None:
+    """`default` (no secrets) plants `usercustomize.py` in its home; `pipkey` (holding
+    API_KEY, argv_allow = ["pip3"]) runs `pip3 --version`. The planted code never runs
+    there and the key never reaches anything `default` can read: a profile's home is per
+    secret set (docs/environments.md)."""
+    default = (profiles / "default.toml").read_text()
+    (profiles / "pipkey.toml").write_text(
+        default.replace("secrets = {}\n", 'secrets = { API_KEY = "api-key" }\n').replace(
+            "argv_allow = []\n", 'argv_allow = ["pip3"]\n'
+        )
+    )
+    d = engine_daemons(start=False, profiles_dir=str(profiles))
+    value = "sk-test-" + secrets.token_hex(16)
+    assert secret_cli(d, "set", "api-key", stdin=value.encode()).returncode == 0
+    d.start()
+    c = d.client()
+    ws = d.adopt(d.make_workspace())
+    planted = c.call("proc.run", workspace=ws, profile="default", argv=["python3", "-c", PLANT])
+    assert out(planted).strip() == "/home/agent/.local/lib/python3.11/site-packages"
+    version = c.call("proc.run", workspace=ws, profile="pipkey", argv=["pip3", "--version"])
+    assert out(version).startswith("pip ")
+    after = c.call("proc.run", workspace=ws, profile="default", argv=["ls", "-A", "/home/agent"])
+    assert "leak" not in out(after).split() and "ran-with-key" not in out(after).split()
+    # Two homes of the checkout: default's and the secret set's; nothing in either (or
+    # anywhere in the state dir but the secret's own file) holds the key.
+    (checkout,) = (d.state_dir / "homes").iterdir()
+    names = sorted(p.name for p in checkout.iterdir())
+    assert names[0] == "1000" and names[1].startswith("1000-") and len(names) == 2
+    assert not any(p.name in ("leak", "ran-with-key") for p in checkout.rglob("*"))
+    facts = c.call("facts.probe", workspace=ws, profile="pipkey")["facts"]
+    (identity,) = [f["value"] for f in facts if f["name"] == "home_identity"]
+    st = os.stat(checkout / names[1])
+    assert identity == f"{st.st_dev}:{st.st_ino}"
+    assert files_holding(d.state_dir, value.encode(), d.state_dir / "secrets") == []
+    usage = c.call("workspace.info", workspace=ws)["home"]
+    assert usage["files"] >= 1  # both homes, measured together
+    assert c.call("workspace.release", workspace=ws, keep_home=False)["home"] == "removed"
+    assert list((d.state_dir / "homes").iterdir()) == []
+
+
+def test_a_home_over_its_quota_refuses_commands_until_it_shrinks_or_goes(
+    engine_daemons: Callable[..., DaemonProcess], tiny_image: str, profiles: Path
+) -> None:
+    d = engine_daemons(profiles_dir=str(profiles), home_quota_bytes=1 << 20)
+    c = d.client()
+    ws_path = d.make_workspace()
+    ws = d.adopt(ws_path)
+    fill = 'dd if=/dev/zero of="$HOME/big" bs=1024 count=2048 2>/dev/null; echo done'
+    assert out(run(c, ws, fill)) == "done\n"  # a command may pass it: the next is refused
+    with pytest.raises(RpcError) as info:
+        run(c, ws, "echo hi")
+    assert info.value.data["refusal"] == "limit_exceeded"
+    assert info.value.data["scope"] == "home"
+    assert info.value.data["quota_bytes"] == 1 << 20
+    assert info.value.data["bytes"] >= 2 << 20
+    (checkout,) = (d.state_dir / "homes").iterdir()
+    (checkout / "1000" / "big").unlink()  # the operator makes room
+    assert out(run(c, ws, "echo hi")) == "hi\n"
+    assert out(run(c, ws, fill)) == "done\n"
+    with pytest.raises(RpcError):
+        run(c, ws, "echo hi")
+    assert c.call("workspace.release", workspace=ws, keep_home=False)["home"] == "removed"
+    ws = d.adopt(ws_path)
+    assert out(run(c, ws, "echo hi")) == "hi\n"

@@ -28,7 +28,7 @@ workspace (the execution layer refuses new commands past a cap). Rows whose laye
 gone (settled or discarded) are pruned to `MAX_SETTLED` per workspace, oldest first.
 
 Release: rows and layers outlive their workspace; `reattach` hands them to the
-workspace that adopts the same checkout (its st_dev:st_ino) again.
+workspace that adopts the same checkout (its identity, `Workspace.checkout`) again.
 
 `apply` and `discard` of kept sets take one lock, so a discard never removes a layer an
 apply is reading.
@@ -53,7 +53,6 @@ from substrate.schema.changes import ChangesetState, LayerState
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import fsops
-from substrate.workspace.checkouts import checkout_key
 from substrate.workspace.layer import versions as kept_versions
 from substrate.workspace.layer.apply import ApplyResult, Outcomes, apply
 from substrate.workspace.layer.changeset import ChangeSet
@@ -75,7 +74,7 @@ CREATE TABLE IF NOT EXISTS changesets (
 );
 CREATE INDEX IF NOT EXISTS changesets_workspace ON changesets(workspace, state, updated);
 """
-#: Columns a database made by an older release lacks: the checkout's st_dev:st_ino (to
+#: Columns a database made by an older release lacks: the checkout's identity (to
 #: reattach after a release), the kept versions (msgpack `Versions`), the layer's state.
 ADDED_COLUMNS = {"checkout": "TEXT", "versions": "BLOB", "layer": "TEXT NOT NULL DEFAULT 'kept'"}
 
@@ -173,7 +172,7 @@ class Changesets:
                     state,
                     now,
                     now,
-                    checkout_key(ws.dev_ino),
+                    ws.checkout,
                     _encoder.encode(versions) if versions.items else None,
                 ),
             )
@@ -395,7 +394,7 @@ class Changesets:
         with self._store.transaction() as db:
             moved = db.execute(
                 "UPDATE changesets SET workspace = ? WHERE checkout = ? AND workspace != ?",
-                (ws.id, checkout_key(ws.dev_ino), ws.id),
+                (ws.id, ws.checkout, ws.id),
             ).rowcount
             if moved:
                 self._journal.append_in(
