@@ -60,6 +60,9 @@ MAX_PREVIEWS = 1000
 
 WHITEOUT_XATTR = "trusted.overlay.whiteout"
 OPAQUE_XATTR = "trusted.overlay.opaque"
+#: Set by the overlay on what it copied up from the lower layer (a file changed in place,
+#: a directory written beneath): its lower origin's file handle.
+ORIGIN_XATTR = "trusted.overlay.origin"
 #: Overlay metadata meaning the upper entry is not self-contained: never interpreted.
 _FEATURE_XATTRS = {"trusted.overlay.metacopy": "metacopy", "trusted.overlay.redirect": "redirect"}
 
@@ -358,6 +361,13 @@ def upper_holds_changes(upper: str) -> bool | None:
 
 def _opaque(dir_fd: int) -> bool:
     return _xattr(dir_fd, OPAQUE_XATTR) == b"y"
+
+
+def seen_in_lower(dir_fd: int) -> bool:
+    """Did the command see a lower directory where the upper directory `dir_fd` is? Yes
+    when the overlay copied it up (`trusted.overlay.origin`) or made it opaque (it was
+    removed, or renamed over, and made again). Two xattr reads."""
+    return _xattr(dir_fd, ORIGIN_XATTR) is not None or _opaque(dir_fd)
 
 
 def _visit(
