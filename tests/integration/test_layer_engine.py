@@ -579,6 +579,30 @@ async def test_a_host_delete_or_rename_during_a_command_is_never_undone(env: Env
     assert sorted(p.name for p in docs.iterdir()) == ["moved.txt"]
 
 
+async def test_a_tree_past_the_depth_bound_is_blocked_and_the_rest_lands(env: Env) -> None:
+    script = (
+        "p=deep; i=0; while [ $i -lt 300 ]; do p=$p/d; i=$((i+1)); done;"
+        " mkdir -p $p && echo x > $p/f && echo top > top.txt"
+    )
+    result = await env.sh(script)
+    assert result["exit_code"] == 0
+    changes = result["changes"]
+    assert changes.get("error") is None
+    assert (env.path / "top.txt").read_text() == "top\n"
+    assert ("top.txt", "create") in _paths(changes, "applied")
+    # The shallowest path past the bound (256 directories) is blocked by name; the
+    # directories above it land; what it holds stays in the kept layer.
+    past = "deep" + "/d" * 256
+    assert [(e["path"], e["reason"]) for e in changes["blocked"]] == [(past, "too_deep")]
+    assert (env.path / ("deep" + "/d" * 255)).is_dir()
+    assert not (env.path / past).exists()
+    got = await env.client.call("changes.get", changeset=changes["changeset"])
+    assert got.get("layer", "kept") == "kept"
+    (upper,) = env.state.glob("layers/*/upper/0")
+    assert (upper / ("deep" + "/d" * 300) / "f").is_file()  # still on disk
+    assert [(b["path"], b["reason"]) for b in got["blocked"]] == [(past, "too_deep")]
+
+
 async def test_a_swap_that_does_not_verify_drops_the_sandbox(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
