@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from substrate.errors import TooLarge
 from substrate.workspace.layer import ChangeSet, scan
 
 # The module (the package exports the function under the same name).
@@ -151,21 +150,81 @@ def test_non_utf8_names_are_blocked_and_escaped(layers: tuple[Path, Path]) -> No
     assert blocked == [("bad\\xff", "dir", "name_not_utf8")]
 
 
-def test_bounds_are_named_refusals(layers: tuple[Path, Path]) -> None:
+def test_past_a_bound_the_part_past_it_is_blocked_by_name_and_the_rest_kept(
+    layers: tuple[Path, Path],
+) -> None:
     lower, upper = layers
     deep = upper / "1" / "2" / "3"
     deep.mkdir(parents=True)
     (deep / "f").write_bytes(b"0123456789")
-    with pytest.raises(TooLarge) as exc:
-        scan_dirs(upper, lower, max_entries=3)
-    assert exc.value.data["bound"] == "entries"
-    with pytest.raises(TooLarge) as exc:
-        scan_dirs(upper, lower, max_depth=3)
-    assert exc.value.data["bound"] == "depth"
-    with pytest.raises(TooLarge) as exc:
-        scan_dirs(upper, lower, max_bytes=5)
-    assert exc.value.data["bound"] == "bytes"
-    assert len(scan_dirs(upper, lower, max_entries=4, max_depth=4, max_bytes=10).changes) == 4
+    (upper / "top").write_bytes(b"top")
+    changes, blocked = summary(scan_dirs(upper, lower, max_depth=2))
+    assert [c[:2] for c in changes] == [("1", "mkdir"), ("1/2", "mkdir"), ("top", "create")]
+    assert blocked == [("1/2/3", "dir", "too_deep")]  # the shallowest path past it
+    # A path longer than the guarded path takes: blocked where it passes.
+    changes, blocked = summary(scan_dirs(upper, lower, max_path_bytes=4))
+    assert [c[:2] for c in changes] == [("1", "mkdir"), ("1/2", "mkdir"), ("top", "create")]
+    assert blocked == [("1/2/3", "dir", "too_long")]
+    # Bytes to hash: the file past the budget is blocked, what fits is not.
+    changes, blocked = summary(scan_dirs(upper, lower, max_bytes=5))
+    assert [c[:2] for c in changes] == [
+        ("1", "mkdir"),
+        ("1/2", "mkdir"),
+        ("1/2/3", "mkdir"),
+        ("top", "create"),
+    ]
+    assert blocked == [("1/2/3/f", "file", "too_large")]
+    assert len(scan_dirs(upper, lower, max_entries=5, max_depth=4, max_bytes=13).changes) == 5
+
+
+def test_a_directory_past_the_entry_bound_is_blocked_whole_and_never_listed(
+    layers: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lower, upper = layers
+    (upper / "many").mkdir()
+    for i in range(50):
+        (upper / "many" / f"f{i:02}").write_bytes(b"x")
+    (upper / "top.txt").write_bytes(b"top\n")
+    listed: list[int] = []
+    real = os.scandir
+
+    def counting(fd: int) -> object:
+        it = real(fd)
+        listed.append(0)
+
+        class Counted:
+            def __enter__(self) -> Counted:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                it.close()
+
+            def __iter__(self) -> Counted:
+                return self
+
+            def __next__(self) -> os.DirEntry[str]:
+                entry = next(it)
+                listed[-1] += 1
+                return entry
+
+        return Counted()
+
+    monkeypatch.setattr(scan_module.os, "scandir", counting)
+    changes, blocked = summary(scan_dirs(upper, lower, max_entries=10))
+    assert [c[:2] for c in changes] == [("many", "mkdir"), ("top.txt", "create")]
+    assert blocked == [("many", "dir", "too_many")]
+    assert max(listed) <= 10  # the scan never held the directory's names past the bound
+
+
+def test_a_delete_past_a_bound_is_blocked_whole(layers: tuple[Path, Path]) -> None:
+    lower, upper = layers
+    for i in range(20):
+        (lower / "d" / f"n{i:02}").write_bytes(b"n")
+    whiteout(upper / "d")  # rm -r d: past the bound, none of it goes
+    (upper / "top.txt").write_bytes(b"top\n")
+    changes, blocked = summary(scan_dirs(upper, lower, max_entries=10))
+    assert [c[:2] for c in changes] == [("top.txt", "create")]
+    assert blocked == [("d", "whiteout", "too_many")]
 
 
 def test_preview_is_a_bounded_unified_diff(layers: tuple[Path, Path]) -> None:

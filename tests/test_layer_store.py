@@ -45,10 +45,10 @@ class Env:
     artifacts: ArtifactStore
     store: Store
 
-    def keep(self, held: tuple[str, ...] = ()) -> str:
+    def keep(self, held: tuple[str, ...] = (), **bounds: int) -> str:
         ufd = os.open(self.upper, DIR)
         try:
-            cs: ChangeSet = scan(ufd, self.ws.root_fd)
+            cs: ChangeSet = scan(ufd, self.ws.root_fd, **bounds)
         finally:
             os.close(ufd)
         return self.changesets.record(
@@ -131,6 +131,23 @@ def test_apply_lands_everything_once_then_removes_the_layer(env: Env) -> None:
     kept, again = env.apply(cs_id)
     assert again == ApplyResult() and kept.state == "applied"
     assert not (env.root / "new.txt").exists()
+
+
+def test_what_a_scan_bound_blocked_keeps_the_layer(env: Env) -> None:
+    (env.upper / "d" / "deep" / "er").mkdir(parents=True)
+    (env.upper / "d" / "deep" / "er" / "f").write_text("f\n")
+    cs_id = env.keep(max_depth=2)
+    blocked = [(b.path, b.reason) for b in env.changesets.get(cs_id).changeset.blocked]
+    assert blocked == [("d/deep/er", "too_deep")]
+    kept, result = env.apply(cs_id)
+    assert sorted(o.path for o in result.applied) == ["a.txt", "d/deep", "d/x", "new.txt"]
+    # Applied whole, nothing pending, no conflict: but the deep part is only in the
+    # layer, so the layer stays until `changes.discard`.
+    assert kept.state == "applied" and kept.layer == "kept"
+    assert (env.upper / "d" / "deep" / "er" / "f").read_text() == "f\n"
+    assert env.changesets.count_kept(env.ws.id) == 1
+    env.changesets.discard(env.ws, cs_id, ACTOR)
+    assert not env.upper.exists()
 
 
 def test_apply_named_paths_only(env: Env) -> None:

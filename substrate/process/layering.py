@@ -13,8 +13,10 @@ request with the users' combined mode and the actor of the last that ran:
    holds nothing (a `true`, a read-only `grep`, a test run writing only under /tmp)
    and whose passthrough dirs are still the checkout's stays mounted as it is, with no
    swap, re-verification, scan or change set (`changes {generation, mode}` and zero
-   counts); its next user begins it afresh. That is most commands, and it saves the
-   swap's mount calls and the observation (about 10 ms of a warm command);
+   counts); its next user joins it as it is, since-time and all (its overlay may still
+   show a file the host replaced or removed since: `workspace.layer.host_edits`). That
+   is most commands, and it saves the swap's mount calls and the observation (about
+   10 ms of a warm command);
 1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
    stays on disk, untouched, until the set settles (step 3) or is discarded;
 2. observes the sandbox's facts again against the new generation
@@ -24,8 +26,10 @@ request with the users' combined mode and the actor of the last that ran:
    `apply`), as the command's actor; "review" applies nothing; both keep the set by id
    (`workspace.layer.Changesets`, `applied` or `pending`) for `changes.get/apply/
    discard`; "discard" scans nothing, removes the old upper (and work) dir and keeps
-   nothing. A file the host changed during the command is kept in the set as blocked
-   (`host_changed`): no later `changes.apply` overwrites it. Each conflict's version
+   nothing. A change the host overtook during the generation (a file it edited,
+   replaced, removed or renamed away, a directory it removed:
+   `workspace.layer.host_edits`) is kept in the set as blocked (`host_changed`): no
+   later `changes.apply` overwrites or re-creates it. Each conflict's version
    (the command's bytes) is kept as an artifact (`Changesets.keep_versions`,
    `process.layer_keep`); an applied set with nothing pending and every version kept
    is settled: its upper and work dirs are removed (`Changesets.finish`);
@@ -56,7 +60,6 @@ from substrate.sandbox import passthrough, passthrough_scan, working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.layer_plan import LayerPlan
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
-from substrate.workspace import paths
 from substrate.workspace.layer import (
     ApplyResult,
     Blocked,
@@ -65,6 +68,7 @@ from substrate.workspace.layer import (
     Changesets,
     Outcomes,
     apply,
+    host_edits,
     remove_layer,
     scan,
     upper_holds_changes,
@@ -204,8 +208,6 @@ async def _needs_swap(
             changed = _upper_changed(layer)
         finally:
             layer.mounting.release()
-        if not changed:
-            working_layer.restart(layer)
         return changed
     return await trio.to_thread.run_sync(_changed, layer, ws, limiter=limiter)
 
@@ -213,16 +215,16 @@ async def _needs_swap(
 def _changed(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
     """Does the generation need a swap? Not when its upper layer holds nothing and the
     passthrough dirs bound are still those the checkout has: then no user changed
-    anything and the same generation serves the next users (with a fresh `began`, as a
-    new one would have); a write by a straggler after this look lands in it and goes
-    with its next conclusion. True for a closed layer (the swap path handles it)."""
+    anything and the same generation serves the next users (with its `began`: its
+    overlay's view may date from then); a write by a straggler after this look lands in
+    it and goes with its next conclusion. True for a closed layer (the swap path handles
+    it)."""
     with ws.use(), layer.mounting:
         if _upper_changed(layer):
             return True
         bound = [(part.rel, part.identity) for part in layer.plan.passthrough]
         if passthrough.existing(ws.root_fd, layer.passthrough) != bound:
             return True
-    working_layer.restart(layer)
     return False
 
 
@@ -248,8 +250,8 @@ def _scan_apply(
 ) -> tuple[ApplyResult, ChangeSet, ChangeSet, str | None, Versions]:
     """Scan `old`'s upper dir; keep the set (`pending` when `review`), or apply it.
     Returns the outcomes, the set as scanned, the set kept, its id and its conflicts'
-    versions. The set kept has the host's edits moved to its `blocked` as
-    `host_changed`. An applied set is recorded `applying` before its first change and
+    versions. The set kept has the host's edits (`host_edits.overtaken`) moved to its
+    `blocked` as `host_changed`. An applied set is recorded `applying` before its first change and
     marked `applied` with its summary entry after its last (`Changesets.finish`, which
     also removes a settled set's layer): a crash between leaves it for the next start
     to apply whole (docs/working-layer.md, "Crash and cancel"). The conflicts' versions
@@ -259,7 +261,9 @@ def _scan_apply(
     try:
         with ws.use():
             changeset = scan(upper_fd, ws.root_fd)
-            kept, host_changed = _host_changes(ws, changeset, layer)
+            kept, host_changed = host_edits.overtaken(
+                ws.root_fd, upper_fd, changeset, layer.began[1], layer.landed, layer.landed_dirs
+            )
             held = (
                 *kept.blocked,
                 *(Blocked(path=o.path, kind=o.kind, reason="host_changed") for o in host_changed),
@@ -280,53 +284,15 @@ def _scan_apply(
                 if not review:
                     changesets.finish(cs_id, ws, old.generation, result, "changes.applied")
         done = {o.path for o in (*result.applied, *result.unchanged)}
-        layer.landed = {
-            c.path: c.new_sha256
-            for c in kept.changes
-            if c.path in done and c.new_sha256 is not None
-        }
+        landed = [c for c in kept.changes if c.path in done]
+        layer.landed = {c.path: c.new_sha256 for c in landed if c.new_sha256 is not None}
+        with ws.use():
+            layer.landed_dirs = host_edits.dir_stamps(ws.root_fd, landed)
         conflicts = (*result.conflicts, *host_changed)
         result = msgspec.structs.replace(result, conflicts=conflicts)
         return result, changeset, to_keep, cs_id, versions
     finally:
         os.close(upper_fd)
-
-
-def _host_changes(
-    ws: Workspace, changeset: ChangeSet, layer: working_layer.WorkingLayer
-) -> tuple[ChangeSet, tuple[Outcomes, ...]]:
-    """Split off the file changes whose checkout file changed (ctime) since the command's
-    generation began (`working_layer.begin`), unless it holds what the layer's previous
-    change set put there: the scan read their base *now*, after the host's edit, so the
-    guarded base check could not tell; they are conflicts, never applied."""
-    since_ns = layer.began[1]
-    kept: list[Change] = []
-    conflicts: list[Outcomes] = []
-    for change in changeset.changes:
-        st = None
-        if change.kind == "file" and change.op in ("replace", "delete", "chmod"):
-            parts = tuple(change.path.split("/"))
-            try:
-                with paths.opened_dir(ws.root_fd, parts[:-1], change.path) as parent:
-                    st = paths.lstat_at(parent, parts[-1])
-            except Refusal:
-                st = None
-        ours = layer.landed.get(change.path) == change.base_sha256
-        if st is not None and st.st_ctime_ns >= since_ns and not ours:
-            conflicts.append(
-                Outcomes(
-                    path=change.path,
-                    op=change.op,
-                    kind=change.kind,
-                    outcome="conflict",
-                    reason="host_changed",
-                    current_sha256=change.base_sha256,
-                    kept=change.path if change.op != "delete" else None,
-                )
-            )
-        else:
-            kept.append(change)
-    return msgspec.structs.replace(changeset, changes=tuple(kept)), tuple(conflicts)
 
 
 def entries(

@@ -54,12 +54,17 @@ class WorkingLayer:
     #: generation any more, so it may be scanned without its container.
     unmounted: bool = False
     #: (generation, ns): when its first user (command or terminal) started, less
-    #: `CTIME_SLACK_NS`. A checkout file changed since (ctime) was not changed by the
-    #: layer: the change set never overwrites it (`process.layering`).
+    #: `CTIME_SLACK_NS`; kept while the generation stays mounted with nothing in it (its
+    #: overlay may still show what the checkout held then). A checkout change since
+    #: (ctime) was not the layer's: the change set never undoes it
+    #: (`workspace.layer.host_edits`).
     began: tuple[int, int] = (-1, 0)
     #: path → sha256 of what the last change set put in the checkout: those files are
     #: newer than `began` because the layer wrote them, not the host.
     landed: dict[str, str] = field(default_factory=dict)
+    #: path → ctime (ns) of each checkout directory the last change set changed, as its
+    #: apply left it: still so, it is the layer's change, not the host's.
+    landed_dirs: dict[str, int] = field(default_factory=dict)
     users: Users = field(default_factory=Users)
     mounting: threading.Lock = field(default_factory=threading.Lock)
 
@@ -72,17 +77,12 @@ CTIME_SLACK_NS = 50_000_000
 
 def begin(layer: WorkingLayer) -> int:
     """Note that a command starts on the current generation; return the time (ns) since
-    which a checkout change is the host's, not this generation's base."""
+    which a checkout change is the host's, not this generation's base: set by the
+    generation's first user, kept by every later one (also after a conclusion that
+    found nothing and left it mounted)."""
     if layer.began[0] != layer.plan.generation:
         layer.began = (layer.plan.generation, time.time_ns() - CTIME_SLACK_NS)
     return layer.began[1]
-
-
-def restart(layer: WorkingLayer) -> None:
-    """The current generation concluded with nothing in it and stays mounted: its next
-    user begins it afresh (`begin`), and nothing of it landed in the checkout."""
-    layer.began = (-1, 0)
-    layer.landed = {}
 
 
 def open_layer(

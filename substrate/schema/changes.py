@@ -51,8 +51,9 @@ class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class Blocked(msgspec.Struct, frozen=True, kw_only=True):
     """A path the change set never applies: what stood there (`kind`) and why (a symlink,
-    device, hard link, ..., or `host_changed`: the host changed the checkout's file while
-    the command ran)."""
+    device, hard link, ..., `host_changed`: the host changed, removed or renamed away the
+    checkout's file while the command ran, or a scan bound the path passes: `too_deep`,
+    `too_long`, `too_many`, `too_large`, whose part stays in the set's layer)."""
 
     path: str
     kind: str

@@ -508,22 +508,99 @@ async def test_a_command_that_changes_nothing_keeps_the_generation_and_no_set(en
     assert (await env.sh("true"))["changes"]["generation"] == 1
 
 
-async def test_a_host_edit_between_commands_on_a_kept_generation_is_no_conflict(
+async def test_a_host_save_between_commands_on_a_kept_generation_is_a_conflict(
     env: Env,
 ) -> None:
-    # The generation stays after `true`; the host then edits a file, and the next command
-    # (which saw the edit) replaces it: that is the command's change, not a conflict.
-    assert (await env.sh("true"))["changes"]["generation"] == 0
-    (env.path / "old.txt").write_text("edited on the host\n")
-    # An edit within the ctime slack of a command's start counts as during it (a false
-    # conflict is safe): this one is clearly before the next command.
-    await trio.sleep(2 * CTIME_SLACK_NS / 1e9)
-    result = await env.sh("cat old.txt && echo mine > old.txt")
-    assert result["stdout"]["inline"] == "edited on the host\n"
+    # The generation stays after `cat` (nothing changed), and its overlay keeps showing
+    # the file it looked up. The person then saves it by rename (a new inode, which that
+    # overlay may not show): the next command's change of it is a conflict, however long
+    # after the save it starts, and the person's bytes stay.
+    assert (await env.sh("cat old.txt"))["changes"]["generation"] == 0
+    (env.path / ".old.txt.save").write_text("edited on the host\n")
+    os.chown(env.path / ".old.txt.save", OWNER, OWNER)
+    os.rename(env.path / ".old.txt.save", env.path / "old.txt")
+    await trio.sleep(2 * CTIME_SLACK_NS / 1e9)  # clearly before the next command
+    result = await env.sh("echo mine >> old.txt")
     changes = result["changes"]
-    assert not changes.get("conflicts"), changes
-    assert [e["path"] for e in changes["applied"]] == ["old.txt"]
-    assert (env.path / "old.txt").read_text() == "mine\n"
+    assert changes["generation"] == 0
+    assert [(e["path"], e["reason"]) for e in changes.get("conflicts", [])] == [
+        ("old.txt", "host_changed")
+    ]
+    assert (env.path / "old.txt").read_text() == "edited on the host\n"
+
+
+async def _while_it_runs(env: Env, script: str) -> str:
+    """Start `script` (which ends by touching `m` and sleeping), wait for `m` in its layer;
+    return the process id."""
+    started = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", f"{script} && touch m && sleep 60"],
+    )
+    await _marker(env, "m")
+    return str(started["proc"])
+
+
+async def _end(env: Env, proc: str) -> dict[str, Any]:
+    await env.client.call("proc.signal", proc=proc, signal="TERM")
+    result: dict[str, Any] = await env.client.call("proc.wait", proc=proc)
+    return result
+
+
+async def test_a_host_delete_or_rename_during_a_command_is_never_undone(env: Env) -> None:
+    docs = env.path / "docs"
+    docs.mkdir()
+    (docs / "b.txt").write_text("b\n")
+    (docs / "c.txt").write_text("c\n")
+    for path in (docs, docs / "b.txt", docs / "c.txt"):
+        os.chown(path, OWNER, OWNER)
+    # In place (a copy-up) and by rename (an editor's save, `sed -i`): both changed.
+    proc = await _while_it_runs(
+        env, "echo sandbox >> docs/b.txt && sed -i s/c/sandbox/ docs/c.txt && echo n > new.txt"
+    )
+    (docs / "b.txt").unlink()  # the person deletes one, renames the other away
+    os.rename(docs / "c.txt", docs / "moved.txt")
+    result = await _end(env, proc)
+    changes = result["changes"]
+    conflicts = {e["path"]: e for e in changes.get("conflicts", [])}
+    assert sorted(conflicts) == ["docs/b.txt", "docs/c.txt"]
+    assert {e["reason"] for e in conflicts.values()} == {"host_changed"}
+    assert sorted(p.name for p in docs.iterdir()) == ["moved.txt"]
+    assert (docs / "moved.txt").read_text() == "c\n"
+    # The command's versions are kept; the rest of its work landed.
+    read = await env.client.call("artifact.read", artifact=conflicts["docs/b.txt"]["artifact"])
+    assert read["data"] == "b\nsandbox\n"
+    assert _paths(changes, "applied") == [("m", "create"), ("new.txt", "create")]
+    assert (env.path / "new.txt").read_text() == "n\n"
+    # A later apply of the kept set never re-creates them either.
+    again = await env.client.call("changes.apply", changeset=changes["changeset"])
+    assert not again.get("applied")
+    assert sorted(p.name for p in docs.iterdir()) == ["moved.txt"]
+
+
+async def test_a_tree_past_the_depth_bound_is_blocked_and_the_rest_lands(env: Env) -> None:
+    script = (
+        "p=deep; i=0; while [ $i -lt 300 ]; do p=$p/d; i=$((i+1)); done;"
+        " mkdir -p $p && echo x > $p/f && echo top > top.txt"
+    )
+    result = await env.sh(script)
+    assert result["exit_code"] == 0
+    changes = result["changes"]
+    assert changes.get("error") is None
+    assert (env.path / "top.txt").read_text() == "top\n"
+    assert ("top.txt", "create") in _paths(changes, "applied")
+    # The shallowest path past the bound (256 directories) is blocked by name; the
+    # directories above it land; what it holds stays in the kept layer.
+    past = "deep" + "/d" * 256
+    assert [(e["path"], e["reason"]) for e in changes["blocked"]] == [(past, "too_deep")]
+    assert (env.path / ("deep" + "/d" * 255)).is_dir()
+    assert not (env.path / past).exists()
+    got = await env.client.call("changes.get", changeset=changes["changeset"])
+    assert got.get("layer", "kept") == "kept"
+    (upper,) = env.state.glob("layers/*/upper/0")
+    assert (upper / ("deep" + "/d" * 300) / "f").is_file()  # still on disk
+    assert [(b["path"], b["reason"]) for b in got["blocked"]] == [(past, "too_deep")]
 
 
 async def test_a_swap_that_does_not_verify_drops_the_sandbox(

@@ -160,16 +160,21 @@ async def test_a_stop_concludes_open_terminals_and_running_commands(
     async with running(dirs) as r:
         async with open_terminal(r.url) as term:
             session, grant = await _shell(r, term)
-            beside = await r.start("term-layer", "echo agent > agent.txt; sleep 300")
+            # In a directory of its own: `alone`'s set lands in the root meanwhile, and a
+            # create beside another writer's change is a conflict (docs/working-layer.md,
+            # "Host edits during a command").
+            beside = await r.start(
+                "term-layer", "mkdir agent && echo agent > agent/agent.txt; sleep 300"
+            )
             alone = await r.start("plain-tiny", "echo alone > alone.txt; sleep 300")
-            await r.in_a_layer("agent.txt")
+            await r.in_a_layer("agent/agent.txt")
             await r.in_a_layer("alone.txt")
-            assert not (r.project / "agent.txt").exists()  # in their layers only
+            assert not (r.project / "agent" / "agent.txt").exists()  # in their layers only
             await r.stop_daemon()  # the shell still open, both commands running
         daemon = r.daemon
         assert _mounts(r.state) == []
         # Every change landed at the stop, through the guarded path.
-        assert (r.project / "agent.txt").read_text() == "agent\n"
+        assert (r.project / "agent" / "agent.txt").read_text() == "agent\n"
         assert (r.project / "alone.txt").read_text() == "alone\n"
         assert _notes(r.project) == {f"{i}.txt": f"n{i}\n" for i in range(NOTES)}
         # The shared generation: one set holding the command's and the shell's changes.
@@ -189,7 +194,9 @@ async def test_a_stop_concludes_open_terminals_and_running_commands(
         applied = {e.data["path"]: e.actor for e in _entries(daemon, "changes.apply")}
         assert applied["project:alone.txt"] != f"terminal:{grant}"
         assert len([p for p in applied if p.startswith("project:notes/")]) == NOTES
-        assert {applied["project:agent.txt"], applied["project:notes/0.txt"]} == {shared.actor}
+        assert {applied["project:agent/agent.txt"], applied["project:notes/0.txt"]} == {
+            shared.actor
+        }
         assert _entries(daemon, "changes.stopped") == []  # nothing had to be kept
         assert daemon.journal.verify() is None
 

@@ -13,10 +13,18 @@ path removes files one by one. Once the set is in apply order, its first
 sides read again when small enough; the rest carry none, so a large set costs no
 diffing nor the space of its previews.
 
-Bounds, each a named refusal (`too_large` with `bound`): entries visited
-(`max_entries`), directory depth (`max_depth`) and bytes hashed (`max_bytes`). A single
-file larger than the guarded write path takes (`MAX_FILE_BYTES`) is blocked
-(`too_large`), not refused.
+Bounds. Past one, the part past it is blocked by name — the shallowest path past the
+bound, with the bound as its reason — and the rest of the set is scanned as usual, so
+nothing is dropped silently and the daemon's memory stays bounded whatever the layer
+holds: a path deeper than `max_depth` directories (`too_deep`) or longer than the
+guarded path takes (`max_path_bytes`, `too_long`); a directory holding more names than
+the entries left (`max_entries` counts every name listed, upper and lower) or whose
+paths would pass the path text left (`MAX_PATH_TEXT`) is blocked whole (`too_many`)
+and never listed past that; a file past the bytes left to hash (`max_bytes`) or larger
+than the guarded write path takes (`MAX_FILE_BYTES`) is blocked `too_large`. A lower
+tree to delete that passes a bound is blocked whole at its root (a half-deleted tree
+would be worse than none). What a bound blocked stays in the layer, which a settled
+set then keeps (`BOUND_REASONS`, `store.Changesets`).
 
 Blocking I/O: call it from a worker thread. The layer must not change while it is
 scanned (the caller scans a layer no command writes any more).
@@ -52,6 +60,13 @@ from substrate.workspace.preview import PREVIEW_DIFF_LIMIT, unified_preview
 MAX_ENTRIES = 200_000
 MAX_DEPTH = 256
 MAX_BYTES = 4 << 30
+#: The longest path a change carries: what the guarded path takes.
+MAX_PATH_BYTES = paths.MAX_PATH_BYTES
+#: The path text (bytes) of all names listed: with `MAX_ENTRIES`, what bounds the set.
+MAX_PATH_TEXT = 64 << 20
+#: `Blocked.reason`s of what a scan bound left in the layer, not in the set: a set with
+#: any keeps its layer (the command's files are only there).
+BOUND_REASONS = frozenset({"too_deep", "too_long", "too_many", "too_large"})
 #: The largest file a change set carries: what the guarded write path takes.
 MAX_FILE_BYTES = MAX_RESULT_BYTES
 #: Changes given a `diff` preview: the first ones in apply order, as many as
@@ -60,6 +75,9 @@ MAX_PREVIEWS = 1000
 
 WHITEOUT_XATTR = "trusted.overlay.whiteout"
 OPAQUE_XATTR = "trusted.overlay.opaque"
+#: Set by the overlay on what it copied up from the lower layer (a file changed in place,
+#: a directory written beneath): its lower origin's file handle.
+ORIGIN_XATTR = "trusted.overlay.origin"
 #: Overlay metadata meaning the upper entry is not self-contained: never interpreted.
 _FEATURE_XATTRS = {"trusted.overlay.metacopy": "metacopy", "trusted.overlay.redirect": "redirect"}
 
@@ -69,32 +87,26 @@ class _Budget:
     max_entries: int
     max_depth: int
     max_bytes: int
+    max_path_bytes: int
+    max_text: int = MAX_PATH_TEXT
     entries: int = 0
+    text: int = 0
     hashed: int = 0
 
-    def entry(self, parts: tuple[str, ...]) -> None:
-        self.entries += 1
-        if self.entries > self.max_entries:
-            raise TooLarge(
-                f"the layer holds more than {self.max_entries} entries",
-                bound="entries",
-                limit=self.max_entries,
-            )
+    def past(self, parts: tuple[str, ...]) -> str | None:
+        """The bound the path `parts` passes (a `Blocked.reason`), None within them."""
         if len(parts) > self.max_depth:
-            raise TooLarge(
-                f"the layer is deeper than {self.max_depth} directories",
-                bound="depth",
-                limit=self.max_depth,
-            )
+            return "too_deep"
+        if len("/".join(parts).encode("utf-8", "surrogateescape")) > self.max_path_bytes:
+            return "too_long"
+        return None
 
-    def bytes(self, size: int) -> None:
+    def bytes(self, size: int) -> bool:
+        """Take `size` bytes to hash; False (nothing taken) past the bound."""
+        if self.hashed + size > self.max_bytes:
+            return False
         self.hashed += size
-        if self.hashed > self.max_bytes:
-            raise TooLarge(
-                f"the layer holds more than {self.max_bytes} bytes to compare",
-                bound="bytes",
-                limit=self.max_bytes,
-            )
+        return True
 
 
 @dataclass
@@ -141,11 +153,6 @@ def _feature(fd: int) -> str | None:
     return None
 
 
-def _hash_fd(fd: int, size: int, budget: _Budget) -> str:
-    budget.bytes(size)
-    return hash_fd(fd)
-
-
 def _seen(dir_fd: int, name: str, budget: _Budget, *, upper: bool) -> Seen | None:
     """What stands at `name` in `dir_fd` (None: nothing); files hashed, never followed."""
     st = paths.lstat_at(dir_fd, name)
@@ -176,14 +183,14 @@ def _seen(dir_fd: int, name: str, budget: _Budget, *, upper: bool) -> Seen | Non
             feature = _feature(fd)
             if feature is not None:
                 return Seen(kind="file", mode=mode, overlay_feature=feature)
-        if fst.st_size > MAX_FILE_BYTES:
+        if fst.st_size > MAX_FILE_BYTES or not budget.bytes(fst.st_size):
             return Seen(kind="file", mode=mode, nlink=fst.st_nlink, size=fst.st_size)
         return Seen(
             kind="file",
             mode=stat.S_IMODE(fst.st_mode),
             nlink=fst.st_nlink,
             size=fst.st_size,
-            sha256=_hash_fd(fd, fst.st_size, budget),
+            sha256=hash_fd(fd),
         )
     finally:
         os.close(fd)
@@ -236,33 +243,64 @@ def _lower_dir(lower_fd: int, parts: tuple[str, ...]) -> Iterator[int | None]:
         os.close(fd)
 
 
-def _names(dir_fd: int) -> list[str]:
+def _names(dir_fd: int, here: tuple[str, ...], budget: _Budget) -> list[str] | None:
+    """The sorted names in `dir_fd` (the directory at `here`), taken from the entries and
+    path text left; None, having read at most one name more than fit, when they do not
+    fit (nothing taken)."""
+    room = budget.max_entries - budget.entries
+    text_room = budget.max_text - budget.text
+    prefix = len("/".join(here).encode("utf-8", "surrogateescape")) + 1
+    names: list[str] = []
+    text = 0
     with os.scandir(dir_fd) as it:
-        return sorted(entry.name for entry in it)
+        for entry in it:
+            names.append(entry.name)
+            text += prefix + len(entry.name.encode("utf-8", "surrogateescape"))
+            if len(names) > room or text > text_room:
+                return None
+    budget.entries += len(names)
+    budget.text += text
+    return sorted(names)
 
 
-def _delete_lower_tree(lower_fd: int, parts: tuple[str, ...], budget: _Budget, out: _Out) -> None:
-    """One delete per file and per directory of the lower tree at `parts` (itself too)."""
+def _delete_lower_tree(
+    lower_fd: int, parts: tuple[str, ...], budget: _Budget, out: _Out
+) -> str | None:
+    """One delete per file and per directory of the lower tree at `parts` (itself too),
+    added to `out` only when the whole tree fits the bounds; else the bound it passes
+    (nothing added, the entries it listed given back)."""
+    entries, text = budget.entries, budget.text
+    tree = _Out()
     stack = [parts]
     while stack:
         here = stack.pop()
         with paths.opened_dir(lower_fd, here, "/".join(here)) as dfd:
-            for name in _names(dfd):
+            names = _names(dfd, here, budget)
+            if names is None:
+                budget.entries, budget.text = entries, text
+                return "too_many"
+            for name in names:
                 sub = (*here, name)
-                budget.entry(sub)
                 seen = _seen(dfd, name, budget, upper=False)
                 if seen is None:
                     continue
-                _delete_one(lower_fd, dfd, sub, seen, budget, out, stack)
-        out.changes.append(Change(path="/".join(here), op="delete", kind="dir"))
+                bound = budget.past(sub)
+                if bound is None and seen.kind == "file" and seen.sha256 is None:
+                    bound = "too_large"  # its delete could not be bound to its bytes
+                if bound is not None:
+                    budget.entries, budget.text = entries, text
+                    return bound
+                _delete_one(dfd, sub, seen, tree, stack)
+        tree.changes.append(Change(path="/".join(here), op="delete", kind="dir"))
+    out.changes.extend(tree.changes)
+    out.blocked.extend(tree.blocked)
+    return None
 
 
 def _delete_one(
-    lower_fd: int,
     dfd: int,
     sub: tuple[str, ...],
     seen: Seen,
-    budget: _Budget,
     out: _Out,
     stack: list[tuple[str, ...]],
 ) -> None:
@@ -294,15 +332,18 @@ def scan(
     max_entries: int = MAX_ENTRIES,
     max_depth: int = MAX_DEPTH,
     max_bytes: int = MAX_BYTES,
+    max_path_bytes: int = MAX_PATH_BYTES,
 ) -> ChangeSet:
     """The change set the upper layer `upper_fd` makes of the checkout `lower_fd`.
 
-    Refuses `too_large` (with `bound`: entries, depth, bytes) past a bound. Names that
-    are not UTF-8 are blocked (`name_not_utf8`, shown `\\xNN` as the gate shows them).
+    Past a bound, the part past it is blocked by name (`too_deep`, `too_long`,
+    `too_many`, `too_large`: see the module doc) and the rest scanned. Names that are
+    not UTF-8 are blocked (`name_not_utf8`, shown `\\xNN` as the gate shows them).
     Costs a listing of every upper directory, a hash of every upper file and of the
-    lower file it shadows, and a listing and hash of every lower tree it deletes.
+    lower file it shadows, and a listing and hash of every lower tree it deletes; holds
+    at most `max_entries` names and `MAX_PATH_TEXT` bytes of paths.
     """
-    budget = _Budget(max_entries, max_depth, max_bytes)
+    budget = _Budget(max_entries, max_depth, max_bytes, max_path_bytes)
     out = _Out()
     stack: list[tuple[str, ...]] = [()]
     while stack:
@@ -311,23 +352,31 @@ def scan(
             paths.opened_dir(upper_fd, parts, "/".join(parts)) as udir,
             _lower_dir(lower_fd, parts) as ldir,
         ):
-            upper_names = _names(udir)
-            for name in upper_names:
-                sub = (*parts, name)
-                budget.entry(sub)
-                _visit(upper_fd, lower_fd, udir, ldir, sub, budget, out, stack)
-            if ldir is not None and _opaque(udir):
+            upper_names = _names(udir, parts, budget)
+            hidden: list[str] | None = []
+            if upper_names is not None and ldir is not None and _opaque(udir):
                 present = set(upper_names)
-                for name in _names(ldir):
-                    if name in present:
-                        continue
-                    sub = (*parts, name)
-                    budget.entry(sub)
-                    seen = _seen(ldir, name, budget, upper=False)
-                    if seen is not None:
-                        _delete_one(lower_fd, ldir, sub, seen, budget, out, [])
-                        if seen.kind == "dir" and _utf8("/".join(sub)):
-                            _delete_lower_tree(lower_fd, sub, budget, out)
+                listed = _names(ldir, parts, budget)
+                hidden = None if listed is None else [n for n in listed if n not in present]
+            if upper_names is None or hidden is None:
+                out.block(parts or (".",), "dir", "too_many")
+                continue
+            for name in upper_names:
+                _visit(upper_fd, lower_fd, udir, ldir, (*parts, name), budget, out, stack)
+            assert ldir is not None or not hidden
+            for name in hidden:
+                assert ldir is not None
+                sub = (*parts, name)
+                seen = _seen(ldir, name, budget, upper=False)
+                if seen is None:
+                    continue
+                bound = budget.past(sub)
+                if bound is None and seen.kind == "dir" and _utf8("/".join(sub)):
+                    bound = _delete_lower_tree(lower_fd, sub, budget, out)
+                elif bound is None:
+                    _delete_one(ldir, sub, seen, out, [])
+                if bound is not None:
+                    out.block(sub, seen.kind, bound)
     # Screened whole: no piece of a git directory by content, no misleading new name.
     kept, refused = discoverable.screen(out.changes, lower_fd)
     for change, reason in refused:
@@ -364,6 +413,13 @@ def _opaque(dir_fd: int) -> bool:
     return _xattr(dir_fd, OPAQUE_XATTR) == b"y"
 
 
+def seen_in_lower(dir_fd: int) -> bool:
+    """Did the command see a lower directory where the upper directory `dir_fd` is? Yes
+    when the overlay copied it up (`trusted.overlay.origin`) or made it opaque (it was
+    removed, or renamed over, and made again). Two xattr reads."""
+    return _xattr(dir_fd, ORIGIN_XATTR) is not None or _opaque(dir_fd)
+
+
 def _visit(
     upper_fd: int,
     lower_fd: int,
@@ -376,6 +432,12 @@ def _visit(
 ) -> None:
     name = sub[-1]
     rel = "/".join(sub)
+    bound = budget.past(sub)
+    if bound is not None:  # never opened nor hashed: only its kind is looked at
+        st = paths.lstat_at(udir, name)
+        if st is not None:
+            out.block(sub, _kind(st), bound)
+        return
     upper = _seen(udir, name, budget, upper=True)
     if upper is None:
         return  # removed since listed: the caller scans a quiet layer; nothing to carry
@@ -391,18 +453,21 @@ def _visit(
         match step:
             case "delete":
                 assert lower is not None and ldir is not None
-                _delete_one(lower_fd, ldir, sub, lower, budget, out, [])
+                _delete_one(ldir, sub, lower, out, [])
             case "delete_tree":
-                _delete_lower_tree(lower_fd, sub, budget, out)
+                tree_bound = _delete_lower_tree(lower_fd, sub, budget, out)
+                if tree_bound is not None:  # what would replace the tree waits with it
+                    out.block(sub, upper.kind, tree_bound)
+                    return
             case "mkdir":
                 out.changes.append(Change(path=rel, op="mkdir", kind="dir", mode=upper.mode))
             case "chmod" if upper.kind == "dir":
                 out.changes.append(Change(path=rel, op="chmod", kind="dir", mode=upper.mode))
             case "create" | "replace" | "chmod":
-                if upper.sha256 is None:
+                base = lower if step != "create" else None
+                if upper.sha256 is None or (base is not None and base.sha256 is None):
                     out.block(sub, "file", "too_large")
                     continue
-                base = lower if step != "create" else None
                 out.changes.append(
                     Change(
                         path=rel,

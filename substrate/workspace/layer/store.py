@@ -19,11 +19,13 @@ Conflicts: the command's version of each file that conflicted (at the command's 
 the host's edits' are recorded with the set (`unkept`) before anything is applied, so a
 crash never lets the layer go without them.
 
-Cleanup: a set is *settled* once applied whole with nothing `pending` and every
-conflict's version kept (`versions.settled`); then its upper and work dirs are removed
-(`layer: "removed"`) and a later apply has nothing left to do. A set kept for review,
-one with pending (require_approval) changes or with a version only its layer holds
-keeps its layer until it settles or `changes.discard`. `count_kept` counts those per
+Cleanup: a set is *settled* once applied whole with nothing `pending`, every
+conflict's version kept (`versions.settled`) and nothing blocked by a scan bound
+(`scan.BOUND_REASONS`: those files are only in the layer); then its upper and work dirs
+are removed (`layer: "removed"`) and a later apply has nothing left to do. A set kept
+for review, one with pending (require_approval) changes, with a version only its layer
+holds or with a part past a scan bound keeps its layer until it settles or
+`changes.discard`. `count_kept` counts those per
 workspace (the execution layer refuses new commands past a cap). Rows whose layer is
 gone (settled or discarded) are pruned to `MAX_SETTLED` per workspace, oldest first.
 
@@ -56,6 +58,7 @@ from substrate.workspace import fsops
 from substrate.workspace.layer import versions as kept_versions
 from substrate.workspace.layer.apply import ApplyResult, Outcomes, apply
 from substrate.workspace.layer.changeset import ChangeSet
+from substrate.workspace.layer.scan import BOUND_REASONS
 from substrate.workspace.layer.versions import FileKeeper, Versions
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
@@ -320,14 +323,16 @@ class Changesets:
         return dataclasses.replace(kept, versions=found)
 
     def _settle(self, kept: Kept, result: ApplyResult) -> Kept:
-        """After a whole apply with `result`: when nothing is pending and every conflict's
-        version is kept elsewhere, remove the set's upper and work dirs (first, so a
+        """After a whole apply with `result`: when nothing is pending, every conflict's
+        version is kept elsewhere and no scan bound blocked anything, remove the set's upper and work dirs (first, so a
         crash between leaves a row whose dir is gone, never a dir no row explains) and
         mark its layer `removed`; prune old rows. Otherwise nothing changes."""
         if kept.layer == "removed" or result.pending:
             return kept
         if not kept_versions.settled(result.conflicts, kept.versions):
             return kept
+        if any(b.reason in BOUND_REASONS for b in kept.changeset.blocked):
+            return kept  # what a scan bound blocked is only in the layer
         remove_layer(kept.upper, kept.work)
         kept = self._mark(kept, kept.state, "removed")
         self._prune(kept.workspace)
