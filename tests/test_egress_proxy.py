@@ -4,6 +4,7 @@ upstream proxy, all on 127.0.0.1 in this process. Names resolve through the prox
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -396,3 +397,139 @@ async def test_an_upstream_that_refuses_or_cannot_be_used_is_a_bad_gateway(
         "upstream_failed"
     )
     assert broken.resolved == []
+
+
+# -- one request per plain connection: nothing after it is relayed ------------------------
+
+
+@dataclass
+class Recorder:
+    """A loopback server that keeps every byte it is sent until the client's EOF, then
+    answers once and closes."""
+
+    port: int = 0
+    received: list[bytes] = field(default_factory=list)
+
+
+async def _recorder(nursery: trio.Nursery) -> Recorder:
+    found = Recorder()
+
+    async def handler(stream: trio.SocketStream) -> None:
+        buf = b""
+        with trio.fail_after(10):
+            while data := await stream.receive_some(65536):
+                buf += data
+        found.received.append(buf)
+        with contextlib.suppress(trio.BrokenResourceError):  # the proxy may have gone
+            await stream.send_all(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+            )
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    found.port = listeners[0].socket.getsockname()[1]
+    return found
+
+
+SMUGGLED = b"GET http://evil.invalid/steal HTTP/1.1\r\nHost: evil.invalid\r\n\r\n"
+
+
+async def _send_and_close(world: World, request: bytes) -> bytes:
+    stream = await world.client()
+    async with stream:
+        await stream.send_all(request)
+        await stream.send_eof()
+        return await read_all(stream)
+
+
+async def test_a_pipelined_second_request_never_reaches_the_origin(world: World) -> None:
+    recorder = await _recorder(world.nursery)
+    world.origins[MIRROR] = Origin(port=recorder.port)
+    first = b"GET http://mirror.test/a HTTP/1.1\r\nHost: mirror.test\r\n\r\n"
+    answer = await _send_and_close(world, first + SMUGGLED)
+    assert answer.endswith(b"\r\n\r\nok")
+    assert recorder.received == [
+        b"GET /a HTTP/1.1\r\nHost: mirror.test\r\nConnection: close\r\n\r\n"
+    ]
+    assert world.resolved == [(MIRROR, 80)]
+
+
+@pytest.mark.parametrize(
+    ("head", "body", "relayed"),
+    [
+        (b"Content-Length: 5", b"hello", b"hello"),
+        (b"Content-Length: 5, 5", b"hello", b"hello"),
+        (
+            b"Transfer-Encoding: chunked",
+            b"2\r\nhe\r\n3;x=y\r\nllo\r\n0\r\nT: 1\r\n\r\n",
+            b"2\r\nhe\r\n3\r\nllo\r\n0\r\n\r\n",
+        ),
+    ],
+)
+async def test_exactly_the_declared_body_is_relayed(
+    world: World, head: bytes, body: bytes, relayed: bytes
+) -> None:
+    recorder = await _recorder(world.nursery)
+    world.origins[MIRROR] = Origin(port=recorder.port)
+    request = b"POST http://mirror.test/up HTTP/1.1\r\n" + head + b"\r\n\r\n" + body
+    answer = await _send_and_close(world, request + SMUGGLED)
+    assert answer.endswith(b"\r\n\r\nok")
+    (received,) = recorder.received
+    assert received.endswith(b"\r\n\r\n" + relayed)
+    assert b"evil.invalid" not in received
+
+
+async def test_through_an_upstream_proxy_a_second_request_goes_nowhere(
+    nursery: trio.Nursery,
+) -> None:
+    recorder = await _recorder(nursery)
+    up = Upstream("127.0.0.1", recorder.port)
+    world = await _world(nursery, allow=[MIRROR], upstream=UpstreamConfig(http=up))
+    first = b"GET http://mirror.test/a HTTP/1.1\r\nHost: mirror.test\r\n\r\n"
+    answer = await _send_and_close(world, first + SMUGGLED)
+    assert answer.endswith(b"\r\n\r\nok")
+    assert recorder.received == [
+        b"GET http://mirror.test/a HTTP/1.1\r\nHost: mirror.test\r\nConnection: close\r\n\r\n"
+    ]
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST http://mirror.test/ HTTP/1.1\r\nContent-Length: 3\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"POST http://mirror.test/ HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 40\r\n\r\nabc",
+        b"POST http://mirror.test/ HTTP/1.1\r\nContent-Length: 3, 4\r\n\r\nabc",
+        b"POST http://mirror.test/ HTTP/1.1\r\nContent-Length: -3\r\n\r\nabc",
+        b"POST http://mirror.test/ HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        b"POST http://mirror.test/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n"
+        b"Transfer-Encoding: identity\r\n\r\n0\r\n\r\n",
+        b"POST http://mirror.test/ HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"GET http://mirror.test/ HTTP/1.1\r\nX-A: 1\r\n folded: 2\r\n\r\n",
+        b"GET http://mirror.test/a\nX-Smuggled:1 HTTP/1.1\r\n\r\n",
+        b"GET http://mirror.test/ HTTP/1.1\r\nX-A: a\x00b\r\n\r\n",
+    ],
+)
+async def test_ambiguous_framing_is_refused_before_anything_is_sent(
+    world: World, request_bytes: bytes
+) -> None:
+    recorder = await _recorder(world.nursery)
+    world.origins[MIRROR] = Origin(port=recorder.port)
+    answer = await _send_and_close(world, request_bytes)
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert refusal_of(answer) == "invalid_params"
+    assert recorder.received == []
+
+
+async def test_a_malformed_chunk_ends_the_request(world: World) -> None:
+    recorder = await _recorder(world.nursery)
+    world.origins[MIRROR] = Origin(port=recorder.port)
+    request = b"POST http://mirror.test/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    await _send_and_close(world, request + SMUGGLED)
+    # The head went before the body's fault showed; no byte of the body or after it did.
+    assert recorder.received in (
+        [],
+        [
+            b"POST / HTTP/1.1\r\nHost: mirror.test\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        ],
+    )

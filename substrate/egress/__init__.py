@@ -1,7 +1,8 @@
 """Egress: the allow-listing proxy that is an egress sandbox's only way out (docs/egress.md).
 
 `allow` parses and matches host allow-lists (pure); `request` reads proxy requests from
-bytes and writes the proxy's answers (sans-IO); `upstream` reads the upstream proxy the
+bytes and writes the proxy's answers (sans-IO); `body` finds where a plain request's body
+ends, so that nothing after it is relayed (sans-IO, h11); `upstream` reads the upstream proxy the
 daemon's environment names (pure); `ledger` keeps what was refused to which command
 (pure, bounded); `pipindex` resolves the `@pip-index` token from pip's own configuration;
 `proxy` is the Trio proxy the daemon runs. How a sandbox reaches it (a listener inside

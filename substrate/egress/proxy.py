@@ -15,7 +15,9 @@ against the gate's allow-list *before anything is resolved*. A refusal is report
 directly (resolve, drop the host's own addresses, connect within `connect_timeout_s`) or
 through the upstream proxy the daemon's environment names (`substrate.egress.upstream`;
 no resolution here then); a tunnel is answered 200, a plain request is sent on in origin
-form; then bytes are relayed both ways, half-closes passed on, until both sides are done
+form with exactly its declared body (`substrate.egress.body`: what the client sends after
+it, a pipelined second request, is dropped, never relayed); then bytes are relayed both
+ways (for a plain request: the answer), half-closes passed on, until both sides are done
 or nothing moved for `idle_timeout_s`. Nothing is cached, nothing is logged of paths,
 headers or bytes.
 
@@ -44,6 +46,7 @@ import trio
 
 from substrate.egress import splice
 from substrate.egress.allow import AllowList
+from substrate.egress.body import RequestBody
 from substrate.egress.request import (
     CONNECTED,
     MAX_HEAD_BYTES,
@@ -57,7 +60,7 @@ from substrate.egress.request import (
     upstream_head,
 )
 from substrate.egress.upstream import Upstream, UpstreamConfig
-from substrate.errors import EgressDenied, Refusal, RuntimeUnavailable
+from substrate.errors import EgressDenied, InvalidParams, Refusal, RuntimeUnavailable
 
 log = logging.getLogger("substrate.egress")
 
@@ -260,8 +263,11 @@ class EgressProxy:
         try:
             if req.tunnel:
                 await client.send_all(CONNECTED + to_client)
-            await server.send_all(to_server + rest)
-            await self._relay(client, server)
+                await server.send_all(to_server + rest)
+                await self._relay(client, server)
+            else:
+                await server.send_all(to_server)
+                await self._relay_request(client, server, RequestBody(req.body), rest)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # a side went away: the relay is over
         finally:
@@ -376,20 +382,73 @@ class EgressProxy:
                     src: trio.abc.HalfCloseableStream, dst: trio.abc.HalfCloseableStream
                 ) -> None:
                     try:
-                        if isinstance(src, trio.SocketStream) and isinstance(
-                            dst, trio.SocketStream
-                        ):
-                            await splice.pump(src.socket, dst.socket, moved)
-                            return
-                        while data := await src.receive_some(chunk):
-                            await dst.send_all(data)
-                            moved()
-                        await dst.send_eof()
+                        await _pump(src, dst, moved, chunk)
                     except _GONE:
                         nursery.cancel_scope.cancel()
 
                 nursery.start_soon(pump, a, b)
                 nursery.start_soon(pump, b, a)
+
+    async def _relay_request(
+        self,
+        client: trio.abc.HalfCloseableStream,
+        server: trio.abc.HalfCloseableStream,
+        body: RequestBody,
+        rest: bytes,
+    ) -> None:
+        """A plain request whose head was sent: relay its body and nothing after it
+        (`substrate.egress.body`: a pipelined second request is dropped, never relayed),
+        pass the client's EOF on, and relay the answer until the server ends it. A body
+        whose framing breaks ends both directions at once: no byte from the fault on is
+        relayed (the caller closes both sides)."""
+        idle_s = self.limits.idle_timeout_s
+        chunk = self.limits.chunk
+        with trio.move_on_after(idle_s) as idle:
+
+            def moved() -> None:
+                idle.deadline = trio.current_time() + idle_s
+
+            async with trio.open_nursery() as nursery:
+
+                async def request() -> None:
+                    data: bytes | bytearray = rest
+                    try:
+                        while True:
+                            if out := body.feed(data):
+                                await server.send_all(out)
+                                moved()
+                            data = await client.receive_some(chunk)
+                            if not data:
+                                body.end()
+                                await server.send_eof()
+                                return
+                    except (*_GONE, InvalidParams):
+                        nursery.cancel_scope.cancel()  # the framing broke: abandon both
+
+                async def answer() -> None:
+                    with contextlib.suppress(*_GONE):
+                        await _pump(server, client, moved, chunk)
+                    nursery.cancel_scope.cancel()  # answered: what the client sends is moot
+
+                nursery.start_soon(request)
+                nursery.start_soon(answer)
+
+
+async def _pump(
+    src: trio.abc.HalfCloseableStream,
+    dst: trio.abc.HalfCloseableStream,
+    moved: Callable[[], None],
+    chunk: int,
+) -> None:
+    """Copy `src` to `dst` until `src`'s EOF, then pass it on as a half-close; between
+    two sockets with `splice(2)`. Raises what a broken side raises (`_GONE`)."""
+    if isinstance(src, trio.SocketStream) and isinstance(dst, trio.SocketStream):
+        await splice.pump(src.socket, dst.socket, moved)
+        return
+    while data := await src.receive_some(chunk):
+        await dst.send_all(data)
+        moved()
+    await dst.send_eof()
 
 
 def _to_itself(sock: trio.socket.SocketType) -> bool:
