@@ -12,7 +12,9 @@ One connection: read the request head (at most `max_head_bytes`, within
 against the gate's allow-list *before anything is resolved*. A refusal is reported
 (`Gate.denied`: the sandbox side finds the command and journals it) and answered with
 403 `egress_denied`; then the connection closes. An allowed request is connected
-directly (resolve, drop the host's own addresses, connect within `connect_timeout_s`) or
+directly (resolve; judge every answer, `substrate.egress.destination`, and refuse the
+name if any is this host's own or its containers'; only then connect, to those answers,
+within `connect_timeout_s`) or
 through the upstream proxy the daemon's environment names (`substrate.egress.upstream`;
 no resolution here then); a tunnel is answered 200, a plain request is sent on in origin
 form with exactly its declared body (`substrate.egress.body`: what the client sends after
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -44,7 +45,7 @@ from typing import Any
 
 import trio
 
-from substrate.egress import splice
+from substrate.egress import destination, splice
 from substrate.egress.allow import AllowList
 from substrate.egress.body import RequestBody
 from substrate.egress.request import (
@@ -127,22 +128,6 @@ class Attachment:
         self.listener.close()
 
 
-def address_ok(address: str) -> bool:
-    """May the proxy connect to `address`? Not to this host itself or its links:
-    loopback, unspecified, link-local (cloud metadata lives there), multicast, reserved;
-    an IPv4-mapped IPv6 address is judged as its IPv4 one. Private ranges are allowed
-    (an enterprise's mirror lives there). Pure."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not (
-        ip.is_loopback or ip.is_unspecified or ip.is_link_local or ip.is_multicast or ip.is_reserved
-    )
-
-
 async def system_resolve(host: str, port: int) -> Addresses:
     """The host's resolver (`getaddrinfo` in a thread), TCP addresses only."""
     infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -159,6 +144,8 @@ class EgressProxy:
         limits: Limits | None = None,
         resolve: Resolver | None = None,
         allow_local: bool = False,
+        refuse_private: bool = False,
+        route: destination.RouteLookup | None = None,
     ) -> None:
         self.upstream = upstream if upstream is not None else UpstreamConfig()
         self.limits = limits if limits is not None else Limits()
@@ -166,6 +153,10 @@ class EgressProxy:
         #: `allow_local`: connections to this host's own addresses are then allowed.
         self.resolve: Resolver = resolve if resolve is not None else system_resolve
         self.allow_local = allow_local
+        #: The operator's `egress_refuse_private`: non-global ranges are refused too.
+        self.refuse_private = refuse_private
+        #: The kernel's route to an address (`destination.route_to`; replaceable in tests).
+        self.route: destination.RouteLookup = route if route is not None else destination.route_to
         self.open_connections = 0
         self._nursery: trio.Nursery | None = None
 
@@ -312,17 +303,30 @@ class EgressProxy:
                 raise ProxyFailure("upstream_failed", f"{req.host} does not resolve") from None
         if found is None:
             raise ProxyFailure("upstream_timeout", f"resolving {req.host} took too long")
-        usable = [(f, a) for f, a in found if self.allow_local or address_ok(str(a[0]))]
-        if found and not usable:
-            await gate.denied(peer_port, req.host, req.port)
-            raise EgressDenied(f"{req.host} resolves to an address of this host")
-        server = await self._connect(req, usable)
+        if not self.allow_local:
+            # Every answer is judged before any connection (destination: no port
+            # oracle), and only the answers judged are connected to (no second lookup).
+            why = await trio.to_thread.run_sync(self._refusal, [str(a[0]) for _, a in found])
+            if why is not None:
+                await gate.denied(peer_port, req.host, req.port)
+                raise EgressDenied(f"{req.host} resolves to {why}")
+        server = await self._connect(req, found)
         if not self.allow_local and _to_itself(server.socket):
-            # Whatever the address looked like, the kernel delivered it to this host.
+            # Judged not to be this host's, yet delivered here: an address added since.
             await _close(server)
             await gate.denied(peer_port, req.host, req.port)
             raise EgressDenied(f"{req.host} resolves to an address of this host")
         return server
+
+    def _refusal(self, addresses: list[str]) -> str | None:
+        """The first refusal among `addresses` (`destination.refusal`), or None. Blocking."""
+        for address in addresses:
+            why = destination.refusal(
+                address, refuse_private=self.refuse_private, lookup=self.route
+            )
+            if why is not None:
+                return why
+        return None
 
     async def _connect(self, req: ProxyRequest, addresses: Addresses) -> trio.SocketStream:
         for family, addr in addresses:

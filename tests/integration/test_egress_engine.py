@@ -12,6 +12,7 @@ resolver records every question, and none is asked for it.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import sys
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ import trio
 
 from substrate.config import Config
 from substrate.daemon import Daemon
+from substrate.egress import destination
 from substrate.egress.allow import AllowList
 from substrate.egress.cabundle import bundle_path, digest, read_bundle
 from substrate.egress.pipindex import pip_index_hosts, pip_index_urls
@@ -303,3 +305,22 @@ async def test_the_listener_closes_with_its_sandbox(env: Env, docker_client: Any
     assert attachment.listener.fileno() == -1
     with pytest.raises(docker.errors.NotFound):
         docker_client.containers.get(sandbox.id)
+
+
+def test_the_engines_bridge_network_is_refused_as_this_hosts_containers(
+    docker_client: Any,
+) -> None:
+    """Judged from the kernel's route (no packet sent): an address on the engine's
+    bridge network is a container of this host, and the bridge's own is this host's."""
+    subnet = docker_client.networks.get("bridge").attrs["IPAM"]["Config"][0]["Subnet"]
+    network = ipaddress.ip_network(subnet)
+    neighbour = network.network_address + 200
+    assert destination.route_to(neighbour) == destination.Route(
+        kind=destination.RTN_UNICAST, guest_link=True
+    )
+    assert destination.refusal(str(neighbour), refuse_private=False) == (
+        "an address of this host's containers"
+    )
+    gateway = docker_client.networks.get("bridge").attrs["IPAM"]["Config"][0].get("Gateway")
+    if gateway:  # the bridge's own address (172.17.0.1): this host's
+        assert destination.refusal(gateway, refuse_private=False) == "an address of this host"
