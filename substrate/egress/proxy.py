@@ -39,15 +39,18 @@ import contextlib
 import errno
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from substrate.egress import destination, splice
+from substrate.egress import authority, destination, inject, splice
 from substrate.egress.allow import AllowList
+from substrate.egress.authority import SandboxAuthority
 from substrate.egress.body import RequestBody
+from substrate.egress.inject import Injection
 from substrate.egress.request import (
     CONNECTED,
     MAX_HEAD_BYTES,
@@ -109,6 +112,12 @@ class Gate:
     label: str
     denied: Callable[[int, str, int], Awaitable[None]]
     connections: int = 0
+    #: Hosts (normalised) whose HTTPS requests get a secret header (`substrate.egress.
+    #: inject`), the sandbox's CA that answers as them, and `secret(name)`: the value
+    #: (refusing `secret_unknown`), read when a connection to such a host opens.
+    inject: Mapping[str, Injection] = field(default_factory=dict)
+    authority: SandboxAuthority | None = None
+    secret: Callable[[str], Awaitable[str]] | None = None
 
 
 @dataclass(eq=False)
@@ -146,6 +155,7 @@ class EgressProxy:
         allow_local: bool = False,
         refuse_private: bool = False,
         route: destination.RouteLookup | None = None,
+        upstream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.upstream = upstream if upstream is not None else UpstreamConfig()
         self.limits = limits if limits is not None else Limits()
@@ -157,6 +167,8 @@ class EgressProxy:
         self.refuse_private = refuse_private
         #: The kernel's route to an address (`destination.route_to`; replaceable in tests).
         self.route: destination.RouteLookup = route if route is not None else destination.route_to
+        #: How an injecting host's real server is verified (default: this host's store).
+        self.upstream_tls = upstream_tls
         self.open_connections = 0
         self._nursery: trio.Nursery | None = None
 
@@ -246,6 +258,9 @@ class EgressProxy:
                 raise EgressDenied(
                     f"{req.authority} is not in this sandbox's egress_allow (ports 80, 443)"
                 )
+            injection = _injection(gate, req)
+            if injection is not None:
+                return await self._inject(client, req, rest, gate, peer_port, injection)
             server, to_server, to_client = await self._open(req, gate, peer_port)
         except (Refusal, ProxyFailure) as exc:
             with trio.move_on_after(self.limits.head_timeout_s):
@@ -265,6 +280,67 @@ class EgressProxy:
             with trio.CancelScope(shield=True):
                 await _close(server)
         return "relayed"
+
+    async def _inject(
+        self,
+        client: trio.abc.HalfCloseableStream,
+        req: ProxyRequest,
+        rest: bytes,
+        gate: Gate,
+        peer_port: int,
+        injection: Injection,
+    ) -> str:
+        """A tunnel to a host of `gate.inject`: the real server is reached and its
+        certificate verified first (`upstream_failed` otherwise, answered plainly); then
+        the tunnel is opened, TLS is spoken with the client as that host (the sandbox's
+        CA), and `inject.relay` sets the secret header on each request. Refuses as
+        `_open`, and `secret_unknown` when the secret is not set."""
+        assert gate.authority is not None and gate.secret is not None  # `_injection` says so
+        host = req.host.lower().rstrip(".")
+        value = await gate.secret(injection.secret)
+        server, _, to_client = await self._open(req, gate, peer_port)
+        if self.upstream_tls is None:
+            self.upstream_tls = authority.upstream_context()
+        upstream = trio.SSLStream(
+            inject.Prefixed(server, to_client),
+            self.upstream_tls,
+            server_hostname=host,
+            https_compatible=True,
+        )
+        try:
+            try:
+                with trio.fail_after(self.limits.connect_timeout_s):
+                    await upstream.do_handshake()
+            except (*_GONE, trio.TooSlowError):
+                raise ProxyFailure(
+                    "upstream_failed", f"no verified TLS with {req.authority}"
+                ) from None
+            await client.send_all(CONNECTED)
+            downstream = trio.SSLStream(
+                inject.Prefixed(client, rest),
+                gate.authority.server_context(host),
+                server_side=True,
+                https_compatible=True,
+            )
+            with trio.move_on_after(self.limits.head_timeout_s) as handshake:
+                await downstream.do_handshake()
+            if handshake.cancelled_caught:
+                return "timeout"
+            await inject.relay(
+                downstream,
+                upstream,
+                host=host,
+                header=injection.header,
+                value=value,
+                idle_s=self.limits.idle_timeout_s,
+                chunk=self.limits.chunk,
+            )
+        except _GONE:
+            pass  # a side went away (or its TLS failed): the relay is over
+        finally:
+            with trio.CancelScope(shield=True):
+                await _close(server)
+        return "injected"
 
     async def _read_request(self, client: trio.abc.ReceiveStream) -> tuple[ProxyRequest, bytes]:
         reader = HeadReader(self.limits.max_head_bytes)
@@ -453,6 +529,14 @@ async def _pump(
         await dst.send_all(data)
         moved()
     await dst.send_eof()
+
+
+def _injection(gate: Gate, req: ProxyRequest) -> Injection | None:
+    """The rule for `req` when it is a tunnel to port 443 of an injecting host (a plain
+    request or port 80 never carries the secret: it would cross in clear)."""
+    if not req.tunnel or req.port != 443 or gate.authority is None or gate.secret is None:
+        return None
+    return gate.inject.get(req.host.lower().rstrip("."))
 
 
 def _to_itself(sock: trio.socket.SocketType) -> bool:

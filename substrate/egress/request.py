@@ -223,6 +223,7 @@ STATUS = {
     "timeout": (408, "Request Timeout"),
     "upstream_failed": (502, "Bad Gateway"),
     "upstream_timeout": (504, "Gateway Timeout"),
+    "secret_unknown": (503, "Service Unavailable"),
 }
 
 
