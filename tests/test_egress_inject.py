@@ -136,7 +136,7 @@ async def _setup(
         allow=AllowList.of([API]),
         label="t",
         denied=denied,
-        inject={API: Injection(header="x-api-key", secret="model-key")},
+        inject={API: Injection(header="X-API-Key", secret="model-key")},
         authority=sandbox_ca,
         secret=secret or read_secret,
     )

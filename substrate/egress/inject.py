@@ -96,7 +96,7 @@ async def relay(
     protocol, or says nothing for `idle_s`. Never raises but Cancelled."""
     down = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
     up = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
-    secret = (header.encode("ascii"), value.encode("latin-1"))
+    secret = (header.lower().encode("ascii"), value.encode("latin-1"))
     try:
         while await _exchange(client, server, down, up, host, secret, idle_s, chunk):
             down.start_next_cycle()

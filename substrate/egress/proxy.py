@@ -20,14 +20,18 @@ no resolution here then); a tunnel is answered 200, a plain request is sent on i
 form with exactly its declared body (`substrate.egress.body`: what the client sends after
 it, a pipelined second request, is dropped, never relayed); then bytes are relayed both
 ways (for a plain request: the answer), half-closes passed on, until both sides are done
-or nothing moved for `idle_timeout_s`. Nothing is cached, nothing is logged of paths,
-headers or bytes.
+or nothing moved for `idle_timeout_s`. A tunnel to port 443 of a host in the gate's
+`inject` table is the exception: the proxy verifies the real server's TLS, then speaks
+TLS with the client itself as that host (the sandbox's own CA) and relays HTTP/1.1
+exchanges, setting the secret header on each (`substrate.egress.inject`). Nothing is
+cached, nothing is logged of paths, headers or bytes.
 
 Bounds and named refusals (the answer's `X-Substrate-Refusal`): a head too large
 (`request_too_large`, 431), malformed (`invalid_params`, 400), not complete in time
 (`timeout`, 408); more than `per_gate` connections of one sandbox or `total` of all
 (`limit_exceeded`, 503); a host or port not allowed (`egress_denied`, 403); no answer
-from the name or the server (`upstream_failed`, 502; `upstream_timeout`, 504).
+from the name or the server (`upstream_failed`, 502; `upstream_timeout`, 504); an
+injecting host's secret not set (`secret_unknown`, 503).
 
 Supervision: a failing connection is logged and closed, never the proxy; an accept
 that fails for lack of descriptors or memory is retried after a pause.
