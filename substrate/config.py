@@ -69,6 +69,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     max_upload_bytes: int = 1 << 30  # one chunked upload's declared size (§14); more: too_large
     max_uploads: int = 8  # open uploads per caller (socket and uid); more: limit_exceeded
     upload_idle_s: float = 600.0  # an upload with no call for this long expires, spool removed
+    #: the egress proxy refuses private and other non-global addresses (RFC 1918, CGNAT,
+    #: ULA) as well as this host's own, which it always refuses (docs/egress.md)
+    egress_refuse_private: bool = False
     #: the daemon's log on stderr: "debug" adds one line per refusal (method and name only)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # `[policy]`: the operator's default policy of every checkout (docs/protocol.md §2); agents add to it.

@@ -293,7 +293,9 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     # One writer for fs.* and the working layers' change sets, keeping pre-images for both.
     writer = Writer(store, journal, checkpoints)
     # Chained to the upstream proxy the daemon's own environment names, if any.
-    egress = EgressProxy(upstream=from_environ(os.environ))
+    egress = EgressProxy(
+        upstream=from_environ(os.environ), refuse_private=config.egress_refuse_private
+    )
     try:
         execution = Execution(
             config,

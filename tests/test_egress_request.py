@@ -102,6 +102,10 @@ def test_absolute_targets(target: str, host: str, port: int, path: bytes) -> Non
         "CONNECT a_b.example:443 HTTP/1.1",
         "CONNECT [::1:443 HTTP/1.1",
         "G@T http://a.example/ HTTP/1.1",
+        "GET http://a.example/a\nX-Smuggled:1 HTTP/1.1",  # a bare LF inside the target
+        "GET http://a.example/\x00 HTTP/1.1",
+        "GET http://a.example/\x7f HTTP/1.1",
+        "POST http://a.example/ HTTP/1.1\r\nContent-Length: 1\r\nTransfer-Encoding: chunked",
     ],
 )
 def test_malformed_requests_are_invalid(line: str) -> None:
@@ -109,7 +113,9 @@ def test_malformed_requests_are_invalid(line: str) -> None:
         parse_request(head(line))
 
 
-@pytest.mark.parametrize("header", ["NoColon", "Bad Name: x", " folded: x", "X: a\rb"])
+@pytest.mark.parametrize(
+    "header", ["NoColon", "Bad Name: x", " folded: x", "\tfolded", "X: a\rb", "X: a\x00b"]
+)
 def test_malformed_headers_are_invalid(header: str) -> None:
     with pytest.raises(InvalidParams):
         parse_request(head("GET http://a.example/ HTTP/1.1", header))
@@ -162,3 +168,18 @@ def test_response_status() -> None:
     for bad in (b"", b"SSH-2.0-x", b"HTTP/1.1 abc", b"HTTP/3 200 ok"):
         with pytest.raises(ValueError):
             response_status(bad)
+
+
+def test_the_body_is_framed_anew_for_the_server() -> None:
+    chunked = parse_request(
+        head("POST http://a.example/ HTTP/1.1", "Transfer-Encoding: chunked", "X: 1")
+    )
+    assert chunked.body is None
+    assert origin_head(chunked) == (
+        b"POST / HTTP/1.1\r\nHost: a.example\r\nX: 1\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n"
+    )
+    sized = parse_request(head("PUT http://a.example/f HTTP/1.1", "Content-Length: 5, 5"))
+    assert sized.body == 5
+    assert b"\r\nContent-Length: 5\r\nConnection: close" in origin_head(sized)
+    assert parse_request(head("GET http://a.example/ HTTP/1.1")).body == 0

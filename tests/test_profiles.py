@@ -504,6 +504,71 @@ def test_egress_needs_runc(tmp_path: Path) -> None:
     assert ': $.network: "egress" needs runtime "runc"' in _refusal(tmp_path, body)
 
 
+INJECT = EGRESS + 'egress_allow = ["api.example.com", "*.cdn.example"]\nca_bundle = "host"\n'
+
+
+def test_an_inject_table_is_loaded_with_names_only(tmp_path: Path) -> None:
+    body = INJECT + '[egress_inject."api.example.com"]\nheader = "x-api-key"\nsecret = "model"\n'
+    found = load_profile(_write(tmp_path, body), SECCOMP)
+    assert msgspec.to_builtins(found.egress_inject) == {
+        "api.example.com": {"header": "x-api-key", "secret": "model"}
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "where", "why"),
+    [
+        (
+            GOOD + '[egress_inject."a.example"]\nheader = "x"\nsecret = "s"\n',
+            "$.egress_inject",
+            'only a network = "egress"',
+        ),
+        (
+            EGRESS + 'egress_allow = ["a.example"]\n'
+            '[egress_inject."a.example"]\nheader = "x"\nsecret = "s"\n',
+            "$.egress_inject",
+            "needs ca_bundle",
+        ),
+        (
+            INJECT + '[egress_inject."other.example"]\nheader = "x"\nsecret = "s"\n',
+            "$.egress_inject.other.example",
+            "not in egress_allow",
+        ),
+        (
+            INJECT + '[egress_inject."*.cdn.example"]\nheader = "x"\nsecret = "s"\n',
+            "$.egress_inject.*.cdn.example",
+            "no wildcard",
+        ),
+        (
+            INJECT + '[egress_inject."API.example.com"]\nheader = "x"\nsecret = "s"\n',
+            "$.egress_inject.API.example.com",
+            "lower case",
+        ),
+        (
+            INJECT + '[egress_inject."api.example.com"]\nheader = "Host"\nsecret = "s"\n',
+            "$.egress_inject.api.example.com.header",
+            "not a header name",
+        ),
+        (
+            INJECT + '[egress_inject."api.example.com"]\nheader = "x y"\nsecret = "s"\n',
+            "$.egress_inject.api.example.com.header",
+            "not a header name",
+        ),
+        (
+            INJECT + '[egress_inject."api.example.com"]\nheader = "x"\nsecret = "../s"\n',
+            "$.egress_inject.api.example.com.secret",
+            "a secret name must match",
+        ),
+    ],
+)
+def test_bad_inject_tables_name_file_and_key(
+    tmp_path: Path, body: str, where: str, why: str
+) -> None:
+    msg = _refusal(tmp_path, body)
+    assert f": {where}: " in msg, msg
+    assert why in msg, msg
+
+
 def test_a_ca_bundle_file_is_accepted(tmp_path: Path) -> None:
     bundle = tmp_path / "ca.pem"
     bundle.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")

@@ -1,9 +1,13 @@
 """Egress: the allow-listing proxy that is an egress sandbox's only way out (docs/egress.md).
 
 `allow` parses and matches host allow-lists (pure); `request` reads proxy requests from
-bytes and writes the proxy's answers (sans-IO); `upstream` reads the upstream proxy the
+bytes and writes the proxy's answers (sans-IO); `body` finds where a plain request's body
+ends, so that nothing after it is relayed (sans-IO, h11); `upstream` reads the upstream proxy the
 daemon's environment names (pure); `ledger` keeps what was refused to which command
 (pure, bounded); `pipindex` resolves the `@pip-index` token from pip's own configuration;
+`destination` judges resolved addresses before any connection (a kernel route lookup);
+`authority` is a sandbox's own CA and `inject` the h11 relay that sets a secret header on
+an injecting host's requests (`inject_rules` checks a profile's table);
 `proxy` is the Trio proxy the daemon runs. How a sandbox reaches it (a listener inside
 the sandbox's network namespace) is `substrate.sandbox.proxy_link`'s.
 """

@@ -12,18 +12,26 @@ One connection: read the request head (at most `max_head_bytes`, within
 against the gate's allow-list *before anything is resolved*. A refusal is reported
 (`Gate.denied`: the sandbox side finds the command and journals it) and answered with
 403 `egress_denied`; then the connection closes. An allowed request is connected
-directly (resolve, drop the host's own addresses, connect within `connect_timeout_s`) or
+directly (resolve; judge every answer, `substrate.egress.destination`, and refuse the
+name if any is this host's own or its containers'; only then connect, to those answers,
+within `connect_timeout_s`) or
 through the upstream proxy the daemon's environment names (`substrate.egress.upstream`;
 no resolution here then); a tunnel is answered 200, a plain request is sent on in origin
-form; then bytes are relayed both ways, half-closes passed on, until both sides are done
-or nothing moved for `idle_timeout_s`. Nothing is cached, nothing is logged of paths,
-headers or bytes.
+form with exactly its declared body (`substrate.egress.body`: what the client sends after
+it, a pipelined second request, is dropped, never relayed); then bytes are relayed both
+ways (for a plain request: the answer), half-closes passed on, until both sides are done
+or nothing moved for `idle_timeout_s`. A tunnel to port 443 of a host in the gate's
+`inject` table is the exception: the proxy verifies the real server's TLS, then speaks
+TLS with the client itself as that host (the sandbox's own CA) and relays HTTP/1.1
+exchanges, setting the secret header on each (`substrate.egress.inject`). Nothing is
+cached, nothing is logged of paths, headers or bytes.
 
 Bounds and named refusals (the answer's `X-Substrate-Refusal`): a head too large
 (`request_too_large`, 431), malformed (`invalid_params`, 400), not complete in time
 (`timeout`, 408); more than `per_gate` connections of one sandbox or `total` of all
 (`limit_exceeded`, 503); a host or port not allowed (`egress_denied`, 403); no answer
-from the name or the server (`upstream_failed`, 502; `upstream_timeout`, 504).
+from the name or the server (`upstream_failed`, 502; `upstream_timeout`, 504); an
+injecting host's secret not set (`secret_unknown`, 503).
 
 Supervision: a failing connection is logged and closed, never the proxy; an accept
 that fails for lack of descriptors or memory is retried after a pause.
@@ -33,17 +41,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from substrate.egress import splice
+from substrate.egress import authority, destination, inject, splice
 from substrate.egress.allow import AllowList
+from substrate.egress.authority import SandboxAuthority
+from substrate.egress.body import RequestBody
+from substrate.egress.inject import Injection
 from substrate.egress.request import (
     CONNECTED,
     MAX_HEAD_BYTES,
@@ -57,7 +68,7 @@ from substrate.egress.request import (
     upstream_head,
 )
 from substrate.egress.upstream import Upstream, UpstreamConfig
-from substrate.errors import EgressDenied, Refusal, RuntimeUnavailable
+from substrate.errors import EgressDenied, InvalidParams, Refusal, RuntimeUnavailable
 
 log = logging.getLogger("substrate.egress")
 
@@ -105,6 +116,12 @@ class Gate:
     label: str
     denied: Callable[[int, str, int], Awaitable[None]]
     connections: int = 0
+    #: Hosts (normalised) whose HTTPS requests get a secret header (`substrate.egress.
+    #: inject`), the sandbox's CA that answers as them, and `secret(name)`: the value
+    #: (refusing `secret_unknown`), read when a connection to such a host opens.
+    inject: Mapping[str, Injection] = field(default_factory=dict)
+    authority: SandboxAuthority | None = None
+    secret: Callable[[str], Awaitable[str]] | None = None
 
 
 @dataclass(eq=False)
@@ -124,22 +141,6 @@ class Attachment:
         self.listener.close()
 
 
-def address_ok(address: str) -> bool:
-    """May the proxy connect to `address`? Not to this host itself or its links:
-    loopback, unspecified, link-local (cloud metadata lives there), multicast, reserved;
-    an IPv4-mapped IPv6 address is judged as its IPv4 one. Private ranges are allowed
-    (an enterprise's mirror lives there). Pure."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not (
-        ip.is_loopback or ip.is_unspecified or ip.is_link_local or ip.is_multicast or ip.is_reserved
-    )
-
-
 async def system_resolve(host: str, port: int) -> Addresses:
     """The host's resolver (`getaddrinfo` in a thread), TCP addresses only."""
     infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -156,6 +157,9 @@ class EgressProxy:
         limits: Limits | None = None,
         resolve: Resolver | None = None,
         allow_local: bool = False,
+        refuse_private: bool = False,
+        route: destination.RouteLookup | None = None,
+        upstream_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.upstream = upstream if upstream is not None else UpstreamConfig()
         self.limits = limits if limits is not None else Limits()
@@ -163,6 +167,12 @@ class EgressProxy:
         #: `allow_local`: connections to this host's own addresses are then allowed.
         self.resolve: Resolver = resolve if resolve is not None else system_resolve
         self.allow_local = allow_local
+        #: The operator's `egress_refuse_private`: non-global ranges are refused too.
+        self.refuse_private = refuse_private
+        #: The kernel's route to an address (`destination.route_to`; replaceable in tests).
+        self.route: destination.RouteLookup = route if route is not None else destination.route_to
+        #: How an injecting host's real server is verified (default: this host's store).
+        self.upstream_tls = upstream_tls
         self.open_connections = 0
         self._nursery: trio.Nursery | None = None
 
@@ -252,6 +262,9 @@ class EgressProxy:
                 raise EgressDenied(
                     f"{req.authority} is not in this sandbox's egress_allow (ports 80, 443)"
                 )
+            injection = _injection(gate, req)
+            if injection is not None:
+                return await self._inject(client, req, rest, gate, peer_port, injection)
             server, to_server, to_client = await self._open(req, gate, peer_port)
         except (Refusal, ProxyFailure) as exc:
             with trio.move_on_after(self.limits.head_timeout_s):
@@ -260,14 +273,78 @@ class EgressProxy:
         try:
             if req.tunnel:
                 await client.send_all(CONNECTED + to_client)
-            await server.send_all(to_server + rest)
-            await self._relay(client, server)
+                await server.send_all(to_server + rest)
+                await self._relay(client, server)
+            else:
+                await server.send_all(to_server)
+                await self._relay_request(client, server, RequestBody(req.body), rest)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # a side went away: the relay is over
         finally:
             with trio.CancelScope(shield=True):
                 await _close(server)
         return "relayed"
+
+    async def _inject(
+        self,
+        client: trio.abc.HalfCloseableStream,
+        req: ProxyRequest,
+        rest: bytes,
+        gate: Gate,
+        peer_port: int,
+        injection: Injection,
+    ) -> str:
+        """A tunnel to a host of `gate.inject`: the real server is reached and its
+        certificate verified first (`upstream_failed` otherwise, answered plainly); then
+        the tunnel is opened, TLS is spoken with the client as that host (the sandbox's
+        CA), and `inject.relay` sets the secret header on each request. Refuses as
+        `_open`, and `secret_unknown` when the secret is not set."""
+        assert gate.authority is not None and gate.secret is not None  # `_injection` says so
+        host = req.host.lower().rstrip(".")
+        value = await gate.secret(injection.secret)
+        server, _, to_client = await self._open(req, gate, peer_port)
+        if self.upstream_tls is None:
+            self.upstream_tls = authority.upstream_context()
+        upstream = trio.SSLStream(
+            inject.Prefixed(server, to_client),
+            self.upstream_tls,
+            server_hostname=host,
+            https_compatible=True,
+        )
+        try:
+            try:
+                with trio.fail_after(self.limits.connect_timeout_s):
+                    await upstream.do_handshake()
+            except (*_GONE, trio.TooSlowError):
+                raise ProxyFailure(
+                    "upstream_failed", f"no verified TLS with {req.authority}"
+                ) from None
+            await client.send_all(CONNECTED)
+            downstream = trio.SSLStream(
+                inject.Prefixed(client, rest),
+                gate.authority.server_context(host),
+                server_side=True,
+                https_compatible=True,
+            )
+            with trio.move_on_after(self.limits.head_timeout_s) as handshake:
+                await downstream.do_handshake()
+            if handshake.cancelled_caught:
+                return "timeout"
+            await inject.relay(
+                downstream,
+                upstream,
+                host=host,
+                header=injection.header,
+                value=value,
+                idle_s=self.limits.idle_timeout_s,
+                chunk=self.limits.chunk,
+            )
+        except _GONE:
+            pass  # a side went away (or its TLS failed): the relay is over
+        finally:
+            with trio.CancelScope(shield=True):
+                await _close(server)
+        return "injected"
 
     async def _read_request(self, client: trio.abc.ReceiveStream) -> tuple[ProxyRequest, bytes]:
         reader = HeadReader(self.limits.max_head_bytes)
@@ -306,17 +383,30 @@ class EgressProxy:
                 raise ProxyFailure("upstream_failed", f"{req.host} does not resolve") from None
         if found is None:
             raise ProxyFailure("upstream_timeout", f"resolving {req.host} took too long")
-        usable = [(f, a) for f, a in found if self.allow_local or address_ok(str(a[0]))]
-        if found and not usable:
-            await gate.denied(peer_port, req.host, req.port)
-            raise EgressDenied(f"{req.host} resolves to an address of this host")
-        server = await self._connect(req, usable)
+        if not self.allow_local:
+            # Every answer is judged before any connection (destination: no port
+            # oracle), and only the answers judged are connected to (no second lookup).
+            why = await trio.to_thread.run_sync(self._refusal, [str(a[0]) for _, a in found])
+            if why is not None:
+                await gate.denied(peer_port, req.host, req.port)
+                raise EgressDenied(f"{req.host} resolves to {why}")
+        server = await self._connect(req, found)
         if not self.allow_local and _to_itself(server.socket):
-            # Whatever the address looked like, the kernel delivered it to this host.
+            # Judged not to be this host's, yet delivered here: an address added since.
             await _close(server)
             await gate.denied(peer_port, req.host, req.port)
             raise EgressDenied(f"{req.host} resolves to an address of this host")
         return server
+
+    def _refusal(self, addresses: list[str]) -> str | None:
+        """The first refusal among `addresses` (`destination.refusal`), or None. Blocking."""
+        for address in addresses:
+            why = destination.refusal(
+                address, refuse_private=self.refuse_private, lookup=self.route
+            )
+            if why is not None:
+                return why
+        return None
 
     async def _connect(self, req: ProxyRequest, addresses: Addresses) -> trio.SocketStream:
         for family, addr in addresses:
@@ -376,20 +466,81 @@ class EgressProxy:
                     src: trio.abc.HalfCloseableStream, dst: trio.abc.HalfCloseableStream
                 ) -> None:
                     try:
-                        if isinstance(src, trio.SocketStream) and isinstance(
-                            dst, trio.SocketStream
-                        ):
-                            await splice.pump(src.socket, dst.socket, moved)
-                            return
-                        while data := await src.receive_some(chunk):
-                            await dst.send_all(data)
-                            moved()
-                        await dst.send_eof()
+                        await _pump(src, dst, moved, chunk)
                     except _GONE:
                         nursery.cancel_scope.cancel()
 
                 nursery.start_soon(pump, a, b)
                 nursery.start_soon(pump, b, a)
+
+    async def _relay_request(
+        self,
+        client: trio.abc.HalfCloseableStream,
+        server: trio.abc.HalfCloseableStream,
+        body: RequestBody,
+        rest: bytes,
+    ) -> None:
+        """A plain request whose head was sent: relay its body and nothing after it
+        (`substrate.egress.body`: a pipelined second request is dropped, never relayed),
+        pass the client's EOF on, and relay the answer until the server ends it. A body
+        whose framing breaks ends both directions at once: no byte from the fault on is
+        relayed (the caller closes both sides)."""
+        idle_s = self.limits.idle_timeout_s
+        chunk = self.limits.chunk
+        with trio.move_on_after(idle_s) as idle:
+
+            def moved() -> None:
+                idle.deadline = trio.current_time() + idle_s
+
+            async with trio.open_nursery() as nursery:
+
+                async def request() -> None:
+                    data: bytes | bytearray = rest
+                    try:
+                        while True:
+                            if out := body.feed(data):
+                                await server.send_all(out)
+                                moved()
+                            data = await client.receive_some(chunk)
+                            if not data:
+                                body.end()
+                                await server.send_eof()
+                                return
+                    except (*_GONE, InvalidParams):
+                        nursery.cancel_scope.cancel()  # the framing broke: abandon both
+
+                async def answer() -> None:
+                    with contextlib.suppress(*_GONE):
+                        await _pump(server, client, moved, chunk)
+                    nursery.cancel_scope.cancel()  # answered: what the client sends is moot
+
+                nursery.start_soon(request)
+                nursery.start_soon(answer)
+
+
+async def _pump(
+    src: trio.abc.HalfCloseableStream,
+    dst: trio.abc.HalfCloseableStream,
+    moved: Callable[[], None],
+    chunk: int,
+) -> None:
+    """Copy `src` to `dst` until `src`'s EOF, then pass it on as a half-close; between
+    two sockets with `splice(2)`. Raises what a broken side raises (`_GONE`)."""
+    if isinstance(src, trio.SocketStream) and isinstance(dst, trio.SocketStream):
+        await splice.pump(src.socket, dst.socket, moved)
+        return
+    while data := await src.receive_some(chunk):
+        await dst.send_all(data)
+        moved()
+    await dst.send_eof()
+
+
+def _injection(gate: Gate, req: ProxyRequest) -> Injection | None:
+    """The rule for `req` when it is a tunnel to port 443 of an injecting host (a plain
+    request or port 80 never carries the secret: it would cross in clear)."""
+    if not req.tunnel or req.port != 443 or gate.authority is None or gate.secret is None:
+        return None
+    return gate.inject.get(req.host.lower().rstrip("."))
 
 
 def _to_itself(sock: trio.socket.SocketType) -> bool:

@@ -9,8 +9,14 @@ headers, up to the blank line). `HeadReader` collects it, refusing one larger th
 - `METHOD http://host[:port]/path HTTP/1.x` (absolute form) is plain HTTP: the proxy
   sends the origin server the same request in origin form (`/path`), with `Host` taken
   from the URI (a client cannot name another virtual host than the one it was allowed),
-  hop-by-hop headers dropped and `Connection: close` (one request per connection: a
-  second request on it can only reach the same server), then relays the rest.
+  hop-by-hop headers dropped, the body's framing checked and written anew
+  (`substrate.egress.body`) and `Connection: close`: one request per connection. The
+  proxy relays that request's body and nothing after it (a pipelined second request
+  would otherwise reach the server, or through an upstream proxy any host, unchecked).
+
+Anything that could be framed two ways is refused rather than passed on for the server
+to read differently: a target with a control byte or a bare LF, a header value with NUL,
+CR or LF, obsolete line folding, and the ambiguous bodies `framing` refuses.
 
 Anything else (origin-form requests, `https://` without CONNECT, malformed lines or
 headers, more than `max_headers` headers) is `invalid_params`. Nothing here decides
@@ -26,6 +32,7 @@ import base64
 import re
 from dataclasses import dataclass
 
+from substrate.egress.body import framing
 from substrate.errors import InvalidParams, RequestTooLarge
 
 #: Bounds of a request head (request line + headers), and of an upstream proxy's answer.
@@ -34,6 +41,10 @@ MAX_HEADERS = 100
 
 _TOKEN_RE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _VERSION_RE = re.compile(rb"HTTP/1\.[01]")
+#: A request target: visible ASCII only (no control byte, no bare LF or CR, no space).
+_TARGET_RE = re.compile(rb"[\x21-\x7e]+")
+#: A header value: visible characters, spaces and tabs (RFC 9110 §5.5); no NUL, CR or LF.
+_VALUE_RE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 _HOST_RE = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]")
 _PORT_RE = re.compile(r"[0-9]{1,5}")
 #: Headers never forwarded: those of one hop only (RFC 9110 §7.6.1), proxy credentials
@@ -49,6 +60,9 @@ _NOT_FORWARDED = frozenset(
         b"trailer",
         b"upgrade",
         b"host",
+        # The body's framing: checked (`substrate.egress.body.framing`) and written anew.
+        b"content-length",
+        b"transfer-encoding",
     }
 )
 
@@ -65,6 +79,7 @@ class ProxyRequest:
     target: bytes = b""  # plain HTTP: the absolute-form target (for an upstream proxy)
     path: bytes = b"/"  # plain HTTP: the origin-form target (for the origin server)
     headers: tuple[tuple[bytes, bytes], ...] = ()  # plain HTTP: the forwarded headers
+    body: int | None = 0  # plain HTTP: the body's length in bytes, None when chunked
 
     @property
     def authority(self) -> str:
@@ -121,6 +136,8 @@ def parse_request(head: bytes, *, max_headers: int = MAX_HEADERS) -> ProxyReques
     if len(parts) != 3 or not _TOKEN_RE.fullmatch(parts[0]) or not _VERSION_RE.fullmatch(parts[2]):
         raise InvalidParams("malformed request line (METHOD target HTTP/1.x)")
     method, target, version = parts[0].decode("ascii"), parts[1], parts[2]
+    if not _TARGET_RE.fullmatch(target):
+        raise InvalidParams("malformed request target (a control byte or a bare LF)")
     headers = _headers(lines[1:], max_headers)
     if method == "CONNECT":
         host, port = _authority(target, default_port=None)
@@ -137,6 +154,7 @@ def parse_request(head: bytes, *, max_headers: int = MAX_HEADERS) -> ProxyReques
     if path.startswith(b"?"):
         path = b"/" + path
     dropped = _not_forwarded(headers)
+    length = framing(headers, version)
     return ProxyRequest(
         method=method,
         host=host,
@@ -146,6 +164,7 @@ def parse_request(head: bytes, *, max_headers: int = MAX_HEADERS) -> ProxyReques
         target=target,
         path=path,
         headers=tuple((n, v) for n, v in headers if n.lower() not in dropped),
+        body=length,
     )
 
 
@@ -172,6 +191,10 @@ def upstream_head(req: ProxyRequest, authorization: str | None) -> bytes:
 def _head(first: list[bytes], req: ProxyRequest) -> bytes:
     lines = [*first, b"Host: " + req.host_header]
     lines += [name + b": " + value for name, value in req.headers]
+    if req.body is None:
+        lines.append(b"Transfer-Encoding: chunked")
+    elif req.body or req.method in ("POST", "PUT", "PATCH"):  # an empty body says so
+        lines.append(b"Content-Length: %d" % req.body)
     lines.append(b"Connection: close")
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
@@ -200,6 +223,7 @@ STATUS = {
     "timeout": (408, "Request Timeout"),
     "upstream_failed": (502, "Bad Gateway"),
     "upstream_timeout": (504, "Gateway Timeout"),
+    "secret_unknown": (503, "Service Unavailable"),
 }
 
 
@@ -228,8 +252,8 @@ def _headers(lines: list[bytes], max_headers: int) -> list[tuple[bytes, bytes]]:
     out = []
     for line in lines:
         name, sep, value = line.partition(b":")
-        if not sep or not _TOKEN_RE.fullmatch(name) or b"\n" in value or b"\r" in value:
-            # Obsolete line folding and bare CR/LF included: refused, never re-framed.
+        if not sep or not _TOKEN_RE.fullmatch(name) or not _VALUE_RE.fullmatch(value):
+            # Obsolete line folding, bare CR/LF and NUL included: refused, never re-framed.
             raise InvalidParams("malformed request header")
         out.append((name, value.strip(b" \t")))
     return out

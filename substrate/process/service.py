@@ -114,7 +114,11 @@ class Execution:
             egress=None
             if egress is None
             else ProxyLinks(
-                egress, journal, files_dir=state_dir / "sandbox-files", limiter=fs_limiter
+                egress,
+                journal,
+                files_dir=state_dir / "sandbox-files",
+                limiter=fs_limiter,
+                secrets=self.secrets,
             ),
             supervisors=self.supervisors,
         )

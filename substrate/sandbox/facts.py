@@ -58,6 +58,7 @@ _SET_FACTS = frozenset(
         "tmpfs",
         "net_routes",
         "egress_listeners",
+        "egress_inject",
     }
 )
 #: An egress sandbox's one listening socket: the proxy's, held by the daemon.
@@ -154,12 +155,16 @@ def required_facts(
     return req
 
 
-def egress_required(profile: Profile, *, ca_bundle: str | None) -> dict[str, FactValue]:
+def egress_required(
+    profile: Profile, *, ca_bundle: str | None, egress_ca: str | None = None
+) -> dict[str, FactValue]:
     """What an egress sandbox must show besides `required_facts` ({} for "none"): its
     proxy enforces exactly the profile's allow-list (`egress_allow_digest`), the only
-    listening socket in its namespace is the daemon's (`egress_listeners`), and, with a
-    CA bundle (`ca_bundle`: its digest), the file it sees is that bundle. Pure; raises
-    ValueError for an entry `load_profile` would have refused."""
+    listening socket in its namespace is the daemon's (`egress_listeners`), with a
+    CA bundle (`ca_bundle`: its digest) the file it sees is that bundle, and with
+    `egress_inject` the proxy injects for exactly those hosts (names only) with the
+    sandbox's own CA (`egress_ca`: its fingerprint). Pure; raises ValueError for an
+    entry `load_profile` would have refused."""
     if profile.network != "egress":
         return {}
     req: dict[str, FactValue] = {
@@ -168,6 +173,9 @@ def egress_required(profile: Profile, *, ca_bundle: str | None) -> dict[str, Fac
     }
     if ca_bundle is not None:
         req["ca_bundle"] = ca_bundle
+    if profile.egress_inject:
+        req["egress_inject"] = sorted(profile.egress_inject)
+        req["egress_ca"] = egress_ca
     return req
 
 

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from substrate.egress import allow as egress_allow
-from substrate.egress import cabundle
+from substrate.egress import cabundle, inject_rules
 from substrate.egress.pipindex import PIP_INDEX, pip_index_hosts
 from substrate.errors import ConfinementUnmet, ProfileUnknown
 from substrate.sandbox import passthrough, seccomp
@@ -427,6 +427,8 @@ def _check_egress(p: Profile, fail: _Fail) -> None:
             fail("egress_allow", 'only a network = "egress" profile has a way out')
         if p.ca_bundle:
             fail("ca_bundle", 'only a network = "egress" profile mounts a CA bundle')
+        if p.egress_inject:
+            fail("egress_inject", 'only a network = "egress" profile has a proxy to inject')
         return
     if p.runtime != "runc":
         # The proxy listens inside the sandbox's network namespace; gVisor's netstack
@@ -449,6 +451,9 @@ def _check_egress(p: Profile, fail: _Fail) -> None:
     for key in p.env:
         if key in EGRESS_ENV:
             fail(f"env.{key}", "substrate sets it in an egress sandbox (docs/egress.md)")
+    problem = inject_rules.problem(p.egress_inject, p.egress_allow, ca_bundle=p.ca_bundle)
+    if problem is not None:
+        fail(*problem)
 
 
 def _check_user(p: Profile, fail: _Fail) -> None:

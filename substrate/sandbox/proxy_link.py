@@ -41,9 +41,11 @@ import trio
 
 from substrate.egress import cabundle
 from substrate.egress.allow import AllowList
+from substrate.egress.authority import SandboxAuthority
+from substrate.egress.inject import Injection
 from substrate.egress.ledger import SandboxLedger
 from substrate.egress.proxy import Attachment, EgressProxy, Gate
-from substrate.errors import ConfinementUnmet, RuntimeUnavailable
+from substrate.errors import ConfinementUnmet, RuntimeUnavailable, SecretUnknown
 from substrate.sandbox import facts as F
 from substrate.sandbox import parsers as P
 from substrate.sandbox import reaper
@@ -52,6 +54,7 @@ from substrate.sandbox.netns import socket_in
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.readings import why
 from substrate.sandbox.spec import PROXY_HOST, PROXY_PORT
+from substrate.secrets import SecretStore
 from substrate.store.journal import Journal
 
 log = logging.getLogger("substrate.sandbox.proxy_link")
@@ -60,6 +63,8 @@ log = logging.getLogger("substrate.sandbox.proxy_link")
 BACKLOG = 128
 #: Longest the attribution of one refused connection may take (a procfs scan).
 ATTRIBUTE_S = 5.0
+#: Sandbox CAs made and not yet claimed by their link (creations that failed).
+MAX_PENDING = 64
 
 
 def open_listener(init_pid: int) -> socket.socket:
@@ -122,17 +127,30 @@ def _holds(pid: int, link: str) -> bool:
     return False
 
 
-def observe_link(init_pid: int, listener_inode: int, gate_digest: str, ca: bool) -> list[Fact]:
+def observe_link(
+    init_pid: int,
+    listener_inode: int,
+    gate_digest: str,
+    ca: bool,
+    authority: SandboxAuthority | None = None,
+) -> list[Fact]:
     """The egress facts of the sandbox whose init is `init_pid`, read from outside:
     `egress_listeners` (every listening TCP socket of its namespace, "ip:port=substrate"
     for the daemon's, "=other" for any other), `egress_allow_digest` (the list the
-    proxy enforces for it) and, when `ca`, `ca_bundle` (the digest of the file it sees,
-    read through its root without following a symlink). Blocking; a failed read is a
-    None value with its reason in the source."""
+    proxy enforces for it), when `ca`, `ca_bundle` (the digest of the file it sees,
+    read through its root without following a symlink) and, with an `authority` (the
+    gate's), `egress_inject` (the hosts it injects for) and `egress_ca` (its CA's
+    fingerprint). Blocking; a failed read is a None value with its reason in the source."""
     now = time.time()
     found = [
         F.make_fact("egress_allow_digest", gate_digest, source="egress:proxy", observed_at=now)
     ]
+    if authority is not None:
+        hosts = sorted(authority.hosts)
+        found.append(F.make_fact("egress_inject", hosts, source="egress:proxy", observed_at=now))
+        found.append(
+            F.make_fact("egress_ca", authority.fingerprint, source="egress:proxy", observed_at=now)
+        )
     try:
         entries = []
         for name in ("tcp", "tcp6"):
@@ -194,14 +212,22 @@ class ProxyLink:
     listener_inode: int
     init_pid: int
     ca: bool
+    #: With `egress_inject`: the sandbox's CA, and its own CA bundle file (removed here).
+    authority: SandboxAuthority | None = None
+    bundle_file: Path | None = None
 
     def observe(self) -> list[Fact]:
         """`observe_link` for this sandbox (blocking: call it from a worker thread)."""
-        return observe_link(self.init_pid, self.listener_inode, self.allow.digest, self.ca)
+        return observe_link(
+            self.init_pid, self.listener_inode, self.allow.digest, self.ca, self.authority
+        )
 
     async def aclose(self) -> None:
-        """Stop accepting, end the open connections, close the listener."""
+        """Stop accepting, end the open connections, close the listener; remove the
+        sandbox's own CA bundle (no other sandbox binds it)."""
         await self.attachment.aclose()
+        if self.bundle_file is not None:
+            self.bundle_file.unlink(missing_ok=True)
 
 
 async def prepare(
@@ -210,14 +236,18 @@ async def prepare(
     """Before a sandbox of `profile` is created: (host path of its CA bundle copy, or
     None; the egress facts it must show, `facts.egress_required`), both empty for a
     `network = "none"` profile. Refuses `runtime_unavailable` (an egress profile, and
-    this daemon runs no proxy) and `ProxyLinks.ca_bundle`'s refusal."""
+    this daemon runs no proxy), `ProxyLinks.authority_for`'s (`secret_unknown`) and
+    `ProxyLinks.ca_bundle`'s."""
     if profile.network != "egress":
         return None, {}
     if links is None:
         raise RuntimeUnavailable("this daemon runs no egress proxy")
-    ca = await links.ca_bundle(profile)
+    authority = await links.authority_for(profile)
+    ca = await links.ca_bundle(profile, authority)
     return (None if ca is None else ca[0]), F.egress_required(
-        profile, ca_bundle=None if ca is None else ca[1]
+        profile,
+        ca_bundle=None if ca is None else ca[1],
+        egress_ca=None if authority is None else authority.fingerprint,
     )
 
 
@@ -235,7 +265,11 @@ async def link(
     Refuses as `ProxyLinks.open`."""
     if links is None or profile.network != "egress":
         return []
-    made = await links.open(container, workspace, profile, init_pid, ca="ca_bundle" in required)
+    ca = required.get("ca_bundle")
+    claimed = links.claim(ca) if isinstance(ca, str) else None
+    made = await links.open(
+        container, workspace, profile, init_pid, ca=ca is not None, claimed=claimed
+    )
     held.append(made)
     return await trio.to_thread.run_sync(made.observe, limiter=links.limiter)
 
@@ -258,23 +292,55 @@ class ProxyLinks:
         *,
         files_dir: Path | None,
         limiter: trio.CapacityLimiter | None = None,
+        secrets: SecretStore | None = None,
     ) -> None:
         self.proxy = proxy
         self._journal = journal
         self._files_dir = files_dir
         self.limiter = limiter
+        self._secrets = secrets
+        #: Authorities made for sandboxes being created, by their bundle's digest, until
+        #: their link claims them (`claim`); bounded: a creation that failed leaves one.
+        self._pending: dict[str, tuple[SandboxAuthority, Path]] = {}
 
-    async def ca_bundle(self, profile: Profile) -> tuple[str, str] | None:
-        """(host path of the daemon's copy, digest) of `profile`'s CA bundle; None when it
-        has none. Refuses `confinement_unmet` when the bundle no longer reads (the reason
-        names a host path: it goes to the log). Blocking work in a worker thread."""
+    async def authority_for(self, profile: Profile) -> SandboxAuthority | None:
+        """A new CA for a sandbox of `profile` when it has `egress_inject` (else None),
+        once every secret it names is set. Refuses `secret_unknown` naming the missing
+        ones (nothing is made then). Cost: one lstat and read per secret, one EC key."""
+        if profile.network != "egress" or not profile.egress_inject:
+            return None
+        names = sorted({rule.secret for rule in profile.egress_inject.values()})
+        if self._secrets is None:
+            raise SecretUnknown("this daemon keeps no secrets", secrets=names)
+        store = self._secrets
+        await trio.to_thread.run_sync(store.load, names, limiter=self.limiter)
+        return await trio.to_thread.run_sync(
+            SandboxAuthority, list(profile.egress_inject), limiter=self.limiter
+        )
+
+    def claim(self, digest: str) -> tuple[SandboxAuthority, Path] | None:
+        """The authority (and bundle file) `ca_bundle` made for the bundle `digest`."""
+        return self._pending.pop(digest, None)
+
+    async def ca_bundle(
+        self, profile: Profile, authority: SandboxAuthority | None = None
+    ) -> tuple[str, str] | None:
+        """(host path of the daemon's copy, digest) of `profile`'s CA bundle, with
+        `authority`'s certificate appended when given (that file is the sandbox's own);
+        None when it has none. Refuses `confinement_unmet` when the bundle no longer
+        reads (the reason names a host path: it goes to the log). Blocking work in a
+        worker thread."""
         if profile.network != "egress" or not profile.ca_bundle or self._files_dir is None:
             return None
         files_dir = self._files_dir
 
         def copy() -> tuple[str, str]:
             data = cabundle.read_bundle(cabundle.bundle_path(profile.ca_bundle))
+            if authority is not None:
+                data = data.rstrip(b"\n") + b"\n" + authority.cert_pem
             path, digest = cabundle.copy_into(files_dir, data)
+            if authority is not None:
+                self._hold(digest, authority, path)
             return str(path), digest
 
         try:
@@ -287,8 +353,21 @@ class ProxyLinks:
                 observed={"ca_bundle": "unreadable"},
             ) from None
 
+    def _hold(self, digest: str, authority: SandboxAuthority, path: Path) -> None:
+        while len(self._pending) >= MAX_PENDING:
+            _, (_, stale) = self._pending.popitem()  # its sandbox was never linked
+            stale.unlink(missing_ok=True)
+        self._pending[digest] = (authority, path)
+
     async def open(
-        self, container: str, workspace: str, profile: Profile, init_pid: int, *, ca: bool
+        self,
+        container: str,
+        workspace: str,
+        profile: Profile,
+        init_pid: int,
+        *,
+        ca: bool,
+        claimed: tuple[SandboxAuthority, Path] | None = None,
     ) -> ProxyLink:
         """Listen inside the sandbox's namespace and attach the listener to the proxy.
         Refuses `runtime_unavailable` (the sandbox is gone, the port is taken, the proxy
@@ -325,7 +404,29 @@ class ProxyLinks:
                 limiter=limiter,
             )
 
-        attachment = self.proxy.attach(sock, Gate(allow=allow, label=short, denied=denied))
+        authority, bundle_file = claimed if claimed is not None else (None, None)
+        inject = {
+            host: Injection(header=rule.header, secret=rule.secret)
+            for host, rule in profile.egress_inject.items()
+        }
+        store = self._secrets
+
+        async def secret(name: str) -> str:
+            # Read when a connection opens: a value set again reaches the next one.
+            if store is None:
+                raise SecretUnknown("this daemon keeps no secrets", secrets=[name])
+            values = await trio.to_thread.run_sync(store.load, [name], limiter=limiter)
+            return values[name]
+
+        gate = Gate(
+            allow=allow,
+            label=short,
+            denied=denied,
+            inject=inject if authority is not None else {},
+            authority=authority,
+            secret=secret if authority is not None else None,
+        )
+        attachment = self.proxy.attach(sock, gate)
         return ProxyLink(
             attachment=attachment,
             ledger=ledger,
@@ -333,4 +434,6 @@ class ProxyLinks:
             listener_inode=inode,
             init_pid=init_pid,
             ca=ca,
+            authority=authority,
+            bundle_file=bundle_file,
         )

@@ -10,6 +10,13 @@ from substrate.schema.common import Empty, Params, Result, WorkspaceId, method
 from substrate.schema.facts import Fact
 
 
+class EgressInject(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One host's secret header, set by the egress proxy on every HTTPS request to it."""
+
+    header: str  # the header's name, e.g. "x-api-key" (any the client sent is replaced)
+    secret: str  # the operator secret (`substrate secret set NAME`) whose value it gets
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """One operator-declared process profile. `name` is the file stem, not a TOML key."""
 
@@ -31,6 +38,10 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     #: "egress" only: a CA bundle mounted read-only in the sandbox (and named by
     #: SSL_CERT_FILE etc.): "" none, "host" the host's system bundle, or an absolute path.
     ca_bundle: str = ""
+    #: "egress" only: host (from `egress_allow`, no wildcard) → header and secret the
+    #: proxy sets on its HTTPS requests; the key never enters the sandbox. Needs
+    #: `ca_bundle` (the sandbox's own CA is added to it). docs/egress.md.
+    egress_inject: dict[str, EgressInject] = msgspec.field(default_factory=dict)
     read_only_rootfs: bool = True  # container root filesystem mounted read-only
     tmpfs: dict[str, str] = msgspec.field(default_factory=lambda: {"/tmp": "256m"})  # path → size
     memory: str = "1g"  # memory limit, docker size syntax (k/m/g)

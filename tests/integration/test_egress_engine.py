@@ -12,7 +12,9 @@ resolver records every question, and none is asked for it.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,11 +27,14 @@ import trio
 
 from substrate.config import Config
 from substrate.daemon import Daemon
+from substrate.egress import destination
 from substrate.egress.allow import AllowList
+from substrate.egress.authority import SandboxAuthority
 from substrate.egress.cabundle import bundle_path, digest, read_bundle
 from substrate.egress.pipindex import pip_index_hosts, pip_index_urls
 from substrate.egress.proxy import Addresses
-from substrate.protocol.client import AsyncClient, open_client
+from substrate.protocol.client import AsyncClient, RpcError, open_client
+from substrate.secrets import SecretStore
 from tests.harness.inprocess import owned_project, profiles_dir, serving
 
 OWNER = 1000
@@ -38,6 +43,27 @@ LOCAL = """\
 description = "egress to mirror.test only (tests)"
 network = "egress"
 egress_allow = ["mirror.test"]
+"""
+API = "api.example.com"
+#: The model key the proxy injects: it must never be seen inside the sandbox.
+SECRET = "sk-engine-test-5f2c9a71-never-inside"
+INJECTING = """\
+description = "egress to api.example.com with its key injected by the proxy (tests)"
+network = "egress"
+egress_allow = ["api.example.com"]
+ca_bundle = "host"
+
+[egress_inject."api.example.com"]
+header = "x-api-key"
+secret = "model-key"
+"""
+#: In the sandbox: one HTTPS request without a key, then what the sandbox holds.
+ASK_API = """\
+import json, os, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=60) as r:
+    print(r.status, r.read().decode(), json.dumps(dict(r.headers)))
+print(json.dumps(dict(os.environ)))
+print(open("/etc/substrate/ca-bundle.crt").read()[-1200:])
 """
 #: Links and routes of the network namespace at argv[1], with pyroute2, as JSON.
 NETNS_QUERY = """\
@@ -100,7 +126,9 @@ class Env:
 
 @pytest.fixture
 async def env(sandbox_image: str, engine_state: Path, tmp_path: Path) -> AsyncIterator[Env]:
-    profiles = profiles_dir(tmp_path / "profiles", ["default", "setup"], local=LOCAL)
+    profiles = profiles_dir(
+        tmp_path / "profiles", ["default", "setup"], local=LOCAL, inject=INJECTING
+    )
     project = owned_project(tmp_path / "roots" / "project", {"README.md": "hi\n"})
     config = Config(
         state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
@@ -303,3 +331,111 @@ async def test_the_listener_closes_with_its_sandbox(env: Env, docker_client: Any
     assert attachment.listener.fileno() == -1
     with pytest.raises(docker.errors.NotFound):
         docker_client.containers.get(sandbox.id)
+
+
+def test_the_engines_bridge_network_is_refused_as_this_hosts_containers(
+    docker_client: Any,
+) -> None:
+    """Judged from the kernel's route (no packet sent): an address on the engine's
+    bridge network is a container of this host, and the bridge's own is this host's."""
+    subnet = docker_client.networks.get("bridge").attrs["IPAM"]["Config"][0]["Subnet"]
+    network = ipaddress.ip_network(subnet)
+    neighbour = network.network_address + 200
+    assert destination.route_to(neighbour) == destination.Route(
+        kind=destination.RTN_UNICAST, guest_link=True
+    )
+    assert destination.refusal(str(neighbour), refuse_private=False) == (
+        "an address of this host's containers"
+    )
+    gateway = docker_client.networks.get("bridge").attrs["IPAM"]["Config"][0].get("Gateway")
+    if gateway:  # the bridge's own address (172.17.0.1): this host's
+        assert destination.refusal(gateway, refuse_private=False) == "an address of this host"
+
+
+async def _tls_api(nursery: trio.Nursery, ca: SandboxAuthority, heads: list[bytes]) -> int:
+    """A loopback HTTPS server for API (its certificate from `ca`): records each request
+    head and answers with a body and a header echoing the key it got."""
+    context = ca.server_context(API)
+
+    async def handler(raw: trio.SocketStream) -> None:
+        stream = trio.SSLStream(raw, context, server_side=True)
+        buf = b""
+        with trio.fail_after(30):
+            while b"\r\n\r\n" not in buf and (data := await stream.receive_some(65536)):
+                buf += data
+        head = buf.partition(b"\r\n\r\n")[0]
+        heads.append(head)
+        key = next(
+            (
+                line.split(b":", 1)[1].strip()
+                for line in head.split(b"\r\n")[1:]
+                if line.lower().startswith(b"x-api-key:")
+            ),
+            b"",
+        )
+        await stream.send_all(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\nConnection: close\r\nX-Echo: "
+            + key
+            + b"\r\n\r\nanswer"
+        )
+        await stream.aclose()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    port: int = listeners[0].socket.getsockname()[1]
+    return port
+
+
+async def test_the_proxy_injects_the_key_and_the_sandbox_never_holds_it(
+    env: Env, nursery: trio.Nursery, docker_client: Any
+) -> None:
+    SecretStore(env.state).set("model-key", SECRET.encode())
+    upstream_ca = SandboxAuthority([API])
+    heads: list[bytes] = []
+    port = await _tls_api(nursery, upstream_ca, heads)
+
+    async def to_api(host: str, want: int) -> Addresses:
+        env.resolved.append(host)
+        return [(2, ("127.0.0.1", port))]
+
+    env.daemon.egress.resolve = to_api
+    env.daemon.egress.allow_local = True  # the "upstream" is this host's loopback
+    upstream_tls = ssl.create_default_context(cadata=upstream_ca.cert_pem.decode())
+    env.daemon.egress.upstream_tls = upstream_tls
+
+    result = await env.run("inject", ["python3", "-c", ASK_API, f"https://{API}/v1/messages"])
+    out = result["stdout"]["inline"]
+    assert result["exit_code"] == 0, result["stderr"]
+    assert out.startswith("200 answer ")
+    assert len(heads) == 1
+    assert b"\r\nx-api-key: " + SECRET.encode() in heads[0]
+    assert b"\r\nhost: api.example.com" in heads[0].lower()
+    # Not in the sandbox: not in its environment, its CA bundle, nor the answer it got.
+    assert SECRET not in out + result["stderr"]["inline"]
+    assert "BEGIN CERTIFICATE" in out
+    sandbox = env.daemon.execution.containers.cached(env.ws, "inject")
+    assert sandbox is not None
+    inspect = json.dumps(docker_client.api.inspect_container(sandbox.id))
+    assert SECRET not in inspect
+    # The bundle it trusts ends with its own CA's certificate (the whole file, read here).
+    bundle = await trio.Path(
+        f"/proc/{sandbox.init_pid}/root/etc/substrate/ca-bundle.crt"
+    ).read_bytes()
+    assert sandbox.egress is not None and sandbox.egress.authority is not None
+    assert bundle.endswith(sandbox.egress.authority.cert_pem)
+    assert SECRET.encode() not in bundle
+    # Nor in the journal, the facts, the profile as profile.get shows it.
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="inject")
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    assert facts["egress_inject"] == [API]
+    assert facts["egress_ca"].startswith("sha256:")
+    profile = await env.client.call("profile.get", name="inject")
+    entries = (await env.client.call("journal.read", since=0, limit=10000))["entries"]
+    assert SECRET not in json.dumps([probe, profile, entries, result])
+    assert profile["egress_inject"] == {API: {"header": "x-api-key", "secret": "model-key"}}
+
+
+async def test_an_injecting_profile_whose_secret_is_not_set_is_refused(env: Env) -> None:
+    with pytest.raises(RpcError) as caught:
+        await env.client.call("facts.probe", workspace=env.ws, profile="inject")
+    assert caught.value.refusal == "secret_unknown"
+    assert caught.value.data["secrets"] == ["model-key"]
