@@ -35,8 +35,10 @@ import os
 import secrets
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -44,7 +46,6 @@ import msgspec
 from substrate.errors import NotFound, Refusal
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
-from substrate.store.group import GroupCommit, Ticket
 from substrate.store.journal import Draft, Journal
 from substrate.workspace import paths
 from substrate.workspace.digests import hash_fd
@@ -76,23 +77,42 @@ class Intent(msgspec.Struct, frozen=True, array_like=True):
     temp: str | None = None
 
 
+_committer: ThreadPoolExecutor | None = None
+_committer_lock = threading.Lock()
+
+
+def _committer_pool() -> ThreadPoolExecutor:
+    """The one thread that leads intents' group commits, started on first use."""
+    global _committer
+    with _committer_lock:
+        if _committer is None:
+            _committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-intents")
+        return _committer
+
+
+def _forget_committer() -> None:
+    # A forked child has none of its parent's threads: it starts its own.
+    global _committer
+    _committer = None
+
+
+os.register_at_fork(after_in_child=_forget_committer)
+
+
 class Pending:
     """One write's intent on its way to the database (`Intents.submit`)."""
 
-    __slots__ = ("_group", "_ticket", "token")
+    __slots__ = ("_done", "token")
 
-    def __init__(self, token: str, group: GroupCommit, ticket: Ticket[None] | None) -> None:
+    def __init__(self, token: str, done: Future[None]) -> None:
         #: The row's key, for `Intents.drop_in` in the transaction journaling the write.
         self.token = token
-        self._group = group
-        self._ticket = ticket
+        self._done = done
 
     def wait(self) -> None:
-        """Return once the intent is durable (leading its group commit if nobody else
-        does); raises what the commit raised. Call before the rename."""
-        if self._ticket is not None:
-            self._group.wait(self._ticket)
-            self._ticket = None
+        """Return once the intent is durable; raises what its commit raised. Call
+        before the rename."""
+        self._done.result()
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -133,7 +153,11 @@ class Intents:
                 row,
             )
 
-        return Pending(token, self._store.group, self._store.group.submit(add))
+        group = self._store.group
+        ticket = group.submit(add)
+        # Committed by another thread while the caller writes and fsyncs its temp file:
+        # the two flushes overlap instead of adding up.
+        return Pending(token, _committer_pool().submit(group.wait, ticket))
 
     def record(self, workspace: str, intent: Intent) -> Pending:
         """`submit` and wait: the intent is durable on return (for a write that knows
