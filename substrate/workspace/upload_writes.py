@@ -9,10 +9,11 @@ file's SHA-256 (hashed as a stream, cached by version in `Digests`) to the uploa
 approval. A dry run returns that plan. To apply, the spool is copied a block at a time
 into a recorded temp file in the target's directory (`temp_files`), hashed again on the
 way (the bytes written are the bytes declared, or `upload_mismatch`), given the old
-owner and the plan's mode and fsynced; under the workspace's commit lock the base is
-checked once more, the pre-image kept for a live checkpoint, the temp file renamed over
-the target, the directory fsynced, and the journal entry `fs.upload` (digests, size and
-mode; never bytes) written in the transaction that consumes the approval.
+owner and the plan's mode and fsynced, while its intent (the journal entry it will get,
+`write_intents`) commits; under the workspace's commit lock the base is checked once
+more, the pre-image kept for a live checkpoint, the temp file renamed over the target,
+the directory fsynced, and the journal entry `fs.upload` (digests, size and mode; never
+bytes) written in the transaction that consumes the approval and drops the intent.
 
 Memory stays at one block (`fsops.CHUNK`) whatever the file's size, except: the plan's
 diff preview reads both sides only when both are at most `PREVIEW_DIFF_LIMIT` (2 MiB),
@@ -21,7 +22,9 @@ by `writes.MAX_PATCH_FILE` (64 MiB; a larger file under a live checkpoint is `to
 as a restore could not put it back).
 
 A crash leaves the old file or the new one, never a mix, plus at worst a recorded temp
-file the next start removes. Blocking I/O throughout: call from worker threads.
+file the next start removes; an upload that landed before its journal commit is
+journaled at that start, `recovered: true` (`Writer.recover`). Blocking I/O
+throughout: call from worker threads.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ holding the journal entry each of its changes will get: `(batch, workspace, epoc
 intents)` (msgpack of `(path, kind, actor, data, temp)`). A batch
 (`substrate.workspace.batch_writes`) commits one row for all its changes with its
 temp-file records; a single write (`fs.write`, `fs.patch`, `fs.delete`, a restore's
-file, an upload's commit) `submit`s one for itself on the store's group commit while it
-writes its temp file, so the row shares a commit with concurrent writers' journal
-entries, and waits for it before the rename (`Pending.wait`). The transaction that
+file, an upload's commit) `submit`s one for itself on the store's group commit, which a
+helper thread commits while the writer writes and fsyncs its temp file (the two flushes
+overlap; the commit is shared with concurrent writers' entries), and waits for it
+before the rename (`Pending.wait`). The transaction that
 journals the write deletes that row. A row of an earlier run (epoch) is therefore a
 write whose entries were never written: it died somewhere between recording and
 journaling.
@@ -91,9 +92,9 @@ def _committer_pool() -> ThreadPoolExecutor:
 
 
 def _forget_committer() -> None:
-    # A forked child has none of its parent's threads: it starts its own.
-    global _committer
-    _committer = None
+    # A forked child has none of its parent's threads (nor their locks): it starts its own.
+    global _committer, _committer_lock
+    _committer, _committer_lock = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_committer)

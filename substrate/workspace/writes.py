@@ -6,9 +6,11 @@ them against `base_sha256`, compute the new bytes, their digest and the plan dig
 check a given `plan_digest` and the operator approval. A dry run returns that plan. To
 *apply*, the new bytes go to a temp file created in the same directory (`O_CREAT |
 O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and owner;
-then, under the workspace's commit lock, the base is checked once more, the temp file is
-renamed over the target through the same dir fd, the directory is fsynced, and the
-approval (if any) is consumed in the same database transaction as the journal entry.
+meanwhile the write's intent (the journal entry it will get, `write_intents`) commits on
+another thread. Then, under the workspace's commit lock, the base is checked once more,
+the temp file is renamed over the target through the same dir fd, the directory is
+fsynced, and the approval (if any) is consumed and the intent dropped in the same
+database transaction as the journal entry.
 A write with no approval and no pre-image to keep submits that transaction to the
 store's group commit under the lock and waits for it after (`substrate.store.group`):
 concurrent writes share one fsynced commit, entries keep the lock's order, and the write
@@ -26,7 +28,9 @@ flush); what both share is `substrate.workspace.write_base`.
 
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
 next start removes: each temp file is recorded in the database before it is created
-(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with
+(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. A write
+that landed but whose journal transaction the crash lost is journaled at the next start
+from its intent, `recovered: true` (`Writer.recover`); one that did not land is not. Names with
 the temp prefix are refused as targets, so no agent can make a file that looks like ours.
 
 Every operation holds the workspace's root fd (`Workspace.use`) while it runs, so a
