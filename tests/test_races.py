@@ -495,10 +495,9 @@ class _MovingWriter(writes.Writer):
 
     hook: Callable[[], None] = staticmethod(lambda: None)
 
-    def _write_temp(self, ws: Workspace, parent_fd: int, prep: Any) -> str:
-        name = super()._write_temp(ws, parent_fd, prep)
+    def _stage(self, ws: Workspace, parent_fd: int, prep: Any, staged: Any) -> None:
+        super()._stage(ws, parent_fd, prep, staged)
         self.hook()
-        return name
 
 
 def _moving(local: Local, hook: Callable[[], None]) -> _MovingWriter:

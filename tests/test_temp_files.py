@@ -185,7 +185,7 @@ def test_a_crashed_write_is_cleaned_at_a_fast_restart(
 
     writer = Writer(env.store, env.journal)
     monkeypatch.setattr(writer, "_commit", crash)
-    monkeypatch.setattr(writer, "_discard_temp", lambda *args: None)  # no cleanup: it died
+    monkeypatch.setattr(writer, "_abandon", lambda *args: None)  # no cleanup: it died
     with pytest.raises(Crash):
         writer.write(
             env.ws,
@@ -256,8 +256,9 @@ def test_a_run_of_writes_in_a_directory_commits_its_names_once_per_reserve(env: 
             "agent:0",
         )
         base = plan.new_sha256
-    # One journal commit per write, one reservation per RESERVE writes.
-    assert len(commits) == (2 * RESERVE + 1) + 3
+    # Per write its intent's commit (before the rename) and its journal entry's (one
+    # writer at a time: neither is shared), one reservation per RESERVE writes.
+    assert len(commits) == 2 * (2 * RESERVE + 1) + 3
     assert [n for n in os.listdir(env.root / "src") if n.startswith(TEMP_PREFIX)] == []
     assert len(env.rows()) == RESERVE - 1
 

@@ -8,8 +8,9 @@ applies it whole again at start, before any socket accepts (the guarded apply is
 idempotent: what landed is `unchanged`, bases are re-checked, a host edit since is a
 conflict), journaled `changes.recovered {outcome: "applied"}`. Before that, the changes
 of a batch that landed but whose journal transaction the crash lost get their
-`changes.apply`/`changes.apply_dir` entries, `recovered: true`
-(`workspace.write_intents`), so what landed is journaled exactly once. A generation with no row
+`changes.apply`/`changes.apply_dir` entries, `recovered: true`, as every guarded write
+does (`Writer.recover`, `workspace.write_intents`), so what landed is journaled exactly
+once. A generation with no row
 never concluded (the daemon was killed during its command, or it was `layer_busy` and its
 sandbox went): its command did not finish, so nothing of it lands; after the previous
 run's mounts are swept its upper and work dirs are removed, journaled
@@ -41,16 +42,7 @@ def finish_applying(
     set a crash left `applying`; return how many sets. A set (or an intent) whose
     workspace is no longer adopted stays (finished at a start that knows it). Costs a
     read per intent left, and what applying the sets costs."""
-    intents = writer.batch.intents
-    for ws_id in intents.stale_workspaces():
-        try:
-            ws = workspace(ws_id)
-        except Refusal:
-            log.warning("write intents of workspace %s: not adopted", ws_id)
-            continue
-        recovered = intents.resolve(ws)
-        if recovered:
-            log.info("%d change(s) landed before a crash journaled now", recovered)
+    writer.recover(workspace)
     done = 0
     for kept in changesets.applying():
         try:

@@ -9,10 +9,11 @@ file's SHA-256 (hashed as a stream, cached by version in `Digests`) to the uploa
 approval. A dry run returns that plan. To apply, the spool is copied a block at a time
 into a recorded temp file in the target's directory (`temp_files`), hashed again on the
 way (the bytes written are the bytes declared, or `upload_mismatch`), given the old
-owner and the plan's mode and fsynced; under the workspace's commit lock the base is
-checked once more, the pre-image kept for a live checkpoint, the temp file renamed over
-the target, the directory fsynced, and the journal entry `fs.upload` (digests, size and
-mode; never bytes) written in the transaction that consumes the approval.
+owner and the plan's mode and fsynced, while its intent (the journal entry it will get,
+`write_intents`) commits; under the workspace's commit lock the base is checked once
+more, the pre-image kept for a live checkpoint, the temp file renamed over the target,
+the directory fsynced, and the journal entry `fs.upload` (digests, size and mode; never
+bytes) written in the transaction that consumes the approval and drops the intent.
 
 Memory stays at one block (`fsops.CHUNK`) whatever the file's size, except: the plan's
 diff preview reads both sides only when both are at most `PREVIEW_DIFF_LIMIT` (2 MiB),
@@ -21,7 +22,9 @@ by `writes.MAX_PATCH_FILE` (64 MiB; a larger file under a live checkpoint is `to
 as a restore could not put it back).
 
 A crash leaves the old file or the new one, never a mix, plus at worst a recorded temp
-file the next start removes. Blocking I/O throughout: call from worker threads.
+file the next start removes; an upload that landed before its journal commit is
+journaled at that start, `recovered: true` (`Writer.recover`). Blocking I/O
+throughout: call from worker threads.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from substrate.workspace.write_base import (
     plan_digest,
 )
 from substrate.workspace.write_base import check_not_reserved as _check_not_reserved
+from substrate.workspace.write_intents import Intent, Intents, Pending
 
 # writes.py's own step, shared rather than copied: the parent opening (with the missing
 # directories to make) is the same for every write.
@@ -93,6 +97,37 @@ class _Target:
     parts: tuple[str, ...]
     rel: str
     where: str
+
+
+@dataclass
+class _Staged:
+    """One upload's apply in progress: its temp file and intent once made, and whether
+    its rename may have happened (then it is never abandoned)."""
+
+    target: _Target
+    plan: Plan
+    up: Upload
+    actor: str
+    needs_approval: bool
+    temp: str | None = None
+    pending: Pending | None = None
+    landed: bool = False
+
+    def intent(self, approval: str | None) -> Intent:
+        """The upload's journal entry-to-be (`write_intents`)."""
+        plan = self.plan
+        data = {
+            "path": plan.path,
+            "op": plan.op,
+            "base_sha256": plan.base_sha256,
+            "new_sha256": plan.new_sha256,
+            "size": plan.size,
+            "mode": plan.mode,
+            "plan_digest": plan.plan_digest,
+            "approval_id": approval,
+            "upload": self.up.id,
+        }
+        return Intent(self.target.rel, KIND, self.actor, data, self.temp)
 
 
 def _target(ws: Workspace, path: str) -> _Target:
@@ -184,6 +219,8 @@ class UploadWriter:
         self._preimages = preimages
         self._temps = TempFiles(store, journal.epoch)
         self._approvals = Approvals(store)
+        #: Its journal entry-to-be, durable before the rename (`write_intents`).
+        self._intents = Intents(store, journal)
 
     def check(self, ws: Workspace, path: str, base: str | None, create_parents: bool) -> None:
         """`fs.upload.begin`'s early check of the target, so that no bytes are sent for a
@@ -297,11 +334,13 @@ class UploadWriter:
             parent_fd = owned_fd = self._make_parents(ws, target, missing)
         try:
             owner = (current.uid, current.gid) if current.exists else (ws.owner_uid, ws.owner_gid)
-            temp = self._copy_to_temp(ws, parent_fd, target, up, spool_fd, mode, owner)
+            staged = _Staged(target, plan, up, actor, needs_approval)
             try:
-                self._commit(ws, parent_fd, target, plan, current, temp, needs_approval, up, actor)
+                self._copy_to_temp(ws, parent_fd, staged, spool_fd, mode, owner)
+                self._commit(ws, parent_fd, staged, current)
             except BaseException:
-                self._temps.discard(ws.id, parent_fd, target.parts[:-1], temp)
+                if not staged.landed:
+                    self._abandon(ws, parent_fd, staged)
                 raise
         finally:
             if owned_fd is not None:
@@ -314,21 +353,35 @@ class UploadWriter:
         with paths.opened_dir(ws.root_fd, dirs[: len(dirs) - len(missing)], target.where) as fd:
             return fsops.make_dirs(fd, missing, target.where, lambda _: (DEFAULT_DIR_MODE, owner))
 
+    def _abandon(self, ws: Workspace, parent_fd: int, staged: _Staged) -> None:
+        """An upload that did not land: its temp file goes, then in one transaction its
+        temp record and its intent."""
+        if staged.temp is None:
+            return
+        fsops.unlink_quietly(parent_fd, staged.temp)
+        with self._store.transaction() as db:
+            self._temps.forget_in(db, ws.id, staged.target.parts[:-1], staged.temp)
+            if staged.pending is not None:
+                self._intents.drop_in(db, staged.pending.token)
+
     def _copy_to_temp(
         self,
         ws: Workspace,
         parent_fd: int,
-        target: _Target,
-        up: Upload,
+        staged: _Staged,
         spool_fd: int,
         mode: int,
         owner: fsops.Owner,
-    ) -> str:
+    ) -> None:
         """The spool's bytes in a recorded temp file beside the target, hashed on the way,
-        with `owner` and `mode`, fsynced. Refuses `upload_mismatch` when they are not the
-        declared bytes (the temp file is removed)."""
-        name, fd = self._temps.create(ws.id, parent_fd, target.parts[:-1], target.where)
+        with `owner` and `mode`, fsynced; the upload's intent queued meanwhile (unless
+        it needs an approval: its id is known under the lock). Refuses
+        `upload_mismatch` when they are not the declared bytes."""
+        target, up = staged.target, staged.up
+        staged.temp, fd = self._temps.create(ws.id, parent_fd, target.parts[:-1], target.where)
         try:
+            if not staged.needs_approval:
+                staged.pending = self._intents.submit(ws.id, staged.intent(None))
             digest = hashlib.sha256()
             offset = 0
             while offset < up.size:
@@ -345,26 +398,15 @@ class UploadWriter:
                     received_sha256=digest.hexdigest(),
                 )
             fsops.fill(fd, b"", mode=mode, owner=owner)
-        except BaseException:
+        finally:
             os.close(fd)
-            self._temps.discard(ws.id, parent_fd, target.parts[:-1], name)
-            raise
-        os.close(fd)
-        return name
 
-    def _commit(
-        self,
-        ws: Workspace,
-        parent_fd: int,
-        target: _Target,
-        plan: Plan,
-        planned: _Current,
-        temp: str,
-        needs_approval: bool,
-        up: Upload,
-        actor: str,
-    ) -> None:
+    def _commit(self, ws: Workspace, parent_fd: int, staged: _Staged, planned: _Current) -> None:
+        target, plan, temp = staged.target, staged.plan, staged.temp
+        assert temp is not None
         name, where = target.parts[-1], target.where
+        if staged.pending is not None:
+            staged.pending.wait()  # durable before the rename; waited for outside the lock
         with ws.commit_lock:
             now = _current(parent_fd, name, where, self._digests, 0)
             if now.sha256 != planned.sha256:
@@ -372,35 +414,28 @@ class UploadWriter:
                     f"{where}: changed while the upload was written", current_sha256=now.sha256
                 )
             approval = None
-            if needs_approval:
+            if staged.needs_approval:
                 approval = self._approvals.find(ws.id, plan.plan_digest, time.time())
                 if approval is None:
                     raise ApprovalRequired(
                         f"{where}: needs an operator approval of this plan",
                         plan_digest=plan.plan_digest,
                     )
+                staged.pending = self._intents.record(ws.id, staged.intent(approval))
+            assert staged.pending is not None
+            intent = staged.intent(approval)
             pre = self._keep_preimage(ws, parent_fd, target, now)
-            fsops.rename_into(parent_fd, temp, name)
+            fsops.rename_into(parent_fd, temp, name, fsync=False)
+            # Landed: from here on its intent is the next start's to settle, never dropped.
+            staged.landed = True
+            os.fsync(parent_fd)
             with self._store.transaction() as db:
                 self._temps.forget_in(db, ws.id, target.parts[:-1], temp)
                 if approval is not None:
                     self._approvals.consume_in(db, approval, time.time())
+                self._intents.drop_in(db, staged.pending.token)
                 entry = self._journal.append_in(
-                    db,
-                    KIND,
-                    {
-                        "path": plan.path,
-                        "op": plan.op,
-                        "base_sha256": plan.base_sha256,
-                        "new_sha256": plan.new_sha256,
-                        "size": plan.size,
-                        "mode": plan.mode,
-                        "plan_digest": plan.plan_digest,
-                        "approval_id": approval,
-                        "upload": up.id,
-                    },
-                    workspace=ws.id,
-                    actor=actor,
+                    db, intent.kind, intent.data, workspace=ws.id, actor=intent.actor
                 )
                 if pre is not None and self._preimages is not None:
                     self._preimages.record_in(db, pre, entry.seq, plan.new_sha256)

@@ -1,42 +1,56 @@
-"""Write intents: a batch's journal entries, recorded before its first change lands, so a
-crash between a change landing and its journal entry never leaves it unjournaled.
+"""Write intents: the journal entry a guarded write will get, recorded before its change
+lands, so a crash between a change landing and its journal entry never leaves it
+unjournaled.
 
-Theory of operation. A batch of guarded writes (`substrate.workspace.batch_writes`)
-lands many changes and then journals them all in one transaction. Before the first lands
-it commits, with its temp-file records, one row holding the journal entry each change
-will get: `(batch, workspace, epoch, intents)` (msgpack of `(path, kind, actor, data)`).
-The transaction that journals the batch deletes that row. A row of an earlier run
-(epoch) is therefore a batch whose entries were never written: it died somewhere between
-recording and journaling.
+Theory of operation. Every guarded write records, before its rename (or unlink), a row
+holding the journal entry each of its changes will get: `(batch, workspace, epoch,
+intents)` (msgpack of `(path, kind, actor, data, temp)`). A batch
+(`substrate.workspace.batch_writes`) commits one row for all its changes with its
+temp-file records; a single write (`fs.write`, `fs.patch`, `fs.delete`, a restore's
+file, an upload's commit) `submit`s one for itself on the store's group commit, which a
+helper thread commits while the writer writes and fsyncs its temp file (the two flushes
+overlap; the commit is shared with concurrent writers' entries), and waits for it
+before the rename (`Pending.wait`). The transaction that
+journals the write deletes that row. A row of an earlier run (epoch) is therefore a
+write whose entries were never written: it died somewhere between recording and
+journaling.
 
-At the next start, before anything writes (`resolve`, from
-`process.layer_recovery.finish_applying`), each change of such a row is checked against
-the checkout: when the path holds exactly what the change makes (a file's digest and
-mode, absent for a delete, a directory made, removed or given its mode), the change
-landed, and its entry is journaled now with `recovered: true`; otherwise it did not land
-(or something else was written there since, which then is not ours to claim). Then the
-row is dropped. Rows of a workspace that is not adopted stay until a start that knows
-it.
+At the next start, before anything writes (`resolve`, from `Writer.recover`), each
+change of such a row is checked against the checkout: when the path holds exactly what
+the change makes (a file's digest and mode, absent for a delete, a directory made,
+removed or given its mode) and its temp file (`temp`) is no longer there (renamed over
+the target), the change landed, and its entry is journaled now with `recovered: true`;
+otherwise it did not land (the temp file is still there; or something else was written
+there since, which then is not ours to claim). Several unjournaled writes of one file
+(concurrent writes whose entries were to share one commit) are followed back from what
+the file holds now through their bases, so every one that landed is journaled, in the
+order they landed. Then the rows are dropped. Rows of a workspace that is not adopted
+stay until a start that knows it.
 
 Blocking SQLite and file reads: call from a worker thread or before the loop serves.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import sqlite3
 import stat
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
 from substrate.errors import NotFound, Refusal
+from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Draft, Journal
 from substrate.workspace import paths
+from substrate.workspace.digests import hash_fd
 from substrate.workspace.registry import Workspace
-from substrate.workspace.write_base import MAX_PATCH_FILE, read_current
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS write_intents (
@@ -54,12 +68,52 @@ DIR_KIND = "changes.apply_dir"
 
 
 class Intent(msgspec.Struct, frozen=True, array_like=True):
-    """One change's journal entry-to-be: `rel` is its workspace-relative path."""
+    """One change's journal entry-to-be: `rel` is its workspace-relative path, `temp`
+    the temp file its rename consumes (None: a batch's, or a delete)."""
 
     rel: str
     kind: str
     actor: str
     data: dict[str, Any]
+    temp: str | None = None
+
+
+_committer: ThreadPoolExecutor | None = None
+_committer_lock = threading.Lock()
+
+
+def _committer_pool() -> ThreadPoolExecutor:
+    """The one thread that leads intents' group commits, started on first use."""
+    global _committer
+    with _committer_lock:
+        if _committer is None:
+            _committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-intents")
+        return _committer
+
+
+def _forget_committer() -> None:
+    # A forked child has none of its parent's threads (nor their locks): it starts its own.
+    global _committer, _committer_lock
+    _committer, _committer_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_committer)
+
+
+class Pending:
+    """One write's intent on its way to the database (`Intents.submit`)."""
+
+    __slots__ = ("_done", "token")
+
+    def __init__(self, token: str, done: Future[None]) -> None:
+        #: The row's key, for `Intents.drop_in` in the transaction journaling the write.
+        self.token = token
+        self._done = done
+
+    def wait(self) -> None:
+        """Return once the intent is durable; raises what its commit raised. Call
+        before the rename."""
+        self._done.result()
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -73,6 +127,7 @@ class Intents:
         self._store = store
         self._journal = journal
         self._epoch = journal.epoch
+        self._approvals = Approvals(store)
         store.ensure_schema(SCHEMA)
 
     def add_in(self, db: sqlite3.Connection, workspace: str, intents: Sequence[Intent]) -> str:
@@ -85,6 +140,32 @@ class Intents:
             (batch, workspace, self._epoch, _encoder.encode(list(intents))),
         )
         return batch
+
+    def submit(self, workspace: str, intent: Intent) -> Pending:
+        """Queue one write's `intent` on the store's group commit and return at once: it
+        commits with whatever else is committed next (concurrent writers' entries), or
+        when the writer `wait`s for it. Costs one row, and a commit unless shared."""
+        token = secrets.token_hex(8)
+        row = (token, workspace, self._epoch, _encoder.encode([intent]))
+
+        def add(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO write_intents(batch, workspace, epoch, intents) VALUES (?, ?, ?, ?)",
+                row,
+            )
+
+        group = self._store.group
+        ticket = group.submit(add)
+        # Committed by another thread while the caller writes and fsyncs its temp file:
+        # the two flushes overlap instead of adding up.
+        return Pending(token, _committer_pool().submit(group.wait, ticket))
+
+    def record(self, workspace: str, intent: Intent) -> Pending:
+        """`submit` and wait: the intent is durable on return (for a write that knows
+        its entry only under the commit lock: its approval's id)."""
+        pending = self.submit(workspace, intent)
+        pending.wait()
+        return pending
 
     @staticmethod
     def drop_in(db: sqlite3.Connection, batch: str) -> None:
@@ -100,52 +181,112 @@ class Intents:
         return [str(r["workspace"]) for r in rows]
 
     def resolve(self, ws: Workspace) -> int:
-        """Journal, `recovered: true`, every change of an earlier run's batch in `ws` that
-        landed (the checkout holds its result) but was never journaled, and drop every
-        row of earlier runs in `ws`; returns how many were journaled. For a path named
-        in several batches only the latest counts. Costs a query, and a read per intent."""
+        """Journal, `recovered: true`, every change of an earlier run in `ws` that landed
+        (the checkout holds its result, its temp file is gone) but was never journaled,
+        consuming the approvals those entries name, and drop every row of earlier runs
+        in `ws`; returns how many were journaled. For a directory named in several rows
+        only the latest counts; a file's writes are followed back through their bases
+        (see the module doc). Costs a query, and a read (a hash) per path."""
         rows = self._store.query(
             "SELECT batch, intents FROM write_intents WHERE workspace = ? AND epoch < ?"
             " ORDER BY rowid",
             (ws.id, self._epoch),
         )
-        latest: dict[tuple[str, str], Intent] = {}
+        dirs: dict[str, tuple[int, Intent]] = {}
+        files: dict[str, list[tuple[int, Intent]]] = {}
+        at = 0
         for row in rows:
             for it in _decoder.decode(row["intents"]):
-                latest[(it.kind, it.rel)] = it
-        landed: list[Draft] = []
+                if it.kind == DIR_KIND:
+                    dirs[it.rel] = (at, it)
+                else:
+                    files.setdefault(it.rel, []).append((at, it))
+                at += 1
+        landed: list[tuple[int, Intent]] = []
         with ws.use():
-            for it in latest.values():
-                if _holds(ws, it):
-                    data = {**it.data, "recovered": True}
-                    landed.append(Draft(it.kind, data, ws.id, it.actor))
+            landed += [(i, it) for i, it in dirs.values() if _dir_holds(ws, it)]
+            for rel, its in files.items():
+                chain = _landed_chain(ws, rel, its)
+                # Journaled in the order they landed, at the places of their rows.
+                landed += zip(sorted(i for i, _ in chain), [it for _, it in chain], strict=True)
+        landed.sort(key=lambda pair: pair[0])
+        drafts = [
+            Draft(it.kind, {**it.data, "recovered": True}, ws.id, it.actor) for _, it in landed
+        ]
+        approvals = [str(a) for _, it in landed if (a := it.data.get("approval_id")) is not None]
         with self._store.transaction() as db:
-            self._journal.append_many_in(db, landed)
+            self._journal.append_many_in(db, drafts)
+            for approval in approvals:
+                self._approvals.consume_in(db, approval, time.time())
             db.executemany(
                 "DELETE FROM write_intents WHERE batch = ?", [(r["batch"],) for r in rows]
             )
-        return len(landed)
+        return len(drafts)
 
 
-def _holds(ws: Workspace, it: Intent) -> bool:
-    """The checkout holds what the change `it` makes."""
+def _dir_holds(ws: Workspace, it: Intent) -> bool:
+    """The checkout holds what the directory step `it` makes."""
     parts = tuple(it.rel.split("/"))
     op, mode = it.data.get("op"), it.data.get("mode")
     try:
         with paths.opened_dir(ws.root_fd, parts[:-1], it.rel) as parent:
             st = paths.lstat_at(parent, parts[-1])
-            if st is None:
-                return op in ("delete", "rmdir")
-            if it.kind == DIR_KIND:
-                is_dir = stat.S_ISDIR(st.st_mode)
-                return is_dir and (
-                    op == "mkdir" or (op == "chmod" and stat.S_IMODE(st.st_mode) == mode)
-                )
-            if op == "delete" or not stat.S_ISREG(st.st_mode):
-                return False
-            now = read_current(parent, parts[-1], it.rel, MAX_PATCH_FILE)
     except NotFound:
-        return op in ("delete", "rmdir")
+        return op == "rmdir"
     except Refusal:
         return False
-    return now.sha256 == it.data.get("new_sha256") and now.mode == mode
+    if st is None:
+        return op == "rmdir"
+    return stat.S_ISDIR(st.st_mode) and (
+        op == "mkdir" or (op == "chmod" and stat.S_IMODE(st.st_mode) == mode)
+    )
+
+
+def _landed_chain(
+    ws: Workspace, rel: str, its: list[tuple[int, Intent]]
+) -> list[tuple[int, Intent]]:
+    """Which of the unjournaled changes `its` of the file `rel` landed, oldest first:
+    the latest whose result the file holds now (digest and mode; absent for a delete)
+    and whose temp file is gone, then the latest whose result is that one's base, and
+    so on. Empty when the path is not a regular file or absent (or unreadable)."""
+    parts = tuple(rel.split("/"))
+    try:
+        with paths.opened_dir(ws.root_fd, parts[:-1], rel) as parent:
+            sha, mode = _file_state(parent, parts[-1], rel)
+            left = list(its)
+            chain: list[tuple[int, Intent]] = []
+            while True:
+                found = next(
+                    (
+                        (i, it)
+                        for i, it in reversed(left)
+                        if it.data.get("new_sha256") == sha
+                        and (chain or sha is None or it.data.get("mode") == mode)
+                        and (it.temp is None or paths.lstat_at(parent, it.temp) is None)
+                    ),
+                    None,
+                )
+                if found is None:
+                    return chain[::-1]
+                chain.append(found)
+                left.remove(found)
+                sha = found[1].data.get("base_sha256")
+    except NotFound:
+        # The directory is gone: only deletes can have landed, and only the latest.
+        deletes = [(i, it) for i, it in its if it.data.get("new_sha256") is None]
+        return deletes[-1:]
+    except (Refusal, OSError):
+        return []
+
+
+def _file_state(parent: int, name: str, rel: str) -> tuple[str | None, int | None]:
+    """(digest, mode) of the regular file `name` in `parent`, (None, None) when absent;
+    refuses `not_a_file`/`symlink_refused` for anything else. Hashed as a stream."""
+    st = paths.lstat_at(parent, name)
+    if st is None:
+        return None, None
+    fd = paths.open_regular(parent, name, rel)
+    try:
+        return hash_fd(fd), stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)

@@ -7,9 +7,11 @@ what host tools would take for a repository or a misleading new name
 check a given `plan_digest` and the operator approval. A dry run returns that plan. To
 *apply*, the new bytes go to a temp file created in the same directory (`O_CREAT |
 O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and owner;
-then, under the workspace's commit lock, the base is checked once more, the temp file is
-renamed over the target through the same dir fd, the directory is fsynced, and the
-approval (if any) is consumed in the same database transaction as the journal entry.
+meanwhile the write's intent (the journal entry it will get, `write_intents`) commits on
+another thread. Then, under the workspace's commit lock, the base is checked once more,
+the temp file is renamed over the target through the same dir fd, the directory is
+fsynced, and the approval (if any) is consumed and the intent dropped in the same
+database transaction as the journal entry.
 A write with no approval and no pre-image to keep submits that transaction to the
 store's group commit under the lock and waits for it after (`substrate.store.group`):
 concurrent writes share one fsynced commit, entries keep the lock's order, and the write
@@ -27,7 +29,9 @@ flush); what both share is `substrate.workspace.write_base`.
 
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
 next start removes: each temp file is recorded in the database before it is created
-(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. Names with
+(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. A write
+that landed but whose journal transaction the crash lost is journaled at the next start
+from its intent, `recovered: true` (`Writer.recover`); one that did not land is not. Names with
 the temp prefix are refused as targets, so no agent can make a file that looks like ours.
 
 Every operation holds the workspace's root fd (`Workspace.use`) while it runs, so a
@@ -37,6 +41,7 @@ release waits for it instead of closing the fd under it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sqlite3
 import time
@@ -51,6 +56,7 @@ from substrate.errors import (
     NotFound,
     PathDenied,
     PlanMismatch,
+    Refusal,
     StaleBase,
 )
 from substrate.schema.fs import (
@@ -84,8 +90,39 @@ from substrate.workspace.write_base import (
 from substrate.workspace.write_base import Current as _Current
 from substrate.workspace.write_base import check_not_reserved as _check_not_reserved
 from substrate.workspace.write_base import read_current as _read_current
+from substrate.workspace.write_intents import Intent, Pending
+
+log = logging.getLogger("substrate.workspace.writes")
 
 __all__ = ["MAX_PATCH_FILE", "WRITE_KINDS", "Writer", "drift_report", "plan_digest"]
+
+
+@dataclass
+class _Staged:
+    """One apply in progress: its temp file and intent once made, and whether its
+    rename (or unlink) may have happened (then it is never abandoned)."""
+
+    kind: str
+    actor: str
+    needs_approval: bool
+    temp: str | None = None
+    pending: Pending | None = None
+    landed: bool = False
+
+    def intent(self, prep: _Prepared, approval: str | None) -> Intent:
+        """The write's journal entry-to-be (`write_intents`)."""
+        plan = prep.plan
+        data = {
+            "path": plan.path,
+            "op": plan.op,
+            "base_sha256": plan.base_sha256,
+            "new_sha256": plan.new_sha256,
+            "size": plan.size,
+            "mode": plan.mode,
+            "plan_digest": plan.plan_digest,
+            "approval_id": approval,
+        }
+        return Intent(prep.rel, self.kind, self.actor, data, self.temp)
 
 
 @dataclass
@@ -211,6 +248,27 @@ class Writer:
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
+        #: Every write's journal entry-to-be, durable before its rename (`write_intents`).
+        self._intents = self.batch.intents
+
+    def recover(self, workspace: Callable[[str], Workspace]) -> int:
+        """At start, before anything writes: journal (`recovered: true`) every guarded
+        write of an earlier run that landed but whose journal transaction a crash lost,
+        and drop the intents of those that did not land (`write_intents.resolve`);
+        returns how many were journaled. The intents of a workspace `workspace` refuses
+        (no longer adopted) stay for a start that knows it. Costs a query, and a read
+        per path left unjournaled."""
+        recovered = 0
+        for ws_id in self._intents.stale_workspaces():
+            try:
+                ws = workspace(ws_id)
+            except Refusal:
+                log.warning("write intents of workspace %s: not adopted", ws_id)
+                continue
+            recovered += self._intents.resolve(ws)
+        if recovered:
+            log.info("%d write(s) landed before a crash journaled now", recovered)
+        return recovered
 
     # -- the three wire operations --------------------------------------------------------
 
@@ -325,14 +383,13 @@ class Writer:
                 return prep.plan
             if parent_fd is None:
                 parent_fd = self._make_parents(ws, prep)
-            temp = None
-            if prep.new is not None:
-                temp = self._write_temp(ws, parent_fd, prep)
+            staged = _Staged(kind, actor, needs_approval)
             try:
-                self._commit(ws, parent_fd, prep, temp, needs_approval, actor, kind)
+                self._stage(ws, parent_fd, prep, staged)
+                self._commit(ws, parent_fd, prep, staged)
             except BaseException:
-                if temp is not None:
-                    self._discard_temp(ws, parent_fd, prep, temp)
+                if not staged.landed:
+                    self._abandon(ws, parent_fd, prep, staged)
                 raise
             return msgspec.structs.replace(prep.plan, applied=True)
         finally:
@@ -350,40 +407,49 @@ class Writer:
                 deepest, prep.missing_parents, where, lambda _: (DEFAULT_DIR_MODE, owner)
             )
 
-    def _discard_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared, temp: str) -> None:
-        self._temps.discard(ws.id, parent_fd, prep.parts[:-1], temp)
+    def _abandon(self, ws: Workspace, parent_fd: int, prep: _Prepared, staged: _Staged) -> None:
+        """A write that did not land: its temp file goes, then in one transaction its
+        temp record and its intent."""
+        if staged.temp is not None:
+            fsops.unlink_quietly(parent_fd, staged.temp)
+        if staged.temp is None and staged.pending is None:
+            return
+        with self._store.transaction() as db:
+            if staged.temp is not None:
+                self._temps.forget_in(db, ws.id, prep.parts[:-1], staged.temp)
+            if staged.pending is not None:
+                self._intents.drop_in(db, staged.pending.token)
 
-    def _write_temp(self, ws: Workspace, parent_fd: int, prep: _Prepared) -> str:
-        """The new bytes in a recorded temp file beside the target, with the old owner and
-        the plan's mode, fsynced."""
-        assert prep.new is not None and prep.plan.mode is not None
-        name, fd = self._temps.create(ws.id, parent_fd, prep.parts[:-1], prep.plan.path)
+    def _stage(self, ws: Workspace, parent_fd: int, prep: _Prepared, staged: _Staged) -> None:
+        """The new bytes in a recorded temp file beside the target, with the old owner
+        and the plan's mode, fsynced; the write's intent queued meanwhile (unless it
+        needs an approval: its id is known under the lock)."""
+        if prep.new is None:
+            if not staged.needs_approval:
+                staged.pending = self._intents.submit(ws.id, staged.intent(prep, None))
+            return
+        assert prep.plan.mode is not None
+        staged.temp, fd = self._temps.create(ws.id, parent_fd, prep.parts[:-1], prep.plan.path)
         owner = (
             (prep.current.uid, prep.current.gid)
             if prep.current.exists
             else (ws.owner_uid, ws.owner_gid)
         )
         try:
+            if not staged.needs_approval:
+                staged.pending = self._intents.submit(ws.id, staged.intent(prep, None))
             fsops.fill(fd, prep.new, mode=prep.plan.mode, owner=owner)
-        except BaseException:
+        finally:
             os.close(fd)
-            self._discard_temp(ws, parent_fd, prep, name)
-            raise
-        os.close(fd)
-        return name
 
-    def _commit(
-        self,
-        ws: Workspace,
-        parent_fd: int,
-        prep: _Prepared,
-        temp: str | None,
-        needs_approval: bool,
-        actor: str,
-        kind: str,
-    ) -> None:
+    def _commit(self, ws: Workspace, parent_fd: int, prep: _Prepared, staged: _Staged) -> None:
         name = prep.parts[-1]
         where = prep.plan.path
+        temp = staged.temp
+        if staged.pending is not None:
+            # Durable before the rename, waited for outside the lock (usually shared with
+            # the commit of another write's entry).
+            staged.pending.wait()
         with ws.commit_lock:
             now = _read_current(parent_fd, name, where, MAX_PATCH_FILE)
             if now.sha256 != prep.current.sha256:
@@ -391,44 +457,37 @@ class Writer:
                     f"{where}: changed while the write was prepared", current_sha256=now.sha256
                 )
             approval = None
-            if needs_approval:
+            if staged.needs_approval:
                 approval = self._approvals.find(ws.id, prep.plan.plan_digest, time.time())
                 if approval is None:
                     raise ApprovalRequired(
                         f"{where}: needs an operator approval of this plan",
                         plan_digest=prep.plan.plan_digest,
                     )
+                staged.pending = self._intents.record(ws.id, staged.intent(prep, approval))
+            intent = staged.intent(prep, approval)
+            token = staged.pending.token if staged.pending is not None else None
             pre = self._keep_preimage(ws, prep.rel, now)
             if temp is None:
                 os.unlink(name, dir_fd=parent_fd)
-                os.fsync(parent_fd)
             else:
-                fsops.rename_into(parent_fd, temp, name)
+                fsops.rename_into(parent_fd, temp, name, fsync=False)
+            # Landed: from here on its intent is the next start's to settle, never dropped.
+            staged.landed = True
+            os.fsync(parent_fd)
 
             def journal(db: sqlite3.Connection) -> None:
                 if temp is not None:
                     self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
                 if approval is not None:
                     self._approvals.consume_in(db, approval, time.time())
-                plan = prep.plan
+                if token is not None:
+                    self._intents.drop_in(db, token)
                 entry = self._journal.append_in(
-                    db,
-                    kind,
-                    {
-                        "path": plan.path,
-                        "op": plan.op,
-                        "base_sha256": plan.base_sha256,
-                        "new_sha256": plan.new_sha256,
-                        "size": plan.size,
-                        "mode": plan.mode,
-                        "plan_digest": plan.plan_digest,
-                        "approval_id": approval,
-                    },
-                    workspace=ws.id,
-                    actor=actor,
+                    db, intent.kind, intent.data, workspace=ws.id, actor=intent.actor
                 )
                 if pre is not None and self._preimages is not None:
-                    self._preimages.record_in(db, pre, entry.seq, plan.new_sha256)
+                    self._preimages.record_in(db, pre, entry.seq, prep.plan.new_sha256)
 
             if approval is not None or pre is not None:
                 # Consumed or kept under the lock: no later write may see it unsettled.
