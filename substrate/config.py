@@ -54,6 +54,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     max_connections: int = 2048  # per socket; more are refused with limit_exceeded
     max_connections_per_uid: int = 1024  # per peer uid and socket; more: limit_exceeded
     max_in_flight: int = 64  # concurrent requests per connection
+    #: replies and notifications made but not yet sent, per connection, bytes; past it
+    #: the connection is not read and its next reply waits until the client reads
+    max_unsent_bytes: int = 4 << 20
+    #: the same, summed over the connections of one peer uid per socket, bytes
+    max_unsent_bytes_per_uid: int = 32 << 20
     line_timeout_s: float = 10.0  # a started request line must end within this
     idle_timeout_s: float = 600.0  # a connection with nothing in flight closes after this
     max_processes: int = 64  # running processes per daemon
@@ -140,4 +145,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         raise ConfigError("max_connections_per_uid: must be at least 1")
     if config.idle_timeout_s <= 0:
         raise ConfigError("idle_timeout_s: must be positive")
+    for key in ("max_unsent_bytes", "max_unsent_bytes_per_uid"):
+        if getattr(config, key) < 1:
+            raise ConfigError(f"{key}: must be at least 1")
     return config

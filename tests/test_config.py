@@ -97,7 +97,10 @@ def test_connection_caps_and_idle_timeout(tmp_path: Path) -> None:
     path = write(tmp_path, "max_connections_per_uid = 8\nidle_timeout_s = 30.5\n")
     config = load_config(path, {})
     assert (config.max_connections_per_uid, config.idle_timeout_s) == (8, 30.5)
-    for key, bad in (("max_connections_per_uid", 0), ("idle_timeout_s", 0)):
+    assert defaults.max_unsent_bytes < defaults.max_unsent_bytes_per_uid
+    bad_values = [("max_connections_per_uid", 0), ("idle_timeout_s", 0)]
+    bad_values += [("max_unsent_bytes", 0), ("max_unsent_bytes_per_uid", 0)]
+    for key, bad in bad_values:
         with pytest.raises(ConfigError) as info:
             load_config(None, {key: bad})
         assert key in str(info.value)

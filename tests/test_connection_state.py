@@ -15,7 +15,7 @@ import pytest
 
 from substrate.config import Config
 from substrate.errors import LimitExceeded, RequestTooLarge, Unauthorized
-from substrate.protocol.connection import Admission, ConnectionState, call_refusal
+from substrate.protocol.connection import Admission, ConnectionState, UnsentBytes, call_refusal
 from substrate.schema import METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +40,41 @@ def test_a_started_line_must_end_within_the_line_timeout() -> None:
     assert conn.deadline(9.0, held=False) == 1.0 + LINE_S
     assert not conn.expired(1.0 + LINE_S - 0.001, held=False)
     assert conn.expired(1.0 + LINE_S, held=False)
+
+
+def test_time_the_daemon_does_not_read_is_not_held_against_a_pending_line() -> None:
+    conn = state()
+    conn.received(b'{"jsonrpc":', now=1.0)
+    conn.pause(2.0)  # e.g. max_in_flight reached while dispatching that chunk's lines
+    conn.resume(2.0 + 5 * LINE_S)
+    assert conn.deadline(2.0 + 5 * LINE_S, held=False) == 1.0 + 6 * LINE_S
+    assert not conn.expired(2.0 + 5 * LINE_S, held=False)
+    assert conn.expired(1.0 + 6 * LINE_S, held=False)
+
+
+def test_the_idle_clock_pauses_too_and_restarts_after_a_call_finished_meanwhile() -> None:
+    conn = state()
+    conn.received(b"{}\n", now=1.0)
+    conn.pause(3.0)
+    conn.resume(3.0 + IDLE_S)
+    assert conn.deadline(3.0 + IDLE_S, held=False) == 1.0 + 2 * IDLE_S
+    conn.call_started()
+    conn.pause(10.0 + IDLE_S)
+    conn.call_finished(20.0 + IDLE_S)
+    conn.resume(30.0 + IDLE_S)
+    assert conn.deadline(30.0 + IDLE_S, held=False) == 30.0 + 2 * IDLE_S
+
+
+def test_unsent_bytes_over_either_budget() -> None:
+    unsent = UnsentBytes(
+        Config(state_dir="/nonexistent", max_unsent_bytes=10, max_unsent_bytes_per_uid=25)
+    )
+    assert not unsent.over(1000, 9)
+    assert unsent.over(1000, 10)
+    unsent.add(1000, 25)
+    assert unsent.over(1000, 0) and not unsent.over(1001, 0)
+    unsent.remove(1000, 25)
+    assert unsent.by_uid == {}
 
 
 def test_a_line_that_ends_clears_its_deadline() -> None:

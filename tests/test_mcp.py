@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
+import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -237,3 +241,78 @@ def test_no_daemon_is_a_clear_exit(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert b"cannot reach the daemon" in done.stderr
     assert done.stdout == b""
+
+
+class StdioPeer:
+    """`substrate mcp` on raw pipes: lines in, JSON messages out (what a host's bytes get)."""
+
+    def __init__(self, daemon: DaemonProcess) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "substrate", "mcp", "--state-dir", str(daemon.state_dir)],
+            env=daemon_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self.buf = b""
+
+    def send(self, line: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + b"\n")
+        self.proc.stdin.flush()
+
+    def message(self) -> dict[str, Any]:
+        """The next message, failing (not hanging) when none comes within 60 s."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + 60
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, "no reply from substrate mcp"
+            chunk = os.read(fd, 65536)
+            assert chunk, "substrate mcp closed its stdout"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        value: dict[str, Any] = json.loads(line)
+        return value
+
+    def close(self) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        code = self.proc.wait(timeout=60)
+        self.proc.stdout.close()
+        return code
+
+
+def test_malformed_deep_and_invalid_lines_are_answered_and_the_server_goes_on(
+    module_daemon: DaemonProcess,
+) -> None:
+    peer = StdioPeer(module_daemon)
+    try:
+        peer.send(b'{"jsonrpc": "2.0", "id": 1, "method": ')  # cut short
+        first = peer.message()
+        peer.send(b'{"jsonrpc": "2.0", "id": 2, "params": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+        deep = peer.message()
+        peer.send(b'{"jsonrpc": "2.0", "id": 3}')  # JSON, but no message
+        invalid = peer.message()
+        peer.send(b"\xff\xfe not utf-8")
+        binary = peer.message()
+        initialize = {
+            "jsonrpc": "2.0",
+            "id": 4,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"},
+            },
+        }
+        peer.send(json.dumps(initialize).encode())
+        served = peer.message()
+    finally:
+        code = peer.close()
+    for reply in (first, deep, binary):
+        assert reply["id"] is None and reply["error"]["code"] == -32700, reply
+    assert invalid["error"]["code"] == -32600 and invalid["id"] == 3
+    assert served["id"] == 4 and served["result"]["serverInfo"]["name"] == "substrate"
+    assert code == 0

@@ -15,7 +15,7 @@ import wsproto
 import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from substrate.pty.backend import FakePtys
+from substrate.pty.backend import FakePty, FakePtys
 from substrate.pty.client import open_terminal
 from substrate.pty.grants import Grants
 from substrate.pty.http import TerminalHttp
@@ -481,3 +481,71 @@ async def test_selection_for_agents(env: Env) -> None:
         assert part.seq == 2 and part.next <= 7
         again = env.terminals.selection(opened["session"], part.next, 65536)
         assert again.seq == part.next and again.next == sel.end
+
+
+async def _send_then_read_to_the_end(
+    stream: trio.SocketStream, conn: wsproto.WSConnection, data: bytes
+) -> list[wse.Event]:
+    """A client that writes all it has, then reads to the end: what it gets. A reset on
+    the way (on the write or the read) fails the test: the close must end it."""
+    with trio.fail_after(30):
+        await stream.send_all(data)
+        got: list[wse.Event] = []
+        while chunk := await stream.receive_some():
+            conn.receive_data(chunk)
+            got.extend(conn.events())
+    await stream.aclose()
+    return got
+
+
+@pytest.mark.parametrize("after_open", [False, True])
+async def test_a_1_mib_frame_from_a_client_that_writes_before_it_reads_gets_4413(
+    env: Env, after_open: bool
+) -> None:
+    """The refusal and the close reach a client still writing its frame: the daemon
+    reads and drops the rest of it before closing, so the connection is never reset."""
+    env.terminals.settings.first_frame_timeout_s = 30
+    stream, conn = await _raw_ws(env)
+    if after_open:
+        await stream.send_all(
+            conn.send(wse.TextMessage(data=json.dumps({"type": "open", "token": env.token()})))
+        )
+    frame = json.dumps({"type": "input", "data": "y" * (1 << 20)})
+    got = await _send_then_read_to_the_end(stream, conn, conn.send(wse.TextMessage(data=frame)))
+    texts = [json.loads(ev.data) for ev in got if isinstance(ev, wse.TextMessage)]
+    closes = [ev.code for ev in got if isinstance(ev, wse.CloseConnection)]
+    assert texts and texts[-1]["refusal"] == "too_large"
+    assert closes == [4413]
+
+
+async def test_2000_resizes_are_coalesced_and_the_last_size_wins(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dragged window's resizes never queue up before the keystrokes behind them: the
+    PTY is resized to the latest size only, a bounded number of times."""
+    applied: list[tuple[int, int]] = []
+    release = trio.Event()
+
+    async def slow_resize(pty: FakePty, cols: int, rows: int) -> None:
+        applied.append((cols, rows))
+        if len(applied) == 1:
+            await release.wait()  # an engine call that takes its time
+        pty.cols, pty.rows = cols, rows
+
+    monkeypatch.setattr(FakePty, "resize", slow_resize)
+    sizes = [(40 + i % 100, 10 + i % 50) for i in range(2000)]
+    async with connect(env) as ws:
+        await open_control(env, ws, env.token())
+        await read_until(ws, "$ ")
+        for cols, rows in sizes:
+            await send(ws, type="resize", cols=cols, rows=rows)
+        # Typed after the resizes, answered while the first resize still runs.
+        await send(ws, type="input", data="echo after\r")
+        await read_until(ws, "after\r\n$ ")
+        release.set()
+        pty = env.ptys.spawned[-1]
+        await wait_until_async(lambda: (pty.cols, pty.rows) == sizes[-1], 10)
+        await send(ws, type="input", data="size\r")
+        await read_until(ws, f"{sizes[-1][1]} {sizes[-1][0]}\r\n")
+    assert 1 <= len(applied) <= 2
+    assert applied[-1] == sizes[-1]

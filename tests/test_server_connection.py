@@ -23,6 +23,7 @@ from substrate.config import Config
 from substrate.errors import ArgvDenied
 from substrate.protocol import rpc, server
 from substrate.protocol.caller import Caller
+from substrate.protocol.connection import ConnectionState, UnsentBytes
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 
@@ -56,8 +57,20 @@ def fake_daemon(tmp_path: Path) -> Iterator[FakeDaemon]:
     store.close()
 
 
-def connection(daemon: FakeDaemon, stream: trio.SocketStream) -> server.Connection:
-    return server.Connection(daemon.backend(), stream, "agent", server.Admission(daemon.config))
+def connection(
+    daemon: FakeDaemon,
+    stream: trio.SocketStream,
+    admission: server.Admission | None = None,
+    outbox: server.Outbox | None = None,
+) -> server.Connection:
+    """A connection on a socket of its own, unless it is given the socket's shares."""
+    return server.Connection(
+        daemon.backend(),
+        stream,
+        "agent",
+        admission or server.Admission(daemon.config),
+        outbox or server.Outbox(daemon.config),
+    )
 
 
 class Peer:
@@ -181,3 +194,189 @@ def test_a_refused_run_journals_its_argv_only_as_a_summary() -> None:
         "argv_sha256": hashlib.sha256(msgspec.json.encode(argv)).hexdigest(),
     }
     assert secret not in msgspec.json.encode(data).decode()
+
+
+# --- the daemon's choice not to read (docs/protocol.md §1 "Concurrency") -------------------
+
+
+def status_line(request_id: int | None) -> bytes:
+    """A `daemon.status` request (a notification when `request_id` is None)."""
+    envelope: dict[str, Any] = {"jsonrpc": "2.0", "method": "daemon.status"}
+    if request_id is not None:
+        envelope["id"] = request_id
+    return msgspec.json.encode(envelope) + b"\n"
+
+
+async def read_messages(peer: Peer, count: int) -> list[dict[str, Any]]:
+    """Exactly `count` messages from `peer` (failing if the connection ends first)."""
+    while peer.buf.count(b"\n") < count:
+        chunk = await peer.stream.receive_some(65536)
+        assert chunk, f"closed before {count} messages"
+        peer.buf += chunk
+    *lines, peer.buf = peer.buf.split(b"\n", count)
+    return [msgspec.json.decode(line) for line in lines]
+
+
+async def test_pipelined_slow_calls_past_the_in_flight_cap_are_all_answered(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """While the daemon does not read (its in-flight cap is reached) the line deadline does
+    not run: the client's half-read line is not held against it."""
+    store = Store(tmp_path / "db")
+    daemon = FakeDaemon(
+        Config(state_dir=str(tmp_path / "state"), line_timeout_s=1.0, max_in_flight=64),
+        Journal(store),
+    )
+    cancelled = 0
+
+    async def slow(caller: Any, params: Any) -> Any:
+        nonlocal cancelled
+        try:
+            await trio.sleep(5)  # five line timeouts
+        except trio.Cancelled:
+            cancelled += 1
+            raise
+        return {"ok": True}
+
+    daemon.handlers["daemon.status"] = slow
+    lines = b"".join(status_line(i) for i in range(67))
+    # 65 whole lines and half of the 66th: the 65th waits for a slot, the 66th is pending.
+    cut = len(b"".join(status_line(i) for i in range(65))) + len(status_line(65)) // 2
+    ours, theirs = trio.socket.socketpair()
+    conn = connection(daemon, trio.SocketStream(ours))
+    peer = Peer(trio.SocketStream(theirs))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.run)
+        await peer.stream.send_all(lines[:cut])
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn.state.in_flight == 64
+        await peer.stream.send_all(lines[cut:])
+        with trio.fail_after(60):
+            replies = await read_messages(peer, 67)
+        await peer.stream.send_eof()
+        assert await peer.messages_until_eof() == []
+    await peer.stream.aclose()
+    store.close()
+    assert sorted(r["id"] for r in replies) == list(range(67))
+    assert all(r["result"] == {"ok": True} for r in replies)
+    assert cancelled == 0
+
+
+async def test_unread_replies_are_bounded_per_connection_and_per_uid(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients that ask for large replies and never read them hold at most the budgets'
+    bytes (plus one reply) in the daemon, per connection and per uid; a connection over
+    budget is not read; everything is given back when they go."""
+    per_connection, per_uid, reply = 1 << 20, 2 << 20, 200 << 10
+    store = Store(tmp_path / "db")
+    config = Config(
+        state_dir=str(tmp_path / "state"),
+        max_unsent_bytes=per_connection,
+        max_unsent_bytes_per_uid=per_uid,
+    )
+    daemon = FakeDaemon(config, Journal(store))
+    big = msgspec.Raw(b'"' + b"x" * reply + b'"')
+
+    async def large(caller: Any, params: Any) -> Any:
+        return big
+
+    daemon.handlers["daemon.status"] = large
+    peaks = {"connection": 0, "uid": 0}
+    queued, added = ConnectionState.queued, UnsentBytes.add
+
+    def queued_peak(state: ConnectionState, n: int) -> None:
+        queued(state, n)
+        peaks["connection"] = max(peaks["connection"], state.unsent_bytes)
+
+    def added_peak(unsent: UnsentBytes, uid: int, n: int) -> None:
+        added(unsent, uid, n)
+        peaks["uid"] = max(peaks["uid"], unsent.by_uid[uid])
+
+    monkeypatch.setattr(ConnectionState, "queued", queued_peak)
+    monkeypatch.setattr(UnsentBytes, "add", added_peak)
+    admission, outbox = server.Admission(config), server.Outbox(config)
+    calls = b"".join(status_line(i) for i in range(200))
+    conns: list[server.Connection] = []
+    peers: list[trio.SocketStream] = []
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            ours, theirs = trio.socket.socketpair()
+            conn = connection(daemon, trio.SocketStream(ours), admission, outbox)
+            conns.append(conn)
+            peers.append(trio.SocketStream(theirs))
+            nursery.start_soon(conn.run)
+            await peers[-1].send_all(calls)  # and never read
+        await trio.testing.wait_all_tasks_blocked()
+        one_reply = len(rpc.reply_result(0, big))
+        assert 0 < peaks["connection"] <= per_connection + one_reply
+        assert per_connection < peaks["uid"] <= per_uid + one_reply
+        # Over budget, the daemon stops reading: most of the 800 calls never started.
+        assert sum(c.state.in_flight for c in conns) < 4 * 64
+        for peer in peers:
+            await peer.aclose()
+    assert outbox.unsent.by_uid == {}
+    assert all(c.state.unsent_bytes == 0 for c in conns)
+    store.close()
+
+
+async def test_one_connection_takes_a_bounded_share_of_each_turn(
+    fake_daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Notifications nobody answers (here: of an unknown method) are read a few lines per
+    turn of the event loop, as any line: others are served between them."""
+    decoded = 0
+    real_decode = rpc.decode_call
+
+    def counting(line: bytes) -> rpc.Call | rpc.Outcome:
+        nonlocal decoded
+        decoded += 1
+        return real_decode(line)
+
+    monkeypatch.setattr(rpc, "decode_call", counting)
+    flood = b'{"jsonrpc":"2.0","method":"no.such"}\n' * 1500  # one read's worth
+    ours, theirs = trio.socket.socketpair()
+    conn = connection(fake_daemon, trio.SocketStream(ours))
+    peer = Peer(trio.SocketStream(theirs))
+    steps: list[int] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.run)
+        await peer.stream.send_all(flood)
+        with trio.fail_after(10):
+            while decoded < 1500:
+                before = decoded
+                await trio.lowlevel.checkpoint()
+                steps.append(decoded - before)
+        await peer.stream.send_eof()
+        assert await peer.messages_until_eof() == []
+    await peer.stream.aclose()
+    # Between two turns of this task the reader had at most two turns of its own, each of
+    # at most 16 lines (docs/protocol.md §1, "A connection's share").
+    assert len(steps) > 1
+    assert max(steps) <= 2 * 16
+
+
+async def test_notifications_hold_in_flight_slots_like_requests(fake_daemon: FakeDaemon) -> None:
+    release = trio.Event()
+    ran = 0
+
+    async def blocking(caller: Any, params: Any) -> Any:
+        nonlocal ran
+        ran += 1
+        await release.wait()
+        return {}
+
+    fake_daemon.handlers["daemon.status"] = blocking
+    ours, theirs = trio.socket.socketpair()
+    conn = connection(fake_daemon, trio.SocketStream(ours))
+    peer = Peer(trio.SocketStream(theirs))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.run)
+        await peer.stream.send_all(b"".join(status_line(None) for _ in range(100)))
+        await trio.testing.wait_all_tasks_blocked()
+        assert (ran, conn.state.in_flight) == (64, 64)
+        release.set()
+        await peer.stream.send_eof()
+        assert await peer.messages_until_eof() == []
+    await peer.stream.aclose()
+    assert ran == 100

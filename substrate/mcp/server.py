@@ -14,7 +14,8 @@ Artifacts are resources (`substrate.mcp.resources`). A call that names a progres
 the daemon works on it (the seconds so far: total unknown), so a client that resets its
 timeout on progress can wait for a long `proc_run` or `proc_wait`.
 
-Nothing here writes to stdout: the SDK owns it (fd 1 points at stderr while it serves).
+Nothing here writes to stdout: the transport owns it (`substrate.mcp.stdio`: fd 1 points
+at stderr while it serves; a line that is not a JSON-RPC message is answered there).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import outcome
 import trio
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel.server import Server
-from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
 import substrate
@@ -41,6 +41,7 @@ from substrate.config import Config
 from substrate.errors import InvalidParams
 from substrate.mcp import bounds, resources
 from substrate.mcp.output import OutputCollector, OutputParams
+from substrate.mcp.stdio import open_stdio
 from substrate.mcp.tools import (
     BY_NAME,
     TOOLS,
@@ -392,7 +393,7 @@ async def serve(options: Options) -> None:
             failed = exc
         else:
             server = Bridge(link, options, workspace).server()
-            async with stdio_server() as (read, write):
+            async with open_stdio() as (read, write):
                 await server.run(read, write, server.create_initialization_options())
         await link.aclose()
         nursery.cancel_scope.cancel()

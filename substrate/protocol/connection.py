@@ -13,6 +13,12 @@ The rules:
   (`request_too_large`; the connection then closes).
 - A connection with nothing in flight and nothing held open (subscriptions) closes
   `idle_timeout_s` after its last activity: bytes received or a call finished.
+- While the daemon does not read by its own choice (`pause` to `resume`: its in-flight
+  cap is reached, or its unsent bytes are over budget) neither clock runs: a client is
+  never cut off for bytes the daemon left unread.
+- Replies and notifications made and not yet sent are counted (`queued`, `dequeued`);
+  `UnsentBytes` sums them per peer uid of one socket and says when either budget,
+  `max_unsent_bytes` per connection or `max_unsent_bytes_per_uid`, is passed.
 - After end of input the connection drains: calls in flight and subscriptions finish,
   then it closes (`drained`).
 
@@ -47,6 +53,10 @@ class Limits(Protocol):
     def max_connections(self) -> int: ...
     @property
     def max_connections_per_uid(self) -> int: ...
+    @property
+    def max_unsent_bytes(self) -> int: ...
+    @property
+    def max_unsent_bytes_per_uid(self) -> int: ...
     def effective_uids(self) -> frozenset[int]: ...
 
 
@@ -66,6 +76,10 @@ class ConnectionState:
         self.in_flight = 0
         #: The peer ended its input (EOF): no more lines will come.
         self.input_ended = False
+        #: Since when the daemon has not been reading by its own choice, or None.
+        self.paused_since: float | None = None
+        #: Bytes of replies and notifications made and not yet sent (or dropped).
+        self.unsent_bytes = 0
 
     # -- events ------------------------------------------------------------------------------
 
@@ -96,6 +110,33 @@ class ConnectionState:
     def call_finished(self, now: float) -> None:
         self.in_flight -= 1
         self.last_activity = now
+
+    def pause(self, now: float) -> None:
+        """The daemon stops reading by its own choice (a cap or a budget reached)."""
+        self.paused_since = now
+
+    def resume(self, now: float) -> None:
+        """The daemon reads again: the pause is not held against the client. A pending
+        line's deadline moves by the pause; so does the idle clock, which restarts now
+        when a call finished during the pause."""
+        if self.paused_since is None:
+            return
+        paused = now - self.paused_since
+        if self.line_started is not None:
+            self.line_started += paused
+        if self.last_activity >= self.paused_since:
+            self.last_activity = now
+        else:
+            self.last_activity += paused
+        self.paused_since = None
+
+    def queued(self, n: int) -> None:
+        """A reply or notification of `n` bytes was made; it waits to be sent."""
+        self.unsent_bytes += n
+
+    def dequeued(self, n: int) -> None:
+        """A reply or notification of `n` bytes was sent, or dropped with the connection."""
+        self.unsent_bytes -= n
 
     # -- questions -----------------------------------------------------------------------------
 
@@ -158,6 +199,31 @@ class Admission:
         """An admitted connection of `uid` closed."""
         self.count -= 1
         left = self.by_uid[uid] - 1
+        if left:
+            self.by_uid[uid] = left
+        else:
+            del self.by_uid[uid]
+
+
+class UnsentBytes:
+    """The bytes of replies and notifications one socket's connections made and have not
+    yet sent, per peer uid, and the budgets they are held to (docs/protocol.md §1)."""
+
+    def __init__(self, config: Limits) -> None:
+        self.per_connection = config.max_unsent_bytes
+        self.per_uid = config.max_unsent_bytes_per_uid
+        self.by_uid: dict[int, int] = {}
+
+    def over(self, uid: int, connection_bytes: int) -> bool:
+        """Is a connection of `uid` holding `connection_bytes` unsent at or past a budget?
+        Then it takes no more work and makes no more replies until bytes are sent."""
+        return connection_bytes >= self.per_connection or self.by_uid.get(uid, 0) >= self.per_uid
+
+    def add(self, uid: int, n: int) -> None:
+        self.by_uid[uid] = self.by_uid.get(uid, 0) + n
+
+    def remove(self, uid: int, n: int) -> None:
+        left = self.by_uid[uid] - n
         if left:
             self.by_uid[uid] = left
         else:

@@ -1,12 +1,19 @@
 """The Unix-socket JSON-RPC server: the I/O edge around `substrate.protocol.rpc` (docs/protocol.md §1).
 
-One task reads a connection, splitting lines and starting one task per request (at most
-`max_in_flight` at a time: past that the reader waits, which is the backpressure). All
-replies and notifications go through one send lock. Deadlines: a started line must end
-within `line_timeout_s`; a connection with nothing in flight closes after
-`idle_timeout_s`; a send that cannot progress for `send_timeout_s` closes the connection.
-Caps: `max_connections` per socket, `max_connections_per_uid` per peer uid and socket;
-past either, one `limit_exceeded` error and the connection closes.
+One task reads a connection, splitting lines and starting one task per request or
+notification (at most `max_in_flight` at a time: past that the reader waits, which is the
+backpressure), and handling at most `LINES_PER_TURN` lines before it lets other tasks
+run. All replies and notifications go through one send lock, and are counted from when
+they are made until they are sent: while a connection's unsent bytes are over
+`max_unsent_bytes` (or its uid's, on this socket, over `max_unsent_bytes_per_uid`) the
+reader stops and the next reply waits before it is even encoded, so a client that does
+not read holds at most a budget and one reply of the daemon's memory. Time the reader
+spends stopped by these choices is not held against the client's deadlines.
+Deadlines: a started line must end within `line_timeout_s`; a connection with nothing
+in flight closes after `idle_timeout_s`; a send that cannot progress for
+`SEND_TIMEOUT_S` closes the connection. Caps: `max_connections` per socket,
+`max_connections_per_uid` per peer uid and socket; past either, one `limit_exceeded`
+error and the connection closes.
 
 End of input: a peer that only shut its writing side (`shutdown(SHUT_WR)`) still gets
 every reply (and subscription) it asked for, then the connection closes; a peer that
@@ -32,7 +39,7 @@ import select
 import socket
 import stat
 import struct
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,7 +49,13 @@ import trio
 from substrate.errors import Internal, Refusal, StartupError
 from substrate.protocol import rpc
 from substrate.protocol.caller import Actor, Caller
-from substrate.protocol.connection import Admission, ConnectionState, Limits, call_refusal
+from substrate.protocol.connection import (
+    Admission,
+    ConnectionState,
+    Limits,
+    UnsentBytes,
+    call_refusal,
+)
 from substrate.schema.journal import argv_summary
 
 log = logging.getLogger("substrate.protocol.server")
@@ -52,6 +65,9 @@ SEND_TIMEOUT_S = 30.0
 PEER_CHECK_S = 1.0
 #: The most bytes one read takes from a socket.
 RECEIVE_BYTES = 65536
+#: The most lines a reader handles before other tasks get a turn: one connection's share
+#: of the event loop is bounded whatever its lines are (calls, refusals, notifications).
+LINES_PER_TURN = 16
 _connection_ids = itertools.count(1)
 
 #: Runs one validated call: (method name, caller, params Struct) → the result to send.
@@ -70,6 +86,35 @@ class Recorder(Protocol):
         workspace: str | None = ...,
         actor: str = ...,
     ) -> object: ...
+
+
+class Outbox:
+    """One socket's unsent reply bytes per peer uid (`UnsentBytes`), and the wake-up of
+    the readers and replies of that uid waiting for them to go down."""
+
+    def __init__(self, config: Limits) -> None:
+        self.unsent = UnsentBytes(config)
+        self._changed: dict[int, trio.Event] = {}
+
+    def add(self, uid: int, n: int) -> None:
+        self.unsent.add(uid, n)
+
+    def remove(self, uid: int, n: int) -> None:
+        self.unsent.remove(uid, n)
+        self.wake(uid)
+
+    def wake(self, uid: int) -> None:
+        """Let every waiter of `uid` look again."""
+        event = self._changed.pop(uid, None)
+        if event is not None:
+            event.set()
+
+    async def changed(self, uid: int) -> None:
+        """Wait until bytes of `uid` are sent or one of its connections closes."""
+        event = self._changed.get(uid)
+        if event is None:
+            event = self._changed[uid] = trio.Event()
+        await event.wait()
 
 
 @dataclass(frozen=True)
@@ -128,9 +173,10 @@ async def serve_socket(
     raw = bind_unix(path, mode)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(raw))
     admission = Admission(backend.config)
+    outbox = Outbox(backend.config)
 
     async def handle(stream: trio.SocketStream) -> None:
-        conn = Connection(backend, stream, actor, admission)
+        conn = Connection(backend, stream, actor, admission, outbox)
         await conn.run()
 
     try:
@@ -146,12 +192,18 @@ class Connection:
     """One client connection on one socket: the Trio loop around a `ConnectionState`."""
 
     def __init__(
-        self, backend: Backend, stream: trio.SocketStream, actor: Actor, admission: Admission
+        self,
+        backend: Backend,
+        stream: trio.SocketStream,
+        actor: Actor,
+        admission: Admission,
+        outbox: Outbox,
     ) -> None:
         self.backend = backend
         self.stream = stream
         self.actor = actor
         self.admission = admission
+        self.outbox = outbox
         self.id = next(_connection_ids)
         self.uid: int | None = None
         self.state = ConnectionState(backend.config, trio.current_time())
@@ -173,27 +225,74 @@ class Connection:
         return self._caller is not None and bool(self._caller.on_close)
 
     async def send(self, data: bytes) -> None:
+        """Send one message whole; its bytes count as unsent until it went (or the
+        connection closed). Callers making a reply wait for `_room` first."""
         if self._closed:
             return
+        uid, n = self.uid, len(data)
+        self.state.queued(n)
+        if uid is not None:
+            self.outbox.add(uid, n)
+        try:
+            await self._send_locked(data)
+        finally:
+            self.state.dequeued(n)
+            if uid is not None:
+                self.outbox.remove(uid, n)
+
+    async def _send_locked(self, data: bytes) -> None:
         try:
             # Free in the common case: taken without a scheduling round (send_all has its own).
             self._send_lock.acquire_nowait()
         except trio.WouldBlock:
             await self._send_lock.acquire()
         try:
+            if self._closed:
+                return
             with trio.move_on_after(SEND_TIMEOUT_S) as scope:
                 try:
                     await self.stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    self._closed = True
+                    self._close()
             if scope.cancelled_caught:
                 # The peer stopped reading: drop it rather than hold memory for it.
-                self._closed = True
+                self._close()
                 await trio.aclose_forcefully(self.stream)
         finally:
             self._send_lock.release()
 
+    def _close(self) -> None:
+        """No more sends: replies waiting for room (on any connection of the uid) look again."""
+        self._closed = True
+        if self.uid is not None:
+            self.outbox.wake(self.uid)
+
+    def _over_budget(self) -> bool:
+        uid = self.uid
+        return (
+            not self._closed
+            and uid is not None
+            and self.outbox.unsent.over(uid, self.state.unsent_bytes)
+        )
+
+    async def _room(self) -> None:
+        """Wait while this connection's unsent bytes, or its uid's on this socket, are
+        over budget (until bytes are sent or the connection closes)."""
+        while self._over_budget():
+            assert self.uid is not None
+            await self.outbox.changed(self.uid)
+
+    async def _not_reading(self, wait: Coroutine[Any, Any, None]) -> None:
+        """Await `wait`, the reader stopped by the daemon's choice: the client's
+        deadlines do not run meanwhile."""
+        self.state.pause(trio.current_time())
+        try:
+            await wait
+        finally:
+            self.state.resume(trio.current_time())
+
     async def notify(self, method: str, params: Any) -> None:
+        await self._room()
         await self.send(rpc.notification(method, params))
 
     async def run(self) -> None:
@@ -205,7 +304,7 @@ class Connection:
             await self._journal_internal("connection", None, group)
             await self.send(rpc.refusal_error(None, Internal("internal error; closing")))
         finally:
-            self._closed = True
+            self._close()
             await trio.aclose_forcefully(self.stream)
 
     async def _serve(self) -> None:
@@ -248,8 +347,7 @@ class Connection:
                 continue
             if not data:
                 # A last line without its newline is still a line.
-                for line in state.end_of_input():
-                    await self._dispatch(nursery, caller, line)
+                await self._dispatch_all(nursery, caller, state.end_of_input())
                 return True
             try:
                 lines = state.received(data, trio.current_time())
@@ -257,9 +355,17 @@ class Connection:
                 self._log_refusal("(line)", refusal.name)
                 await self.send(rpc.refusal_error(None, refusal))
                 return False
-            for line in lines:
-                await self._dispatch(nursery, caller, line)
+            await self._dispatch_all(nursery, caller, lines)
         return False
+
+    async def _dispatch_all(
+        self, nursery: trio.Nursery, caller: Caller, lines: list[bytes]
+    ) -> None:
+        """Dispatch `lines` in order, letting other tasks run every `LINES_PER_TURN`."""
+        for n, line in enumerate(lines, 1):
+            await self._dispatch(nursery, caller, line)
+            if n % LINES_PER_TURN == 0:
+                await trio.lowlevel.checkpoint()
 
     def _peer_gone(self) -> bool:
         """After EOF: has the peer closed entirely (POLLHUP), not just shut its writing side?"""
@@ -277,6 +383,8 @@ class Connection:
                 await self._quiet.wait()
 
     async def _dispatch(self, nursery: trio.Nursery, caller: Caller, line: bytes) -> None:
+        if self._over_budget():
+            await self._not_reading(self._room())
         decoded = rpc.decode_call(line)
         if isinstance(decoded, rpc.Outcome):
             self._log_refusal(decoded.method or "(request)", decoded.refusal)
@@ -292,7 +400,8 @@ class Connection:
         try:
             self._in_flight.acquire_nowait()  # a scheduling round saved per request
         except trio.WouldBlock:
-            await self._in_flight.acquire()  # the cap reached: the reader waits
+            # The cap reached: the reader waits.
+            await self._not_reading(self._in_flight.acquire())
         self.state.call_started()
         nursery.start_soon(self._run_call, caller, decoded)
 
@@ -318,21 +427,25 @@ class Connection:
     async def _answer(self, caller: Caller, call: rpc.Call) -> None:
         reply = await self._invoke(caller, call)
         if not call.is_notification:
-            await self.send(reply)
+            await self._room()  # before encoding: a reply waiting holds no bytes of its own
+            await self.send(reply())
 
-    async def _invoke(self, caller: Caller, call: rpc.Call) -> bytes:
+    async def _invoke(self, caller: Caller, call: rpc.Call) -> Callable[[], bytes]:
+        """Run the call; what encodes its reply."""
         try:
             result = await self.backend.dispatch(call.spec.name, caller, call.params)
-            return rpc.reply_result(call.id, result)
+            return lambda: rpc.reply_result(call.id, result)
         except Refusal as refusal:
             self._log_refusal(call.spec.name, refusal.name)
             if call.spec.mutating:
                 await self._journal_refusal(caller, call, refusal)
-            return rpc.refusal_error(call.id, refusal)
+            refused = refusal  # `refusal` is unbound once the except block ends
+            return lambda: rpc.refusal_error(call.id, refused)
         except Exception as exc:
             log.exception("internal error in %s", call.spec.name)
             await self._journal_internal("call", call.spec.name, exc)
-            return rpc.refusal_error(call.id, Internal(f"internal error in {call.spec.name}"))
+            internal = Internal(f"internal error in {call.spec.name}")
+            return lambda: rpc.refusal_error(call.id, internal)
 
     def _log_refusal(self, method: str, refusal: str) -> None:
         """One debug line per refusal: the method (or what was refused when no method

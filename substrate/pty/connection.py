@@ -151,7 +151,7 @@ class _Client:
                 if isinstance(frame, Input):
                     await self.terminals.input(attached, frame.data)
                 elif isinstance(frame, Resize):
-                    await self.terminals.resize(attached, frame.cols, frame.rows)
+                    self.terminals.resize(attached, frame.cols, frame.rows)
                 elif isinstance(frame, Close):
                     await self.terminals.close_frame(attached)
                     self.finish(CLOSE_NORMAL, None, "close")

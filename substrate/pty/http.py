@@ -11,6 +11,12 @@ leak into logs and history; the token travels only in the `open` frame).
 
 Messages are capped at 64 KiB: a larger one is refused with an `error` frame and close
 4413 as soon as its 64 KiB + 1st byte arrives, so a 16 MiB frame is never buffered.
+
+Every connection ends with a lingering close (`linger`): our FIN first, then what the
+peer still sends is read and dropped (at most `LINGER_BYTES`, `LINGER_S`) before the
+socket is closed. A socket closed with unread input sends a reset instead, which fails
+the peer's write and may discard our last frames before it read them: a client still
+writing the rest of a refused 1 MiB frame would see a dropped connection, not the 4413.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ _REASONS = {
     426: b"Upgrade Required",
 }
 HEAD_TIMEOUT_S = 10.0
+#: After our last byte, how long the peer may go on sending before we close, seconds.
+LINGER_S = 2.0
+#: ... and how many bytes of it are read and dropped, at most.
+LINGER_BYTES = 64 << 20
 
 _STATIC_TYPES = {
     "index.html": "text/html; charset=utf-8",
@@ -136,6 +146,22 @@ class _Replay(trio.abc.Stream):
         await self._stream.aclose()
 
 
+async def linger(stream: trio.SocketStream) -> None:
+    """End our side politely: send our FIN, then read and drop what the peer still sends
+    until it closes, at most `LINGER_BYTES` within `LINGER_S` (then the close may reset)."""
+    dropped = 0
+    with (
+        trio.move_on_after(LINGER_S),
+        contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
+    ):
+        await stream.send_eof()
+        while dropped < LINGER_BYTES:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            dropped += len(data)
+
+
 async def _read_head(stream: trio.abc.Stream) -> bytes | None:
     buf = b""
     while b"\r\n\r\n" not in buf:
@@ -199,13 +225,13 @@ class TerminalHttp:
                 event = conn.next_event()
                 if not isinstance(event, h11.Request):
                     await self._respond(stream, conn, 400, b"bad request\n")
-                    return
-                if event.target.split(b"?", 1)[0] != b"/pty":
+                elif event.target.split(b"?", 1)[0] != b"/pty":
                     await self._page(stream, conn, event)
-                    return
-                upgrade = await self._upgrade_allowed(stream, conn, event)
+                else:
+                    upgrade = await self._upgrade_allowed(stream, conn, event)
             if upgrade and head is not None:
                 await self._websocket(_Replay(stream, head))
+            await linger(stream)
         except (h11.RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:

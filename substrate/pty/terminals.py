@@ -1,8 +1,11 @@
 """The daemon's terminal sessions: grants checked, processes started, clients attached.
 
-Theory of operation: `Terminals.run` owns a nursery in which every session runs two
-tasks, the *pump* (PTY output → the session's ring, then wake every reader) and the
-*idle watch*. Clients (WebSocket connections, `substrate.pty.connection`) call `open`,
+Theory of operation: `Terminals.run` owns a nursery in which every session runs three
+tasks, the *pump* (PTY output → the session's ring, then wake every reader), the
+*idle watch* and the *resizer*. A controller's `resize` only records the size it wants;
+the resizer applies the latest one, at most one PTY (engine) resize per
+`RESIZE_INTERVAL_S`, so a dragged window's thousands of sizes cost a few calls and never
+queue up ahead of the keystrokes behind them. Clients (WebSocket connections, `substrate.pty.connection`) call `open`,
 then `input`/`resize`/`close_frame`, and `detach` when they go. The pump never waits for
 a client: each client reads the ring through its own cursor at its own pace.
 
@@ -49,6 +52,8 @@ log = logging.getLogger("substrate.pty")
 
 #: Called to disconnect a client: (close code, error frame to send first or None, reason).
 Kick = Callable[[int, Error | None, str], None]
+#: The least time between two resizes of one session's PTY, seconds.
+RESIZE_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -81,6 +86,8 @@ class Live:
     lock: trio.Lock = field(default_factory=trio.Lock)
     started: float = 0.0
     last_resize_journaled: float = -math.inf
+    #: Set when the controller wants a size the PTY does not have yet (`session.cols/rows`).
+    resize_wanted: trio.Event = field(default_factory=trio.Event)
 
     def wake(self) -> None:
         """Wake every reader waiting for output or the end."""
@@ -357,12 +364,13 @@ class Terminals:
         if live.session.state == "running":
             await live.proc.write(data.encode("utf-8", errors="replace"))
 
-    async def resize(self, attached: Attached, cols: int, rows: int) -> None:
-        """The controller's window size; the PTY follows. An observer's is ignored."""
+    def resize(self, attached: Attached, cols: int, rows: int) -> None:
+        """The controller's window size; the PTY follows soon (the resizer applies the
+        latest size only). An observer's is ignored. Never waits."""
         live = attached.live
         if not live.session.resize(attached.client, cols, rows):
             return
-        await live.proc.resize(cols, rows)
+        live.resize_wanted.set()
         now = trio.current_time()
         # Dragging a window sends many resizes: journal at most one a second; the final
         # size is in `pty.closed` anyway.
@@ -383,6 +391,7 @@ class Terminals:
         with live.scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._idle_watch, live)
+                nursery.start_soon(self._resizer, live)
                 await self._pump(live)
                 nursery.cancel_scope.cancel()
 
@@ -400,6 +409,24 @@ class Terminals:
             await self._end(live, "error", None)
             return
         await self._end(live, "exit", code)
+
+    async def _resizer(self, live: Live) -> None:
+        """Resize the PTY to the controller's latest size whenever it differs from the
+        PTY's, then wait `RESIZE_INTERVAL_S`: the sizes asked for meanwhile collapse into
+        the last. A resize that fails is logged; the next size is tried all the same."""
+        applied = (live.session.cols, live.session.rows)  # the size the PTY started with
+        while True:
+            await live.resize_wanted.wait()
+            live.resize_wanted = trio.Event()
+            wanted = (live.session.cols, live.session.rows)
+            if wanted == applied:
+                continue
+            try:
+                await live.proc.resize(*wanted)
+            except Exception:
+                log.warning("terminal session %s: resize failed", live.session.id, exc_info=True)
+            applied = wanted
+            await trio.sleep(RESIZE_INTERVAL_S)
 
     async def _idle_watch(self, live: Live) -> None:
         while True:
