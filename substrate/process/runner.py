@@ -28,7 +28,8 @@ Each shielded step is bounded (`driver.SETTLE_S`, `GATE_WAIT_S`).
 Collaborators (engine, containers, driver, records, artifacts, subscriptions, write gate)
 are given, never built here: `substrate.process.service` wires them. On a `layer` sandbox
 commands share a generation, applied when the last ends (`process.layer_users`; no gate).
-Hot path (a warm `["true"]`): on the fast path no engine call (engine path: three), two
+Hot path (a warm `["true"]`): on the fast path no engine call (engine path: four, one of
+them the inspect that names the exec's process for its cgroup), two
 commits, one procfs scan of the container's cgroup, a few reads of its counters
 (`process.usage`); the sandbox's facts are observed once per container, the command's
 own process once (fast path).
