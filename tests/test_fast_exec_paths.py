@@ -25,6 +25,7 @@ import trio
 from substrate.artifacts.sink import OutputSink
 from substrate.errors import ConfinementUnmet
 from substrate.process.fastexec import LOOP_PUMP_BYTES, FastChannel, FastPrepared, Launcher
+from substrate.sandbox import cmd_cgroups, reaper
 from substrate.sandbox.containers import Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.facts import Fact
@@ -204,6 +205,40 @@ async def test_output_past_the_loop_budget_and_stdin_reach_the_sinks(
     out, err = sinks[1].close(), sinks[2].close()
     assert (out.bytes, out.sha256) == (len(data), hashlib.sha256(data).hexdigest())
     assert msgspec.to_builtins(err)["inline"] == "done\n"
+    channel.release()
+
+
+async def test_the_held_child_is_moved_into_its_commands_cgroup_before_it_runs(
+    world: World, tmp_path: Path
+) -> None:
+    # A command cgroup beneath the cgroup this test runs in (as a container's would be),
+    # standing in by a plain directory: the move is one write of the pid to cgroup.procs.
+    where = reaper.commands_parent(reaper.CgroupDirs.of_pid(os.getpid()))
+    assert where is not None, "this host has no cgroup hierarchy to test against"
+    cgroup = cmd_cgroups.CommandCgroup("p_test", tmp_path / "cmd", where[0], where[1])
+    cgroup.path.mkdir()
+    prepared = await world.launcher.create(
+        cast(Sandbox, world.sandbox),
+        ["sh", "-c", "echo $$"],
+        user="x",
+        workdir="/",
+        environment={"PATH": "/usr/bin:/bin", "SUBSTRATE_PROC": ""},
+        stdin=False,
+        cgroup=cgroup,
+    )
+    assert isinstance(prepared, FastPrepared)
+    # Moved while still held: before `go`, nothing of the command ran yet.
+    held = prepared.spawned.host_pid
+    assert (cgroup.path / "cgroup.procs").read_text() == str(held)
+    channel = await world.launcher.start(prepared)
+    owner = Owner(tmp_path)
+    sinks = {1: owner.sink("stdout"), 2: owner.sink("stderr")}
+    await channel.pump(sinks, trio.CapacityLimiter(1))
+    assert await channel.wait_exit(host_visible=True) == 0
+    # The process moved is the one that exec'd the command (its pid, as the host sees it:
+    # the test's own pid namespace is the host's).
+    assert msgspec.to_builtins(sinks[1].close())["inline"] == f"{held}\n"
+    sinks[2].close()
     channel.release()
 
 

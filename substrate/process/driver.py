@@ -45,7 +45,8 @@ import trio
 from substrate.artifacts.sink import OutputSink
 from substrate.process.channels import ExecChannel
 from substrate.process.stdin_stream import StdinStream
-from substrate.sandbox import reaper
+from substrate.sandbox import cmd_cgroups, reaper
+from substrate.sandbox.cmd_cgroups import CommandCgroup
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.schema.proc import EgressBlocked, ProcResult
@@ -92,7 +93,7 @@ class Entry:
     result: ProcResult | None = None  # set when it ended with an outcome
     ended: float | None = None
     #: The identity of the main process (`reaper.ProcInfo.ident`), once the engine
-    #: reported it: it is the command's even if it scrubbed its environment (no marker).
+    #: reported it: it is the command's even outside its cgroup (before it was moved in).
     main: Hashable | None = None
     #: The engine reported the main process (or the exec's end): a signal that finds
     #: nothing after this is never held; it is tried again for `SIGNAL_RETRY_S` while the
@@ -124,6 +125,9 @@ class Run:
     timed_out: bool = False
     reaped: int = 0
     killed: int = 0
+    #: The command's own cgroup (`cmd_cgroups`): made by the runner, entered by the held
+    #: child before it execs (fast path) or by `_enclose` once it runs (engine path).
+    cgroup: CommandCgroup | None = None
 
 
 class ExecDriver:
@@ -323,6 +327,8 @@ class ExecDriver:
                 async with trio.open_nursery() as nursery:
                     if isinstance(stdin, bytes):
                         nursery.start_soon(trio.to_thread.run_sync, run.channel.feed, stdin)
+                    if run.cgroup is not None and run.channel.via == "engine":
+                        nursery.start_soon(self._enclose, run, run.cgroup)
                     nursery.start_soon(self._supervise, run)
                     await self._pump(run)  # in the body: one task fewer per command
                 signals.cancel_scope.cancel()
@@ -331,6 +337,20 @@ class ExecDriver:
             run.channel.close()
             with trio.CancelScope(shield=True):
                 await self._release_remaining(run.entry)
+
+    async def _enclose(self, run: Run, cgroup: CommandCgroup) -> None:
+        """An engine exec: move its process, and whatever it forked already, into the
+        command's cgroup as soon as the engine names it (its first inspect: a few ms).
+        Bounded: the exec runs, or its end is reported."""
+        pid = await self.learn_main(run, first_sleep=0.002)
+        if pid is None:
+            return  # it ended before the engine named it: its stragglers are reaped
+        dirs = run.sandbox.cgroups
+
+        def move() -> int:
+            return cmd_cgroups.enclose(cgroup, pid, reaper.cgroup_pids(dirs))
+
+        await trio.to_thread.run_sync(move, limiter=self._fs_limiter)
 
     async def _pump(self, run: Run) -> None:
         try:

@@ -7,7 +7,9 @@
 Fast path (docs/fast-exec.md), for a sandbox whose processes are host processes (runc)
 and whose supervisor is up: `create` takes a held child (forked ahead by the sandbox's
 supervisor, or now), checked from the host just now (`substrate.sandbox.supervisor`),
-makes the command's three pipes; `start` hands the child argv and the sandbox's pipe
+moves it into the command's own cgroup (`substrate.sandbox.cmd_cgroups`: everything it
+will fork is born there, whatever it sets in its environment), makes the command's
+three pipes; `start` hands the child argv and the sandbox's pipe
 ends, lets it exec, and asks the supervisor for the next held child (its answer is
 settled by `FastChannel.quiesce`, before the run looks for its processes).
 The `FastChannel` reads stdout and stderr from the pipes straight into the command's
@@ -36,6 +38,7 @@ from substrate.artifacts.sink import OutputSink
 from substrate.process.argv import start_failure
 from substrate.process.channels import EngineChannel, ExecChannel, Via
 from substrate.process.stdin_stream import PipeStdin, StdinPipe
+from substrate.sandbox import cmd_cgroups
 from substrate.sandbox.containers import Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.facts import Fact
@@ -118,14 +121,17 @@ class Launcher:
         workdir: str,
         environment: dict[str, str],
         stdin: bool,
+        cgroup: cmd_cgroups.CommandCgroup | None = None,
     ) -> Prepared:
-        """Prepare `argv` in `sandbox`: held by its supervisor, or an engine exec created.
+        """Prepare `argv` in `sandbox`: held by its supervisor (and moved into `cgroup`,
+        the command's own, before it may exec), or an engine exec created (the driver
+        moves that one in once it runs: `ExecDriver.drive`).
 
         Refuses `confinement_unmet` (the held child's facts), and what the engine's
         `exec_create` raises (`ContainerGone`, `runtime_unavailable`)."""
         spec = ExecSpec(sandbox.id, tuple(argv), user, workdir, environment, stdin)
         if self._supervisors is not None and sandbox.host_visible:
-            fast = await self._spawn(sandbox, spec)
+            fast = await self._spawn(sandbox, spec, cgroup)
             if fast is not None:
                 return fast
         return await self._engine_create(spec)
@@ -180,11 +186,17 @@ class Launcher:
         )
         return EnginePrepared(spec, exec_id)
 
-    async def _spawn(self, sandbox: Sandbox, spec: ExecSpec) -> FastPrepared | None:
+    async def _spawn(
+        self, sandbox: Sandbox, spec: ExecSpec, cgroup: cmd_cgroups.CommandCgroup | None
+    ) -> FastPrepared | None:
         assert self._supervisors is not None
         spawned = await self._supervisors.spawn(sandbox)
         if spawned is None:
             return None
+        if cgroup is not None and not _enter(cgroup, spawned):
+            spawned.kill()  # held, never ran: killed by its pidfd
+            spawned.close()
+            return None  # gone, or not where it was checked: the engine runs the command
         made: list[int] = []
         try:
             for _ in range(3):
@@ -206,6 +218,18 @@ class Launcher:
         if self._supervisors is None:
             return False
         return await self._supervisors.serving(sandbox.id, spawned.generation, closed=closed)
+
+
+def _enter(cgroup: cmd_cgroups.CommandCgroup, spawned: Spawned) -> bool:
+    """Move the held child into the command's cgroup (a write to cgroupfs, on the event
+    loop: microseconds). True once it is there; False when it died meanwhile (its pidfd
+    says so: then the pid written may not have been its own) or the move failed."""
+    moved = cmd_cgroups.enter(cgroup, spawned.host_pid)
+    if spawned.exited():
+        return False
+    if not moved:
+        log.error("a held child could not be moved into its command's cgroup")
+    return moved
 
 
 def _read_into(

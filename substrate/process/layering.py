@@ -36,9 +36,16 @@ request with the users' combined mode and the actor of the last that ran:
 4. returns a bounded summary (`schema.proc.ProcChanges`), each conflict naming the
    artifact of its version.
 
-A generation still in use (EBUSY: a process of the sandbox holds it) is kept: nothing is
-applied now (`layer_busy`) and its changes go, whole, with the next conclusion's (in a
-mode that counts its users': `Users.concluded(kept=True)`).
+Before any of this, nothing of the generation's users may still run: every user ended,
+so whatever unprotected process is left in the sandbox (a straggler a command's own
+kill could not end, or one that belongs to no command) is killed (`_sweep`). A
+generation still in use after that (EBUSY: something else holds it, such as a process
+of the host with a descriptor on it) is kept: nothing is applied now (`layer_busy`) and
+its changes go, whole, with the next conclusion's (in a mode that counts its users':
+`Users.concluded(kept=True)`). Busy again at that next conclusion, it is not kept once
+more: the sandbox is removed (the engine ends everything in it; the next command gets a
+fresh one, journaled `container.removed` with reason `layer_busy`) and the generation
+is concluded as it is (`_swap_or_settle`): a generation is never busy forever.
 The reactive write gate never runs for a layer sandbox: the layer never writes the
 checkout.
 """
@@ -56,7 +63,7 @@ import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
 from substrate.process import layer_keep
-from substrate.sandbox import passthrough, passthrough_scan, working_layer
+from substrate.sandbox import passthrough, passthrough_scan, reaper, working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.layer_plan import LayerPlan
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
@@ -147,10 +154,11 @@ async def _conclude(
         return None
     ws, actor, mode = req.ws, req.actor, req.changes
     error: str | None = None
+    await _sweep(sandbox, limiter)
     try:
         if not await _needs_swap(layer, ws, limiter):
             return ProcChanges(generation=layer.plan.generation, mode=mode)
-        old = await trio.to_thread.run_sync(_swap, layer, ws, limiter=limiter)
+        old = await _swap_or_settle(containers, sandbox, layer, ws, limiter)
     except OSError as exc:
         if exc.errno != errno.EBUSY:
             log.error("swapping the layer of %s failed: %s", sandbox.id[:12], exc)
@@ -195,6 +203,52 @@ async def _conclude(
         review=kept.changes if review else (),
         versions=versions,
     )
+
+
+async def _sweep(sandbox: Sandbox, limiter: trio.CapacityLimiter | None) -> int:
+    """Kill every unprotected process left in the sandbox (its generation's users all
+    ended: none of it is anyone's now). The usual case, nothing left, is one read of the
+    container's cgroup on the event loop. Returns how many were found."""
+    if not sandbox.host_visible:
+        return 0
+    if not reaper.everything(sandbox.cgroups, sandbox.protected):
+        return 0
+    found = await reaper.kill_all(sandbox.cgroups, sandbox.protected, limiter=limiter)
+    if found:
+        log.warning("%s: %d process(es) outlived their commands: killed", sandbox.id[:12], found)
+    return found
+
+
+async def _swap_or_settle(
+    containers: Containers,
+    sandbox: Sandbox,
+    layer: working_layer.WorkingLayer,
+    ws: Workspace,
+    limiter: trio.CapacityLimiter | None,
+) -> LayerPlan | None:
+    """`_swap`; when busy, the sandbox is swept once more (a straggler that was still
+    dying) and the swap tried again. Busy still: raises the EBUSY when the generation was
+    not busy before (it is carried: `layer_busy`), else removes the sandbox and returns
+    None (the caller concludes the layer as it is)."""
+    try:
+        return await trio.to_thread.run_sync(_swap, layer, ws, limiter=limiter)
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+    await _sweep(sandbox, limiter)
+    try:
+        return await trio.to_thread.run_sync(_swap, layer, ws, limiter=limiter)
+    except OSError as exc:
+        if exc.errno != errno.EBUSY or not layer.users.carried:
+            raise
+    log.error(
+        "the layer of %s stayed busy over two conclusions: the sandbox is removed and "
+        "generation %d concluded as it is",
+        sandbox.id[:12],
+        layer.plan.generation,
+    )
+    await containers.forget(sandbox, "layer_busy")
+    return None
 
 
 async def _needs_swap(

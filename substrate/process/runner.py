@@ -4,9 +4,11 @@ Theory of operation. `Processes.run(RunRequest)` checks the request against the 
 (pure: `substrate.process.argv`), gets the verified sandbox of (workspace, profile) from
 `Containers.ensure`, records the process (SQLite row and `proc.started` journal entry,
 one commit), then starts exactly `argv` — no shell — through the sandbox's supervisor or
-one engine exec (`substrate.process.fastexec`, docs/fast-exec.md) as the sandbox's uid:gid, in `/workspace/<cwd>`, with the profile's environment plus the marker
-`SUBSTRATE_PROC=<proc id>` that lets `substrate.sandbox.reaper` find every process the
-command starts. `substrate.process.driver.ExecDriver` drives the exec (pumps, supervisor,
+one engine exec (`substrate.process.fastexec`, docs/fast-exec.md) as the sandbox's uid:gid, in `/workspace/<cwd>`, with the profile's environment plus
+`SUBSTRATE_PROC=<proc id>` (for the command's own use), in a cgroup of its own beneath
+the container's (`substrate.sandbox.cmd_cgroups`): that cgroup is how
+`substrate.sandbox.reaper` finds every process the command starts, and its end kills
+whatever is left in it before anything concludes. `substrate.process.driver.ExecDriver` drives the exec (pumps, supervisor,
 timeout, signals, the kill) until its main process has ended and its stream is drained.
 
 Then the stragglers are reaped (a background child that closed its output), the cgroup's
@@ -26,7 +28,8 @@ Each shielded step is bounded (`driver.SETTLE_S`, `GATE_WAIT_S`).
 Collaborators (engine, containers, driver, records, artifacts, subscriptions, write gate)
 are given, never built here: `substrate.process.service` wires them. On a `layer` sandbox
 commands share a generation, applied when the last ends (`process.layer_users`; no gate).
-Hot path (a warm `["true"]`): on the fast path no engine call (engine path: three), two
+Hot path (a warm `["true"]`): on the fast path no engine call (engine path: four, one of
+them the inspect that names the exec's process for its cgroup), two
 commits, one procfs scan of the container's cgroup, a few reads of its counters
 (`process.usage`); the sandbox's facts are observed once per container, the command's
 own process once (fast path).
@@ -63,7 +66,8 @@ from substrate.process.requests import RunRequest, WriteGate
 from substrate.process.stdin_stream import StdinStream
 from substrate.process.subscriptions import Subscriptions
 from substrate.process.usage import Meter
-from substrate.sandbox import reaper
+from substrate.sandbox import cmd_cgroups, reaper
+from substrate.sandbox.cmd_cgroups import CommandCgroup
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
@@ -105,6 +109,7 @@ class _Launched:
     snapshot: object  # the write gate's, None when the gate does not look
     use: Use | None  # its hold on a layer sandbox's generation
     meter: Meter  # its CPU and memory, from just before its start (process.usage)
+    cgroup: CommandCgroup | None  # its own cgroup (None: gVisor, or none could be made)
 
 
 class Processes:
@@ -246,10 +251,14 @@ class Processes:
                 sandbox = await self._containers.ensure(req.ws, checked.profile)
                 sandbox.acquire()
                 use = None
+                cgroup: CommandCgroup | None = None
                 try:
                     if sandbox.layer is not None:  # shares the generation mounted now
                         use = await self.layer_users.join(sandbox, proc, req)
-                    return await self._run_in(req, checked, sandbox, proc, on_started, use)
+                    # Its own cgroup (a mkdir on cgroupfs: microseconds, on the loop).
+                    if sandbox.host_visible:
+                        cgroup = cmd_cgroups.make(sandbox.cgroups, proc)
+                    return await self._run_in(req, checked, sandbox, proc, on_started, use, cgroup)
                 except ContainerGone:
                     # Removed or stopped under us before the exec started: once more
                     # with a fresh, freshly verified container.
@@ -259,6 +268,9 @@ class Processes:
                             "the sandbox container keeps disappearing"
                         ) from None
                 finally:
+                    if cgroup is not None:  # whatever is left of the command ends with it
+                        with trio.CancelScope(shield=True):
+                            await cmd_cgroups.close(cgroup, limiter=self._fs_limiter)
                     if use is not None:  # a no-op once its conclusion ran
                         await self.layer_users.abandon(use)
                     sandbox.release()
@@ -292,6 +304,7 @@ class Processes:
         proc: str,
         on_started: Callable[[Entry], None] | None,
         use: Use | None,
+        cgroup: CommandCgroup | None,
     ) -> ProcResult:
         profile = sandbox.profile
         snapshot = None
@@ -312,6 +325,7 @@ class Processes:
                     workdir=checked.workdir,
                     environment=exec_env(profile, proc),
                     stdin=req.stdin is not None,
+                    cgroup=cgroup,
                 )
             )
 
@@ -358,6 +372,7 @@ class Processes:
             snapshot=snapshot,
             use=use,
             meter=Meter.start(sandbox),
+            cgroup=cgroup,
         )
         self._live[proc] = entry
         try:
@@ -394,6 +409,7 @@ class Processes:
             channel=channel,
             sinks=entry.sinks,
             deadline=launched.t0 + launched.limit_s,
+            cgroup=launched.cgroup,
         )
         cut_off: BaseException | None = None
         exit_code: int | None = None
@@ -413,6 +429,10 @@ class Processes:
             try:
                 if cut_off is not None:
                     exit_code, oom_after = await self.driver.settle(run, exit_code)
+                if run.cgroup is not None:
+                    # Nothing of the command outlives it, whatever it forged: before the
+                    # gate and the layer look at what it changed.
+                    await cmd_cgroups.close(run.cgroup, limiter=self._fs_limiter)
                 result = await self._conclude(
                     launched, run, exit_code, oom_after, cancelled=cut_off is not None
                 )

@@ -3,8 +3,9 @@
 A session's shell runs exactly like a command of `proc.run` (docs/protocol.md §5): in the sandbox
 that `Containers.ensure` created and verified from the kernel for (workspace, profile),
 as the sandbox's uid:gid, in `/workspace`, with the profile's environment (plus
-`TERM=xterm-256color` when the profile sets no `TERM`) and the reaper's marker, so that
-ending the session ends every process it started. The shell is the profile's
+`TERM=xterm-256color` when the profile sets no `TERM`), in a cgroup of its own
+(`sandbox.cmd_cgroups`: the shell is moved there as soon as the engine names it, before
+a person can type), so that ending the session ends every process it started. The shell is the profile's
 `env.SHELL`, else `/bin/sh`; it must pass the profile's `argv_allow`.
 
 The engine's hijacked exec socket is raw with a TTY (not multiplexed); it is driven
@@ -33,7 +34,8 @@ from substrate.errors import GrantInvalid, RuntimeUnavailable
 from substrate.process.argv import exec_env, validate_argv, workdir_for
 from substrate.process.layer_users import LayerUsers, Use, journal_summary
 from substrate.process.runner import RunRequest
-from substrate.sandbox import reaper
+from substrate.sandbox import cmd_cgroups, reaper
+from substrate.sandbox.cmd_cgroups import CommandCgroup
 from substrate.sandbox.engine import ContainerGone, Engine, ExecStream
 from substrate.sandbox.profiles import Profile
 
@@ -48,6 +50,8 @@ log = logging.getLogger("substrate.pty")
 GRACE_S = 2.0
 DEFAULT_SHELL = "/bin/sh"
 DEFAULT_TERM = "xterm-256color"
+#: How long a session's start waits for the engine to name the shell's process.
+ENCLOSE_S = 5.0
 
 
 def shell_argv(profile: Profile) -> list[str]:
@@ -70,6 +74,7 @@ class DockerPty:
         marker: str,
         info: dict[str, Any],
         layer: tuple[LayerUsers, Use] | None = None,
+        cgroup: CommandCgroup | None = None,
     ) -> None:
         self.info = info
         self.ended: dict[str, Any] = {}
@@ -79,6 +84,7 @@ class DockerPty:
         self._sandbox = sandbox
         self._exec = exec_id
         self._marker = marker
+        self._cgroup = cgroup
         # Output that arrived together with the engine's response head.
         self._initial = stream.initial
         self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(stream.sock))
@@ -136,6 +142,9 @@ class DockerPty:
                     alone=sandbox.running <= 1,
                     grace_s=GRACE_S,
                 )
+                if self._cgroup is not None:
+                    with trio.CancelScope(shield=True):
+                        await cmd_cgroups.close(self._cgroup)
             elif sandbox.running <= 1:
                 # Under gVisor its processes are not host processes: stop the sandbox
                 # (the next command gets a fresh, verified one).
@@ -150,6 +159,25 @@ class DockerPty:
                     self.ended["changes"] = journal_summary(changes)
             sandbox.release()
             await self._stream.aclose()
+
+
+async def _enclose(engine: Engine, exec_id: str, cgroup: CommandCgroup, sandbox: Sandbox) -> None:
+    """Move the shell into its cgroup once the engine names its process (a few ms: the
+    engine reports the pid once runc started it). Bounded: at most `ENCLOSE_S`."""
+    with trio.move_on_after(ENCLOSE_S):
+        delay = 0.002
+        while True:
+            found = await engine.exec_inspect(exec_id)
+            pid = int(found.get("Pid") or 0)
+            if found.get("Running") and pid > 0:
+                await trio.to_thread.run_sync(
+                    cmd_cgroups.enclose, cgroup, pid, reaper.cgroup_pids(sandbox.cgroups)
+                )
+                return
+            if not found.get("Running") and found.get("ExitCode") is not None:
+                return
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
 
 class DockerPtys:
@@ -182,6 +210,7 @@ class DockerPtys:
             sandbox = await containers.ensure(ws, prof)
             sandbox.acquire()
             use = None
+            cgroup: CommandCgroup | None = None
             try:
                 if sandbox.layer is not None:  # the session shares the generation
                     use = await users.join(sandbox, session, req)
@@ -196,8 +225,14 @@ class DockerPtys:
                     stdin=True,
                     tty=True,
                 )
+                if sandbox.host_visible:
+                    cgroup = cmd_cgroups.make(sandbox.cgroups, marker)
                 stream = await engine.exec_start(exec_id, tty=True)
+                if cgroup is not None:
+                    await _enclose(engine, exec_id, cgroup, sandbox)
             except ContainerGone:
+                if cgroup is not None:
+                    cmd_cgroups.remove(cgroup)
                 if use is not None:
                     await users.abandon(use)
                 sandbox.release()
@@ -206,6 +241,8 @@ class DockerPtys:
                     raise RuntimeUnavailable("the sandbox container keeps disappearing") from None
                 continue
             except BaseException:
+                if cgroup is not None:
+                    cmd_cgroups.remove(cgroup)
                 if use is not None:
                     await users.abandon(use)
                 sandbox.release()
@@ -225,6 +262,7 @@ class DockerPtys:
                     "runtime": prof.runtime,
                 },
                 None if use is None else (users, use),
+                cgroup,
             )
             try:
                 await pty.resize(cols, rows)

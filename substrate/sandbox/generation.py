@@ -12,9 +12,10 @@ change belongs to exactly one generation and is applied at most once.
 
 The mode of a conclusion is the most conservative its users asked (`combined`): any
 "review" makes it "review", "discard" only when every user asked "discard", else
-"apply". A conclusion that could not swap (the generation was still busy: a stray
-process holds it) keeps its users as *carried*: their changes are still in the
-generation and go with its next conclusion, in a mode that counts theirs.
+"apply". A conclusion that could not swap (the generation was still busy: something no
+kill reaches holds it) keeps its users as *carried*: their changes are still in the
+generation and go with its next conclusion, in a mode that counts theirs (which does
+not carry them again: `process.layering`).
 
 A user that never ran (its exec never started) changes nothing: it concludes the
 generation only when others' changes wait in it (`leave(ran=False)`).

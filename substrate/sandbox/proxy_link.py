@@ -15,8 +15,9 @@ own namespace; the connection onwards leaves from the daemon's side. So:
   it is the namespace's only listener and that its inode is the daemon's;
 - every connection is the sandbox's (the socket is in its namespace), and `owner_of`
   finds the command: the connecting socket's inode in the namespace's `net/tcp`, the
-  process in the container's cgroup holding it, and that process's command marker
-  (`reaper.attribute`: its own `SUBSTRATE_PROC`, or its nearest marked ancestor's).
+  process in the container's cgroup holding it, and the command whose own cgroup holds
+  that process (`reaper.owners`: its cgroup's, or its nearest ancestor's in one). Its
+  `SUBSTRATE_PROC` says nothing: a refusal is never filed under another command.
 
 A refused connection is filed in the sandbox's `SandboxLedger` (the command's result
 reports it as `egress_blocked`) and journalled as `egress.denied` (container, profile,
@@ -87,8 +88,9 @@ def open_listener(init_pid: int) -> socket.socket:
 
 
 def owner_of(init_pid: int, peer_port: int) -> str | None:
-    """The command (its `SUBSTRATE_PROC` marker) whose process holds the socket that
-    connected from 127.0.0.1:`peer_port` to the proxy in the namespace of `init_pid`;
+    """The command whose process holds the socket that connected from
+    127.0.0.1:`peer_port` to the proxy in the namespace of `init_pid` (the command whose
+    own cgroup holds that process, or its nearest ancestor: `reaper.owners`);
     None when none is found (gone already, or a process no command owns). Blocking:
     one `net/tcp` read and a scan of the fds of the container's processes (about 1 ms
     for a few hundred descriptors)."""
@@ -109,8 +111,7 @@ def owner_of(init_pid: int, peer_port: int) -> str | None:
     holder = next((p for p in pids if _holds(p, link)), None)
     if holder is None:
         return None
-    infos = [i for i in (reaper.read_proc(p) for p in pids) if i is not None]
-    return reaper.attribute(infos, frozenset({init_pid})).get(holder)
+    return reaper.owners(dirs, frozenset({init_pid})).get(holder)
 
 
 def _holds(pid: int, link: str) -> bool:

@@ -1,29 +1,36 @@
 """Finding, signalling and reaping a sandboxed command's processes from the host.
 
 Theory of operation: an engine exec has no kill API, so substrate finds the processes
-itself. Every command it starts carries an environment marker `SUBSTRATE_PROC=<proc id>`,
-inherited by everything it forks. The container's cgroup lists every process inside it
-(host pids, `cgroup.procs`); each one's environment, read from the host (psutil), says
-whose it is. A process whose marker is gone (it exec'd with a scrubbed environment) belongs to
-its nearest marked ancestor; one with no marked ancestor (scrubbed *and* re-parented to
-the container's init by a double fork) belongs to nobody, and is reaped only when no
-other command runs in that container (`alone`). The container's init and its keep-alive
-child are never touched.
+itself, and trusts nothing the sandbox can set for it. Every command runs in a cgroup of
+its own beneath the container's (`substrate-cmd-<proc>`: `substrate.sandbox.cmd_cgroups`
+makes it and moves the command in; nothing in the sandbox can leave it). The container's
+cgroup lists every process inside it (host pids, `cgroup.procs`, nested ones included);
+the command cgroup that holds one says whose it is. A process outside every command's
+cgroup (an engine exec's child forked before the daemon moved the exec) belongs to its
+nearest ancestor that is in one, or to the command whose main process it is (`roots`:
+the pid and start time the engine or a pidfd reported); one with no such ancestor
+(re-parented to the container's init by a double fork) belongs to nobody, and is reaped
+only when no other command runs in that container (`alone`). The `SUBSTRATE_PROC`
+variable each command gets is for the command itself: its value, its absence, a copy of
+another command's — none of it decides anything here. The container's init and its
+keep-alive child are never touched.
 
 Killing is TERM to every process found, a grace period, then KILL in rounds; each KILL
 round freezes the cgroup first (v1 `freezer.state`, v2 `cgroup.freeze`) so a fork bomb
-cannot outrun the scan, and thaws it after the signals are queued.
+cannot outrun the scan, writes the command cgroup's v2 `cgroup.kill`, and thaws it after
+the signals are queued.
 
 OOM kills are counted by the kernel per memory cgroup (`oom_kill` in v1
 `memory.oom_control` or v2 `memory.events`); a command was OOM-killed (itself or a child)
 when the counter grew while it ran.
 
-Honest seams (docs/execution.md): a process that scrubs its environment and double-forks
-while another command runs in the same container is reaped only when that container
-next has nothing running; the OOM counter is per container, so two commands running at
-once both see an OOM kill of either. Only runc-style runtimes put sandboxed processes on
-the host: under gVisor (`runsc`) the cgroup holds the sandbox kernel itself, so nothing
-here may signal it (callers check `host_visible`).
+Honest seams (docs/execution.md): on the engine path, a process that double-forks before
+the daemon moved the exec into its cgroup, while another command runs in the same
+container, is reaped only when that container next has nothing running; the OOM counter
+is per container, so two commands running at once both see an OOM kill of either. Only
+runc-style runtimes put sandboxed processes on the host: under gVisor (`runsc`) the
+cgroup holds the sandbox kernel itself, so nothing here may signal it (callers check
+`host_visible`).
 """
 
 from __future__ import annotations
@@ -40,7 +47,11 @@ from pathlib import Path
 import psutil
 import trio
 
+#: The variable every command gets with its own id (`argv.exec_env`): for the command's
+#: own use. The reaper never reads it (a process can set it to anything).
 MARKER = "SUBSTRATE_PROC"
+#: A command's cgroup is `<container's cgroup>/<CMD_PREFIX><proc>` (`cmd_cgroups`).
+CMD_PREFIX = "substrate-cmd-"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: KILL rounds before giving up on a process that will not die (a D-state task).
 KILL_ROUNDS = 20
@@ -57,6 +68,9 @@ class CgroupDirs:
     v2: bool
     #: whose counters hold CPU time (v1 `cpuacct.usage`, v2 `cpu.stat`; `process.usage`)
     cpu: Path | None = None
+    #: the container's directory in the unified (v2) hierarchy, where command cgroups
+    #: go: the v2 one itself, or `<root>/unified/...` on a hybrid host (may not exist)
+    unified: Path | None = None
 
     @classmethod
     def of_pid(cls, pid: int, root: Path = CGROUP_ROOT) -> CgroupDirs:
@@ -89,11 +103,50 @@ class CgroupDirs:
                 freezer=under("freezer"),
                 v2=False,
                 cpu=under("cpuacct"),
+                unified=None if unified is None else root / "unified" / unified.lstrip("/"),
             )
         if unified is None:
             raise OSError(errno.ENOENT, "no cgroup found")
         base = root / unified.lstrip("/")
-        return cls(procs=base, memory=base, freezer=base, v2=True, cpu=base)
+        return cls(procs=base, memory=base, freezer=base, v2=True, cpu=base, unified=base)
+
+
+def commands_parent(dirs: CgroupDirs) -> tuple[Path, bool] | None:
+    """Where a container's command cgroups are: its unified (v2) directory when the host
+    has one (then True: `cgroup.kill` and `cgroup.freeze` exist), else its v1 `procs`
+    directory (False); None when neither is usable. One `stat`."""
+    if dirs.unified is not None and (dirs.unified / "cgroup.procs").exists():
+        return dirs.unified, True
+    if not dirs.v2:
+        return dirs.procs, False
+    return None
+
+
+def command_members(dirs: CgroupDirs) -> dict[int, str]:
+    """Host pid → the command (its id) whose cgroup holds it, for every command cgroup
+    of the container. Cost: a listing and one read per command cgroup."""
+    where = commands_parent(dirs)
+    found: dict[int, str] = {}
+    if where is None:
+        return found
+    try:
+        with os.scandir(where[0]) as entries:
+            names = [
+                e.name
+                for e in entries
+                if e.name.startswith(CMD_PREFIX) and e.is_dir(follow_symlinks=False)
+            ]
+    except OSError:
+        return found
+    for name in names:
+        try:
+            listed = (where[0] / name / "cgroup.procs").read_bytes().split()
+        except OSError:
+            continue
+        owner = name[len(CMD_PREFIX) :]
+        for pid in listed:
+            found[int(pid)] = owner
+    return found
 
 
 def oom_kills(dirs: CgroupDirs) -> int:
@@ -135,22 +188,23 @@ class ProcInfo:
     #: Equal for one process only, whatever reused its pid: a `psutil.Process` (pid and
     #: start time since boot, immune to wall-clock steps); tests use any hashable.
     ident: Hashable
-    marker: str | None
+    #: The command whose cgroup holds it (`command_members`); None outside every one.
+    owner: str | None
 
 
-def read_proc(pid: int) -> ProcInfo | None:
-    """ppid, identity and substrate marker of a host process; None if gone or a zombie
-    (or unreadable). psutil: its stat, status and environ files (about 0.1 ms)."""
+def read_proc(pid: int, owner: str | None = None) -> ProcInfo | None:
+    """ppid and identity of a host process, with `owner` (the command whose cgroup
+    holds it); None if gone or a zombie (or unreadable). psutil: its stat and status
+    files (tens of microseconds). Nothing the process can write is read."""
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
             if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
                 return None
             ppid = proc.ppid()
-            environ = proc.environ()
     except psutil.Error:  # gone, a zombie, or not ours to read
         return None
-    return ProcInfo(pid=pid, ppid=int(ppid), ident=proc, marker=environ.get(MARKER))
+    return ProcInfo(pid=pid, ppid=int(ppid), ident=proc, owner=owner)
 
 
 def identity(pid: int) -> Hashable | None:
@@ -168,7 +222,8 @@ def identity(pid: int) -> Hashable | None:
 
 
 def attribute(procs: Iterable[ProcInfo], protected: frozenset[int]) -> dict[int, str | None]:
-    """Owner marker of each process: its own, else its nearest marked ancestor's, else None.
+    """The command of each process: its own `owner` (its cgroup's), else its nearest
+    owned ancestor's, else None.
 
     Pure. `protected` pids (init, keep-alive) are left out and end every ancestor walk.
     """
@@ -186,8 +241,8 @@ def attribute(procs: Iterable[ProcInfo], protected: frozenset[int]) -> dict[int,
             if info is None or len(chain) > len(by_pid):  # outside, or a (racy) ppid cycle
                 break
             chain.append(pid)
-            if info.marker is not None:
-                found = info.marker
+            if info.owner is not None:
+                found = info.owner
                 break
             pid = info.ppid
         for pid in chain:
@@ -196,35 +251,56 @@ def attribute(procs: Iterable[ProcInfo], protected: frozenset[int]) -> dict[int,
 
 
 def with_roots(
-    procs: Iterable[ProcInfo], marker: str, roots: Collection[Hashable]
+    procs: Iterable[ProcInfo], owner: str, roots: Collection[Hashable]
 ) -> list[ProcInfo]:
-    """`procs` with each unmarked process whose identity is in `roots` given `marker`.
+    """`procs` with each process outside every command cgroup whose identity is in
+    `roots` given `owner`.
 
     Pure. A process that reused a root's pid has another identity: left alone.
     """
-    return [
-        replace(p, marker=marker) if p.marker is None and p.ident in roots else p for p in procs
-    ]
+    return [replace(p, owner=owner) if p.owner is None and p.ident in roots else p for p in procs]
+
+
+def owners(
+    dirs: CgroupDirs,
+    protected: frozenset[int],
+    *,
+    owner: str | None = None,
+    roots: Collection[Hashable] = (),
+) -> dict[int, str | None]:
+    """The command of every unprotected process in the container (`attribute`), its
+    membership read from the command cgroups; `roots` are `owner`'s even outside them.
+    Blocking: a scan of the container's cgroup and a stat read per process."""
+    members = command_members(dirs)
+    found = (read_proc(pid, members.get(pid)) for pid in cgroup_pids(dirs) if pid not in protected)
+    infos = [i for i in found if i is not None]
+    if owner is not None and roots:
+        infos = with_roots(infos, owner, roots)
+    return attribute(infos, protected)
 
 
 def targets(
     dirs: CgroupDirs,
-    marker: str,
+    owner: str,
     protected: frozenset[int],
     alone: bool,
     *,
     roots: Collection[Hashable] = (),
 ) -> list[int]:
-    """Host pids belonging to the command with `marker` (plus ownerless ones when `alone`).
+    """Host pids belonging to command `owner` (plus ownerless ones when `alone`).
 
     `roots` (identities, `ProcInfo.ident`): processes known to be the command's (its main
-    process, as the engine reported it) even without a marker; the identity guards
-    against a reused pid. Their descendants follow them, as for a marked process.
+    process, as the engine or its pidfd reported it) even outside its cgroup; the
+    identity guards against a reused pid. Their descendants follow them.
     """
-    found = (read_proc(pid) for pid in cgroup_pids(dirs) if pid not in protected)
-    infos = with_roots([i for i in found if i is not None], marker, roots)
-    owners = attribute(infos, protected)
-    return [pid for pid, owner in owners.items() if owner == marker or (owner is None and alone)]
+    found = owners(dirs, protected, owner=owner, roots=roots)
+    return [pid for pid, whose in found.items() if whose == owner or (whose is None and alone)]
+
+
+def everything(dirs: CgroupDirs, protected: frozenset[int]) -> list[int]:
+    """Every unprotected process of the container, whoever it belongs to (the sweep of a
+    working layer whose users all ended). Blocking: one scan, no per-process read."""
+    return [pid for pid in cgroup_pids(dirs) if pid not in protected]
 
 
 def _signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
@@ -263,18 +339,37 @@ def _set_frozen(dirs: CgroupDirs, frozen: bool) -> bool:
     return True  # best effort: signals queued to a freezing task still land at thaw
 
 
+def _cgroup_kill(dirs: CgroupDirs, owner: str) -> None:
+    """Write the v2 `cgroup.kill` of command `owner`'s cgroup (when it has one)."""
+    where = commands_parent(dirs)
+    if where is None or not where[1]:
+        return
+    try:
+        (where[0] / (CMD_PREFIX + owner) / "cgroup.kill").write_bytes(b"1")
+    except OSError:
+        return  # no such cgroup (never made, removed already)
+
+
 def kill_round(
     dirs: CgroupDirs,
-    marker: str,
+    owner: str | None,
     protected: frozenset[int],
     alone: bool,
     *,
     roots: Collection[Hashable] = (),
 ) -> int:
-    """One frozen KILL sweep (blocking, milliseconds). Returns how many were signalled."""
+    """One frozen KILL sweep (blocking, milliseconds). Returns how many were signalled.
+    `owner` None: every unprotected process (`everything`)."""
     frozen = _set_frozen(dirs, True)
     try:
-        found = targets(dirs, marker, protected, alone, roots=roots)
+        if owner is None:
+            found = everything(dirs, protected)
+            for whose in set(command_members(dirs).values()) if found else ():
+                _cgroup_kill(dirs, whose)
+        else:
+            found = targets(dirs, owner, protected, alone, roots=roots)
+            if found:
+                _cgroup_kill(dirs, owner)
         _signal_all(found, signal.SIGKILL)
     finally:
         if frozen:
@@ -284,7 +379,7 @@ def kill_round(
 
 async def terminate(
     dirs: CgroupDirs,
-    marker: str,
+    owner: str,
     protected: frozenset[int],
     *,
     alone: bool,
@@ -292,7 +387,7 @@ async def terminate(
     limiter: trio.CapacityLimiter | None = None,
     roots: Collection[Hashable] = (),
 ) -> tuple[int, int]:
-    """TERM every process of the command, wait up to `grace_s`, then KILL what is left.
+    """TERM every process of command `owner`, wait up to `grace_s`, then KILL what is left.
 
     Returns (processes sent TERM, processes that needed KILL). Blocking work (procfs
     scans, cgroup writes) runs in worker threads; the waits are Trio sleeps. `roots`:
@@ -300,7 +395,7 @@ async def terminate(
     """
 
     def term() -> list[int]:
-        found = targets(dirs, marker, protected, alone, roots=roots)
+        found = targets(dirs, owner, protected, alone, roots=roots)
         _signal_all(found, signal.SIGTERM)
         return found
 
@@ -320,7 +415,7 @@ async def terminate(
     killed = 0
     for _ in range(KILL_ROUNDS):
         n = await trio.to_thread.run_sync(
-            functools.partial(kill_round, dirs, marker, protected, alone, roots=roots),
+            functools.partial(kill_round, dirs, owner, protected, alone, roots=roots),
             limiter=limiter,
         )
         if n == 0:
@@ -328,6 +423,24 @@ async def terminate(
         killed = max(killed, n)
         await trio.sleep(POLL_S)
     return len(termed), killed
+
+
+async def kill_all(
+    dirs: CgroupDirs, protected: frozenset[int], *, limiter: trio.CapacityLimiter | None = None
+) -> int:
+    """KILL every unprotected process of the container, in frozen rounds until none is
+    left (at most `KILL_ROUNDS`): what is left once no command uses it. Returns the most
+    found in a round (0: there was nothing). Blocking work in worker threads."""
+    killed = 0
+    for _ in range(KILL_ROUNDS):
+        n = await trio.to_thread.run_sync(
+            functools.partial(kill_round, dirs, None, protected, True), limiter=limiter
+        )
+        if n == 0:
+            break
+        killed = max(killed, n)
+        await trio.sleep(POLL_S)
+    return killed
 
 
 async def wait_exit(pid: int, ident: Hashable | None = None) -> None:

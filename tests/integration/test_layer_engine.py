@@ -317,6 +317,35 @@ async def test_a_busy_generation_concludes_whole_with_the_next_command(env: Env)
     assert sorted(_applied_paths(env)) == ["a.txt", "b.txt"]
 
 
+async def test_a_generation_busy_twice_concludes_as_it_is_and_its_sandbox_goes(env: Env) -> None:
+    assert (await env.sh("true"))["changes"]["generation"] == 0
+    first = env.daemon.execution.containers.cached(env.ws, "layer")
+    assert first is not None
+    (merged,) = env.state.glob("layers/*/merged")
+    # Held from the host, where no kill reaches: busy at two conclusions in a row.
+    held = os.open(merged, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        busy = await env.sh("echo a > a.txt")
+        assert busy["changes"]["error"] == "layer_busy"
+        forced = await env.sh("echo b > b.txt")
+    finally:
+        os.close(held)
+    # Not busy forever: the second conclusion removed the sandbox (nothing of it runs
+    # any more) and applied what the generation held, both commands' changes.
+    changes = forced["changes"]
+    assert "error" not in changes and changes["generation"] == 0, changes
+    assert _paths(changes, "applied") == [("a.txt", "create"), ("b.txt", "create")]
+    assert (env.path / "a.txt").read_text() == "a\n" and (env.path / "b.txt").read_text() == "b\n"
+    removed = [
+        e.data for e in env.daemon.journal.read(limit=10000) if e.kind == "container.removed"
+    ]
+    assert [r["reason"] for r in removed] == ["layer_busy"]
+    # The next command gets a fresh, verified sandbox on the checkout as it is now.
+    after = await env.sh("cat a.txt b.txt")
+    assert after["stdout"]["inline"] == "a\nb\n"
+    assert env.daemon.execution.containers.cached(env.ws, "layer") is not first
+
+
 async def test_rw_profiles_are_unchanged(env: Env) -> None:
     result = await env.sh("echo rw > rw.txt && echo x > .env", profile="tiny")
     assert "changes" not in result
