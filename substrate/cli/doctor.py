@@ -51,9 +51,9 @@ def ask_daemon(state_dir: str | None) -> tuple[RunningDaemon | None, str]:
 
 
 def _engine_info() -> dict[str, Any] | None:
-    from substrate.sandbox.engine import Engine
+    from substrate.sandbox.docker_engine import DockerEngine
 
-    engine = Engine()
+    engine = DockerEngine()
     try:
         return engine.info_sync()
     except Refusal:

@@ -31,6 +31,7 @@ from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
 from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
+from substrate.sandbox.docker_engine import DockerEngine
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.profiles import Profile, find_profile, load_profiles
 from substrate.sandbox.proxy_link import ProxyLinks
@@ -77,7 +78,7 @@ class Execution:
         self.profiles: dict[str, Profile] = load_profiles(
             Path(config.profiles_dir), Path(config.seccomp_dir)
         )
-        self.engine = engine if engine is not None else Engine()
+        self.engine: Engine = engine if engine is not None else DockerEngine()
         self.daemon_id = daemon_id_for(state_dir)
         #: Operator secrets (`substrate secret set`) and the workspaces' persistent homes.
         self.secrets = SecretStore(state_dir)

@@ -2,7 +2,8 @@
 
 Profiles (`profiles`, `seccomp`) declare everything a sandbox may get; `spec` turns one
 into the engine's create request; `containers` creates, verifies and caches one container
-per (workspace, profile) through the Docker `engine`; `facts` says what a profile
+per (workspace, profile) through an `engine` (the `Engine` Protocol; `docker_engine` is
+the real one, the daemon's only module importing `docker`); `facts` says what a profile
 requires and compares it with what `observe` (with `observe_gvisor`, `netns`, `parsers`)
 reads from the kernel through a `host` view; `mounts` decides what is read-only over the
 workspace; `reaper` finds, signals and reaps a command's host processes; `supervisor`

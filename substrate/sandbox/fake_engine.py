@@ -2,12 +2,13 @@
 
 Shipped with the package (httpcore's mock-backend idea) so that tests of
 `substrate.sandbox.containers`, `substrate.process` and the intents run without an
-engine. `FakeEngine` has `Engine`'s interface: containers are records made from the
-create request, an exec is a "program" (`FakeExec`) that writes framed output into a
-socket pair and exits when the test (or a built-in program) says so. `FakeHost` is the
-`SandboxHost` of those containers: it reports the confinement facts an honest engine and
-kernel would show for the container's *own* create request, so a container made with
-weaker settings is observed as weaker.
+engine. `FakeEngine` implements the `Engine` Protocol (`substrate.sandbox.engine`)
+without `docker`: containers are records made from the create request, an exec is a
+"program" (`FakeExec`) that writes framed output into a socket pair and exits when the
+test (or a built-in program) says so. `FakeHost` is the `SandboxHost` of those
+containers: it reports the confinement facts an honest engine and kernel would show for
+the container's *own* create request, so a container made with weaker settings is
+observed as weaker.
 
 What it is not: a sandbox. Nothing runs, nothing is confined, no host process exists
 for a fake pid (they are all above the kernel's `pid_max`, so the reaper finds nothing
@@ -30,11 +31,11 @@ import struct
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
-from substrate.errors import ImageMissing
+from substrate.errors import ImageMissing, RuntimeUnavailable
 from substrate.sandbox import facts as F
 from substrate.sandbox import observe, profiles, reaper
 from substrate.sandbox.engine import ContainerGone, Engine, ExecStream
@@ -43,9 +44,6 @@ from substrate.sandbox.parsers import workspace_view
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import HOME_TARGET, WORKSPACE_TARGET
 from substrate.schema.journal import EngineStatus
-
-if TYPE_CHECKING:
-    import docker
 
 __all__ = ["FakeContainer", "FakeEngine", "FakeExec", "FakeHost", "builtin_program"]
 
@@ -164,7 +162,7 @@ def _next_pid() -> int:
     return next(_pids)
 
 
-class FakeEngine(Engine):
+class FakeEngine:
     """`Engine` in memory. `images` maps references to ids (others are `image_missing`);
     `runtimes` are the registered runtimes; `program` runs every exec; `fail_next` makes
     a method's next calls raise. `calls` lists the method names called, in order."""
@@ -176,7 +174,6 @@ class FakeEngine(Engine):
         runtimes: Sequence[str] = ("runc", "runsc"),
         program: Program = builtin_program,
     ) -> None:
-        super().__init__(base_url="unix:///nonexistent/fake-engine.sock")
         self.images = dict(images if images is not None else {})
         self.registered = set(runtimes)
         self.program = program
@@ -186,9 +183,6 @@ class FakeEngine(Engine):
         self.execs: dict[str, FakeExec] = {}
 
     # -- plumbing ------------------------------------------------------------------------
-
-    def client(self) -> docker.APIClient:
-        raise AssertionError("the fake engine has no docker client")
 
     async def _enter(self, method: str) -> None:
         self.calls.append(method)
@@ -233,9 +227,19 @@ class FakeEngine(Engine):
         await self._enter("runtimes")
         return set(self.registered)
 
+    async def require_runtime(self, runtime: str) -> None:
+        """As the real engine's, over `runtimes` (read live: the fake caches nothing)."""
+        if runtime not in await self.runtimes():
+            raise RuntimeUnavailable(
+                f"the engine has no runtime {runtime!r} registered", runtime=runtime
+            )
+
     async def status(self) -> EngineStatus:
         await self._enter("status")
         return EngineStatus(reachable=True, version="fake", runtimes=sorted(self.registered))
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     async def image_id(self, ref: str) -> str:
         await self._enter("image_id")
@@ -354,6 +358,10 @@ class FakeEngine(Engine):
         await self._enter("exec_inspect")
         ex = self._exec(exec_id)
         return {"ID": ex.id, "Running": ex.running, "ExitCode": ex.exit_code, "Pid": ex.pid}
+
+
+#: mypy proves here that `FakeEngine` has every method of the `Engine` Protocol.
+_: type[Engine] = FakeEngine
 
 
 def inspect_of(c: FakeContainer) -> dict[str, Any]:

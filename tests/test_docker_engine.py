@@ -1,4 +1,5 @@
-"""Pure-ish parts of `substrate.sandbox.engine`: error mapping and the upgraded exec stream head."""
+"""Pure-ish parts of `substrate.sandbox.docker_engine`: error mapping and the upgraded exec
+stream head."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import requests
 
 from substrate.errors import ImageMissing, RuntimeUnavailable
-from substrate.sandbox.engine import EngineError, _read_response_head, map_exceptions
+from substrate.sandbox.docker_engine import _read_response_head, map_exceptions
+from substrate.sandbox.engine import EngineError
 
 
 def api_error(status: int) -> docker.errors.APIError:
