@@ -48,6 +48,7 @@ from substrate.workspace.gate.attribution import (
 )
 from substrate.workspace.gate.diff import Change, Node, classify, diff, display_rel
 from substrate.workspace.gate.fanotify import FanotifyAttribution
+from substrate.workspace.gate.gitdirs import GitContent
 from substrate.workspace.gate.hook import Rule, SnapshotGate
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, MAX_KEPT_TOTAL, Keep
 from substrate.workspace.gate.revert import NotReverted, revert
@@ -57,7 +58,6 @@ from substrate.workspace.gate.snapshot import (
     Snapshot,
     gated_globs,
     matcher_for,
-    mounts_cover_policy,
     readonly_identities,
     scan_after,
     take_snapshot,
@@ -72,6 +72,7 @@ __all__ = [
     "Attribution",
     "Change",
     "FanotifyAttribution",
+    "GitContent",
     "Keep",
     "Matcher",
     "Node",
@@ -87,7 +88,6 @@ __all__ = [
     "display_rel",
     "gated_globs",
     "matcher_for",
-    "mounts_cover_policy",
     "readonly_identities",
     "revert",
     "scan_after",
