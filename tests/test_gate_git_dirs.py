@@ -27,7 +27,12 @@ from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import discoverable
-from substrate.workspace.gate import EVERY_CHANGE_IS_THE_SANDBOXS, SnapshotGate, Touches
+from substrate.workspace.gate import (
+    EVERY_CHANGE_IS_THE_SANDBOXS,
+    GitContent,
+    SnapshotGate,
+    Touches,
+)
 from substrate.workspace.gate.attribution import Attribution, Key, handle_at, key
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 
@@ -172,6 +177,26 @@ def repo(root: Path, where: str) -> None:
     for base, dirs, files in os.walk(root / where):
         for name in [*dirs, *files]:
             os.lchown(os.path.join(base, name), 1000, 1000)
+
+
+# --- the rule per directory (pure) ------------------------------------------------------------
+
+
+def test_git_content_per_directory() -> None:
+    baseline = GitContent()
+    assert baseline.entries("", ["src", "HEAD"]) == frozenset()
+    assert baseline.entries("repo", ["HEAD", "objects", "refs", "config"]) is None
+    assert baseline.entries("wt", ["HEAD", "commondir"]) is None
+    assert baseline.git_dir_of("repo/config") == "repo"
+    assert baseline.git_dir_of("src/main.py") is None
+    after = GitContent(baseline.pieces)
+    # The root held HEAD: only what completes it now is denied.
+    assert after.entries("", ["src", "HEAD", "objects", "refs"]) == {"objects", "refs"}
+    assert after.entries("repo", ["config"]) is None  # a repository then: all of it, still
+    assert after.entries("new", ["HEAD", "refs"]) == frozenset()  # not complete
+    assert after.git_dir_of("objects/ab/cd") == ""
+    assert after.git_dir_of("HEAD") is None
+    assert after.git_dir_of("repo/hooks/x") == "repo"
 
 
 # --- a git directory by content the command made -------------------------------------------

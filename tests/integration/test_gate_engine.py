@@ -211,7 +211,7 @@ async def test_require_approval_paths_are_reverted_for_sandboxed_code(env: Env) 
 
 
 async def test_a_host_edit_during_a_command_is_never_reverted(env: Env) -> None:
-    # issue 10: a person created `poetry.lock` on the host while an agent's command ran,
+    # A person created `poetry.lock` on the host while an agent's command ran,
     # and the gate deleted it as the sandbox's doing. The command writes `.env` (denied,
     # reverted), then waits for `src/go`; meanwhile the host creates `poetry.lock` and
     # `host.lock` (denied paths both). Only the sandbox's change is undone.

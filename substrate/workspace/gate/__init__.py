@@ -1,4 +1,4 @@
-"""The write gate for sandboxed code: file-level `write_deny` globs (docs/protocol.md §5, issue 4).
+"""The write gate for sandboxed code: file-level `write_deny` globs (docs/protocol.md §5).
 
 Theory of operation. Directories denied whole (`.git/**`) and every `.git` at any depth
 are bound read-only into the sandbox (`substrate.sandbox.containers`); everything else a deny
@@ -27,13 +27,20 @@ starts and kept until the last ends, so a command never "restores" another's off
 write. The seams this leaves (changes are reverted after the fact, background writers
 between commands, interactive terminals, `write_allow`) are in docs/write-gate.md.
 
+Git directories (`gitdirs`): every `.git` at any depth is denied as for guarded writes,
+and so is what host git would take for a repository by content (`discoverable`): a
+directory that became one during the command loses the pieces the sandbox added (a
+person's repository that was there stays, guarded inside like `.git`). Every rw command
+is walked, whatever the policy: telling a new repository from a person's needs the
+baseline.
+
 Attribution (docs/protocol.md §11): a denied change is reverted only when the kernel saw
 the command's sandbox make it and nothing else touch it (`attribution`, `fanotify`, and
 the `relay` process that reads fanotify from inside the sandbox's pid namespace); any
 other — a person's edit on the host — is kept and reported `reason: "unattributed"`.
 
-Modules: `diff` (pure: nodes, `classify`, `diff`, `display_rel`), `snapshot` (the
-walk and what it records), `keep` (the kept bytes), `revert` (undoing changes) and
+Modules: `diff` (pure: nodes, `classify`, `diff`, `display_rel`), `gitdirs` (pure: the
+git-content rule per directory), `snapshot` (the walk and what it records), `keep` (the kept bytes), `revert` (undoing changes) and
 `hook` (`SnapshotGate`, the per-workspace baseline). Costs: two walks of the tree (about
 10 ms per 10,000 entries each; see bench/gate.py) plus reading the denied files whose
 stat changed.

@@ -5,14 +5,17 @@ descending into what the sandbox mounted read-only. It is iterative and holds on
 directory fd at a time whatever the depth or width of the tree: it lists a directory
 once, remembers its subdirectories by name, descends into each with `O_NOFOLLOW` and
 comes back up through `fsops.climb` (the parent checked to be the one it left). Only
-entries a gated glob matches (or that lie beneath a matching directory) are stat'ed and
-handed to a visitor: `take_snapshot`'s reads and keeps a file's bytes (skipping a file
+denied entries — a gated glob matches them, they are a `.git` (at any depth, as for
+guarded writes), or a directory's git content denies them (`gate.gitdirs`, fed the names
+each directory holds) — and what lies beneath a denied directory are stat'ed and handed
+to a visitor: `take_snapshot`'s reads and keeps a file's bytes (skipping a file
 whose stat did not move since the previous snapshot), `scan_after`'s only hashes a file
 whose stat moved.
 
-Costs: one `scandir` per directory and one regex match per entry (all gated globs are
-one alternation; an entry's ancestors were matched on the way down), plus two opens and
-two fstats per directory; reads only of the denied files whose stat moved.
+Costs: one `scandir` per directory and one regex match and a set lookup per entry (all
+gated globs are one alternation; an entry's ancestors were matched on the way down),
+plus two opens and two fstats per directory; reads only of the denied files whose stat
+moved.
 """
 
 from __future__ import annotations
