@@ -5,9 +5,9 @@ nothing else touch it (`gate.attribution`); any other is kept and reported
 `reverted: false` with `reason` `unattributed` or `mixed`: a person's edit on the host
 is never undone (docs/protocol.md §11). A change made for a git directory by content's
 sake (`gate.gitdirs`) is reported `rule: "write_deny"`, `reason: "git_dir"` when
-reverted, and journalled with the directory (`git_dir`). The watch starts before the baseline is taken, so nothing
-between the two goes unseen, and the attribution is asked after the tree was scanned, so
-no change the scan saw is missing from it.
+reverted, and journalled with the directory (`git_dir`). The watch starts before the
+baseline is taken, so nothing between the two goes unseen, and the attribution is asked
+after the tree was scanned, so no change the scan saw is missing from it.
 
 Commands that overlap in one workspace share one baseline: it is taken when the first
 starts and kept until the last ends (tickets are weakly held, so a command that dies
