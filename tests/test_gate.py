@@ -265,11 +265,12 @@ async def test_kept_bytes_are_private_and_collected(env: Env) -> None:
     assert hashlib.sha256(LOCK).hexdigest() not in os.listdir(store)
 
 
-async def test_default_policy_needs_no_snapshot_while_git_is_a_mounted_dir(
+async def test_default_policy_walks_but_reads_nothing_while_git_is_a_mounted_dir(
     adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]
 ) -> None:
-    # Only `.git/**` denied and `.git` exists: the read-only mount enforces it, the gate
-    # takes no snapshot (no cost per command). Without `.git`, creating one is caught.
+    # Only `.git/**` denied and `.git` exists: the read-only mount enforces it, so the
+    # walk reads and keeps no file. It still runs (a directory may become a git
+    # directory by content: test_gate_git_dirs.py). Without `.git`, creating one is caught.
     root = make_workspace("plain", {"a.txt": "a\n"}, git=True)
     state = tmp_path / "state2"
     state.mkdir(mode=0o700)
@@ -282,7 +283,7 @@ async def test_default_policy_needs_no_snapshot_while_git_is_a_mounted_dir(
         ws = registry.adopt(str(root), None, None, "test")
         gate = SnapshotGate(state / "gate", journal, attribution=EVERY_CHANGE_IS_THE_SANDBOXS)
         ticket = await gate.before(ws)
-        assert not (state / "gate").exists()  # nothing kept: no snapshot was taken
+        assert os.listdir(state / "gate" / ws.id) == []  # nothing kept: nothing was read
         assert await gate.after(ws, ticket) == []
         os.rename(root / ".git", root / "git-away")
         ticket = await gate.before(ws)

@@ -1,4 +1,4 @@
-"""The rw gate reverts only what it can attribute to the sandbox (SPEC §11, issue 10).
+"""The rw gate reverts only what it can attribute to the sandbox (docs/protocol.md §11).
 
 With a fake attribution source: the test says who touched each entry, as the kernel
 would (a key per directory entry: its directory's handle and its name). The real source

@@ -22,7 +22,8 @@ import trio
 from substrate.config import Config
 from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, open_client
-from tests.harness import wait_until_async
+from substrate.workspace import discoverable
+from tests.harness import chown_tree, wait_until_async
 from tests.harness.inprocess import owned_project, profiles_dir, serving
 
 OWNER = 1000
@@ -210,7 +211,7 @@ async def test_require_approval_paths_are_reverted_for_sandboxed_code(env: Env) 
 
 
 async def test_a_host_edit_during_a_command_is_never_reverted(env: Env) -> None:
-    # issue 10: a person created `poetry.lock` on the host while an agent's command ran,
+    # A person created `poetry.lock` on the host while an agent's command ran,
     # and the gate deleted it as the sandbox's doing. The command writes `.env` (denied,
     # reverted), then waits for `src/go`; meanwhile the host creates `poetry.lock` and
     # `host.lock` (denied paths both). Only the sandbox's change is undone.
@@ -269,3 +270,60 @@ async def test_a_denied_file_the_sandbox_and_the_host_both_changed_is_kept(env: 
     assert blocked(result) == [("project:poetry.lock", "modify", False)]
     assert result["policy_blocked"][0]["reason"] == "mixed"
     assert (env.path / "poetry.lock").read_bytes() == LOCK + b"sandbox\nhost\n"
+
+
+async def test_a_git_dir_by_content_a_command_plants_is_undone(env: Env) -> None:
+    # A command wrote `tools/HEAD`, `tools/objects/`, `tools/refs/` and a `tools/config`
+    # running `core.fsmonitor`: a repository by content, which host git run in `tools/`
+    # would have obeyed. Under the default policy (only `.git/**`, mounted read-only)
+    # the gate took no snapshot and it stayed. A repository the person made on the host
+    # before the command (after the sandbox was created: not mounted read-only in it)
+    # stays untouched, and the command's ordinary files stay.
+    project = owned_project(
+        env.path.parent / "plain",
+        {".git/HEAD": "ref: refs/heads/main\n", ".git/config": GIT_CONFIG, "src/a.py": "a\n"},
+    )
+    ws = (await env.client.call("workspace.adopt", path=str(project)))["workspace"]
+
+    async def sh(script: str) -> Any:
+        return await env.client.call(
+            "proc.run", workspace=ws, profile="tiny", argv=["sh", "-c", script]
+        )
+
+    assert (await sh("true"))["policy_blocked"] == []  # the sandbox exists from here on
+    mine = {
+        "HEAD": b"ref: refs/heads/main\n",
+        "objects/info/packs": b"",
+        "refs/heads/main": b"0" * 40 + b"\n",
+        "config": b"[core]\n\tbare = true\n",
+    }
+    nested = project / "vendor" / "lib"
+    for rel, data in mine.items():
+        (nested / rel).parent.mkdir(parents=True, exist_ok=True)
+        (nested / rel).write_bytes(data)
+    chown_tree(project / "vendor")
+    result = await sh(
+        "mkdir -p tools/objects/ab tools/refs/heads && echo 'ref: refs/heads/main' > tools/HEAD"
+        " && printf '[core]\\n\\tfsmonitor = touch /tmp/MARKER\\n' > tools/config"
+        " && echo blob > tools/objects/ab/cdef && echo notes > tools/notes.txt"
+        " && echo fine > src/new.py"
+    )
+    assert result["exit_code"] == 0, result
+    assert sorted(
+        (b["path"], b["change"], b["reverted"], b["rule"], b["reason"])
+        for b in result["policy_blocked"]
+    ) == [
+        ("plain:tools/HEAD", "create", True, "write_deny", "git_dir"),
+        ("plain:tools/objects", "create", True, "write_deny", "git_dir"),
+        ("plain:tools/refs", "create", True, "write_deny", "git_dir"),
+    ]
+    assert not discoverable.completes(set(os.listdir(project / "tools")))
+    assert (project / "tools" / "config").read_text() == "[core]\n\tfsmonitor = touch /tmp/MARKER\n"
+    assert (project / "tools" / "notes.txt").read_text() == "notes\n"
+    assert (project / "src" / "new.py").read_text() == "fine\n"
+    assert (project / "src" / "new.py").stat().st_uid == OWNER
+    # The person's repository: every byte where it was, still a repository.
+    assert {rel: (nested / rel).read_bytes() for rel in mine} == mine
+    assert discoverable.completes(set(os.listdir(nested)))
+    entries = [e for e in env.blocked_entries() if str(e["path"]).startswith("plain:")]
+    assert {(e["reason"], e["git_dir"]) for e in entries} == {("git_dir", "plain:tools")}

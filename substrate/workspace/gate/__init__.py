@@ -1,4 +1,4 @@
-"""The write gate for sandboxed code: file-level `write_deny` globs (docs/protocol.md §5, issue 4).
+"""The write gate for sandboxed code: file-level `write_deny` globs (docs/protocol.md §5).
 
 Theory of operation. Directories denied whole (`.git/**`) and every `.git` at any depth
 are bound read-only into the sandbox (`substrate.sandbox.containers`); everything else a deny
@@ -27,13 +27,20 @@ starts and kept until the last ends, so a command never "restores" another's off
 write. The seams this leaves (changes are reverted after the fact, background writers
 between commands, interactive terminals, `write_allow`) are in docs/write-gate.md.
 
+Git directories (`gitdirs`): every `.git` at any depth is denied as for guarded writes,
+and so is what host git would take for a repository by content (`discoverable`): a
+directory that became one during the command loses the pieces the sandbox added (a
+person's repository that was there stays, guarded inside like `.git`). Every rw command
+is walked, whatever the policy: telling a new repository from a person's needs the
+baseline.
+
 Attribution (docs/protocol.md §11): a denied change is reverted only when the kernel saw
 the command's sandbox make it and nothing else touch it (`attribution`, `fanotify`, and
 the `relay` process that reads fanotify from inside the sandbox's pid namespace); any
 other — a person's edit on the host — is kept and reported `reason: "unattributed"`.
 
-Modules: `diff` (pure: nodes, `classify`, `diff`, `display_rel`), `snapshot` (the
-walk and what it records), `keep` (the kept bytes), `revert` (undoing changes) and
+Modules: `diff` (pure: nodes, `classify`, `diff`, `display_rel`), `gitdirs` (pure: the
+git-content rule per directory), `snapshot` (the walk and what it records), `keep` (the kept bytes), `revert` (undoing changes) and
 `hook` (`SnapshotGate`, the per-workspace baseline). Costs: two walks of the tree (about
 10 ms per 10,000 entries each; see bench/gate.py) plus reading the denied files whose
 stat changed.
@@ -48,6 +55,7 @@ from substrate.workspace.gate.attribution import (
 )
 from substrate.workspace.gate.diff import Change, Node, classify, diff, display_rel
 from substrate.workspace.gate.fanotify import FanotifyAttribution
+from substrate.workspace.gate.gitdirs import GitContent
 from substrate.workspace.gate.hook import Rule, SnapshotGate
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, MAX_KEPT_TOTAL, Keep
 from substrate.workspace.gate.revert import NotReverted, revert
@@ -57,7 +65,6 @@ from substrate.workspace.gate.snapshot import (
     Snapshot,
     gated_globs,
     matcher_for,
-    mounts_cover_policy,
     readonly_identities,
     scan_after,
     take_snapshot,
@@ -72,6 +79,7 @@ __all__ = [
     "Attribution",
     "Change",
     "FanotifyAttribution",
+    "GitContent",
     "Keep",
     "Matcher",
     "Node",
@@ -87,7 +95,6 @@ __all__ = [
     "display_rel",
     "gated_globs",
     "matcher_for",
-    "mounts_cover_policy",
     "readonly_identities",
     "revert",
     "scan_after",

@@ -2,7 +2,7 @@
 
 The rw gate reverts a denied change only when it can attribute it to the sandbox's
 processes; anything else — the host, a person's editor, the daemon's own guarded writes,
-another container — is never undone (SPEC §11). An `Attribution` source starts a `Watch`
+another container — is never undone (docs/protocol.md §11). An `Attribution` source starts a `Watch`
 for one workspace and one sandbox before a command; after it, `Watch.touches` says which
 directory entries the sandbox touched and which something else touched meanwhile.
 

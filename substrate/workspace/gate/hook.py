@@ -3,9 +3,11 @@
 A denied change is reverted only when the attribution source saw the sandbox make it and
 nothing else touch it (`gate.attribution`); any other is kept and reported
 `reverted: false` with `reason` `unattributed` or `mixed`: a person's edit on the host
-is never undone (SPEC §11). The watch starts before the baseline is taken, so nothing
-between the two goes unseen, and the attribution is asked after the tree was scanned, so
-no change the scan saw is missing from it.
+is never undone (docs/protocol.md §11). A change made for a git directory by content's
+sake (`gate.gitdirs`) is reported `rule: "write_deny"`, `reason: "git_dir"` when
+reverted, and journalled with the directory (`git_dir`). The watch starts before the
+baseline is taken, so nothing between the two goes unseen, and the attribution is asked
+after the tree was scanned, so no change the scan saw is missing from it.
 
 Commands that overlap in one workspace share one baseline: it is taken when the first
 starts and kept until the last ends (tickets are weakly held, so a command that dies
@@ -30,7 +32,7 @@ import trio
 from substrate.errors import Refusal
 from substrate.schema.proc import PolicyBlocked
 from substrate.store.journal import Journal
-from substrate.workspace import paths
+from substrate.workspace import discoverable, paths
 from substrate.workspace.gate.attribution import (
     Attribution,
     Failed,
@@ -44,24 +46,24 @@ from substrate.workspace.gate.attribution import (
 )
 from substrate.workspace.gate.diff import Node, diff, display_rel
 from substrate.workspace.gate.fanotify import FanotifyAttribution
+from substrate.workspace.gate.gitdirs import GitContent
 from substrate.workspace.gate.keep import Keep
 from substrate.workspace.gate.revert import revert, why
 from substrate.workspace.gate.snapshot import (
     Snapshot,
-    mounts_cover_policy,
     readonly_identities,
     scan_after,
     take_snapshot,
 )
+from substrate.workspace.policy import is_git_path
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TempFiles
 
 log = logging.getLogger("substrate.workspace.gate")
 
 Rule = Literal["write_deny", "require_approval"]
-
-#: `before`'s answer when read-only mounts already enforce every deny glob.
-_NOTHING_TO_GATE = object()
+#: The `reason` of a reverted change made for a git directory by content's sake.
+GIT_DIR = discoverable.GIT_DIR
 
 
 class _Ticket:
@@ -136,14 +138,13 @@ class SnapshotGate:
         A baseline is watched for the sandbox of the command that took it: a command of
         another sandbox joining it has its changes reported unattributed."""
 
-        def mounted() -> dict[str, tuple[int, int]] | None:
+        def mounted() -> dict[str, tuple[int, int]]:
             with ws.use():
-                ro = dict(readonly_identities(ws) if readonly is None else readonly)
-                return None if mounts_cover_policy(ws, ro) else ro
+                return dict(readonly_identities(ws) if readonly is None else readonly)
 
+        # Always a snapshot, even when read-only mounts enforce every deny glob: a
+        # directory may become a git directory by content (docs/write-gate.md).
         ro = await trio.to_thread.run_sync(mounted, limiter=self._limiter)
-        if ro is None:
-            return _NOTHING_TO_GATE
         state = self._state(ws)
         ticket = _Ticket(ws.id)
 
@@ -185,8 +186,6 @@ class SnapshotGate:
         """Compare `ws` with the baseline and revert each offending change; one
         `policy_blocked` entry per change. Never raises for a failed check: it is logged
         and journalled (`policy.gate_failed`) so the command's record is still finished."""
-        if snapshot is _NOTHING_TO_GATE:
-            return []
         state = self._state(ws)
         try:
             async with state.lock:
@@ -232,7 +231,7 @@ class SnapshotGate:
         self, ws: Workspace, baseline: Snapshot, keep: Keep, watching: Watch
     ) -> list[PolicyBlocked]:
         with ws.use():
-            now = scan_after(ws, baseline)
+            now, git_now = scan_after(ws, baseline)
             changes = diff(baseline.nodes, now)
             if not changes:
                 return []
@@ -251,7 +250,14 @@ class SnapshotGate:
         blocked: list[PolicyBlocked] = []
         for (rel, change), (reverted, reason, seen) in zip(changes, outcomes, strict=True):
             where = ws.provenance(display_rel(rel))
-            rule: Rule = "write_deny" if ws.policy.write_deny.matches(rel) else "require_approval"
+            git_dir = _git_dir(rel, git_now, baseline.git)
+            rule: Rule = (
+                "write_deny"
+                if git_dir is not None or is_git_path(rel) or ws.policy.write_deny.matches(rel)
+                else "require_approval"
+            )
+            if reverted and git_dir is not None:
+                reason = GIT_DIR
             blocked.append(
                 PolicyBlocked(
                     path=where, change=change, reverted=reverted, rule=rule, reason=reason
@@ -267,11 +273,20 @@ class SnapshotGate:
                 data["reason"] = reason
             if seen:
                 data["attribution"] = seen
+            if git_dir is not None:
+                data["git_dir"] = ws.provenance(display_rel(git_dir or "."))
             old, new = baseline.nodes.get(rel), now.get(rel)
             data["before"] = old.summary() if old else None
             data["after"] = new.summary() if new else None
             self._journal.append("policy.blocked", data, workspace=ws.id)
         return blocked
+
+
+def _git_dir(rel: str, now: GitContent, baseline: GitContent) -> str | None:
+    """The git directory by content `rel` was denied for (now, or at the baseline for
+    what is gone), or None: a glob or a `.git` denies it."""
+    found = now.git_dir_of(rel)
+    return found if found is not None else baseline.git_dir_of(rel)
 
 
 def _attribute(

@@ -5,14 +5,17 @@ descending into what the sandbox mounted read-only. It is iterative and holds on
 directory fd at a time whatever the depth or width of the tree: it lists a directory
 once, remembers its subdirectories by name, descends into each with `O_NOFOLLOW` and
 comes back up through `fsops.climb` (the parent checked to be the one it left). Only
-entries a gated glob matches (or that lie beneath a matching directory) are stat'ed and
-handed to a visitor: `take_snapshot`'s reads and keeps a file's bytes (skipping a file
+denied entries — a gated glob matches them, they are a `.git` (at any depth, as for
+guarded writes), or a directory's git content denies them (`gate.gitdirs`, fed the names
+each directory holds) — and what lies beneath a denied directory are stat'ed and handed
+to a visitor: `take_snapshot`'s reads and keeps a file's bytes (skipping a file
 whose stat did not move since the previous snapshot), `scan_after`'s only hashes a file
 whose stat moved.
 
-Costs: one `scandir` per directory and one regex match per entry (all gated globs are
-one alternation; an entry's ancestors were matched on the way down), plus two opens and
-two fstats per directory; reads only of the denied files whose stat moved.
+Costs: one `scandir` per directory and one regex match and a set lookup per entry (all
+gated globs are one alternation; an entry's ancestors were matched on the way down),
+plus two opens and two fstats per directory; reads only of the denied files whose stat
+moved.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from substrate.errors import Refusal
 from substrate.workspace import fsops, paths
 from substrate.workspace.gate.attribution import Handle, handle_at
 from substrate.workspace.gate.diff import Node
+from substrate.workspace.gate.gitdirs import GitContent
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, MAX_KEPT_TOTAL, Keep
 from substrate.workspace.glob_regex import MAX_SOURCE_CHARS, GlobRegex, compile_sources
-from substrate.workspace.policy import CompiledPolicy, glob_source
+from substrate.workspace.policy import GIT_NAME, CompiledPolicy, glob_source
 from substrate.workspace.registry import Workspace
 
 #: A file changed this close before its snapshot may change again within the same ctime
@@ -86,25 +90,6 @@ def _identity_at(ws: Workspace, rel: str) -> os.stat_result | None:
         return None
 
 
-def mounts_cover_policy(ws: Workspace, readonly: Mapping[str, tuple[int, int]]) -> bool:
-    """True when every gated glob is a `write_deny` whole directory that the sandbox has
-    mounted read-only and that is still the mounted inode (the default policy, `.git/**`)
-    so there is nothing file-level to snapshot. A denied directory that does not exist
-    (or is not the one mounted) could be created by the command: then this is False, as
-    it is for any `require_approval` glob. The caller holds `ws.use()`."""
-    if ws.policy.policy.require_approval:
-        return False
-    for pattern in ws.policy.policy.write_deny:
-        stem = pattern[:-3] if pattern.endswith("/**") else pattern.rstrip("/")
-        if stem == pattern or stem.lstrip("/") not in readonly:
-            return False
-    for rel, identity in readonly.items():
-        st = _identity_at(ws, rel)
-        if st is None or (st.st_dev, st.st_ino) != identity:
-            return False
-    return True
-
-
 def readonly_identities(ws: Workspace) -> dict[str, tuple[int, int]]:
     """The policy's read-only dirs that exist (as the sandbox mounts them). The caller
     holds `ws.use()`."""
@@ -126,6 +111,8 @@ class Snapshot:
     #: File handles of the directories holding denied paths and of denied directories
     #: (rel, "" for the root): how the attribution names them, kept for when they go.
     handles: dict[str, Handle] = field(default_factory=dict)
+    #: The git directories by content the walk met (`gate.gitdirs`).
+    git: GitContent = field(default_factory=GitContent)
 
 
 def racy(node: Node, taken_ns: int) -> bool:
@@ -168,18 +155,23 @@ def walk(
     matcher: Matcher,
     readonly: Mapping[str, tuple[int, int]],
     visit: Visit,
+    git: GitContent | None = None,
 ) -> dict[str, Node]:
     """Every denied path beneath `root_fd` → `visit(parent_fd, name, rel, node)`.
 
-    Never follows a symlink; does not descend into a `readonly` dir that is still the
-    same inode; holds one directory fd at a time (see the module docstring). Raises
-    OSError when a directory cannot be listed or was moved while walked.
+    Denied: what a gated glob matches, every `.git` at any depth (`policy.is_git_path`,
+    as for guarded writes) and what `git` (default: a baseline's) denies for a
+    directory's git content; with everything beneath each. Never follows a symlink;
+    does not descend into a `readonly` dir that is still the same inode; holds one
+    directory fd at a time (see the module docstring). Raises OSError when a directory
+    cannot be listed or was moved while walked.
     """
+    git = GitContent() if git is None else git
     out: dict[str, Node] = {}
     cur = os.open(".", fsops.DIR_FLAGS, dir_fd=root_fd)
     try:
         stack = [_Dir("", False, fsops.identity(cur), [])]
-        stack[-1].pending = _list(cur, stack[-1], matcher, readonly, visit, out)
+        stack[-1].pending = _list(cur, stack[-1], matcher, readonly, visit, git, out)
         while stack:
             top = stack[-1]
             if top.pending:
@@ -194,7 +186,7 @@ def walk(
                 cur = child
                 below = _Dir(top.prefix + name + "/", denied, fsops.identity(cur), [])
                 stack.append(below)
-                below.pending = _list(cur, below, matcher, readonly, visit, out)
+                below.pending = _list(cur, below, matcher, readonly, visit, git, out)
                 continue
             stack.pop()
             if stack:
@@ -212,15 +204,26 @@ def _list(
     matcher: Matcher,
     readonly: Mapping[str, tuple[int, int]],
     visit: Visit,
+    git: GitContent,
     out: dict[str, Node],
 ) -> list[tuple[str, bool]]:
     """Visit the denied entries of one directory; return its subdirectories to walk."""
     pending: list[tuple[str, bool]] = []
     with os.scandir(dir_fd) as it:
         entries = list(it)
+    # Beneath a denied directory everything is denied already: no need to ask.
+    by_content = (
+        frozenset() if here.inherited else git.entries(here.prefix[:-1], [e.name for e in entries])
+    )
     for entry in entries:
         rel = here.prefix + entry.name
-        denied = here.inherited or matcher.denied(rel)
+        denied = (
+            here.inherited
+            or by_content is None
+            or entry.name in by_content
+            or entry.name == GIT_NAME
+            or matcher.denied(rel)
+        )
         is_dir = entry.is_dir(follow_symlinks=False)
         if denied:
             try:
@@ -324,14 +327,17 @@ def take_snapshot(
             kept_total += len(data)
         return fresh
 
-    nodes = walk(ws.root_fd, matcher_for(ws.policy), readonly, visit)
+    git = GitContent()
+    nodes = walk(ws.root_fd, matcher_for(ws.policy), readonly, visit, git)
     keep.collect({n.sha256 for n in nodes.values() if n.kept and n.sha256})
-    return Snapshot(nodes, readonly, now, handles)
+    return Snapshot(nodes, readonly, now, handles, git)
 
 
-def scan_after(ws: Workspace, before: Snapshot) -> dict[str, Node]:
+def scan_after(ws: Workspace, before: Snapshot) -> tuple[dict[str, Node], GitContent]:
     """`after`'s walk: stat every denied path; hash a file only where its stat moved
-    (or was racy at the snapshot). Blocking; the caller holds `ws.use()`."""
+    (or was racy at the snapshot). Also returns what it found of git directories by
+    content, against the baseline's (a directory that became one: its new pieces are
+    the denied paths). Blocking; the caller holds `ws.use()`."""
     old = before.nodes
 
     def visit(parent_fd: int, name: str, rel: str, node: Node) -> Node:
@@ -348,4 +354,5 @@ def scan_after(ws: Workspace, before: Snapshot) -> dict[str, Node]:
             return node
         return msgspec.structs.replace(node_of(st), sha256=sha)
 
-    return walk(ws.root_fd, matcher_for(ws.policy), before.readonly, visit)
+    git = GitContent(before.git.pieces)
+    return walk(ws.root_fd, matcher_for(ws.policy), before.readonly, visit, git), git
