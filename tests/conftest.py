@@ -113,6 +113,15 @@ def make_workspace(adopt_root: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture
+def quiet_root(adopt_root: Path) -> Iterator[Path]:
+    """A directory under `adopt_root` on an ext4 filesystem of its own, where nothing but
+    the test makes files: a freed inode goes to the next directory made there
+    (`harness.reuse_inode`), whatever else the daemon or the machine is doing."""
+    with harness.quiet_ext4(adopt_root / "quiet") as root:
+        yield root
+
+
+@pytest.fixture
 def workspace_dir(make_workspace: Callable[..., Path]) -> Path:
     """A workspace with the default small tree (not adopted)."""
     return make_workspace()

@@ -13,7 +13,7 @@ import pytest
 from substrate.errors import PathDenied
 from substrate.workspace import identity
 from substrate.workspace.identity import CheckoutId, checkout_identity
-from tests.harness import reuse_inode
+from tests.harness import quiet_ext4, reuse_inode
 
 
 def ident_of(path: Path) -> CheckoutId:
@@ -26,7 +26,9 @@ def ident_of(path: Path) -> CheckoutId:
 
 @pytest.fixture
 def parent(tmp_path: Path) -> Iterator[Path]:
-    yield tmp_path
+    # Its own filesystem: a freed inode goes to the next directory made there.
+    with quiet_ext4(tmp_path / "fs") as root:
+        yield root
 
 
 def test_the_key_holds_the_inode_and_its_birth_and_says_what_older_releases_kept(

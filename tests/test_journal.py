@@ -12,7 +12,7 @@ import pytest
 
 from substrate.store.db import Store
 from substrate.store.journal import GENESIS, Draft, Entry, Journal, canonical, entry_hash
-from tests.harness import DaemonProcess, reuse_inode
+from tests.harness import DaemonProcess, create_workspace, reuse_inode
 
 
 @pytest.fixture
@@ -291,11 +291,12 @@ def test_entry_hash_is_stable() -> None:
 
 
 def test_replay_of_a_new_directory_at_a_workspace_path_lists_none_of_the_old_writes(
-    daemon: DaemonProcess, workspace_dir: Path
+    daemon: DaemonProcess, quiet_root: Path
 ) -> None:
     """The daemon stopped, the checkout was removed and another directory made at its path
     (with the old inode, as ext4 gives it): the persisted workspace is not re-bound to
     it, so the new checkout's replay holds none of the old one's writes."""
+    workspace_dir = create_workspace(quiet_root, "proj")
     c = daemon.client()
     ws = daemon.adopt(workspace_dir)
     for i in range(5):

@@ -33,7 +33,7 @@ from substrate.workspace.registry import (
     derive_root_id,
     read_vcs,
 )
-from tests.harness import reuse_inode
+from tests.harness import create_workspace, reuse_inode
 
 HEAD = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "89abcdef0123456789abcdef0123456789abcdef"
@@ -793,15 +793,15 @@ def test_a_workspace_from_before_remembered_policies_keeps_its_policy(
 
 
 def test_a_reused_inode_is_a_new_checkout_with_none_of_the_old_policy(
-    env: Env, adopt_root: Path, make_workspace: Callable[..., Path]
+    env: Env, quiet_root: Path
 ) -> None:
     """`rm -rf old/` frees its inode; the next directory made gets it (ext4). The new
     directory is another checkout: nothing remembered for the old one reaches it."""
-    old_path = make_workspace("old")
+    old_path = create_workspace(quiet_root, "old")
     old = env.registry.adopt(str(old_path), None, LOCKED, "agent:0")
     env.registry.set_policy(old.id, Policy(write_allow=["docs/**"]), "operator:0")
     env.registry.release(old.id, "agent:0")
-    new_path = reuse_inode(old_path, adopt_root)
+    new_path = reuse_inode(old_path, quiet_root)
     new = env.registry.adopt(str(new_path), None, None, "agent:0")
     assert new.dev_ino == old.dev_ino  # the same (st_dev, st_ino): only that was reused
     assert new.policy.may_read("a.pem") and new.policy.may_write("src/x.py")
@@ -813,15 +813,15 @@ def test_a_reused_inode_is_a_new_checkout_with_none_of_the_old_policy(
 
 
 def test_reload_drops_a_workspace_whose_directory_was_replaced(
-    env: Env, adopt_root: Path, make_workspace: Callable[..., Path], tmp_path: Path
+    env: Env, quiet_root: Path, tmp_path: Path
 ) -> None:
     """The same path, another directory (here even with the old inode): the persisted
     workspace is not re-bound to it, so its journal history and handle stay the old
     checkout's; adopting the path again makes a new workspace."""
-    path = make_workspace("proj")
+    path = create_workspace(quiet_root, "proj")
     old = env.registry.adopt(str(path), None, None, "agent:0")
     env.registry.close()
-    new = reuse_inode(path, adopt_root, "fresh")
+    new = reuse_inode(path, quiet_root, "fresh")
     new.rename(path)
     env.reopen()
     assert env.registry.all() == []
@@ -874,16 +874,16 @@ def test_an_older_release_s_workspace_and_home_are_migrated_once_when_the_path_m
 
 
 def test_an_older_release_s_state_is_never_handed_over_by_inode_alone(
-    env: Env, adopt_root: Path, make_workspace: Callable[..., Path]
+    env: Env, quiet_root: Path
 ) -> None:
     """Its row says st_dev:st_ino and a path; the inode is another directory's now, at
     another path: neither the policy nor the home go to it; the home stays, an orphan."""
-    old_path = make_workspace("old")
+    old_path = create_workspace(quiet_root, "old")
     old = env.registry.adopt(str(old_path), None, LOCKED, "agent:0")
     env.registry.release(old.id, "agent:0")
     old_home = make_legacy(env, old)
     env.reopen()
-    new_path = reuse_inode(old_path, adopt_root)
+    new_path = reuse_inode(old_path, quiet_root)
     new = env.registry.adopt(str(new_path), None, None, "agent:0")
     assert new.dev_ino == old.dev_ino
     assert new.policy.may_read("a.pem")

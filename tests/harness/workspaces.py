@@ -10,8 +10,9 @@ import contextlib
 import itertools
 import os
 import shutil
+import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from tests.harness.waiting import wait_until
@@ -101,6 +102,39 @@ def remove_tree(path: Path) -> None:
                 if not os.path.islink(p):
                     os.chmod(p, 0o700)
     shutil.rmtree(path, ignore_errors=True)
+
+
+#: The size of a `quiet_ext4` filesystem: room for a few small checkouts.
+QUIET_FS_BYTES = 64 << 20
+
+
+@contextlib.contextmanager
+def quiet_ext4(where: Path) -> Iterator[Path]:
+    """A directory on an ext4 filesystem of its own, loop-mounted at `where` (made if
+    missing) for as long as the block runs, then unmounted and its image removed.
+
+    For tests of what a reused inode inherits: ext4 hands a freed inode out again to the
+    next directory made in the same group, unless another process takes it first; on the
+    machine's own filesystem the daemon under test (its journal, its state dir) and
+    anything else running can, so the reuse would depend on what else runs. Nothing but
+    the test makes files here. The directory returned is beneath the filesystem's root
+    (ext4 spreads top-level directories over groups at random, never a child's)."""
+    where.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="sbst-fs-") as images:
+        image = Path(images) / "ext4.img"
+        with image.open("wb") as f:
+            f.truncate(QUIET_FS_BYTES)
+        subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+        subprocess.run(["mount", "-o", "loop", str(image), str(where)], check=True)
+        try:
+            inside = where / "checkouts"
+            inside.mkdir()
+            yield inside
+        finally:
+            # A container's mount namespace may still hold it a moment: detach it then.
+            done = subprocess.run(["umount", str(where)], check=False, capture_output=True)
+            if done.returncode != 0:
+                subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 #: How many directories `reuse_inode` makes per try, and how long it keeps trying.

@@ -28,7 +28,7 @@ from substrate.config import PROJECT_ROOT
 from substrate.protocol.client import Client, RpcError
 from substrate.sandbox.containers import daemon_id_for
 from substrate.sandbox.spec import LABEL_DAEMON
-from tests.harness import DaemonProcess, daemon_env, reuse_inode
+from tests.harness import DaemonProcess, create_workspace, daemon_env, quiet_ext4, reuse_inode
 
 SHIPPED = PROJECT_ROOT / "profiles"
 
@@ -251,8 +251,13 @@ def test_a_reused_inode_gets_a_home_of_its_own(make_daemon: Callable[[], DaemonP
     """`rm -rf old/` and a new directory that got its inode: the new checkout's sandbox
     finds an empty home, never the old one's (sessions, credentials, a venv)."""
     d = make_daemon().start()
+    with quiet_ext4(d.adopt_root / "quiet") as quiet:
+        reused_inode_gets_its_own_home(d, quiet)
+
+
+def reused_inode_gets_its_own_home(d: DaemonProcess, quiet: Path) -> None:
     c = d.client()
-    old_path = d.make_workspace()
+    old_path = create_workspace(quiet, "old")
     old = d.adopt(old_path)
     run(c, old, 'echo "the old checkout\'s session" > "$HOME/session"')
     assert c.call("workspace.release", workspace=old)["home"] == "kept"
