@@ -54,7 +54,7 @@ from substrate.workspace.gate.snapshot import (
     take_snapshot,
 )
 from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TempFiles
+from substrate.workspace.writes.temp_files import TempFiles
 
 log = logging.getLogger("substrate.workspace.gate")
 
