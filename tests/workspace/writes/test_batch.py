@@ -1,7 +1,8 @@
-"""substrate.workspace.writes.batch_files and batch_dirs: a change set's files and directories land in batches
-with every guarantee of one guarded write: bound to their base, re-checked under the
-commit lock right before each rename, one journal entry each (the chain intact), temp
-files recorded first and forgotten after, write intents gone once journaled."""
+"""substrate.workspace.writes.batch, batch_files and batch_dirs: a change set's files and
+directories land in batches with every guarantee of one guarded write: bound to their
+base, re-checked under the commit lock right before each rename, one journal entry each
+(the chain intact), temp files recorded first and forgotten after, write intents gone
+once journaled."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Races against guarded writes (docs/protocol.md §4): tests, not hopes.
 
-Through the socket of a real daemon, and in-process with `substrate.workspace.writes.Writer` where
-the race has to be placed exactly (a hook between plan and commit, a chosen temp name):
+Through the socket of a real daemon, and in-process with `substrate.workspace.writes.Writer`
+where the race has to be placed exactly (a hook between plan and commit, a chosen temp name):
 
 1. a directory swapped for a symlink to outside while 500 writes run into it;
 2. a file hard-linked to a file outside the workspace;

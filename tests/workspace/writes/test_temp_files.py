@@ -1,4 +1,5 @@
-"""substrate.workspace.writes.temp_files: guarded-write temp files are recorded, and only recorded ones cleaned.
+"""substrate.workspace.writes.temp_files: guarded-write temp files are recorded, and only
+recorded ones cleaned.
 
 In-process tests drive `WorkspaceRegistry.clean_stale_temp_files` and `Writer` over a
 private state dir (a "restart" is a new Journal, hence a new epoch, on the same database);

@@ -1,4 +1,5 @@
-"""substrate.workspace.writes.writer in-process: plans, digests, atomic apply, owners and modes, the journal."""
+"""substrate.workspace.writes.writer in-process: plans, digests, atomic apply, owners and
+modes, the journal."""
 
 from __future__ import annotations
 
