@@ -41,9 +41,8 @@ from substrate.store.journal import Journal
 from substrate.workspace import reads
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.registry import WorkspaceRegistry
-from substrate.workspace.upload_writes import UploadWriter
 from substrate.workspace.uploads import Uploads
-from substrate.workspace.writes import Writer
+from substrate.workspace.writes import UploadWriter, Writer
 
 __all__ = ["Daemon", "StartupError", "configure_logging", "open_daemon"]
 

@@ -28,7 +28,7 @@ from substrate.store.journal import Journal
 from substrate.workspace import fsops, gate
 from substrate.workspace.gate import EVERY_CHANGE_IS_THE_SANDBOXS, SnapshotGate, snapshot
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
-from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
+from substrate.workspace.writes import TEMP_PREFIX, TempFiles
 
 OWNER = 1000
 LOCK = b"# poetry lock\npackage = []\n"

@@ -18,10 +18,9 @@ from substrate.process import layer_recovery
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import batch_writes
 from substrate.workspace.layer import Changesets, apply, scan
 from substrate.workspace.registry import WorkspaceRegistry
-from substrate.workspace.writes import Writer
+from substrate.workspace.writes import Writer, batch_files
 
 ACTOR = "agent:0"
 DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -185,7 +184,7 @@ def _die_after_renames(env: Env, upper: str, work: str, renames: int) -> None:
                 return rename
 
             os.rename = dying(os.rename)  # type: ignore[assignment]
-            batch_writes.rename_new = dying(batch_writes.rename_new)  # type: ignore[assignment]
+            batch_files.rename_new = dying(batch_files.rename_new)  # type: ignore[assignment]
             ufd = os.open(upper, DIR)
             changeset = scan(ufd, ws.root_fd)
             env.changesets.record(ws, 7, upper, work, changeset, "applying")

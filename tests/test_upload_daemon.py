@@ -18,8 +18,8 @@ import pytest
 
 import substrate
 from substrate.protocol.client import Client, RpcError
-from substrate.workspace.temp_files import TEMP_PREFIX
 from substrate.workspace.uploads import SPOOL_DIR
+from substrate.workspace.writes import TEMP_PREFIX
 from tests.harness.waiting import wait_until
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ idempotent: what landed is `unchanged`, bases are re-checked, a host edit since 
 conflict), journaled `changes.recovered {outcome: "applied"}`. Before that, the changes
 of a batch that landed but whose journal transaction the crash lost get their
 `changes.apply`/`changes.apply_dir` entries, `recovered: true`, as every guarded write
-does (`Writer.recover`, `workspace.write_intents`), so what landed is journaled exactly
+does (`Writer.recover`, `workspace.writes.intents`), so what landed is journaled exactly
 once. A generation with no row
 never concluded (the daemon was killed during its command, or it was `layer_busy` and its
 sandbox went): its command did not finish, so nothing of it lands; after the previous

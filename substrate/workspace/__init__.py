@@ -6,8 +6,9 @@ of its root fd; `checkouts`: the policies remembered per checkout; `vcs`: git st
 as plain files); `policy` is the glob language; `paths` resolves a path beneath a root
 without following a symlink and `fsops` does the file-system steps beneath a dir fd;
 `reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3);
-`writes` applies guarded writes (docs/protocol.md §4) with `patching`, `preview` and `temp_files`;
-`checkpoints` keeps what they replace while a checkpoint is live and `restore` puts it back;
+`writes` is the guarded-write package (docs/protocol.md §4: plan, base check, temp files,
+intents, batches, uploads' commit, recovery) with `patching` and `preview`, and every write
+asks `discoverable` what host tools would find; `checkpoints` keeps what they replace while a checkpoint is live and `restore` puts it back;
 `gate` checks what sandboxed code changed (docs/protocol.md §5); `layer` reads an overlay
 upper layer as a change set and applies it through the guarded path (docs/working-layer.md).
 """
@@ -18,8 +19,7 @@ from substrate.workspace.digests import Digests
 from substrate.workspace.gate import SnapshotGate
 from substrate.workspace.policy import CompiledPolicy, compile_policy, is_git_path
 from substrate.workspace.registry import WorkspaceRegistry
-from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
-from substrate.workspace.writes import Writer, drift_report
+from substrate.workspace.writes import TEMP_PREFIX, TempFiles, Writer, drift_report
 
 __all__ = [
     "TEMP_PREFIX",

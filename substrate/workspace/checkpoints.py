@@ -54,7 +54,7 @@ from substrate.errors import CheckpointUnknown, NotFound, Refusal
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import fsops, paths
-from substrate.workspace.registry import Workspace
+from substrate.workspace.adopted import Workspace
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS checkpoints (

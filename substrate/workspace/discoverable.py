@@ -21,9 +21,9 @@ test fixtures cannot have them changed through substrate (the person changes the
 
 `completes` is the pure test; `GitDirs` applies it beneath a held root fd, remembering
 the pieces a batch has planned so that pieces arriving together count together. Every
-guarded write asks `GitDirs.check` (`writes`, `upload_writes`, `batch_writes`,
-`batch_dirs`); a change set is screened whole first (`screen`, from the layer's scan),
-so that none of the pieces that would complete a git directory lands.
+guarded write asks `GitDirs.check` (`substrate.workspace.writes`: `writer`, `upload`,
+`batch_files`, `batch_dirs`); a change set is screened whole first (`screen`, from the
+layer's scan), so that none of the pieces that would complete a git directory lands.
 
 Names: a new name holding a control character (C0, DEL, C1) or a bidirectional control
 misleads line-based tools and reviewers (a newline splits a path in two, U+202E shows

@@ -11,7 +11,7 @@ Theory of operation. Every name is used relative to an open directory fd and ope
   mode and mtime, and fsynced (`fill`); `rename_into` renames it over its target within
   the same directory and fsyncs the directory. `atomic_write` is the three in a row with
   a random temp name; guarded writes and the gate's restores do the steps themselves
-  because their temp files are recorded first (`substrate.workspace.temp_files`).
+  because their temp files are recorded first (`substrate.workspace.writes.temp_files`).
 - `read_fd`/`read_regular` read a whole file with a cap on what they hold, also when the
   file grows while it is read.
 - `remove_tree` removes a directory with everything beneath it, iteratively, holding one
@@ -123,7 +123,7 @@ def atomic_write(
 ) -> None:
     """Replace (or create) `name` in `dir_fd` with `data` atomically, through a
     same-directory temp file `.tmp-<16 hex>` (for directories substrate owns: a
-    workspace's temp files are recorded first instead, see `temp_files`).
+    workspace's temp files are recorded first instead, see `writes.temp_files`).
     With `fsync=False` nothing is fsynced (a cache that may be lost)."""
     temp = ".tmp-" + secrets.token_hex(8)
     write_new(dir_fd, temp, data, mode=mode, owner=owner, mtime_ns=mtime_ns, fsync=fsync)

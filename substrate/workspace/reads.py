@@ -40,7 +40,7 @@ from substrate.workspace import fsops, paths
 from substrate.workspace.digests import CHUNK, Digests, version_of
 from substrate.workspace.ignore import Pruner
 from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TEMP_PREFIX
+from substrate.workspace.writes.temp_files import TEMP_PREFIX
 
 #: Files up to this size get their digest with every stat and read (`inline_hash_bytes`).
 INLINE_HASH_BYTES = 64 << 20

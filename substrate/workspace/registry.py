@@ -61,10 +61,10 @@ from substrate.workspace.policy import (
     merge,
     subtract,
 )
-from substrate.workspace.temp_files import TEMP_PREFIX as TEMP_PREFIX
-from substrate.workspace.temp_files import TempFiles, remove_recorded
 from substrate.workspace.vcs import is_git_dir
 from substrate.workspace.vcs import read_vcs as read_vcs
+from substrate.workspace.writes.temp_files import TEMP_PREFIX as TEMP_PREFIX
+from substrate.workspace.writes.temp_files import TempFiles, remove_recorded
 
 if TYPE_CHECKING:
     # Only the type: substrate.config imports substrate.workspace.policy at its top.
@@ -525,7 +525,7 @@ class WorkspaceRegistry:
     def clean_stale_temp_files(self) -> int:
         """Remove the temp files earlier runs recorded and left behind. Returns the count.
 
-        Exactly the files substrate recorded before creating them (`substrate.workspace.temp_files`)
+        Exactly the files substrate recorded before creating them (`writes.temp_files`)
         in an earlier run (epoch): never a write in flight in this one, and never a file
         substrate did not make, whatever its name or age. Each is unlinked only if it is
         still a regular file in its directory, reached beneath the root fd without

@@ -6,7 +6,7 @@ base, size, SHA-256) and a spool file `<state>/uploads/upl_<32 hex>` (0600, crea
 chunk at `offset == received` is written there and fed to a running SHA-256, so the
 digest is known the moment the last byte lands; a chunk wholly or partly inside
 `[0, received)` is a retry, accepted only when those bytes equal the spooled ones.
-Nothing reaches a workspace before the commit (`substrate.workspace.upload_writes`),
+Nothing reaches a workspace before the commit (`substrate.workspace.writes.upload`),
 which streams the spool into a same-directory temp file and renames it.
 
 An upload belongs to its caller (socket and uid, `Caller.name`): another caller's id is
@@ -135,7 +135,7 @@ class Uploads:
         create_parents: bool,
     ) -> Upload:
         """A new upload of `owner`, with an empty spool file. The target is the caller's
-        to check first (`upload_writes.UploadWriter.check`).
+        to check first (`writes.UploadWriter.check`).
 
         Refuses `too_large` (size over `max_bytes`) and `limit_exceeded` (`owner` has
         `max_open` uploads open, after idle ones expired). Costs a file creation.

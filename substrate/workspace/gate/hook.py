@@ -57,7 +57,7 @@ from substrate.workspace.gate.snapshot import (
 )
 from substrate.workspace.policy import is_git_path
 from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TempFiles
+from substrate.workspace.writes.temp_files import TempFiles
 
 log = logging.getLogger("substrate.workspace.gate")
 

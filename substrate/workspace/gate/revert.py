@@ -23,7 +23,7 @@ from substrate.workspace import fsops, paths
 from substrate.workspace.gate.diff import Change, Node, classify
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, Keep
 from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TEMP_PREFIX, TempFiles
+from substrate.workspace.writes.temp_files import TEMP_PREFIX, TempFiles
 
 
 class NotReverted(Exception):

@@ -36,16 +36,11 @@ import msgspec
 
 from substrate.errors import ApprovalRequired, PathDenied, Refusal
 from substrate.workspace import discoverable, fsops, paths
-from substrate.workspace.batch_base import Landing
-from substrate.workspace.batch_dirs import DirChange
-from substrate.workspace.batch_writes import FileChange
 from substrate.workspace.layer.changeset import Change, ChangeSet, Op
 from substrate.workspace.layer.scan import MAX_FILE_BYTES
 from substrate.workspace.policy import CompiledPolicy, GlobSet, is_git_path
 from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TEMP_PREFIX
-from substrate.workspace.write_base import DirOp
-from substrate.workspace.writes import Writer
+from substrate.workspace.writes import TEMP_PREFIX, DirChange, DirOp, FileChange, Landing, Writer
 
 Outcome = Literal["applied", "unchanged", "blocked", "pending", "conflict"]
 
@@ -224,7 +219,7 @@ def apply(
     make, or bound to a file an earlier change would write, may be reported as a
     conflict it would not be). Costs, per file, a read and hash of the checkout's file
     (two when it exists) and of the command's, a temp file and a rename; per batch of up
-    to `batch_base.CHUNK` files, two transactions, a `syncfs` for the temp files and one
+    to `writes.batch.CHUNK` files, two transactions, a `syncfs` for the temp files and one
     for the directories written in (an fsync when there is one)."""
     changes = changeset.changes
     results: list[Outcomes | None] = [None] * len(changes)

@@ -1,6 +1,9 @@
-"""What every guarded write shares, one file or a batch (`writes`, `batch_writes`): the
-plan digest, reading the target as it is now, the reserved temp-file names, the default
-modes and the set-id rule.
+"""The base check: what a write's target is now, the bytes and digest the write is bound
+to (its `base_sha256`, docs/protocol.md §4), read through the held parent directory fd
+without following a symlink. Every write path reads its target here twice: once to plan,
+once more under the workspace's commit lock right before the rename (`writer`,
+`batch_files`; an upload hashes it as a stream, `upload`). `open_parent` finds the
+target's parent, or which of its directories a write would make.
 """
 
 from __future__ import annotations
@@ -10,40 +13,11 @@ import hashlib
 import os
 import stat
 from dataclasses import dataclass
-from typing import Literal
 
-from substrate.errors import NotAFile, NotFound, PathDenied, TooLarge
-from substrate.store.journal import canonical
-from substrate.workspace import fsops, patching, paths
-from substrate.workspace.temp_files import TEMP_PREFIX
-
-#: Files bigger than this are not loaded for patching, nor made by a patch, nor read
-#: as a base.
-MAX_PATCH_FILE = patching.MAX_RESULT_BYTES
-#: Mode of a created file when the caller gives none.
-DEFAULT_FILE_MODE = 0o644
-DEFAULT_DIR_MODE = 0o755
-
-Op = Literal["create", "replace", "delete"]
-DirOp = Literal["mkdir", "rmdir", "chmod"]
-
-
-def plan_digest(
-    root_id: str, path: str, op: Op, base: str | None, new: str | None, mode: int | None
-) -> str:
-    """SHA-256 of the canonical JSON array `[root_id, path, op, base, new, mode]`."""
-    return hashlib.sha256(canonical([root_id, path, op, base, new, mode])).hexdigest()
-
-
-def dir_digest(root_id: str, path: str, op: DirOp, mode: int | None) -> str:
-    """The plan digest of a directory step: `[root_id, path, op, null, null, mode]`."""
-    return hashlib.sha256(canonical([root_id, path, op, None, None, mode])).hexdigest()
-
-
-def no_setid(mode: int) -> int:
-    """`mode` without set-id bits: substrate writes as root and the bytes are the agent's
-    (a write by the file's owner would clear these bits too)."""
-    return mode & ~(stat.S_ISUID | stat.S_ISGID)
+from substrate.errors import NotAFile, NotFound, TooLarge
+from substrate.workspace import fsops, paths
+from substrate.workspace.adopted import Workspace
+from substrate.workspace.writes.plan import DEFAULT_FILE_MODE
 
 
 @dataclass
@@ -71,7 +45,7 @@ def read_current_held(
     parent_fd: int, name: str, where: str, limit: int
 ) -> tuple[Current, int | None]:
     """`read_current`, and the fd it read a file through, left open (None when absent):
-    the caller closes it, or releases it once the name is replaced (`batch_base`)."""
+    the caller closes it, or releases it once the name is replaced (`batch_files`)."""
     st = paths.lstat_at(parent_fd, name)
     if st is None:
         return Current(exists=False), None
@@ -105,10 +79,22 @@ def read_current_held(
     return current, fd
 
 
-def check_not_reserved(parts: tuple[str, ...], where: str) -> None:
-    """Refuse a name substrate uses for its temp files: it must never write or delete one."""
-    if any(part.startswith(TEMP_PREFIX) for part in parts):
-        raise PathDenied(
-            f"{where}: names starting with {TEMP_PREFIX!r} are reserved for substrate's temp files",
-            reserved_prefix=TEMP_PREFIX,
-        )
+def open_parent(
+    ws: Workspace, parts: tuple[str, ...], where: str, create_parents: bool
+) -> tuple[int | None, tuple[str, ...]]:
+    """Open the deepest existing ancestor. Returns (fd of the parent or None, missing dirs)."""
+    dirs = parts[:-1]
+    try:
+        return paths.open_dir(ws.root_fd, dirs, where), ()
+    except NotFound:
+        if not create_parents:
+            raise
+    # Find how much exists, refusing symlinks on the way like any open.
+    for cut in range(len(dirs) - 1, -1, -1):
+        try:
+            fd = paths.open_dir(ws.root_fd, dirs[:cut], where)
+        except NotFound:
+            continue
+        os.close(fd)
+        return None, dirs[cut:]
+    return None, dirs

@@ -1,4 +1,4 @@
-"""substrate.workspace.upload_writes in-process: an upload is written as `fs.write` would
+"""substrate.workspace.writes.upload in-process: an upload is written as `fs.write` would
 write its bytes (same checks, same plan digest, atomic), streamed from its spool."""
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from substrate.schema.fs import Plan, WriteParams, write_request
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import upload_writes
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.digests import Digests
 from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry
-from substrate.workspace.upload_writes import UploadWriter
 from substrate.workspace.uploads import SPOOL_DIR, Upload, Uploads
-from substrate.workspace.writes import Writer
+from substrate.workspace.writes import UploadWriter, Writer, upload
 from tests.harness.workspaces import WORKSPACE_UID
 
 ACTOR = "agent:0"
@@ -285,7 +283,7 @@ def test_a_live_checkpoint_keeps_what_the_upload_replaces(env: Env) -> None:
 def test_a_file_too_large_to_keep_for_a_checkpoint_is_refused(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(upload_writes, "MAX_PATCH_FILE", 8)
+    monkeypatch.setattr(upload, "MAX_PATCH_FILE", 8)
     readme = env.root / "README.md"
     up = env.upload("README.md", b"new\n", sha(readme.read_bytes()))  # no checkpoint yet
     env.checkpoints.create(env.ws, ACTOR)

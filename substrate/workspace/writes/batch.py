@@ -1,7 +1,49 @@
-"""What the batches of guarded writes share (`batch_writes` for files, `batch_dirs` for
-directories): a change's `Landing`, the parent directories a chunk holds, the chunk
-loop, the one-step durability of temp files, and the transaction that journals what
-landed. The theory of operation is `batch_writes`'s module doc.
+"""Guarded writes in batches: the files and directories of a change set
+(docs/working-layer.md), each with the guarantees of one guarded write (docs/protocol.md
+§4), at a fraction of the cost. This module is the frame both kinds share: a change's
+`Landing`, the parent directories a chunk holds (`HeldDirs`), the chunk loop, the
+one-step durability of temp files (`make_durable`), the no-replace rename of a new file
+(`rename_new`), the background close of replaced files (`RELEASER`), and the
+transaction that journals what landed (`BatchCore`).
+
+Theory of operation. `apply_files` (`batch_files`) takes file changes - a path, the
+base it is bound to, the digest of its new bytes (None: a delete), a mode - and a
+`Source` that reads a change's new bytes. In chunks of at most `CHUNK` changes it:
+
+1. plans each, touching nothing: the target is read once through its parent directory
+   fd (held for the chunk); it is `unchanged` when it already holds the result; else
+   the reserved temp names and the policy (`path_denied`), what host tools would find
+   (`discoverable.check_write`, the pieces of the whole batch counted together), the
+   base (`stale_base`, `already_exists`), the plan digest and `require_approval`
+   (`approval_required` with the digest, unless a live approval of it exists) decide,
+   exactly as `fs.write` does;
+2. records, in ONE transaction, a temp file per new file (`temp_files`) and an intent
+   per change (`intents`: the journal entry it will get);
+3. writes each temp file beside its target - the new bytes read from the source and
+   checked against the digest (else `source_changed`), with the old owner (the
+   workspace owner's for a new file) and the plan's mode - without an fsync each, then
+   makes them all durable at once: one `syncfs(2)` per file system they are on;
+4. under the workspace's commit lock, change by change: the target is read and its base
+   checked again right before the rename (a host edit since is `stale_base`, never
+   overwritten; the temp file goes), the approval found again, the pre-image kept when
+   a checkpoint is live, then the rename (the unlink for a delete; a new file with
+   `RENAME_NOREPLACE`, so one the host made after the check is never replaced) - the
+   file replaced was read through an fd kept open across the rename, which `RELEASER`
+   closes in the background: freeing its inode is never waited for - then the parent directories are made durable (one fsync, or one `syncfs` per
+   file system for several) and ONE transaction journals every change
+   (`changes.apply`, one entry each, the chain intact), consumes the approvals,
+   records the pre-images, forgets the temp files and drops the intents.
+
+`apply_dirs` (`batch_dirs`) does the same for directory steps (`mkdir` with the
+workspace owner's ownership, empty-only `rmdir`, `chmod`; `changes.apply_dir`): plan,
+intents, then under the lock each step, the parents made durable, one transaction.
+
+A crash before step 4 lands nothing and leaves recorded temp files (removed at the next
+start); one during or after the renames leaves changes landed without their entries:
+their intents are journaled at the next start, `recovered: true` (`intents`).
+
+Each change gets its own `Landing`; one failing never stops the others. Blocking I/O
+and SQLite throughout: call from a worker thread.
 """
 
 from __future__ import annotations
@@ -23,11 +65,11 @@ from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Draft, Journal
 from substrate.workspace import fsops, paths
+from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
-from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TempFiles
-from substrate.workspace.write_base import Current
-from substrate.workspace.write_intents import Intent, Intents
+from substrate.workspace.writes.base import Current
+from substrate.workspace.writes.intents import Intent, Intents
+from substrate.workspace.writes.temp_files import TempFiles
 
 #: File changes per chunk: bounds the temp files in flight, the rows of one transaction
 #: and how long the commit lock is held at a time.
@@ -211,7 +253,7 @@ class BatchCore:
         self._temps = temps
         self._approvals = approvals
         self._preimages = preimages
-        #: The journal entries of batches in flight (crash recovery: `write_intents`).
+        #: The journal entries of batches in flight (crash recovery: `intents`).
         self.intents = Intents(store, journal)
 
     def _chunks(

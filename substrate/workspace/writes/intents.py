@@ -4,16 +4,15 @@ unjournaled.
 
 Theory of operation. Every guarded write records, before its rename (or unlink), a row
 holding the journal entry each of its changes will get: `(batch, workspace, epoch,
-intents)` (msgpack of `(path, kind, actor, data, temp)`). A batch
-(`substrate.workspace.batch_writes`) commits one row for all its changes with its
-temp-file records; a single write (`fs.write`, `fs.patch`, `fs.delete`, a restore's
-file, an upload's commit) `submit`s one for itself on the store's group commit, which a
-helper thread commits while the writer writes and fsyncs its temp file (the two flushes
-overlap; the commit is shared with concurrent writers' entries), and waits for it
-before the rename (`Pending.wait`). The transaction that
-journals the write deletes that row. A row of an earlier run (epoch) is therefore a
-write whose entries were never written: it died somewhere between recording and
-journaling.
+intents)` (msgpack of `(path, kind, actor, data, temp)`). A batch (`batch_files`,
+`batch_dirs`) commits one row for all its changes with its temp-file records; a single
+write (`fs.write`, `fs.patch`, `fs.delete`, a restore's file, an upload's commit)
+`submit`s one for itself on the store's group commit, which a helper thread commits
+while the writer writes and fsyncs its temp file (the two flushes overlap; the commit is
+shared with concurrent writers' entries), and waits for it before the rename
+(`Pending.wait`). The transaction that journals the write deletes that row. A row of an
+earlier run (epoch) is therefore a write whose entries were never written: it died
+somewhere between recording and journaling.
 
 At the next start, before anything writes (`resolve`, from `Writer.recover`), each
 change of such a row is checked against the checkout: when the path holds exactly what
@@ -49,8 +48,8 @@ from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Draft, Journal
 from substrate.workspace import paths
+from substrate.workspace.adopted import Workspace
 from substrate.workspace.digests import hash_fd
-from substrate.workspace.registry import Workspace
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS write_intents (

@@ -1,44 +1,6 @@
-"""Guarded writes in batches: the files and directories of a change set
-(docs/working-layer.md), each with the guarantees of one guarded write (docs/protocol.md
-§4), at a fraction of the cost.
-
-Theory of operation. `apply_files` takes file changes - a path, the base it is bound to,
-the digest of its new bytes (None: a delete), a mode - and a `Source` that reads a
-change's new bytes. In chunks of at most `CHUNK` changes it:
-
-1. plans each, touching nothing: the target is read once through its parent directory
-   fd (held for the chunk); it is `unchanged` when it already holds the result; else
-   the reserved temp names and the policy (`path_denied`), the base (`stale_base`,
-   `already_exists`), the plan digest and `require_approval` (`approval_required` with
-   the digest, unless a live approval of it exists) decide, exactly as `fs.write` does;
-2. records, in ONE transaction, a temp file per new file (`temp_files`) and an intent
-   per change (`write_intents`: the journal entry it will get);
-3. writes each temp file beside its target - the new bytes read from the source and
-   checked against the digest (else `source_changed`), with the old owner (the
-   workspace owner's for a new file) and the plan's mode - without an fsync each, then
-   makes them all durable at once: one `syncfs(2)` per file system they are on;
-4. under the workspace's commit lock, change by change: the target is read and its base
-   checked again right before the rename (a host edit since is `stale_base`, never
-   overwritten; the temp file goes), the approval found again, the pre-image kept when
-   a checkpoint is live, then the rename (the unlink for a delete; a new file with
-   `RENAME_NOREPLACE`, so one the host made after the check is never replaced) - the
-   file replaced was read through an fd kept open across the rename, which
-   `batch_base.RELEASER` closes in the background: freeing its inode is never waited
-   for - then the parent directories are made durable (one fsync, or one `syncfs` per
-   file system for several) and ONE transaction journals every change
-   (`changes.apply`, one entry each, the chain intact), consumes the approvals,
-   records the pre-images, forgets the temp files and drops the intents.
-
-`apply_dirs` (`batch_dirs`) does the same for directory steps (`mkdir` with the
-workspace owner's ownership, empty-only `rmdir`, `chmod`; `changes.apply_dir`): plan,
-intents, then under the lock each step, the parents made durable, one transaction.
-
-A crash before step 4 lands nothing and leaves recorded temp files (removed at the next
-start); one during or after the renames leaves changes landed without their entries:
-their intents are journaled at the next start, `recovered: true` (`write_intents`).
-
-Each change gets its own `Landing`; one failing never stops the others. Blocking I/O
-and SQLite throughout: call from a worker thread.
+"""A change set's files in batches: step by step as the theory of operation in `batch`
+says, each file bound to its base, re-checked under the commit lock right before its
+rename, journaled `changes.apply`.
 """
 
 from __future__ import annotations
@@ -57,11 +19,16 @@ from substrate.errors import (
     Refusal,
     StaleBase,
 )
-from substrate.workspace import batch_base, discoverable, fsops, paths
-from substrate.workspace.batch_base import (
+from substrate.workspace import discoverable, fsops, paths
+from substrate.workspace.adopted import Workspace
+from substrate.workspace.checkpoints import Checkpoints, Preimage
+from substrate.workspace.writes import batch
+from substrate.workspace.writes.base import Current, read_current, read_current_held
+from substrate.workspace.writes.batch import (
     RELEASER,
     SOURCE_CHANGED,
     UNCHANGED,
+    BatchCore,
     HeldDirs,
     Landing,
     Step,
@@ -69,22 +36,15 @@ from substrate.workspace.batch_base import (
     make_durable,
     rename_new,
 )
-from substrate.workspace.batch_dirs import DirBatches
-from substrate.workspace.checkpoints import Checkpoints, Preimage
-from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import new_name
-from substrate.workspace.write_base import (
+from substrate.workspace.writes.intents import FILE_KIND, Intent
+from substrate.workspace.writes.plan import (
     DEFAULT_FILE_MODE,
     MAX_PATCH_FILE,
-    Current,
     Op,
-    check_not_reserved,
     no_setid,
     plan_digest,
-    read_current,
-    read_current_held,
 )
-from substrate.workspace.write_intents import FILE_KIND, Intent
+from substrate.workspace.writes.temp_files import check_not_reserved, new_name
 
 
 @dataclass(frozen=True)
@@ -104,9 +64,9 @@ class FileChange:
 Source = Callable[[str], bytes | None]
 
 
-class BatchWriter(DirBatches):
-    """Applies change sets' files (`apply_files`) and directories (`apply_dirs`) in
-    batches (see the module doc)."""
+class FileBatches(BatchCore):
+    """`apply_files`; the directories are `batch_dirs.DirBatches`'s (`writer.BatchWriter`
+    is both)."""
 
     def apply_files(
         self,
@@ -117,7 +77,7 @@ class BatchWriter(DirBatches):
         *,
         dry_run: bool = False,
     ) -> list[Landing]:
-        """Apply `changes` in order (see the module doc); their landings, in order.
+        """Apply `changes` in order (`batch`'s theory of operation); their landings, in order.
         `dry_run`: every check, nothing written (`approval_required` whenever the policy
         asks for one). Costs per change a read and hash of the target (two when it
         exists), a read and hash of the new bytes, a temp file and a rename; per chunk
@@ -140,9 +100,7 @@ class BatchWriter(DirBatches):
                     return SOURCE_CHANGED
             return Landing("applied", plan_digest=step.digest)
 
-        return self._chunks(
-            ws, len(changes), plan, land, dry if dry_run else None, batch_base.CHUNK
-        )
+        return self._chunks(ws, len(changes), plan, land, dry if dry_run else None, batch.CHUNK)
 
     def _plan_file(
         self,
@@ -244,7 +202,7 @@ class BatchWriter(DirBatches):
     def _land_files(
         self, ws: Workspace, dirs: HeldDirs, steps: list[Step], source: Source
     ) -> dict[int, Landing]:
-        """Steps 2-4 of the module doc for one chunk; the landings that are not
+        """Steps 2-4 of `batch`'s theory of operation for one chunk; the landings that are not
         `applied`."""
         out: dict[int, Landing] = {}
         if not steps:
@@ -255,7 +213,7 @@ class BatchWriter(DirBatches):
         recorded: list[Temp] = [(s.dirs, s.temp) for s in fresh if s.temp is not None]
         with self._store.transaction() as db:
             self._temps.record_many_in(db, ws.id, recorded)
-            batch = self.intents.add_in(db, ws.id, [s.intent for s in steps])
+            token = self.intents.add_in(db, ws.id, [s.intent for s in steps])
         try:
             for step in fresh:
                 failed = self._write_temp(ws, dirs, step, source, recorded)
@@ -263,7 +221,7 @@ class BatchWriter(DirBatches):
                     out[step.index] = failed
             make_durable([dirs.get(s.dirs, s.where) for s in fresh if s.temp is not None])
         except BaseException:
-            self._abandon(ws, dirs, steps, recorded, batch)
+            self._abandon(ws, dirs, steps, recorded, token)
             raise
         ready = [s for s in steps if s.index not in out]
         landed: list[Step] = []
@@ -284,7 +242,7 @@ class BatchWriter(DirBatches):
                     self._drop_temp(dirs, step)
                 raise
             finally:
-                kept = self._journal_landed(ws, dirs, landed, recorded, batch)
+                kept = self._journal_landed(ws, dirs, landed, recorded, token)
         if kept and self._preimages is not None:
             self._preimages.settle()
         return out

@@ -1,6 +1,6 @@
 """A guarded write cut off by a crash between its rename and its journal commit is
 journaled at the next start, `recovered: true`; one that did not land journals nothing
-(docs/protocol.md §4, "Crash"; `substrate.workspace.write_intents`).
+(docs/protocol.md §4, "Crash"; `substrate.workspace.writes.intents`).
 
 Each crash is real: the write runs in a forked child that dies (`os._exit`, no cleanup,
 as `kill -9` would) at the injected point, then the parent opens the state again as a
@@ -35,10 +35,15 @@ from substrate.workspace import fsops
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.digests import Digests
 from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry
-from substrate.workspace.upload_writes import UploadWriter
 from substrate.workspace.uploads import Uploads
-from substrate.workspace.write_intents import Intent, Intents
-from substrate.workspace.writes import WRITE_KINDS, Writer, drift_report
+from substrate.workspace.writes import (
+    WRITE_KINDS,
+    Intent,
+    Intents,
+    UploadWriter,
+    Writer,
+    drift_report,
+)
 
 ACTOR = "agent:0"
 FILES: dict[str, str | bytes] = {"a.txt": "a\n", "b.txt": "b\n", "ci/deploy.yml": "steps: []\n"}

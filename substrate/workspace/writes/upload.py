@@ -1,16 +1,16 @@
 """Guarded writes of uploaded files: `fs.upload.commit`, streamed (docs/protocol.md §14, §4).
 
-Theory of operation. The steps and refusals are `substrate.workspace.writes`'s, in the
-same order, with the file's bytes in the upload's spool instead of in memory: validate
-the path, check the policy, open the parent through held directory fds, bind the current
-file's SHA-256 (hashed as a stream, cached by version in `Digests`) to the upload's
-`base_sha256`, compute the plan and its digest (`writes.plan_digest`: the digest an
-`fs.write` of the same bytes would have), check a given `plan_digest` and the operator
-approval. A dry run returns that plan. To apply, the spool is copied a block at a time
-into a recorded temp file in the target's directory (`temp_files`), hashed again on the
-way (the bytes written are the bytes declared, or `upload_mismatch`), given the old
-owner and the plan's mode and fsynced, while its intent (the journal entry it will get,
-`write_intents`) commits; under the workspace's commit lock the base is checked once
+Theory of operation. The steps and refusals are `writer`'s, in the same order, with the
+file's bytes in the upload's spool instead of in memory: validate the path, check the
+policy, open the parent through held directory fds (`base.open_parent`), bind the
+current file's SHA-256 (hashed as a stream, cached by version in `Digests`) to the
+upload's `base_sha256`, compute the plan and its digest (`plan.plan_digest`: the digest
+an `fs.write` of the same bytes would have), check a given `plan_digest` and the
+operator approval. A dry run returns that plan. To apply, the spool is copied a block at
+a time into a recorded temp file in the target's directory (`temp_files`), hashed again
+on the way (the bytes written are the bytes declared, or `upload_mismatch`), given the
+old owner and the plan's mode and fsynced, while its intent (the journal entry it will
+get, `intents`) commits; under the workspace's commit lock the base is checked once
 more, the pre-image kept for a live checkpoint, the temp file renamed over the target,
 the directory fsynced, and the journal entry `fs.upload` (digests, size and mode; never
 bytes) written in the transaction that consumes the approval and drops the intent.
@@ -18,7 +18,7 @@ bytes) written in the transaction that consumes the approval and drops the inten
 Memory stays at one block (`fsops.CHUNK`) whatever the file's size, except: the plan's
 diff preview reads both sides only when both are at most `PREVIEW_DIFF_LIMIT` (2 MiB),
 and a live checkpoint keeps what the write replaces, which is read whole and so bounded
-by `writes.MAX_PATCH_FILE` (64 MiB; a larger file under a live checkpoint is `too_large`,
+by `plan.MAX_PATCH_FILE` (64 MiB; a larger file under a live checkpoint is `too_large`,
 as a restore could not put it back).
 
 A crash leaves the old file or the new one, never a mix, plus at worst a recorded temp
@@ -54,25 +54,22 @@ from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import discoverable, fsops, paths
+from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.digests import Digests
 from substrate.workspace.preview import PREVIEW_DIFF_LIMIT, unified_preview
-from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import TempFiles
 from substrate.workspace.uploads import Upload
-from substrate.workspace.write_base import (
+from substrate.workspace.writes.base import open_parent
+from substrate.workspace.writes.intents import Intent, Intents, Pending
+from substrate.workspace.writes.plan import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
     MAX_PATCH_FILE,
     Op,
+    no_setid,
     plan_digest,
 )
-from substrate.workspace.write_base import check_not_reserved as _check_not_reserved
-from substrate.workspace.write_intents import Intent, Intents, Pending
-
-# writes.py's own step, shared rather than copied: the parent opening (with the missing
-# directories to make) is the same for every write.
-from substrate.workspace.writes import _open_parent
+from substrate.workspace.writes.temp_files import TempFiles, check_not_reserved
 
 #: The journal kind of an applied upload.
 KIND = "fs.upload"
@@ -114,7 +111,7 @@ class _Staged:
     landed: bool = False
 
     def intent(self, approval: str | None) -> Intent:
-        """The upload's journal entry-to-be (`write_intents`)."""
+        """The upload's journal entry-to-be (`intents`)."""
         plan = self.plan
         data = {
             "path": plan.path,
@@ -135,7 +132,7 @@ def _target(ws: Workspace, path: str) -> _Target:
     parts = paths.split_relpath(path)
     rel = "/".join(parts)
     where = ws.provenance(rel)
-    _check_not_reserved(parts, where)
+    check_not_reserved(parts, where)
     if not ws.policy.may_write(rel):
         raise PathDenied(f"{where}: denied by the workspace write policy")
     return _Target(parts, rel, where)
@@ -219,7 +216,7 @@ class UploadWriter:
         self._preimages = preimages
         self._temps = TempFiles(store, journal.epoch)
         self._approvals = Approvals(store)
-        #: Its journal entry-to-be, durable before the rename (`write_intents`).
+        #: Its journal entry-to-be, durable before the rename (`intents`).
         self._intents = Intents(store, journal)
 
     def check(self, ws: Workspace, path: str, base: str | None, create_parents: bool) -> None:
@@ -230,7 +227,7 @@ class UploadWriter:
         file unless its digest is cached."""
         with ws.use():
             target = _target(ws, path)
-            parent_fd, missing = _open_parent(ws, target.parts, target.where, create_parents)
+            parent_fd, missing = open_parent(ws, target.parts, target.where, create_parents)
             try:
                 current = _current(parent_fd, target.parts[-1], target.where, self._digests, 0)
             finally:
@@ -257,7 +254,7 @@ class UploadWriter:
         hash, two fsyncs and one transaction."""
         with ws.use():
             target = _target(ws, up.path)
-            parent_fd, missing = _open_parent(ws, target.parts, target.where, up.create_parents)
+            parent_fd, missing = open_parent(ws, target.parts, target.where, up.create_parents)
             try:
                 return self._plan_and_apply(
                     ws, up, spool_fd, target, parent_fd, missing, dry_run, given_digest, actor
@@ -303,7 +300,7 @@ class UploadWriter:
             mode = up.mode
         else:
             mode = current.mode if current.exists else DEFAULT_FILE_MODE
-        mode &= ~(stat.S_ISUID | stat.S_ISGID)  # never make a set-id file (see writes.py)
+        mode = no_setid(mode)  # never make a set-id file
         digest = plan_digest(ws.root_id, target.rel, op, current.sha256, up.sha256, mode)
         if given_digest is not None and given_digest != digest:
             raise PlanMismatch(f"{where}: plan digest does not match", plan_digest=digest)

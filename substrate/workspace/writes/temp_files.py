@@ -7,26 +7,26 @@ state database before the file is created (`TempFiles.create`); the row is delet
 transaction that journals the applied write (or once the restore's rename is done), or
 after the temp file is unlinked when the write fails (`TempFiles.discard`).
 
-For guarded writes (`TempFiles(..., reserve=RESERVE)`, `substrate.workspace.writes`) `create` does not
+For guarded writes (`TempFiles(..., reserve=RESERVE)`, `writer`) `create` does not
 commit a row per file: it takes a name reserved earlier for that directory, and when
-none is left it reserves `RESERVE` fresh ones there in one commit,
-so a run of writes in one directory pays one fsynced commit per `RESERVE` files instead
-of one each. A reserved name is durable before any file has it, which is all the cleaner
-relies on; a reservation never used is a row naming a file that never existed, which the
-cleaner passes over. At most `RESERVE` names are held for each of the `RESERVED_DIRS`
+none is left it reserves `RESERVE` fresh ones there in one commit, so a run of writes in
+one directory pays one fsynced commit per `RESERVE` files instead of one each. A
+reserved name is durable before any file has it, which is all the cleaner relies on; a
+reservation never used is a row naming a file that never existed, which the cleaner
+passes over. At most `RESERVE` names are held for each of the `RESERVED_DIRS`
 directories used last (an older directory's are deleted).
 
-A batch of writes (`substrate.workspace.batch_writes`) commits the rows of all its temp
-files in one transaction before creating the first (`record_many_in`) and forgets them
-in the one that journals the batch (`forget_many_in`). A crash therefore leaves, at
-worst, rows naming files that may exist. At the next start `clean_recorded` visits
-exactly the rows of earlier runs (epochs): it opens the recorded directory beneath the
-workspace root fd without following a symlink and unlinks the name only if it is still
-a regular file.
+A batch of writes (`batch_files`) commits the rows of all its temp files in one
+transaction before creating the first (`record_many_in`) and forgets them in the one
+that journals the batch (`forget_many_in`). A crash therefore leaves, at worst, rows
+naming files that may exist. At the next start `WorkspaceRegistry.clean_stale_temp_files`
+visits exactly the rows of earlier runs (epochs, `stale`) and `remove_recorded` opens
+each recorded directory beneath the workspace root fd without following a symlink and
+unlinks the name only if it is still a regular file.
 
 A file with the prefix that substrate never recorded - a user's, or a sandbox's - is never
-touched, whatever its age; guarded writes refuse names with the prefix, so an agent cannot
-make one through substrate either.
+touched, whatever its age; guarded writes refuse names with the prefix
+(`check_not_reserved`), so an agent cannot make one through substrate either.
 """
 
 from __future__ import annotations
@@ -251,3 +251,12 @@ def remove_recorded(root_fd: int, dirs: Sequence[str], name: str) -> bool | None
         return None
     finally:
         os.close(parent)
+
+
+def check_not_reserved(parts: tuple[str, ...], where: str) -> None:
+    """Refuse a name substrate uses for its temp files: it must never write or delete one."""
+    if any(part.startswith(TEMP_PREFIX) for part in parts):
+        raise PathDenied(
+            f"{where}: names starting with {TEMP_PREFIX!r} are reserved for substrate's temp files",
+            reserved_prefix=TEMP_PREFIX,
+        )

@@ -1,4 +1,5 @@
-"""substrate.workspace.temp_files: guarded-write temp files are recorded, and only recorded ones cleaned.
+"""substrate.workspace.writes.temp_files: guarded-write temp files are recorded, and only
+recorded ones cleaned.
 
 In-process tests drive `WorkspaceRegistry.clean_stale_temp_files` and `Writer` over a
 private state dir (a "restart" is a new Journal, hence a new epoch, on the same database);
@@ -24,8 +25,8 @@ from substrate.schema.fs import WriteParams, write_request
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
-from substrate.workspace.temp_files import RESERVE, RESERVED_DIRS, TEMP_PREFIX, TempFiles
 from substrate.workspace.writes import Writer
+from substrate.workspace.writes.temp_files import RESERVE, RESERVED_DIRS, TEMP_PREFIX, TempFiles
 from tests.harness import wait_until
 
 if TYPE_CHECKING:

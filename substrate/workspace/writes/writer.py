@@ -1,38 +1,38 @@
-"""Guarded writes: the only way substrate changes a file (docs/protocol.md §4).
+"""`Writer`: one guarded write, `fs.write`, `fs.patch`, `fs.delete` and a restore's
+file, the only way substrate changes a file (docs/protocol.md §4); `recover` at start.
 
-Theory of operation. A write is first *planned*, touching nothing: validate the path,
-check the policy, read the current bytes through the held parent directory fd, refuse
-what host tools would take for a repository or a misleading new name
-(`discoverable.check_write`), check them against `base_sha256`, compute the new bytes, their digest and the plan digest,
-check a given `plan_digest` and the operator approval. A dry run returns that plan. To
-*apply*, the new bytes go to a temp file created in the same directory (`O_CREAT |
-O_EXCL | O_NOFOLLOW` through the dir fd), which is fsynced with the old mode and owner;
-meanwhile the write's intent (the journal entry it will get, `write_intents`) commits on
+Theory of operation. A write is first *planned*, touching nothing (`_plan`): validate
+the path, refuse the temp prefix (`temp_files.check_not_reserved`), check the policy,
+read the current bytes through the held parent directory fd (`base.read_current`),
+refuse what host tools would take for a repository or a misleading new name
+(`discoverable.check_write`), check them against `base_sha256`, compute the new bytes,
+their digest and the plan digest (`plan.plan_digest`), check a given `plan_digest` and
+the operator approval. A dry run returns that plan. To *apply*, the new bytes go to a
+temp file created in the same directory (`O_CREAT | O_EXCL | O_NOFOLLOW` through the dir
+fd, under a recorded name: `temp_files`), which is fsynced with the old mode and owner;
+meanwhile the write's intent (the journal entry it will get, `intents`) commits on
 another thread. Then, under the workspace's commit lock, the base is checked once more,
 the temp file is renamed over the target through the same dir fd, the directory is
 fsynced, and the approval (if any) is consumed and the intent dropped in the same
-database transaction as the journal entry.
-A write with no approval and no pre-image to keep submits that transaction to the
-store's group commit under the lock and waits for it after (`substrate.store.group`):
-concurrent writes share one fsynced commit, entries keep the lock's order, and the write
-returns only once its entry is durable, as before.
-The file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.write` and
+database transaction as the journal entry. A write with no approval and no pre-image to
+keep submits that transaction to the store's group commit under the lock and waits for
+it after (`substrate.store.group`): concurrent writes share one fsynced commit, entries
+keep the lock's order, and the write returns only once its entry is durable. The
+file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.write` and
 `fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
 "exactly one of" pairs arrive as one tagged Struct it `match`es on.
 
 While the workspace has a checkpoint, the bytes a write replaces are kept first (the
 `preimages` hook, `substrate.workspace.checkpoints`), recorded with its journal entry.
 
-A change set's files and directories go through `Writer.batch`
-(`substrate.workspace.batch_writes`: the same checks, many files per transaction and
-flush); what both share is `substrate.workspace.write_base`.
+A change set's files and directories go through `Writer.batch` (`BatchWriter`: the same
+checks, many files per transaction and flush; `batch`, `batch_files`, `batch_dirs`).
 
 A crash leaves the old or the new file, never a mix, plus at worst a temp file that the
-next start removes: each temp file is recorded in the database before it is created
-(`substrate.workspace.temp_files`), and only recorded ones are ever cleaned. A write
-that landed but whose journal transaction the crash lost is journaled at the next start
-from its intent, `recovered: true` (`Writer.recover`); one that did not land is not. Names with
-the temp prefix are refused as targets, so no agent can make a file that looks like ours.
+next start removes: each temp file is recorded in the database before it is created,
+and only recorded ones are ever cleaned. A write that landed but whose journal
+transaction the crash lost is journaled at the next start from its intent,
+`recovered: true` (`Writer.recover`); one that did not land is not.
 
 Every operation holds the workspace's root fd (`Workspace.use`) while it runs, so a
 release waits for it instead of closing the fd under it.
@@ -73,13 +73,14 @@ from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import discoverable, fsops, patching, paths
-from substrate.workspace.batch_writes import BatchWriter, FileChange
+from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
-from substrate.workspace.digests import hash_fd
 from substrate.workspace.preview import unified_preview
-from substrate.workspace.registry import Workspace
-from substrate.workspace.temp_files import RESERVE, TempFiles
-from substrate.workspace.write_base import (
+from substrate.workspace.writes.base import Current, open_parent, read_current
+from substrate.workspace.writes.batch_dirs import DirBatches
+from substrate.workspace.writes.batch_files import FileBatches, FileChange
+from substrate.workspace.writes.intents import Intent, Pending
+from substrate.workspace.writes.plan import (
     DEFAULT_DIR_MODE,
     DEFAULT_FILE_MODE,
     MAX_PATCH_FILE,
@@ -87,14 +88,11 @@ from substrate.workspace.write_base import (
     no_setid,
     plan_digest,
 )
-from substrate.workspace.write_base import Current as _Current
-from substrate.workspace.write_base import check_not_reserved as _check_not_reserved
-from substrate.workspace.write_base import read_current as _read_current
-from substrate.workspace.write_intents import Intent, Pending
+from substrate.workspace.writes.temp_files import RESERVE, TempFiles, check_not_reserved
 
 log = logging.getLogger("substrate.workspace.writes")
 
-__all__ = ["MAX_PATCH_FILE", "WRITE_KINDS", "Writer", "drift_report", "plan_digest"]
+__all__ = ["BatchWriter", "Writer"]
 
 
 @dataclass
@@ -110,7 +108,7 @@ class _Staged:
     landed: bool = False
 
     def intent(self, prep: _Prepared, approval: str | None) -> Intent:
-        """The write's journal entry-to-be (`write_intents`)."""
+        """The write's journal entry-to-be (`intents`)."""
         plan = prep.plan
         data = {
             "path": plan.path,
@@ -130,30 +128,9 @@ class _Prepared:
     parts: tuple[str, ...]
     rel: str
     missing_parents: tuple[str, ...]  # components to create before the apply
-    current: _Current
+    current: Current
     new: bytes | None
     plan: Plan
-
-
-def _open_parent(
-    ws: Workspace, parts: tuple[str, ...], where: str, create_parents: bool
-) -> tuple[int | None, tuple[str, ...]]:
-    """Open the deepest existing ancestor. Returns (fd of the parent or None, missing dirs)."""
-    dirs = parts[:-1]
-    try:
-        return paths.open_dir(ws.root_fd, dirs, where), ()
-    except NotFound:
-        if not create_parents:
-            raise
-    # Find how much exists, refusing symlinks on the way like any open.
-    for cut in range(len(dirs) - 1, -1, -1):
-        try:
-            fd = paths.open_dir(ws.root_fd, dirs[:cut], where)
-        except NotFound:
-            continue
-        os.close(fd)
-        return None, dirs[cut:]
-    return None, dirs
 
 
 #: What a write makes of the target: these bytes, a function of its current bytes (a
@@ -173,15 +150,15 @@ def _plan(
     parts = paths.split_relpath(path)
     rel = "/".join(parts)
     where = ws.provenance(rel)
-    _check_not_reserved(parts, where)
+    check_not_reserved(parts, where)
     if not ws.policy.may_write(rel):
         raise PathDenied(f"{where}: denied by the workspace write policy")
-    parent_fd, missing = _open_parent(ws, parts, where, create_parents)
+    parent_fd, missing = open_parent(ws, parts, where, create_parents)
     try:
         if parent_fd is None:
-            current = _Current(exists=False)
+            current = Current(exists=False)
         else:
-            current = _read_current(parent_fd, parts[-1], where, MAX_PATCH_FILE)
+            current = read_current(parent_fd, parts[-1], where, MAX_PATCH_FILE)
         if (new_of is None or callable(new_of)) and not current.exists:
             raise NotFound(f"{where}: not found")
         made = (*missing, parts[-1]) if not current.exists else missing
@@ -233,6 +210,11 @@ def _plan(
         raise
 
 
+class BatchWriter(FileBatches, DirBatches):
+    """Applies change sets' files (`apply_files`, `batch_files`) and directories
+    (`apply_dirs`, `batch_dirs`) in batches over one shared frame (`batch`)."""
+
+
 class Writer:
     """Plans and applies guarded writes for every workspace."""
 
@@ -248,13 +230,13 @@ class Writer:
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
-        #: Every write's journal entry-to-be, durable before its rename (`write_intents`).
+        #: Every write's journal entry-to-be, durable before its rename (`intents`).
         self._intents = self.batch.intents
 
     def recover(self, workspace: Callable[[str], Workspace]) -> int:
         """At start, before anything writes: journal (`recovered: true`) every guarded
         write of an earlier run that landed but whose journal transaction a crash lost,
-        and drop the intents of those that did not land (`write_intents.resolve`);
+        and drop the intents of those that did not land (`Intents.resolve`);
         returns how many were journaled. The intents of a workspace `workspace` refuses
         (no longer adopted) stay for a start that knows it. Costs a query, and a read
         per path left unjournaled."""
@@ -326,7 +308,7 @@ class Writer:
         dry_run: bool = False,
     ) -> str | None:
         """Apply one file of a change set: `data` (None: a delete) bound to `base`, parents
-        not made, journaled as `changes.apply` - a batch of one (`batch_writes`; a change
+        not made, journaled as `changes.apply` - a batch of one (`batch_files`; a change
         set goes through `batch` whole). Returns the plan digest, None when the checkout
         already held the result. Refuses as `fs.write`/`fs.delete` do (`path_denied`,
         `approval_required` with the plan digest, `stale_base`, `already_exists`, ...) and
@@ -451,7 +433,7 @@ class Writer:
             # the commit of another write's entry).
             staged.pending.wait()
         with ws.commit_lock:
-            now = _read_current(parent_fd, name, where, MAX_PATCH_FILE)
+            now = read_current(parent_fd, name, where, MAX_PATCH_FILE)
             if now.sha256 != prep.current.sha256:
                 raise StaleBase(
                     f"{where}: changed while the write was prepared", current_sha256=now.sha256
@@ -502,67 +484,10 @@ class Writer:
         if pre is not None and self._preimages is not None:
             self._preimages.settle()
 
-    def _keep_preimage(self, ws: Workspace, rel: str, now: _Current) -> Preimage | None:
+    def _keep_preimage(self, ws: Workspace, rel: str, now: Current) -> Preimage | None:
         """Hand what the write replaces to the checkpoints' keeper (under the commit lock,
         before the rename); the pre-image to record with the journal entry, or None."""
         if self._preimages is None:
             return None
         pre = Preimage(ws.id, rel, now.sha256, now.data, now.mode if now.exists else None)
         return pre if self._preimages.keep(pre) else None
-
-
-WRITE_KINDS = (
-    "fs.write",
-    "fs.patch",
-    "fs.delete",
-    "fs.upload",
-    "changes.apply",
-    "workspace.restore_file",
-)
-
-
-def drift_report(
-    ws: Workspace, journal: Journal
-) -> list[tuple[str, int, str | None, str | None, str]]:
-    """For every file substrate wrote in `ws`: (path, last seq, last digest, current, status).
-
-    Status is `match`, `drift` (other bytes now, or present after our delete), `missing`
-    (we wrote it, it is gone) or `unreadable` (a symlink or non-file stands there now).
-    Costs one pass over the journal of this workspace and one hash per file.
-    """
-    last: dict[str, tuple[int, str | None]] = {}
-    since = 0
-    while True:
-        batch = journal.read(since=since, limit=5000, workspace=ws.id, kinds=WRITE_KINDS)
-        if not batch:
-            break
-        for entry in batch:
-            last[str(entry.data["path"])] = (entry.seq, entry.data.get("new_sha256"))
-        since = batch[-1].seq
-    prefix = ws.root_id + ":"
-    report: list[tuple[str, int, str | None, str | None, str]] = []
-    with ws.use():
-        for path in sorted(last):
-            seq, digest = last[path]
-            rel = path[len(prefix) :] if path.startswith(prefix) else path
-            try:
-                parts = paths.split_relpath(rel)
-                with paths.opened_dir(ws.root_fd, parts[:-1], path) as parent:
-                    fd = paths.open_regular(parent, parts[-1], path)
-                try:  # hashed as a stream: an uploaded file may be large
-                    current = hash_fd(fd)
-                finally:
-                    os.close(fd)
-            except NotFound:
-                current = None
-            except Exception:
-                report.append((path, seq, digest, None, "unreadable"))
-                continue
-            if current == digest:
-                status = "match"
-            elif current is None:
-                status = "missing"
-            else:
-                status = "drift"
-            report.append((path, seq, digest, current, status))
-    return report

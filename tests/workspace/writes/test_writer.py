@@ -1,4 +1,5 @@
-"""substrate.workspace.writes in-process: plans, digests, atomic apply, owners and modes, the journal."""
+"""substrate.workspace.writes.writer in-process: plans, digests, atomic apply, owners and
+modes, the journal."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import writes
 from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry
-from substrate.workspace.writes import Writer
+from substrate.workspace.writes import Writer, writer
 
 WS = "ws_test"
 ACTOR = "agent:0"
@@ -559,7 +560,7 @@ def test_patch_needs_exactly_one_form_and_an_existing_file(env: Env) -> None:
 
 def test_base_changed_between_plan_and_commit(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """The commit re-checks the base: a concurrent change wins, our temp file is removed."""
-    real = writes._read_current
+    real = writer.read_current
     calls = {"n": 0}
 
     def racing(parent_fd: int, name: str, where: str, limit: int) -> Any:
@@ -568,7 +569,7 @@ def test_base_changed_between_plan_and_commit(env: Env, monkeypatch: pytest.Monk
             (env.root / "src" / "util.py").write_text("CONCURRENT = 1\n")
         return real(parent_fd, name, where, limit)
 
-    monkeypatch.setattr(writes, "_read_current", racing)
+    monkeypatch.setattr(writer, "read_current", racing)
     with pytest.raises(StaleBase) as info:
         env.write("src/util.py", "MINE = 1\n", env.sha("src/util.py"))
     assert calls["n"] == 2

@@ -1,6 +1,6 @@
 """Directory steps of a change set in batches: `mkdir` (the workspace owner's), empty-only
-`rmdir` and `chmod`, journaled `changes.apply_dir` (theory of operation:
-`batch_writes`). Set-id bits are never given.
+`rmdir` and `chmod`, journaled `changes.apply_dir` (theory of operation: `batch`). Set-id
+bits are never given.
 """
 
 from __future__ import annotations
@@ -12,17 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from substrate.errors import ApprovalRequired, NotFound, PathDenied, Refusal
-from substrate.workspace import batch_base, discoverable, fsops, paths
-from substrate.workspace.batch_base import UNCHANGED, BatchCore, HeldDirs, Landing, Step
-from substrate.workspace.registry import Workspace
-from substrate.workspace.write_base import (
-    DEFAULT_DIR_MODE,
-    DirOp,
-    check_not_reserved,
-    dir_digest,
-    no_setid,
-)
-from substrate.workspace.write_intents import DIR_KIND, Intent
+from substrate.workspace import discoverable, fsops, paths
+from substrate.workspace.adopted import Workspace
+from substrate.workspace.writes import batch
+from substrate.workspace.writes.batch import UNCHANGED, BatchCore, HeldDirs, Landing, Step
+from substrate.workspace.writes.intents import DIR_KIND, Intent
+from substrate.workspace.writes.plan import DEFAULT_DIR_MODE, DirOp, dir_digest, no_setid
+from substrate.workspace.writes.temp_files import check_not_reserved
 
 
 @dataclass(frozen=True)
@@ -35,7 +31,8 @@ class DirChange:
 
 
 class DirBatches(BatchCore):
-    """`apply_dirs`; the files are `batch_writes.BatchWriter`'s."""
+    """`apply_dirs`; the files are `batch_files.FileBatches`'s (`writer.BatchWriter` is
+    both)."""
 
     def apply_dirs(
         self, ws: Workspace, changes: Sequence[DirChange], actor: str, *, dry_run: bool = False
@@ -57,7 +54,7 @@ class DirBatches(BatchCore):
             return self._land_dirs(ws, dirs, steps)
 
         dry = (lambda _, step: Landing("applied", plan_digest=step.digest)) if dry_run else None
-        return self._chunks(ws, len(changes), plan, land, dry, batch_base.MAX_DIRS)
+        return self._chunks(ws, len(changes), plan, land, dry, batch.MAX_DIRS)
 
     def _plan_dir(
         self,
@@ -132,7 +129,7 @@ class DirBatches(BatchCore):
         per parent and one transaction; the landings of the steps that did not land."""
         out: dict[int, Landing] = {}
         with self._store.transaction() as db:
-            batch = self.intents.add_in(db, ws.id, [s.intent for s in steps])
+            token = self.intents.add_in(db, ws.id, [s.intent for s in steps])
         landed: list[Step] = []
         with ws.commit_lock:
             try:
@@ -143,7 +140,7 @@ class DirBatches(BatchCore):
                     else:
                         out[step.index] = failed
             finally:
-                self._journal_landed(ws, dirs, landed, [], batch)
+                self._journal_landed(ws, dirs, landed, [], token)
         return out
 
     def _dir_step(self, ws: Workspace, dirs: HeldDirs, step: Step) -> Landing | None:

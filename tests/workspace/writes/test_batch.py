@@ -1,7 +1,8 @@
-"""substrate.workspace.batch_writes: a change set's files and directories land in batches
-with every guarantee of one guarded write: bound to their base, re-checked under the
-commit lock right before each rename, one journal entry each (the chain intact), temp
-files recorded first and forgotten after, write intents gone once journaled."""
+"""substrate.workspace.writes.batch, batch_files and batch_dirs: a change set's files and
+directories land in batches with every guarantee of one guarded write: bound to their
+base, re-checked under the commit lock right before each rename, one journal entry each
+(the chain intact), temp files recorded first and forgotten after, write intents gone
+once journaled."""
 
 from __future__ import annotations
 
@@ -21,15 +22,18 @@ from substrate.errors import PathDenied, PathInvalid, StaleBase
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import batch_base, batch_writes
-from substrate.workspace.batch_base import Landing
-from substrate.workspace.batch_dirs import DirChange
-from substrate.workspace.batch_writes import FileChange
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.restore import restore
-from substrate.workspace.temp_files import TEMP_PREFIX
-from substrate.workspace.writes import Writer
+from substrate.workspace.writes import (
+    TEMP_PREFIX,
+    DirChange,
+    FileChange,
+    Landing,
+    Writer,
+    batch,
+    batch_files,
+)
 from tests.harness.waiting import wait_until
 
 ACTOR = "agent:0"
@@ -127,8 +131,8 @@ def statuses(landings: list[Landing]) -> list[str]:
 def test_many_files_over_several_chunks_one_entry_each(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(batch_base, "CHUNK", 3)
-    monkeypatch.setattr(batch_base, "MAX_DIRS", 2)
+    monkeypatch.setattr(batch, "CHUNK", 3)
+    monkeypatch.setattr(batch, "MAX_DIRS", 2)
     (env.root / "out").mkdir()
     os.chown(env.root / "out", env.ws.owner_uid, env.ws.owner_gid)
     changes = [env.change(f"out/f{i}.txt", b"%d\n" % i) for i in range(8)]
@@ -177,13 +181,13 @@ def test_a_host_edit_racing_the_batch_is_never_overwritten(
         return env.source(path)
 
     # And just before the commit lock, src/one.py.
-    real = batch_writes.make_durable
+    real = batch_files.make_durable
 
     def edit_then_sync(fds: list[int]) -> None:
         real(fds)
         (env.root / "src" / "one.py").write_text("kept\n")
 
-    monkeypatch.setattr(batch_writes, "make_durable", edit_then_sync)
+    monkeypatch.setattr(batch_files, "make_durable", edit_then_sync)
     landings = env.writer.batch.apply_files(env.ws, changes, racing_source, ACTOR)
     assert statuses(landings) == ["applied", "refused", "refused"]
     for landing, now in zip(landings[1:], ("the host's edit\n", "kept\n"), strict=True):
@@ -199,7 +203,7 @@ def test_a_host_edit_racing_the_batch_is_never_overwritten(
 def test_a_file_the_host_makes_after_the_last_check_is_never_replaced(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = batch_writes.read_current_held
+    real = batch_files.read_current_held
 
     def then_the_host_creates(parent_fd: int, name: str, where: str, limit: int) -> Any:
         found = real(parent_fd, name, where, limit)
@@ -207,7 +211,7 @@ def test_a_file_the_host_makes_after_the_last_check_is_never_replaced(
             (env.root / "new.txt").write_text("the host's\n")
         return found
 
-    monkeypatch.setattr(batch_writes, "read_current_held", then_the_host_creates)
+    monkeypatch.setattr(batch_files, "read_current_held", then_the_host_creates)
     [landing] = env.apply([env.change("new.txt", b"the command's\n")])
     assert landing.refusal is not None and landing.refusal.name == "already_exists"
     assert (env.root / "new.txt").read_text() == "the host's\n"
@@ -256,7 +260,7 @@ def test_a_failure_before_anything_lands_leaves_nothing(
     def no_sync(fds: list[int]) -> None:
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(batch_writes, "make_durable", no_sync)
+    monkeypatch.setattr(batch_files, "make_durable", no_sync)
     changes = [env.change("a.txt", b"A\n"), env.change("new.txt", b"n\n")]
     with pytest.raises(OSError):
         env.apply(changes)
@@ -338,7 +342,7 @@ def test_a_checkpoint_keeps_what_a_batch_replaces(env: Env) -> None:
 
 
 def test_directories_made_moded_and_removed(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(batch_base, "MAX_DIRS", 2)  # three chunks
+    monkeypatch.setattr(batch, "MAX_DIRS", 2)  # three chunks
     (env.root / "empty").mkdir()
     steps = [
         DirChange("new", "mkdir", 0o2750),  # set-gid never lands
@@ -371,7 +375,7 @@ def test_rename_new_never_replaces_also_without_renameat2(
 ) -> None:
     for libc in ("real", "without renameat2"):
         if libc != "real":
-            monkeypatch.setattr(batch_base, "_libc", object())  # no renameat2: the fallback
+            monkeypatch.setattr(batch, "_libc", object())  # no renameat2: the fallback
         d = tmp_path / libc
         d.mkdir()
         (d / "tmp").write_text("new\n")
@@ -379,8 +383,8 @@ def test_rename_new_never_replaces_also_without_renameat2(
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             with pytest.raises(FileExistsError):
-                batch_base.rename_new(fd, "tmp", "taken")
-            batch_base.rename_new(fd, "tmp", "free")
+                batch.rename_new(fd, "tmp", "taken")
+            batch.rename_new(fd, "tmp", "free")
         finally:
             os.close(fd)
         assert (d / "taken").read_text() == "the host's\n"
