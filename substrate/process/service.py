@@ -27,12 +27,13 @@ from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
 from substrate.process.fastexec import Launcher
 from substrate.process.layer_keep import ArtifactKeeper
+from substrate.process.profile_registry import ProfileRegistry
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
 from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.engine import Engine
-from substrate.sandbox.profiles import Profile, find_profile, load_profiles
+from substrate.sandbox.profiles import Profile, load_profile_set
 from substrate.sandbox.proxy_link import ProxyLinks
 from substrate.sandbox.supervisor.supervisors import Supervisors
 from substrate.schema.journal import EngineStatus
@@ -57,7 +58,7 @@ SHUTDOWN_DRAIN_S = 30.0
 
 
 class Execution:
-    """Everything that runs commands. Handlers reach it as `daemon.execution`."""
+    """Everything that runs commands; the daemon hands its parts to the handlers."""
 
     def __init__(
         self,
@@ -74,9 +75,8 @@ class Execution:
     ) -> None:
         self.config = config
         self.journal = journal
-        self.profiles: dict[str, Profile] = load_profiles(
-            Path(config.profiles_dir), Path(config.seccomp_dir)
-        )
+        # First: a bad profile or seccomp file stops the start before anything is made.
+        loaded = load_profile_set(Path(config.profiles_dir), Path(config.seccomp_dir))
         self.engine = engine if engine is not None else Engine()
         self.daemon_id = daemon_id_for(state_dir)
         #: Operator secrets (`substrate secret set`) and the workspaces' persistent homes.
@@ -84,7 +84,6 @@ class Execution:
         self.homes = (
             homes if homes is not None else Homes(state_dir, quota_bytes=config.home_quota_bytes)
         )
-        self._warn_missing_secrets()
         self.artifacts = ArtifactStore(
             store,
             state_dir / "artifacts",
@@ -122,6 +121,13 @@ class Execution:
             ),
             supervisors=self.supervisors,
         )
+        #: The profiles in force (`profile.*`, SIGHUP's reload), which retire their
+        #: sandboxes here; `profiles` is its dict, the one every look-up reads.
+        self.profile_registry = ProfileRegistry(
+            loaded, config=config, journal=journal, containers=self.containers
+        )
+        self.profiles: dict[str, Profile] = self.profile_registry.by_name
+        self._warn_missing_secrets()
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
         driver = ExecDriver(
@@ -184,7 +190,7 @@ class Execution:
 
     def profile(self, name: str) -> Profile:
         """The named profile. Refuses `profile_unknown`."""
-        return find_profile(self.profiles, name)
+        return self.profile_registry.find(name)
 
     async def engine_status(self) -> EngineStatus:
         return await self.engine.status()
