@@ -1,6 +1,6 @@
 """The profiles in force of one daemon, and their reload (docs/protocol.md §5).
 
-`ProfileRegistry(loaded, ...)` is built by `Execution` from the set it loaded at start;
+`ProfileRegistry(profiles, ...)` is built by `Execution` from the set it loaded at start;
 `reload` is what `profile.reload` and the daemon's SIGHUP share. The dict `by_name` is
 the one the runner and the handlers look profiles up in: a reload replaces its contents
 in place (`replace_in_place`), never the dict.
@@ -19,9 +19,9 @@ from substrate.sandbox.containers import Containers
 from substrate.sandbox.profiles import (
     Profile,
     ProfileError,
-    ProfileSet,
     find_profile,
     load_profile_set,
+    profile_digest,
     replace_in_place,
 )
 from substrate.schema.profile import ProfileDigest, ProfileReloadResult
@@ -34,16 +34,26 @@ class ProfileRegistry:
     """The profiles in force, each with its `profile_digest`; reloaded whole or not at all."""
 
     def __init__(
-        self, loaded: ProfileSet, *, config: Config, journal: Journal, containers: Containers
+        self,
+        profiles: dict[str, Profile],
+        *,
+        config: Config,
+        journal: Journal,
+        containers: Containers,
     ) -> None:
+        """`profiles` as loaded at start: this very dict is kept, and each reload replaces
+        its contents. Raises ProfileError when a seccomp file it names cannot be read
+        (its digest covers the file's bytes). Costs one read per seccomp file."""
         self._profiles_dir = Path(config.profiles_dir)
         self._seccomp_dir = Path(config.seccomp_dir)
         self._journal = journal
         self._containers = containers
         #: The profiles in force by name; replaced in place by each reload.
-        self.by_name: dict[str, Profile] = dict(loaded.profiles)
+        self.by_name = profiles
         #: `profile_digest` of each profile in force; replaced by each reload.
-        self.digests: dict[str, str] = dict(loaded.digests)
+        self.digests: dict[str, str] = {
+            name: profile_digest(prof, self._seccomp_dir) for name, prof in profiles.items()
+        }
         #: One reload at a time (SIGHUP, `profile.reload`).
         self._lock = trio.Lock()
 

@@ -33,7 +33,7 @@ from substrate.process.runner import Processes
 from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.engine import Engine
-from substrate.sandbox.profiles import Profile, load_profile_set
+from substrate.sandbox.profiles import Profile, find_profile, load_profiles
 from substrate.sandbox.proxy_link import ProxyLinks
 from substrate.sandbox.supervisor.supervisors import Supervisors
 from substrate.schema.journal import EngineStatus
@@ -75,8 +75,9 @@ class Execution:
     ) -> None:
         self.config = config
         self.journal = journal
-        # First: a bad profile or seccomp file stops the start before anything is made.
-        loaded = load_profile_set(Path(config.profiles_dir), Path(config.seccomp_dir))
+        self.profiles: dict[str, Profile] = load_profiles(
+            Path(config.profiles_dir), Path(config.seccomp_dir)
+        )
         self.engine = engine if engine is not None else Engine()
         self.daemon_id = daemon_id_for(state_dir)
         #: Operator secrets (`substrate secret set`) and the workspaces' persistent homes.
@@ -84,6 +85,7 @@ class Execution:
         self.homes = (
             homes if homes is not None else Homes(state_dir, quota_bytes=config.home_quota_bytes)
         )
+        self._warn_missing_secrets()
         self.artifacts = ArtifactStore(
             store,
             state_dir / "artifacts",
@@ -121,13 +123,11 @@ class Execution:
             ),
             supervisors=self.supervisors,
         )
-        #: The profiles in force (`profile.*`, SIGHUP's reload), which retire their
-        #: sandboxes here; `profiles` is its dict, the one every look-up reads.
+        #: The profiles in force with their digests (`profile.*`, SIGHUP's reload, which
+        #: retires sandboxes here); its dict is `profiles`, the one every look-up reads.
         self.profile_registry = ProfileRegistry(
-            loaded, config=config, journal=journal, containers=self.containers
+            self.profiles, config=config, journal=journal, containers=self.containers
         )
-        self.profiles: dict[str, Profile] = self.profile_registry.by_name
-        self._warn_missing_secrets()
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.
         driver = ExecDriver(
@@ -190,7 +190,7 @@ class Execution:
 
     def profile(self, name: str) -> Profile:
         """The named profile. Refuses `profile_unknown`."""
-        return self.profile_registry.find(name)
+        return find_profile(self.profiles, name)
 
     async def engine_status(self) -> EngineStatus:
         return await self.engine.status()
