@@ -25,17 +25,14 @@ from pathlib import Path
 
 import trio
 
-from substrate import __version__
-from substrate.api import dispatcher
-from substrate.api.journal import terminal_listen
-from substrate.api.profile import reload_profiles
+from substrate import __version__, api
 from substrate.config import Config, ConfigError
 from substrate.egress import EgressProxy, from_environ
 from substrate.errors import Refusal, StartupError
 from substrate.process.service import Execution
 from substrate.protocol.server import Backend, serve_socket
 from substrate.pty.service import TerminalService
-from substrate.sandbox.profiles import ProfileError, profile_digest
+from substrate.sandbox.profiles import ProfileError
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import reads
@@ -129,7 +126,8 @@ def _raise_fd_limit() -> None:
 
 @dataclass(eq=False, kw_only=True)
 class Daemon:
-    """All services of one daemon run. Handlers receive it as their first argument.
+    """All services of one daemon run. Each group of handlers is given a bundle of the
+    ones it uses (`handler_services`), never the daemon.
 
     Made by `open_daemon`, which owns the lifetime of the store and the workspaces.
     """
@@ -161,21 +159,84 @@ class Daemon:
     #: `agent_socket_group`'s gid, resolved once at start (None: root only).
     agent_gid: int | None = None
     started: float = field(default_factory=time.monotonic)
-    #: `profile_digest` of each profile in force; replaced by each reload.
-    profile_digests: dict[str, str] = field(default_factory=dict)
-    #: One profile reload at a time (SIGHUP, `profile.reload`).
-    profile_lock: trio.Lock = field(default_factory=trio.Lock)
 
     @property
     def epoch(self) -> int:
         return self.journal.epoch
+
+    def handler_services(self) -> tuple[object, ...]:
+        """One bundle of each type of `substrate.api.services`, for `api.dispatcher`."""
+        execution, terminals = self.execution, self.terminals
+        profiles = execution.profile_registry
+        return (
+            api.FsServices(
+                config=self.config,
+                workspaces=self.workspaces,
+                writer=self.writer,
+                digests=self.digests,
+                fs_limiter=self.fs_limiter,
+                hash_limiter=self.hash_limiter,
+                backtrack_limiter=self.backtrack_limiter,
+            ),
+            api.UploadServices(
+                config=self.config,
+                workspaces=self.workspaces,
+                uploads=self.uploads,
+                upload_writer=self.upload_writer,
+            ),
+            api.ArtifactServices(
+                artifacts=execution.artifacts,
+                fs_limiter=self.fs_limiter,
+                backtrack_limiter=self.backtrack_limiter,
+            ),
+            api.ChangesServices(
+                workspaces=self.workspaces, writer=self.writer, changesets=execution.changesets
+            ),
+            api.WorkspaceServices(
+                workspaces=self.workspaces,
+                execution=execution,
+                writer=self.writer,
+                checkpoints=self.checkpoints,
+                journal=self.journal,
+                fs_limiter=self.fs_limiter,
+            ),
+            api.ProcServices(
+                config=self.config,
+                workspaces=self.workspaces,
+                profiles=profiles,
+                processes=execution.processes,
+                changesets=execution.changesets,
+            ),
+            api.ProfileServices(
+                workspaces=self.workspaces, profiles=profiles, containers=execution.containers
+            ),
+            api.GrantServices(
+                workspaces=self.workspaces,
+                profiles=profiles,
+                grants=terminals.grants,
+                sessions=terminals.sessions,
+            ),
+            api.PtyServices(sessions=terminals.sessions),
+            api.JournalServices(journal=self.journal, workspaces=self.workspaces),
+            api.StatusServices(
+                config=self.config,
+                state_dir=self.state_dir,
+                started=self.started,
+                journal=self.journal,
+                execution=execution,
+                terminals=terminals,
+                profiles=profiles,
+            ),
+            api.NoServices(),
+        )
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on both sockets until a signal; then drain and journal `daemon.stopped`."""
         await trio.to_thread.run_sync(
             self.journal.append, "daemon.started", {"version": __version__, "pid": os.getpid()}
         )
-        backend = Backend(config=self.config, dispatch=dispatcher(self), record=self.journal.append)
+        dispatch = api.dispatcher(*self.handler_services())
+        backend = Backend(config=self.config, dispatch=dispatch, record=self.journal.append)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 agent, operator = self.state_dir / AGENT_SOCKET, self.state_dir / OPERATOR_SOCKET
@@ -204,8 +265,8 @@ class Daemon:
     async def _reload_profiles(self) -> None:
         """SIGHUP: `profile.reload`, its outcome logged (a refusal keeps the set in force)."""
         log.info("signal SIGHUP: reloading profiles")
-        with contextlib.suppress(Refusal):  # logged and journaled by reload_profiles
-            await reload_profiles(self, actor="operator:signal")
+        with contextlib.suppress(Refusal):  # logged and journaled by the reload
+            await self.execution.profile_registry.reload(actor="operator:signal")
 
     async def _banner(self) -> None:
         """Say at start what this daemon is: sockets, terminal URL, state dir, profiles,
@@ -216,7 +277,7 @@ class Daemon:
         log.info("substrate %s serving: pid %d, epoch %d", __version__, os.getpid(), self.epoch)
         log.info("state dir %s", self.state_dir)
         log.info("agent socket %s (0660), operator socket %s (0600)", agent, operator)
-        listen = terminal_listen(self)
+        listen = self.terminals.address()
         log.info("terminals %s", f"http://{listen}/" if listen else "not listening (see above)")
         names = sorted(self.execution.profiles)
         log.info(
@@ -308,13 +369,6 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         )
     except ProfileError as exc:
         raise StartupError(str(exc)) from None
-    try:
-        profile_digests = {
-            name: profile_digest(prof, Path(config.seccomp_dir))
-            for name, prof in execution.profiles.items()
-        }
-    except ProfileError as exc:
-        raise StartupError(str(exc)) from None
     # Before any socket accepts: no change set stays half-applied across a crash.
     execution.finish_applying(workspaces.get)
     # `execution.run` closes it too on its way out; here for a daemon that never served.
@@ -334,6 +388,5 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         digests=digests,
         uploads=uploads,
         upload_writer=UploadWriter(store, journal, digests, checkpoints),
-        profile_digests=profile_digests,
         agent_gid=agent_gid,
     )

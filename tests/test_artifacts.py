@@ -9,7 +9,6 @@ import random
 import re
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import trio
 
 from substrate.api import artifact as api
 from substrate.api.base import Caller
+from substrate.api.services import ArtifactServices
 from substrate.artifacts import lines as artifact_lines
 from substrate.artifacts.store import INDEX_MIN, ArtifactStore
 from substrate.errors import ArtifactUnknown, InvalidParams, TooLarge
@@ -451,17 +451,6 @@ def test_repair_skips_live_sinks(arts: ArtifactStore) -> None:
 # --- wire handlers ----------------------------------------------------------------------
 
 
-@dataclass
-class FakeExecution:
-    artifacts: ArtifactStore
-
-
-@dataclass
-class FakeDaemon:
-    execution: Any
-    fs_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(4))
-
-
 async def _notify(method: str, params: Any) -> None:
     raise AssertionError("no notifications expected")
 
@@ -471,7 +460,11 @@ CALLER = Caller(actor="agent", uid=1000, connection=1, notify=_notify)
 
 async def test_handlers(arts: ArtifactStore) -> None:
     aid = put(arts, b"alpha\nbeta\ngamma\n")
-    d: Any = FakeDaemon(FakeExecution(arts))
+    d = ArtifactServices(
+        artifacts=arts,
+        fs_limiter=trio.CapacityLimiter(4),
+        backtrack_limiter=trio.CapacityLimiter(2),
+    )
     stat_r = await api.stat(d, CALLER, StatParams(artifact=aid))
     assert stat_r.bytes == 17
     read_r = await api.read(d, CALLER, ReadParams(artifact=aid, offset=6, length=4))

@@ -230,7 +230,7 @@ def caller(actor: str = "agent", uid: int = 1000) -> Caller:
 
 
 def daemon_of(layer: Layer) -> Any:
-    return SimpleNamespace(execution=SimpleNamespace(processes=layer.processes))
+    return SimpleNamespace(processes=layer.processes)
 
 
 async def test_proc_write_refusals(layer: Layer) -> None:

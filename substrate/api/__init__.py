@@ -1,7 +1,11 @@
 """The wire method handlers: one async function per method of `substrate.schema`.
 
-Importing this package imports every handler module, which registers its handlers in
-`HANDLERS`; `dispatcher(daemon)` is what the daemon gives the server to run them.
+`services` declares what each group of handlers is given (`FsServices`, `ProcServices`,
+...); `base` holds the table and `dispatcher(*bundles)`, what the daemon gives the server.
+One module per group: `fs`, `upload`, `artifact`, `changes`, `workspace` (with
+`approval.grant`), `proc`, `profile` (with `facts.probe`), `grant`, `pty`, `journal`,
+`status` (`daemon.status`, `daemon.info`), `discover`. Importing this package imports
+every one, which registers its handlers in `HANDLERS`.
 """
 
 from __future__ import annotations
@@ -17,27 +21,55 @@ from substrate.api import (
     proc,
     profile,
     pty,
+    status,
     upload,
     workspace,
 )
-from substrate.api.base import HANDLERS, Actor, Caller, Handler, dispatcher, handles
+from substrate.api.base import HANDLERS, Actor, Caller, Handler, Handles, dispatcher
+from substrate.api.services import (
+    ArtifactServices,
+    ChangesServices,
+    FsServices,
+    GrantServices,
+    JournalServices,
+    NoServices,
+    ProcServices,
+    ProfileServices,
+    PtyServices,
+    StatusServices,
+    UploadServices,
+    WorkspaceServices,
+)
 
 __all__ = [
     "HANDLERS",
     "Actor",
+    "ArtifactServices",
     "Caller",
+    "ChangesServices",
+    "FsServices",
+    "GrantServices",
     "Handler",
+    "Handles",
+    "JournalServices",
+    "NoServices",
+    "ProcServices",
+    "ProfileServices",
+    "PtyServices",
+    "StatusServices",
+    "UploadServices",
+    "WorkspaceServices",
     "artifact",
     "changes",
     "discover",
     "dispatcher",
     "fs",
     "grant",
-    "handles",
     "journal",
     "proc",
     "profile",
     "pty",
+    "status",
     "upload",
     "workspace",
 ]

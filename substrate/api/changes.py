@@ -8,12 +8,11 @@ Apply and discard run in threads that are never abandoned, like guarded writes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 import trio
 
-from substrate.api.base import Caller, handles
+from substrate.api.base import Caller, Handles
+from substrate.api.services import ChangesServices
 from substrate.process.layering import MAX_CHANGE_ENTRIES, entries
 from substrate.schema.changes import (
     Change,
@@ -30,8 +29,7 @@ from substrate.workspace.layer import Kept
 #: bounded by the preview already; 1,000 of them would not be).
 MAX_DIFF_BYTES = 1 << 20
 
-if TYPE_CHECKING:
-    from substrate.daemon import Daemon
+handles = Handles(ChangesServices)
 
 
 def info(kept: Kept) -> ChangesetInfo:
@@ -70,18 +68,18 @@ def bounded_diffs(changes: tuple[Change, ...], budget: int) -> list[Change]:
 
 
 @handles("changes.get")
-async def get(daemon: Daemon, caller: Caller, p: ChangesetParams) -> ChangesetInfo:
-    kept = await trio.to_thread.run_sync(daemon.execution.changesets.get, p.changeset)
+async def get(s: ChangesServices, caller: Caller, p: ChangesetParams) -> ChangesetInfo:
+    kept = await trio.to_thread.run_sync(s.changesets.get, p.changeset)
     return info(kept)
 
 
 @handles("changes.apply")
-async def apply(daemon: Daemon, caller: Caller, p: ChangesApplyParams) -> ChangesApplyResult:
-    changesets = daemon.execution.changesets
+async def apply(s: ChangesServices, caller: Caller, p: ChangesApplyParams) -> ChangesApplyResult:
+    changesets = s.changesets
     kept = await trio.to_thread.run_sync(changesets.get, p.changeset)
-    ws = daemon.workspaces.get(kept.workspace)
+    ws = s.workspaces.get(kept.workspace)
     kept, result, unmatched = await trio.to_thread.run_sync(
-        changesets.apply, daemon.writer, ws, p.changeset, p.paths, p.dry_run, caller.name
+        changesets.apply, s.writer, ws, p.changeset, p.paths, p.dry_run, caller.name
     )
     by_path = {c.path: c for c in kept.changeset.changes}
     return ChangesApplyResult(
@@ -105,9 +103,9 @@ async def apply(daemon: Daemon, caller: Caller, p: ChangesApplyParams) -> Change
 
 
 @handles("changes.discard")
-async def discard(daemon: Daemon, caller: Caller, p: ChangesetParams) -> ChangesDiscardResult:
-    changesets = daemon.execution.changesets
+async def discard(s: ChangesServices, caller: Caller, p: ChangesetParams) -> ChangesDiscardResult:
+    changesets = s.changesets
     kept = await trio.to_thread.run_sync(changesets.get, p.changeset)
-    ws = daemon.workspaces.get(kept.workspace)
+    ws = s.workspaces.get(kept.workspace)
     kept = await trio.to_thread.run_sync(changesets.discard, ws, p.changeset, caller.name)
     return ChangesDiscardResult(changeset=kept.id, state=kept.state)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from substrate.api.base import Caller, handles
+from substrate.api.base import Caller, Handles
+from substrate.api.services import FsServices
 from substrate.schema.fs import (
     DeleteParams,
     ListParams,
@@ -43,10 +44,10 @@ from substrate.schema.fs import (
 from substrate.workspace import reads, search
 
 if TYPE_CHECKING:
-    from substrate.daemon import Daemon
     from substrate.workspace.digests import Digests
     from substrate.workspace.registry import Workspace
 
+handles = Handles(FsServices)
 
 _R = TypeVar("_R", StatResult, ReadResult)
 #: The most bytes `fs.stat` hashes on the event loop (tens of microseconds of SHA-256).
@@ -54,85 +55,83 @@ LOOP_HASH_BYTES = 64 << 10
 
 
 async def _answered(
-    daemon: Daemon,
+    s: FsServices,
     reader: Callable[[Workspace, Any, Digests, int | None], _R],
     p: StatParams | ReadParams,
 ) -> _R:
     """`reader` with the inline digest bound (fs_limiter); a digest it deferred is computed
     on the hash limiter only when the call asked for it (`hash: true`)."""
-    ws = daemon.workspaces.get(p.workspace)
-    inline = daemon.config.inline_hash_bytes
-    result = await trio.to_thread.run_sync(
-        reader, ws, p, daemon.digests, inline, limiter=daemon.fs_limiter
-    )
+    ws = s.workspaces.get(p.workspace)
+    inline = s.config.inline_hash_bytes
+    result = await trio.to_thread.run_sync(reader, ws, p, s.digests, inline, limiter=s.fs_limiter)
     if result.sha256_deferred and p.hash:
         result = await trio.to_thread.run_sync(
-            reader, ws, p, daemon.digests, None, limiter=daemon.hash_limiter, abandon_on_cancel=True
+            reader, ws, p, s.digests, None, limiter=s.hash_limiter, abandon_on_cancel=True
         )
     return result
 
 
 @handles("fs.stat")
-async def stat(daemon: Daemon, caller: Caller, p: StatParams) -> StatResult:
-    inline = daemon.config.inline_hash_bytes
-    ws = daemon.workspaces.get(p.workspace)
+async def stat(s: FsServices, caller: Caller, p: StatParams) -> StatResult:
+    inline = s.config.inline_hash_bytes
+    ws = s.workspaces.get(p.workspace)
     # On the loop, hashing at most LOOP_HASH_BYTES; what it could not finish goes on.
-    quick = reads.stat_path(ws, p, daemon.digests, min(inline, LOOP_HASH_BYTES))
+    quick = reads.stat_path(ws, p, s.digests, min(inline, LOOP_HASH_BYTES))
     if quick.sha256_deferred and (quick.size <= inline or p.hash):
-        return await _answered(daemon, reads.stat_path, p)
+        return await _answered(s, reads.stat_path, p)
     await trio.lowlevel.checkpoint()
     return quick
 
 
 @handles("fs.read")
-async def read(daemon: Daemon, caller: Caller, p: ReadParams) -> ReadResult:
-    return await _answered(daemon, reads.read_file, p)
+async def read(s: FsServices, caller: Caller, p: ReadParams) -> ReadResult:
+    return await _answered(s, reads.read_file, p)
 
 
 @handles("fs.list")
-async def list_(daemon: Daemon, caller: Caller, p: ListParams) -> ListResult:
-    ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(reads.list_dir, ws, p, limiter=daemon.fs_limiter)
+async def list_(s: FsServices, caller: Caller, p: ListParams) -> ListResult:
+    ws = s.workspaces.get(p.workspace)
+    return await trio.to_thread.run_sync(reads.list_dir, ws, p, limiter=s.fs_limiter)
 
 
 @handles("fs.walk")
-async def walk(daemon: Daemon, caller: Caller, p: WalkParams) -> WalkResult:
-    ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(reads.walk, ws, p, limiter=daemon.fs_limiter)
+async def walk(s: FsServices, caller: Caller, p: WalkParams) -> WalkResult:
+    ws = s.workspaces.get(p.workspace)
+    return await trio.to_thread.run_sync(reads.walk, ws, p, limiter=s.fs_limiter)
 
 
 @handles("fs.search")
-async def search_(daemon: Daemon, caller: Caller, p: SearchParams) -> SearchResult:
-    ws = daemon.workspaces.get(p.workspace)
+async def search_(s: FsServices, caller: Caller, p: SearchParams) -> SearchResult:
+    ws = s.workspaces.get(p.workspace)
     # Compiled off the loop (a crafted 4 KiB pattern takes tens of ms), on trio's own
     # threads; then a backtracking one gets threads of its own (`backtrack_limiter`).
     matcher = await trio.to_thread.run_sync(search.matcher, p)
-    limiter = daemon.fs_limiter if matcher.exact is not None else daemon.backtrack_limiter
+    limiter = s.fs_limiter if matcher.exact is not None else s.backtrack_limiter
     return await trio.to_thread.run_sync(search.search, ws, p, matcher, limiter=limiter)
 
 
 @handles("fs.write")
-async def write(daemon: Daemon, caller: Caller, p: WriteParams) -> Plan:
-    ws = daemon.workspaces.get(p.workspace)
+async def write(s: FsServices, caller: Caller, p: WriteParams) -> Plan:
+    ws = s.workspaces.get(p.workspace)
 
     def run() -> Plan:
         # Decoded here, at the edge (and off the event loop: a base64 decode).
-        return daemon.writer.write(ws, write_request(p), caller.name)
+        return s.writer.write(ws, write_request(p), caller.name)
 
     return await trio.to_thread.run_sync(run)
 
 
 @handles("fs.patch")
-async def patch(daemon: Daemon, caller: Caller, p: PatchParams) -> Plan:
-    ws = daemon.workspaces.get(p.workspace)
+async def patch(s: FsServices, caller: Caller, p: PatchParams) -> Plan:
+    ws = s.workspaces.get(p.workspace)
 
     def run() -> Plan:
-        return daemon.writer.patch(ws, patch_request(p), caller.name)
+        return s.writer.patch(ws, patch_request(p), caller.name)
 
     return await trio.to_thread.run_sync(run)
 
 
 @handles("fs.delete")
-async def delete(daemon: Daemon, caller: Caller, p: DeleteParams) -> Plan:
-    ws = daemon.workspaces.get(p.workspace)
-    return await trio.to_thread.run_sync(daemon.writer.delete, ws, p, caller.name)
+async def delete(s: FsServices, caller: Caller, p: DeleteParams) -> Plan:
+    ws = s.workspaces.get(p.workspace)
+    return await trio.to_thread.run_sync(s.writer.delete, ws, p, caller.name)

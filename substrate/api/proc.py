@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import TYPE_CHECKING
 
 import trio
 
-from substrate.api.base import Caller, handles
+from substrate.api.base import Caller, Handles
+from substrate.api.services import ProcServices
 from substrate.errors import InvalidParams, StdinClosed, TooLarge
 from substrate.process import intents, layer_keep
 from substrate.process.facts_summary import shaped
@@ -36,14 +36,7 @@ from substrate.schema.proc import (
     WriteResult,
 )
 
-if TYPE_CHECKING:
-    from substrate.daemon import Daemon
-    from substrate.process.service import Execution
-
-
-def execution_of(daemon: Daemon) -> Execution:
-    """The daemon's execution layer."""
-    return daemon.execution
+handles = Handles(ProcServices)
 
 
 def stdin_bytes(p: StartParams) -> bytes | None:
@@ -79,20 +72,20 @@ def stdin_of(caller: Caller, p: StartParams) -> bytes | StdinStream | None:
     return StdinStream(caller.name)
 
 
-def run_request(daemon: Daemon, caller: Caller, p: StartParams) -> RunRequest:
+def run_request(s: ProcServices, caller: Caller, p: StartParams) -> RunRequest:
     """The runner's request for `proc.run`/`proc.start` params. Refuses
     `unknown_workspace`, and `invalid_params` for bad stdin (see `stdin_of`) or for
     `changes` other than "apply" on a profile without a working layer (its writes land
     directly: nothing could be kept or discarded)."""
     if p.changes != "apply":
-        profile = daemon.execution.profiles.get(p.profile)
+        profile = s.profiles.by_name.get(p.profile)
         if profile is not None and profile.workspace != "layer":
             raise InvalidParams(
                 f'changes = "{p.changes}" needs a workspace = "layer" profile',
                 path="$.changes",
             )
     return RunRequest(
-        ws=daemon.workspaces.get(p.workspace),
+        ws=s.workspaces.get(p.workspace),
         profile=p.profile,
         argv=tuple(p.argv),
         cwd=p.cwd,
@@ -103,46 +96,43 @@ def run_request(daemon: Daemon, caller: Caller, p: StartParams) -> RunRequest:
     )
 
 
-async def checked_request(daemon: Daemon, caller: Caller, p: StartParams) -> RunRequest:
+async def checked_request(s: ProcServices, caller: Caller, p: StartParams) -> RunRequest:
     """`run_request`, and on a `workspace = "layer"` profile the cap on change sets kept
     per workspace (`limit_exceeded`, `scope: "kept_changesets"`; docs/working-layer.md):
     refused before anything runs."""
-    req = run_request(daemon, caller, p)
-    execution = execution_of(daemon)
-    profile = execution.profiles.get(p.profile)
+    req = run_request(s, caller, p)
+    profile = s.profiles.by_name.get(p.profile)
     if profile is not None and profile.workspace == "layer":
         await trio.to_thread.run_sync(
             layer_keep.check_room,
-            execution.changesets,
+            s.changesets,
             req.ws.id,
             p.changes,
-            execution.config.max_kept_changesets,
+            s.config.max_kept_changesets,
         )
     return req
 
 
 @handles("proc.run")
-async def run(daemon: Daemon, caller: Caller, p: RunParams) -> ProcResult:
-    execution = execution_of(daemon)
-    result = await execution.processes.run(await checked_request(daemon, caller, p))
+async def run(s: ProcServices, caller: Caller, p: RunParams) -> ProcResult:
+    result = await s.processes.run(await checked_request(s, caller, p))
     return shaped(result, p.facts)
 
 
 @handles("proc.start")
-async def start(daemon: Daemon, caller: Caller, p: StartParams) -> StartResult:
-    execution = execution_of(daemon)
-    proc = await execution.processes.start(await checked_request(daemon, caller, p))
+async def start(s: ProcServices, caller: Caller, p: StartParams) -> StartResult:
+    proc = await s.processes.start(await checked_request(s, caller, p))
     return StartResult(proc=proc)
 
 
 @handles("proc.wait")
-async def wait(daemon: Daemon, caller: Caller, p: WaitParams) -> ProcResult | ProcPending:
-    return await intents.wait(execution_of(daemon).processes, p.proc, p.timeout_s, p.facts)
+async def wait(s: ProcServices, caller: Caller, p: WaitParams) -> ProcResult | ProcPending:
+    return await intents.wait(s.processes, p.proc, p.timeout_s, p.facts)
 
 
 @handles("proc.signal")
-async def signal(daemon: Daemon, caller: Caller, p: SignalParams) -> SignalResult:
-    processes = execution_of(daemon).processes
+async def signal(s: ProcServices, caller: Caller, p: SignalParams) -> SignalResult:
+    processes = s.processes
     delivered = await processes.signal(p.proc, p.signal)
     if delivered is not None:
         return SignalResult(proc=p.proc, state="running", delivered=delivered)
@@ -151,27 +141,27 @@ async def signal(daemon: Daemon, caller: Caller, p: SignalParams) -> SignalResul
 
 
 @handles("proc.status")
-async def status(daemon: Daemon, caller: Caller, p: ProcParams) -> ProcStatus:
-    return await intents.status(execution_of(daemon).processes, p.proc, p.facts)
+async def status(s: ProcServices, caller: Caller, p: ProcParams) -> ProcStatus:
+    return await intents.status(s.processes, p.proc, p.facts)
 
 
 @handles("proc.list")
-async def list_(daemon: Daemon, caller: Caller, p: ListParams) -> ListResult:
-    processes = execution_of(daemon).processes
+async def list_(s: ProcServices, caller: Caller, p: ListParams) -> ListResult:
+    processes = s.processes
     if p.workspace is not None:
-        daemon.workspaces.get(p.workspace)  # unknown_workspace
+        s.workspaces.get(p.workspace)  # unknown_workspace
     return ListResult(processes=await intents.listing(processes, p.workspace, p.limit))
 
 
 @handles("proc.subscribe")
-async def subscribe(daemon: Daemon, caller: Caller, p: SubscribeParams) -> SubscribeResult:
-    processes = execution_of(daemon).processes
+async def subscribe(s: ProcServices, caller: Caller, p: SubscribeParams) -> SubscribeResult:
+    processes = s.processes
     await intents.subscribe(processes, p.proc, p.since, caller.notify, caller.on_close, p.facts)
     return SubscribeResult(proc=p.proc, subscribed=True)
 
 
 @handles("proc.write")
-async def write(daemon: Daemon, caller: Caller, p: WriteParams) -> WriteResult:
+async def write(s: ProcServices, caller: Caller, p: WriteParams) -> WriteResult:
     """Refuses `invalid_params` (data and data_b64, bad base64), `too_large` (over
     `MAX_WRITE_BYTES`), `process_unknown`, `unauthorized` (not the starter nor the
     operator), `stdin_closed`, `limit_exceeded` (no room in time; see
@@ -181,7 +171,7 @@ async def write(daemon: Daemon, caller: Caller, p: WriteParams) -> WriteResult:
         raise TooLarge(
             f"a proc.write carries at most {MAX_WRITE_BYTES} bytes", limit=MAX_WRITE_BYTES
         )
-    processes = execution_of(daemon).processes
+    processes = s.processes
     entry = processes.live(p.proc)
     if entry is None:
         await intents.status(processes, p.proc)  # process_unknown; waits out a start

@@ -11,11 +11,11 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-from typing import TYPE_CHECKING
 
 import trio
 
-from substrate.api.base import Caller, handles
+from substrate.api.base import Caller, Handles
+from substrate.api.services import UploadServices
 from substrate.errors import InvalidParams
 from substrate.schema.fs import Plan
 from substrate.schema.upload import (
@@ -30,17 +30,16 @@ from substrate.schema.upload import (
 )
 from substrate.workspace.uploads import Upload, Uploads
 
-if TYPE_CHECKING:
-    from substrate.daemon import Daemon
+handles = Handles(UploadServices)
 
 
 @handles("fs.upload.begin")
-async def begin(daemon: Daemon, caller: Caller, p: UploadBeginParams) -> UploadBeginResult:
-    ws = daemon.workspaces.get(p.workspace)
-    uploads = daemon.uploads
+async def begin(s: UploadServices, caller: Caller, p: UploadBeginParams) -> UploadBeginResult:
+    ws = s.workspaces.get(p.workspace)
+    uploads = s.uploads
     uploads.check_size(p.size)  # before hashing anything
     await trio.to_thread.run_sync(
-        daemon.upload_writer.check, ws, p.path, p.base_sha256, p.create_parents
+        s.upload_writer.check, ws, p.path, p.base_sha256, p.create_parents
     )
 
     def open_upload() -> Upload:
@@ -58,38 +57,36 @@ async def begin(daemon: Daemon, caller: Caller, p: UploadBeginParams) -> UploadB
     up = await trio.to_thread.run_sync(open_upload)
     return UploadBeginResult(
         upload=up.id,
-        chunk_bytes=chunk_bytes(daemon.config.max_request_bytes),
+        chunk_bytes=chunk_bytes(s.config.max_request_bytes),
         idle_timeout_s=uploads.idle_s,
     )
 
 
 @handles("fs.upload.chunk")
-async def chunk(daemon: Daemon, caller: Caller, p: UploadChunkParams) -> UploadChunkResult:
+async def chunk(s: UploadServices, caller: Caller, p: UploadChunkParams) -> UploadChunkResult:
     def run() -> UploadChunkResult:
         # Decoded here, off the event loop (a chunk is up to a request line of base64).
         try:
             data = base64.b64decode(p.data_b64, validate=True)
         except binascii.Error:
             raise InvalidParams("data_b64 is not base64", path="$.data_b64") from None
-        up = daemon.uploads.chunk(caller.name, p.upload, p.offset, data)
+        up = s.uploads.chunk(caller.name, p.upload, p.offset, data)
         return UploadChunkResult(upload=up.id, received=up.received, size=up.size)
 
     return await trio.to_thread.run_sync(run)
 
 
 @handles("fs.upload.commit")
-async def commit(daemon: Daemon, caller: Caller, p: UploadCommitParams) -> Plan:
-    uploads = daemon.uploads
+async def commit(s: UploadServices, caller: Caller, p: UploadCommitParams) -> Plan:
+    uploads = s.uploads
 
     def run() -> Plan:
         with uploads.using(caller.name, p.upload) as up:
             Uploads.check_complete(up)
-            ws = daemon.workspaces.get(up.workspace)
+            ws = s.workspaces.get(up.workspace)
             spool = uploads.open_spool(up)
             try:
-                plan = daemon.upload_writer.commit(
-                    ws, up, spool, p.dry_run, p.plan_digest, caller.name
-                )
+                plan = s.upload_writer.commit(ws, up, spool, p.dry_run, p.plan_digest, caller.name)
             finally:
                 os.close(spool)
             if plan.applied:
@@ -100,6 +97,6 @@ async def commit(daemon: Daemon, caller: Caller, p: UploadCommitParams) -> Plan:
 
 
 @handles("fs.upload.abort")
-async def abort(daemon: Daemon, caller: Caller, p: UploadRef) -> UploadAbortResult:
-    received = await trio.to_thread.run_sync(daemon.uploads.abort, caller.name, p.upload)
+async def abort(s: UploadServices, caller: Caller, p: UploadRef) -> UploadAbortResult:
+    received = await trio.to_thread.run_sync(s.uploads.abort, caller.name, p.upload)
     return UploadAbortResult(upload=p.upload, received=received)

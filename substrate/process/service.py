@@ -27,6 +27,7 @@ from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
 from substrate.process.fastexec import Launcher
 from substrate.process.layer_keep import ArtifactKeeper
+from substrate.process.profile_registry import ProfileRegistry
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
 from substrate.process.subscriptions import Subscriptions
@@ -58,7 +59,7 @@ SHUTDOWN_DRAIN_S = 30.0
 
 
 class Execution:
-    """Everything that runs commands. Handlers reach it as `daemon.execution`."""
+    """Everything that runs commands; the daemon hands its parts to the handlers."""
 
     def __init__(
         self,
@@ -122,6 +123,11 @@ class Execution:
                 secrets=self.secrets,
             ),
             supervisors=self.supervisors,
+        )
+        #: The profiles in force with their digests (`profile.*`, SIGHUP's reload, which
+        #: retires sandboxes here); its dict is `profiles`, the one every look-up reads.
+        self.profile_registry = ProfileRegistry(
+            self.profiles, config=config, journal=journal, containers=self.containers
         )
         # Output pumps hold a thread for the life of a command: their own limiter, so
         # long commands can never starve the engine's or the filesystem's threads.

@@ -15,7 +15,7 @@ from substrate.config import Config
 from substrate.process.service import Execution
 from substrate.pty.docker import DockerPtys
 from substrate.pty.grants import Grants
-from substrate.pty.http import TerminalHttp
+from substrate.pty.http import TerminalHttp, parse_listen
 from substrate.pty.terminals import Terminals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
@@ -25,7 +25,7 @@ log = logging.getLogger("substrate.pty")
 
 
 class TerminalService:
-    """Everything terminals need, reachable as `daemon.terminals`."""
+    """Everything terminals need; the daemon hands its grants and sessions to the handlers."""
 
     def __init__(
         self,
@@ -68,3 +68,15 @@ class TerminalService:
                 )
                 port = 0
             task_status.started(port)
+
+    def address(self) -> str | None:
+        """Where terminals are served (`HOST:PORT`, the bound port), or None when they are not.
+
+        Clients build their terminal URL from this, never from a default port: a token sent
+        to whatever else listens on 7681 would be a leak.
+        """
+        port = self.http.port
+        if not port:
+            return None
+        host, _ = parse_listen(self.listen)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,62 @@
+"""Handlers of `daemon.status` and `daemon.info` (docs/protocol.md §9): what this daemon
+run is, its engine, where its terminals are served."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import psutil
+
+from substrate import __version__
+from substrate.api.base import Caller, Handles
+from substrate.api.services import StatusServices
+from substrate.protocol.client import AGENT_SOCKET, OPERATOR_SOCKET
+from substrate.schema.journal import InfoResult, StatusParams, StatusResult
+
+handles = Handles(StatusServices)
+
+
+@handles("daemon.status")
+async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusResult:
+    """Never refuses: an engine that does not answer is `engine.reachable = false`. Costs
+    one engine round trip (bounded by the engine client's timeout) and three /proc reads."""
+    me = psutil.Process()
+    return StatusResult(
+        version=__version__,
+        epoch=s.journal.epoch,
+        uptime_s=round(time.monotonic() - s.started, 3),
+        engine=await s.execution.engine_status(),
+        listen=s.terminals.address(),
+        rss_bytes=_measured(lambda: me.memory_info().rss),
+        open_fds=_measured(me.num_fds),
+        threads=_measured(me.num_threads),
+    )
+
+
+@handles("daemon.info")
+async def info(s: StatusServices, caller: Caller, p: StatusParams) -> InfoResult:
+    """Operator socket only (its paths are the host's). Never refuses; costs one engine
+    round trip, as `daemon.status`."""
+    return InfoResult(
+        version=__version__,
+        pid=os.getpid(),
+        epoch=s.journal.epoch,
+        uptime_s=round(time.monotonic() - s.started, 3),
+        state_dir=str(s.state_dir),
+        agent_socket=str(s.state_dir / AGENT_SOCKET),
+        operator_socket=str(s.state_dir / OPERATOR_SOCKET),
+        listen=s.terminals.address(),
+        config=s.config.public(),
+        profiles=s.profiles.listing(),
+        engine=await s.execution.engine_status(),
+    )
+
+
+def _measured(read: Callable[[], int]) -> int | None:
+    """A figure about this process, or None when the system will not give it."""
+    try:
+        return int(read())
+    except (psutil.Error, OSError):
+        return None
