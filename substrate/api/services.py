@@ -27,9 +27,8 @@ from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.digests import Digests
 from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import WorkspaceRegistry
-from substrate.workspace.upload_writes import UploadWriter
 from substrate.workspace.uploads import Uploads
-from substrate.workspace.writes import Writer
+from substrate.workspace.writes import UploadWriter, Writer
 
 __all__ = [
     "ArtifactServices",
