@@ -10,6 +10,9 @@ The code is in `tests.harness`; this file only declares fixtures and hooks.
   `substrate.toml` keys (`line_timeout_s`, `max_connections`, ...); `module_daemon` is
   one per test module, for the many cheap tests that only need *a* daemon (make your own
   workspace with `module_daemon.make_workspace`). See `tests.harness.DaemonProcess`.
+- `daemon_state` is the state an in-process daemon opens first (state dir, database,
+  journal, config, workspace registry) on `tmp_path / "state"` under `adopt_root`, for
+  unit tests that wire services by hand; `tests.harness.state.open_state` makes more.
 - `snapshot_tree(path)` / `chown_tree(path)`: every name, kind, mode, owner and content
   digest under a path (never following a symlink), to prove that nothing changed; and a
   recursive lchown to uid 1000 for entries a test adds.
@@ -31,6 +34,7 @@ import pytest
 from tests import harness
 from tests.harness import DaemonProcess
 from tests.harness.daemon import LIVE
+from tests.harness.state import DaemonState, open_state
 
 __all__ = ["DaemonProcess"]  # still named by `from conftest import` under TYPE_CHECKING
 
@@ -91,6 +95,13 @@ def adopt_root(request: pytest.FixtureRequest) -> Iterator[Path]:
         yield root
     finally:
         harness.remove_tree(base)
+
+
+@pytest.fixture
+def daemon_state(adopt_root: Path, tmp_path: Path) -> Iterator[DaemonState]:
+    """State dir, database, journal, config and registry on `tmp_path / "state"`."""
+    with open_state(tmp_path / "state", adopt_root) as state:
+        yield state
 
 
 @pytest.fixture

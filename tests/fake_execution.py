@@ -15,7 +15,6 @@ from pathlib import Path
 import trio
 
 from substrate.artifacts.store import ArtifactStore
-from substrate.config import Config
 from substrate.process.driver import ExecDriver
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes, RunRequest
@@ -29,7 +28,8 @@ from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.homes import Homes
 from substrate.workspace.policy import Policy
-from substrate.workspace.registry import Workspace, WorkspaceRegistry
+from substrate.workspace.registry import Workspace
+from tests.harness.state import open_state
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "fake:img"
@@ -83,13 +83,9 @@ def fake_layer(
     """The layer for workspace `root` (a dir under `adopt_root`), state under `state`;
     `profiles` instead of `PROFILES`; with `environment`, secrets (`state/secrets`) and
     persistent homes (`state/homes`) as the daemon wires them."""
-    state.mkdir(mode=0o700)
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)], max_processes=4)
-    registry = WorkspaceRegistry(config, store, journal, state)
-    try:
-        ws = registry.adopt(str(root), None, policy, "test")
+    with open_state(state, adopt_root, max_processes=4) as made:
+        store, journal, config = made.store, made.journal, made.config
+        ws = made.registry.adopt(str(root), None, policy, "test")
         engine = FakeEngine(images={IMAGE: IMAGE_ID})
         containers = Containers(
             engine,
@@ -120,6 +116,3 @@ def fake_layer(
             profiles=PROFILES if profiles is None else profiles,
         )
         yield Layer(root, state, store, journal, ws, engine, containers, processes, records)
-    finally:
-        registry.close()
-        store.close()

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from substrate.config import Config
 from substrate.errors import CheckpointUnknown, all_refusals
 from substrate.schema.fs import (
     DeleteParams,
@@ -31,6 +30,7 @@ from substrate.workspace.checkpoints import BLOB_DIR, Checkpoints
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.restore import restore
 from substrate.workspace.writes import Writer
+from tests.harness.state import DaemonState
 
 ACTOR = "agent:0"
 #: Bytes that must never reach the journal: the pre-image of `secret.txt`.
@@ -94,16 +94,12 @@ class Env:
         return [e for e in self.journal.read(limit=100000) if e.kind == kind]
 
 
-def open_env(adopt_root: Path, state: Path, root: Path, quota: int, policy: Policy | None) -> Env:
-    state.mkdir(mode=0o700, exist_ok=True)
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
-    registry = WorkspaceRegistry(config, store, journal, state)
-    ws = registry.adopt(str(root), None, policy, ACTOR)
+def open_env(made: DaemonState, root: Path, quota: int, policy: Policy | None) -> Env:
+    store, journal, state = made.store, made.journal, made.path
+    ws = made.registry.adopt(str(root), None, policy, ACTOR)
     checkpoints = Checkpoints(store, journal, state, quota)
     writer = Writer(store, journal, checkpoints)
-    return Env(root, state, ws, writer, checkpoints, store, journal, registry)
+    return Env(root, state, ws, writer, checkpoints, store, journal, made.registry)
 
 
 @pytest.fixture
@@ -113,19 +109,17 @@ def quota() -> int:
 
 @pytest.fixture
 def env(
-    adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path], quota: int
+    daemon_state: DaemonState, make_workspace: Callable[..., Path], quota: int
 ) -> Iterator[Env]:
     root = make_workspace("demo", FILES, git=True)
     (root / "run.sh").chmod(0o755)
     (root / "a.txt").chmod(0o600)
     policy = Policy(require_approval=["ci/**"])
-    e = open_env(adopt_root, tmp_path / "state", root, quota, policy)
+    e = open_env(daemon_state, root, quota, policy)
     try:
         yield e
     finally:
         e.checkpoints.close()
-        e.registry.close()
-        e.store.close()
 
 
 def paths_of(result: RestoreResult, name: str) -> list[str]:

@@ -67,9 +67,13 @@ def test_the_start_up_banner_names_sockets_url_state_profiles_and_engine(
     assert f"terminals http://{listen}/" in log
     assert f"profiles {profiles_dir}: 2 loaded: readonly, tiny" in log
     assert "engine reachable: Docker" in log or "engine not reachable" in log
-    # Every line starts with an ISO 8601 time.
-    first = log.splitlines()[-1].split(" ", 1)[0]
-    assert datetime.datetime.fromisoformat(first).tzinfo is not None
+    # Every line the daemon wrote (not the harness's `--- start` mark) starts with an
+    # ISO 8601 time.
+    lines = [line for line in log.splitlines() if not line.startswith("--- start ")]
+    assert len(lines) >= 5
+    for line in lines:
+        stamp = line.split(" ", 1)[0]
+        assert datetime.datetime.fromisoformat(stamp).tzinfo is not None, line
 
 
 def test_debug_logs_one_line_per_refusal_and_never_the_params(

@@ -23,21 +23,17 @@ from substrate.config import Config
 from substrate.protocol.caller import Caller
 from substrate.schema.fs import StatParams
 from substrate.workspace.digests import Digests
-from substrate.workspace.registry import WorkspaceRegistry
+from tests.harness.state import DaemonState
 
 BIG = fs_api.LOOP_HASH_BYTES + 1
 
 
 @pytest.fixture
-def daemon(
-    registry: WorkspaceRegistry,
-    adopt_root: Path,
-    tmp_path: Path,
-    make_workspace: Callable[..., Path],
-) -> Any:
+def daemon(daemon_state: DaemonState, make_workspace: Callable[..., Path]) -> Any:
     root = make_workspace("demo", {"a.txt": "alpha\n", "big.bin": b"b" * BIG})
+    registry = daemon_state.registry
     return SimpleNamespace(
-        config=Config(state_dir=str(tmp_path / "state"), adopt_roots=[str(adopt_root)]),
+        config=daemon_state.config,
         workspaces=registry,
         digests=Digests(),
         fs_limiter=trio.CapacityLimiter(1),

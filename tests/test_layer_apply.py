@@ -5,19 +5,18 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from substrate.config import Config
 from substrate.schema.workspace import Policy
-from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.layer import ApplyResult, ChangeSet, Outcomes, apply, scan
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.writes import Writer
+from tests.harness.state import DaemonState
 
 ACTOR = "agent:0"
 DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -73,23 +72,17 @@ def policy() -> Policy | None:
 
 @pytest.fixture
 def env(
-    adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path], policy: Policy | None
-) -> Iterator[Env]:
+    daemon_state: DaemonState,
+    tmp_path: Path,
+    make_workspace: Callable[..., Path],
+    policy: Policy | None,
+) -> Env:
     root = make_workspace("demo", FILES)
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
-    registry = WorkspaceRegistry(config, store, journal, state)
+    store, journal, registry = daemon_state.store, daemon_state.journal, daemon_state.registry
     ws = registry.adopt(str(root), None, policy, ACTOR)
     upper = tmp_path / "upper"
     upper.mkdir()
-    try:
-        yield Env(root, upper, ws, Writer(store, journal), journal, registry)
-    finally:
-        registry.close()
-        store.close()
+    return Env(root, upper, ws, Writer(store, journal), journal, registry)
 
 
 def put(path: Path, data: bytes, mode: int = 0o644) -> None:

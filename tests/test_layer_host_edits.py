@@ -13,16 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from substrate.config import Config
 from substrate.process import layering
 from substrate.sandbox import working_layer
 from substrate.sandbox.layer_plan import LayerPlan, plan
 from substrate.sandbox.working_layer import WorkingLayer, next_plan
-from substrate.store.db import Store
-from substrate.store.journal import Journal
 from substrate.workspace.layer import ApplyResult
-from substrate.workspace.registry import Workspace, WorkspaceRegistry
+from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
+from tests.harness.state import DaemonState
 
 ACTOR = "agent:0"
 FILES: dict[str, str | bytes] = {
@@ -86,15 +84,12 @@ class Env:
 
 
 @pytest.fixture
-def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -> Iterator[Env]:
+def env(
+    daemon_state: DaemonState, tmp_path: Path, make_workspace: Callable[..., Path]
+) -> Iterator[Env]:
     root = make_workspace("demo", FILES)
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
-    registry = WorkspaceRegistry(config, store, journal, state)
-    ws = registry.adopt(str(root), None, None, ACTOR)
+    state, store, journal = daemon_state.path, daemon_state.store, daemon_state.journal
+    ws = daemon_state.registry.adopt(str(root), None, None, ACTOR)
     layer = WorkingLayer(plan=plan(str(state), "s0123456789abcdef", 0, []))
     merged = tmp_path / "merged"
     merged.mkdir()
@@ -105,8 +100,6 @@ def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -
     finally:
         if os.path.ismount(merged):
             e.unmount()
-        registry.close()
-        store.close()
 
 
 def outcomes(result: ApplyResult, kind: str) -> list[tuple[str, str, str | None]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +15,6 @@ import pytest
 
 from substrate.api.changes import bounded_diffs
 from substrate.artifacts.store import ArtifactStore
-from substrate.config import Config
 from substrate.errors import ChangesetUnknown, LimitExceeded
 from substrate.process import layer_keep
 from substrate.process.layer_keep import ArtifactKeeper
@@ -27,6 +26,7 @@ from substrate.workspace.layer import ApplyResult, ChangeSet, Changesets, Kept, 
 from substrate.workspace.layer import store as store_mod
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.writes import Writer
+from tests.harness.state import DaemonState
 
 ACTOR = "agent:0"
 DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -65,14 +65,10 @@ class Env:
 
 
 @pytest.fixture
-def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -> Iterator[Env]:
+def env(daemon_state: DaemonState, tmp_path: Path, make_workspace: Callable[..., Path]) -> Env:
     root = make_workspace("demo", {"a.txt": "a\n", "d/x": "x\n", "keep.txt": "k\n"})
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
-    registry = WorkspaceRegistry(config, store, journal, state)
+    state, store, journal = daemon_state.path, daemon_state.store, daemon_state.journal
+    registry = daemon_state.registry
     ws = registry.adopt(str(root), None, Policy(require_approval=["gated/**"]), ACTOR)
     artifacts = ArtifactStore(store, state / "artifacts", quota_bytes=1 << 30, max_age_s=3600)
     changesets = Changesets(store, journal, ArtifactKeeper(artifacts))
@@ -82,22 +78,18 @@ def env(adopt_root: Path, tmp_path: Path, make_workspace: Callable[..., Path]) -
     (upper / "a.txt").write_text("A\n")
     (upper / "d" / "x").write_text("X\n")
     (upper / "new.txt").write_text("new\n")
-    try:
-        yield Env(
-            root,
-            upper,
-            work,
-            ws,
-            Writer(store, journal),
-            journal,
-            changesets,
-            registry,
-            artifacts,
-            store,
-        )
-    finally:
-        registry.close()
-        store.close()
+    return Env(
+        root,
+        upper,
+        work,
+        ws,
+        Writer(store, journal),
+        journal,
+        changesets,
+        registry,
+        artifacts,
+        store,
+    )
 
 
 def test_kept_set_is_remembered_and_nothing_lands(env: Env) -> None:

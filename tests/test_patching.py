@@ -6,13 +6,14 @@ import difflib
 import shutil
 import subprocess
 import tracemalloc
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from substrate.errors import PatchConflict, TooLarge
@@ -560,15 +561,50 @@ DIFF_PIECES = st.sampled_from(
 )
 
 
+@st.composite
+def old_and_diff(draw: st.DrawFn) -> tuple[str, list[str]]:
+    """A file and diff lines for it: arbitrary pieces, or a real diff of it with a few
+    lines inserted, replaced or deleted (so that some of them still apply)."""
+    old = draw(texts())
+    if draw(st.booleans()):
+        return old, draw(st.lists(DIFF_PIECES, max_size=12))
+    lines = difflib_diff(old, draw(texts()), draw(st.integers(0, 3))).split("\n")
+    for _ in range(draw(st.integers(0, 3))):
+        at = draw(st.integers(0, len(lines)))
+        action = draw(st.sampled_from(["insert", "replace", "delete"]))
+        if action == "insert":
+            lines.insert(at, draw(DIFF_PIECES))
+        elif at < len(lines):
+            if action == "replace":
+                lines[at] = draw(DIFF_PIECES)
+            else:
+                del lines[at]
+    return old, lines
+
+
 @settings(max_examples=500, deadline=None)
-@given(pieces=st.lists(DIFF_PIECES, max_size=12), old=texts())
-def test_arbitrary_diff_text_only_ever_conflicts(pieces: list[str], old: str) -> None:
-    # Whatever the diff text, the applier either applies it or says patch_conflict.
+@given(case=old_and_diff())
+@example(case=("a\nb\n", ["@@ -1 +1 @@", "-a", "+b"]))
+def test_arbitrary_diff_text_only_ever_conflicts(case: tuple[str, list[str]]) -> None:
+    # Whatever the diff text, the applier either applies it or says patch_conflict; what
+    # it applies is UTF-8 in which every line is a line of `old` or an added (`+`) one, and
+    # every line of `old` is still there unless a `-` line removed it.
+    old, pieces = case
     try:
         out = apply_unified_diff(old.encode(), "\n".join(pieces))
     except PatchConflict:
         return
-    assert isinstance(out.decode("utf-8"), str)
+    new = _line_texts(out.decode("utf-8"))
+    before = _line_texts(old)
+    added = Counter(piece[1:] for piece in pieces if piece.startswith("+"))
+    removed = Counter(piece[1:] for piece in pieces if piece.startswith("-"))
+    assert new <= before + added
+    assert before <= new + removed
+
+
+def _line_texts(text: str) -> Counter[str]:
+    """How often each line occurs, its `\\n` left off (a no-newline marker strips it)."""
+    return Counter(line.removesuffix("\n") for line in patching.split_lines(text))
 
 
 def test_diff_on_non_utf8_file_conflicts() -> None:

@@ -238,6 +238,23 @@ def test_the_daemon_survives_a_raw_socket_storm(module_daemon: DaemonProcess) ->
 
 
 def test_no_line_found_a_bug(module_daemon: DaemonProcess) -> None:
-    """Runs last in this module: the journal holds no `internal` entry."""
+    """A fixed corpus (deep lines and 100 seeded ones) on both sockets, each
+    answered; then the journal holds no `internal` entry. Run with the module, it also
+    covers every line the tests above sent, as it runs last."""
+    rng = random.Random(0)
+    corpus = [
+        nested(1000),
+        call(deep_object(MAX_DEPTH)),
+        call(deep_object(MAX_DEPTH - 1)),
+        *(random_line(rng) for _ in range(100)),
+    ]
+    for which in SOCKETS:
+        conn = Line(module_daemon, which)
+        try:
+            for payload in corpus:
+                messages = conn.exchange(payload)
+                assert messages is not None, payload  # the daemon answered, not closed
+        finally:
+            conn.close()
     assert module_daemon.journal(kinds={"internal"}) == []
     assert module_daemon.verify_journal()["ok"]

@@ -10,6 +10,7 @@ import pytest
 from substrate.errors import PathInvalid, RequestTooLarge, StaleBase
 from substrate.protocol import rpc
 from substrate.schema.fs import PatchParams, StatParams
+from substrate.schema.journal import JournalReadParams, StatusParams
 
 SHA = "0" * 64
 
@@ -137,6 +138,21 @@ def test_string_and_null_ids() -> None:
 def test_missing_params_means_empty_params() -> None:
     call = rpc.decode_call(request("daemon.status", id=1))
     assert isinstance(call, rpc.Call)
+    assert call.spec.name == "daemon.status"
+    assert call.params == StatusParams()
+    call = rpc.decode_call(request("journal.read", id=2))
+    assert isinstance(call, rpc.Call)
+    assert call.params == JournalReadParams(since=0, limit=1000, workspace=None)
+    # A method with a required field: absent params lack it, as `{}` does.
+    error = reply(rpc.decode_call(request("fs.list", id=3)))
+    assert error["id"] == 3
+    assert error["error"]["code"] == rpc.INVALID_PARAMS
+    assert error["error"]["data"] == {"refusal": "invalid_params", "path": "$.workspace"}
+
+
+@pytest.mark.parametrize("method", sorted(rpc.METHODS))
+def test_missing_params_decode_as_an_empty_object(method: str) -> None:
+    assert rpc.decode_call(request(method, id=4)) == rpc.decode_call(request(method, {}, id=4))
 
 
 @pytest.mark.parametrize(
@@ -425,7 +441,7 @@ def test_64_bit_integers_pass() -> None:
     assert isinstance(call, rpc.Call) and call.params.since == 2**63 - 1
     # Long digit runs inside strings are not integers.
     call = rpc.decode_call(request("journal.read", {"workspace": "9" * 40}, id=1))
-    assert isinstance(call, rpc.Call)
+    assert isinstance(call, rpc.Call) and call.params.workspace == "9" * 40
 
 
 def test_out_of_range_int_walks_every_container() -> None:

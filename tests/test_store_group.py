@@ -12,13 +12,11 @@ from typing import Any
 
 import pytest
 
-from substrate.config import Config
 from substrate.schema.fs import WriteParams, write_request
 from substrate.store.db import Store
 from substrate.store.group import Ticket
-from substrate.store.journal import Journal
-from substrate.workspace.registry import WorkspaceRegistry
 from substrate.workspace.writes import Writer
+from tests.harness.state import DaemonState
 
 PATIENCE_S = 30.0
 
@@ -101,46 +99,36 @@ def test_a_transaction_commits_what_was_submitted_before_it_first(store: Store) 
 
 
 def test_a_write_journaled_in_a_group_stays_before_a_later_entry(
-    tmp_path: Path, adopt_root: Path, make_workspace: Callable[..., Path]
+    daemon_state: DaemonState, make_workspace: Callable[..., Path]
 ) -> None:
     """A write renamed under the commit lock, still waiting for its group commit, when
     another entry is journaled: the write's entry comes first (a checkpoint taken then
     must see the write before it)."""
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    store = Store(state / "substrate.db")
-    journal = Journal(store)
-    registry = WorkspaceRegistry(
-        Config(state_dir=str(state), adopt_roots=[str(adopt_root)]), store, journal, state
-    )
-    try:
-        ws = registry.adopt(str(make_workspace("demo", {"a.txt": "alpha\n"})), None, None, "t")
-        writer = Writer(store, journal)
-        group = store.group
+    store, journal, registry = daemon_state.store, daemon_state.journal, daemon_state.registry
+    ws = registry.adopt(str(make_workspace("demo", {"a.txt": "alpha\n"})), None, None, "t")
+    writer = Writer(store, journal)
+    group = store.group
 
-        class LateWaits:
-            def submit(self, work: Callable[[sqlite3.Connection], Any]) -> Ticket[Any]:
-                return group.submit(work)
+    class LateWaits:
+        def submit(self, work: Callable[[sqlite3.Connection], Any]) -> Ticket[Any]:
+            return group.submit(work)
 
-            def wait(self, ticket: Ticket[Any]) -> Any:
-                # Another caller journals while this write's unit is still queued.
-                assert not ticket.done
-                other = threading.Thread(target=journal.append, args=("test.later", {}))
-                other.start()
-                other.join(PATIENCE_S)
-                assert ticket.done  # the other transaction committed it first
-                return group.wait(ticket)
+        def wait(self, ticket: Ticket[Any]) -> Any:
+            # Another caller journals while this write's unit is still queued.
+            assert not ticket.done
+            other = threading.Thread(target=journal.append, args=("test.later", {}))
+            other.start()
+            other.join(PATIENCE_S)
+            assert ticket.done  # the other transaction committed it first
+            return group.wait(ticket)
 
-        writer._group = LateWaits()  # type: ignore[assignment]
-        base = hashlib.sha256(b"alpha\n").hexdigest()
-        req = WriteParams(workspace=ws.id, path="a.txt", content="beta\n", base_sha256=base)
-        writer.write(ws, write_request(req), "agent:0")
-        kinds = [e.kind for e in journal.read()]
-        assert kinds[-2:] == ["fs.write", "test.later"]
-        assert journal.verify() is None
-    finally:
-        registry.close()
-        store.close()
+    writer._group = LateWaits()  # type: ignore[assignment]
+    base = hashlib.sha256(b"alpha\n").hexdigest()
+    req = WriteParams(workspace=ws.id, path="a.txt", content="beta\n", base_sha256=base)
+    writer.write(ws, write_request(req), "agent:0")
+    kinds = [e.kind for e in journal.read()]
+    assert kinds[-2:] == ["fs.write", "test.later"]
+    assert journal.verify() is None
 
 
 def test_a_nested_transaction_fails_as_before_and_leaves_the_queue_alone(store: Store) -> None:

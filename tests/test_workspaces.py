@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -34,6 +35,7 @@ from substrate.workspace.registry import (
     read_vcs,
 )
 from tests.harness import create_workspace, reuse_inode
+from tests.harness.state import open_state
 
 HEAD = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "89abcdef0123456789abcdef0123456789abcdef"
@@ -61,14 +63,9 @@ class Env:
         return [e.kind for e in self.journal.read(limit=10000)]
 
 
-def open_env(adopt_roots: list[Path], state_dir: Path) -> Env:
-    state_dir.mkdir(mode=0o700, exist_ok=True)
-    config = Config(state_dir=str(state_dir), adopt_roots=[str(r) for r in adopt_roots])
-    store = Store(state_dir / "substrate.db")
-    journal = Journal(store)
-    return Env(
-        config, state_dir, store, journal, WorkspaceRegistry(config, store, journal, state_dir)
-    )
+def open_env(adopt_roots: list[Path], state_dir: Path, **config: Any) -> Env:
+    made = open_state(state_dir, adopt_roots, **config)
+    return Env(made.config, made.path, made.store, made.journal, made.registry)
 
 
 @pytest.fixture
@@ -516,18 +513,6 @@ def test_grant_approval_is_stored_and_journaled(env: Env, workspace_dir: Path) -
     assert last.data["approval_id"] == approval_id
 
 
-def open_env_with_default(adopt_roots: list[Path], state_dir: Path, default: Policy) -> Env:
-    state_dir.mkdir(mode=0o700, exist_ok=True)
-    config = Config(
-        state_dir=str(state_dir), adopt_roots=[str(r) for r in adopt_roots], policy=default
-    )
-    store = Store(state_dir / "substrate.db")
-    journal = Journal(store)
-    return Env(
-        config, state_dir, store, journal, WorkspaceRegistry(config, store, journal, state_dir)
-    )
-
-
 LOCKED = Policy(write_deny=["dist/"], read_deny=["*.pem"], require_approval=["ci/**"])
 
 
@@ -590,7 +575,7 @@ def test_the_operator_default_applies_and_cannot_be_dropped(
     adopt_root: Path, make_workspace: Callable[..., Path], tmp_path: Path
 ) -> None:
     default = Policy(read_deny=["*.key"], write_deny=["vendor/**"])
-    e = open_env_with_default([adopt_root], tmp_path / "state", default)
+    e = open_env([adopt_root], tmp_path / "state", policy=default)
     try:
         path = make_workspace("proj")
         ws = e.registry.adopt(str(path), None, None, "agent:0")
@@ -623,12 +608,12 @@ def test_default_globs_are_not_pinned_to_the_checkout(
     """An agent restates the default to add to it; the operator loosening the default later
     still loosens that checkout (only what the agent added stays)."""
     state = tmp_path / "state"
-    e = open_env_with_default([adopt_root], state, Policy(read_deny=["*.key"]))
+    e = open_env([adopt_root], state, policy=Policy(read_deny=["*.key"]))
     path = make_workspace("proj")
     e.registry.adopt(str(path), None, Policy(read_deny=["*.key", "*.pem"]), "agent:0")
     e.registry.close()
     e.store.close()
-    e = open_env_with_default([adopt_root], state, Policy())
+    e = open_env([adopt_root], state, policy=Policy())
     try:
         (ws,) = e.registry.all()
         assert ws.policy.may_read("id.key") and not ws.policy.may_read("id.pem")

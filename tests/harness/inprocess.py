@@ -1,15 +1,19 @@
 """An in-process daemon against the real engine, for tests/integration: a profiles dir,
-a project owned by uid 1000, and the daemon serving its sockets until the test ends.
-The state dir comes from the `engine_state` fixture (tests/integration/conftest.py),
-which removes the daemon's containers and fails a test that left a mount behind.
+a project owned by uid 1000, its `Config` (`in_process_config`), and the daemon serving
+its sockets until the test ends (`serving`; `serving_until_stopped` when the test stops
+it as a signal does and reads its state afterwards). The state dir comes from the
+`engine_state` fixture (tests/integration/conftest.py), which removes the daemon's
+containers and fails a test that left a mount behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -46,11 +50,58 @@ def owned_project(path: Path, files: Mapping[str, str | bytes]) -> Path:
     return path
 
 
+def in_process_config(state: Path, adopt_root: Path, profiles: Path, **overrides: Any) -> Config:
+    """The config of an in-process daemon on the state dir `state`, adopting beneath
+    `adopt_root`, with the profiles of `profiles`; `overrides` are more `Config` fields."""
+    return Config(
+        state_dir=str(state), adopt_roots=[str(adopt_root)], profiles_dir=str(profiles), **overrides
+    )
+
+
+@dataclass
+class Served:
+    """A daemon serving in a `serving_until_stopped` block."""
+
+    daemon: Daemon
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    stopped: trio.Event = field(default_factory=trio.Event)
+
+    async def stop(self) -> None:
+        """Stop serving as a signal does (every service cancelled at once) and wait until
+        it has; the daemon stays open (its store readable) until the block ends."""
+        self.scope.cancel()
+        await self.stopped.wait()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with self.scope:
+                await self.daemon.serve(task_status=task_status)
+        finally:
+            self.stopped.set()
+
+
 @contextlib.asynccontextmanager
-async def serving(config: Config) -> AsyncIterator[Daemon]:
+async def serving_until_stopped(
+    config: Config, prepare: Callable[[Daemon], None] | None = None
+) -> AsyncIterator[Served]:
     """The daemon of `config`, serving (agent and operator sockets in its state dir) for
-    the block; cancelled and closed after it."""
+    the block unless `stop()`ped; `prepare(daemon)` runs once it is open, before it
+    serves. Stopped and closed after the block."""
     async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        yield daemon
-        nursery.cancel_scope.cancel()
+        if prepare is not None:
+            prepare(daemon)
+        served = Served(daemon)
+        await nursery.start(served.serve)
+        try:
+            yield served
+        finally:
+            served.scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    config: Config, prepare: Callable[[Daemon], None] | None = None
+) -> AsyncIterator[Daemon]:
+    """The daemon of `config`, serving for the block (see `serving_until_stopped`)."""
+    async with serving_until_stopped(config, prepare) as served:
+        yield served.daemon

@@ -3,16 +3,14 @@ tests/conftest.py): files of every kind, symlinks in and out, a `read_deny` glob
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from substrate.config import Config
 from substrate.schema.workspace import Policy
-from substrate.store.db import Store
-from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
+from tests.harness.state import DaemonState
 
 FILES: dict[str, str | bytes] = {
     "README.md": "# demo\n\nhello world\n",
@@ -28,17 +26,8 @@ FILES: dict[str, str | bytes] = {
 
 
 @pytest.fixture
-def registry(adopt_root: Path, tmp_path: Path) -> Iterator[WorkspaceRegistry]:
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    store = Store(state / "substrate.db")
-    config = Config(state_dir=str(state), adopt_roots=[str(adopt_root)])
-    reg = WorkspaceRegistry(config, store, Journal(store), state)
-    try:
-        yield reg
-    finally:
-        reg.close()
-        store.close()
+def registry(daemon_state: DaemonState) -> WorkspaceRegistry:
+    return daemon_state.registry
 
 
 @pytest.fixture

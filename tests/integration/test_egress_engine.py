@@ -25,7 +25,6 @@ import docker
 import pytest
 import trio
 
-from substrate.config import Config
 from substrate.daemon import Daemon
 from substrate.egress import destination
 from substrate.egress.allow import AllowList
@@ -35,7 +34,7 @@ from substrate.egress.pipindex import pip_index_hosts, pip_index_urls
 from substrate.egress.proxy import Addresses
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.secrets import SecretStore
-from tests.harness.inprocess import owned_project, profiles_dir, serving
+from tests.harness.inprocess import in_process_config, owned_project, profiles_dir, serving
 
 OWNER = 1000
 MIRROR = "mirror.test"
@@ -130,9 +129,7 @@ async def env(sandbox_image: str, engine_state: Path, tmp_path: Path) -> AsyncIt
         tmp_path / "profiles", ["default", "setup"], local=LOCAL, inject=INJECTING
     )
     project = owned_project(tmp_path / "roots" / "project", {"README.md": "hi\n"})
-    config = Config(
-        state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
-    )
+    config = in_process_config(engine_state, project.parent, profiles)
     async with serving(config) as daemon, open_client(engine_state / "substrate.sock") as client:
         ws = await client.call("workspace.adopt", path=str(project))
         made = Env(daemon, client, ws["workspace"], engine_state)

@@ -24,13 +24,14 @@ import psutil
 import pytest
 import trio
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.config import PROJECT_ROOT
+from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import LABEL_DAEMON, LABEL_EPOCH, daemon_id_for
-from tests.harness import wait_until_async
+from tests.harness import chown_tree, wait_until_async
 from tests.harness.engine import remove_daemon_containers
+from tests.harness.inprocess import in_process_config, serving
 
 OWNER = 1000
 
@@ -75,13 +76,6 @@ def text(ref: dict[str, Any]) -> str:
     return value
 
 
-def chown_tree(path: Path, uid: int) -> None:
-    os.chown(path, uid, uid)
-    for base, dirs, files in os.walk(path):
-        for name in dirs + files:
-            os.chown(os.path.join(base, name), uid, uid, follow_symlinks=False)
-
-
 @pytest.fixture
 def profiles_dir(tmp_path: Path) -> Path:
     out = tmp_path / "profiles"
@@ -121,15 +115,6 @@ def leftovers(docker_client: Any, state_dir: Path) -> Iterator[str]:
     remove_daemon_containers(docker_client, state_dir)
 
 
-def make_config(state_dir: Path, adopt_root: Path, profiles_dir: Path, **extra: Any) -> Config:
-    return Config(
-        state_dir=str(state_dir),
-        adopt_roots=[str(adopt_root)],
-        profiles_dir=str(profiles_dir),
-        **extra,
-    )
-
-
 @pytest.fixture
 async def env(
     tiny_image: str,
@@ -141,13 +126,10 @@ async def env(
 ) -> AsyncIterator[Env]:
     # The daemon's own engine address must never reach a sandbox.
     monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
-    config = make_config(state_dir, adopt_root, profiles_dir)
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with open_client(state_dir / "substrate.sock") as client:
-            ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
-            yield Env(daemon, client, adopt_root, ws["workspace"], adopt_root / "project")
-        nursery.cancel_scope.cancel()
+    config = in_process_config(state_dir, adopt_root, profiles_dir)
+    async with serving(config) as daemon, open_client(state_dir / "substrate.sock") as client:
+        ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+        yield Env(daemon, client, adopt_root, ws["workspace"], adopt_root / "project")
 
 
 # --- argv, exit codes, stdin, cwd ------------------------------------------------------------
@@ -674,39 +656,31 @@ async def test_restart_reaps_what_a_previous_run_left(
         labels={**test_labels, LABEL_DAEMON: leftovers, LABEL_EPOCH: "0"},
         network_mode="none",
     )
-    config = make_config(state_dir, adopt_root, profiles_dir)
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
+    async with serving(in_process_config(state_dir, adopt_root, profiles_dir)):
         await gone(docker_client, leftovers)
-        nursery.cancel_scope.cancel()
     assert stale.id not in labelled(docker_client, leftovers)
 
 
 async def test_running_processes_are_capped(
     tiny_image: str, leftovers: str, state_dir: Path, adopt_root: Path, profiles_dir: Path
 ) -> None:
-    async with (
-        open_daemon(make_config(state_dir, adopt_root, profiles_dir, max_processes=1)) as daemon,
-        trio.open_nursery() as nursery,
-    ):
-        await nursery.start(daemon.serve)
-        async with open_client(state_dir / "substrate.sock") as client:
-            ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
-            call = {"workspace": ws["workspace"], "profile": "tiny"}
-            async with trio.open_nursery() as inner:
-                inner.start_soon(lambda: client.call("proc.run", argv=["sleep", "3"], **call))
+    config = in_process_config(state_dir, adopt_root, profiles_dir, max_processes=1)
+    async with serving(config), open_client(state_dir / "substrate.sock") as client:
+        ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+        call = {"workspace": ws["workspace"], "profile": "tiny"}
+        async with trio.open_nursery() as inner:
+            inner.start_soon(lambda: client.call("proc.run", argv=["sleep", "3"], **call))
 
-                async def sleep_running() -> bool:
-                    listed = (await client.call("proc.list"))["processes"]
-                    return any(p["state"] == "running" for p in listed)
+            async def sleep_running() -> bool:
+                listed = (await client.call("proc.list"))["processes"]
+                return any(p["state"] == "running" for p in listed)
 
-                await wait_until_async(sleep_running, 30)
-                with pytest.raises(RpcError) as caught:
-                    await client.call("proc.run", argv=["true"], **call)
-                assert caught.value.refusal == "limit_exceeded"
-            after = await client.call("proc.run", argv=["true"], **call)
-            assert after["exit_code"] == 0
-        nursery.cancel_scope.cancel()
+            await wait_until_async(sleep_running, 30)
+            with pytest.raises(RpcError) as caught:
+                await client.call("proc.run", argv=["true"], **call)
+            assert caught.value.refusal == "limit_exceeded"
+        after = await client.call("proc.run", argv=["true"], **call)
+        assert after["exit_code"] == 0
 
 
 async def test_idle_sandbox_is_removed(
@@ -717,16 +691,13 @@ async def test_idle_sandbox_is_removed(
     profiles_dir: Path,
     docker_client: Any,
 ) -> None:
-    config = make_config(state_dir, adopt_root, profiles_dir, container_idle_s=0.5)
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with open_client(state_dir / "substrate.sock") as client:
-            ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
-            await client.call("proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"])
-            assert len(labelled(docker_client, leftovers)) == 1
-            await gone(docker_client, leftovers)
-            again = await client.call(
-                "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
-            )
-            assert again["exit_code"] == 0
-        nursery.cancel_scope.cancel()
+    config = in_process_config(state_dir, adopt_root, profiles_dir, container_idle_s=0.5)
+    async with serving(config), open_client(state_dir / "substrate.sock") as client:
+        ws = await client.call("workspace.adopt", path=str(adopt_root / "project"))
+        await client.call("proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"])
+        assert len(labelled(docker_client, leftovers)) == 1
+        await gone(docker_client, leftovers)
+        again = await client.call(
+            "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
+        )
+        assert again["exit_code"] == 0

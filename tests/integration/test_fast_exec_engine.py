@@ -24,14 +24,15 @@ import psutil
 import pytest
 import trio
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.config import PROJECT_ROOT
+from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, open_client
 from substrate.sandbox import reaper
 from substrate.sandbox.containers import LABEL_DAEMON, Sandbox, daemon_id_for
 from substrate.sandbox.supervisor import agent
 from tests.harness import wait_until, wait_until_async
 from tests.harness.engine import remove_daemon_containers
+from tests.harness.inprocess import in_process_config, serving
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
@@ -120,21 +121,12 @@ async def open_env(state: Path, tmp_path: Path, **config: Any) -> AsyncIterator[
     (project / "sub").mkdir(exist_ok=True)
     for path in (project, project / ".git", project / "sub"):
         os.chown(path, OWNER, OWNER)
-    cfg = Config(
-        state_dir=str(state),
-        adopt_roots=[str(root)],
-        profiles_dir=str(profiles),
-        listen="127.0.0.1:0",
-        **config,
-    )
-    async with open_daemon(cfg) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with open_client(state / "substrate.sock") as client:
-            ws = await client.call(
-                "workspace.adopt", path=str(project), policy={"write_deny": ["*.lock"]}
-            )
-            yield Env(daemon, client, ws["workspace"], project, state)
-        nursery.cancel_scope.cancel()
+    cfg = in_process_config(state, root, profiles, listen="127.0.0.1:0", **config)
+    async with serving(cfg) as daemon, open_client(state / "substrate.sock") as client:
+        ws = await client.call(
+            "workspace.adopt", path=str(project), policy={"write_deny": ["*.lock"]}
+        )
+        yield Env(daemon, client, ws["workspace"], project, state)
 
 
 @pytest.fixture

@@ -17,9 +17,14 @@ from typing import Any
 
 import pytest
 
-from substrate.config import Config
 from substrate.protocol.client import AsyncClient, open_client
-from tests.harness.inprocess import as_layer, owned_project, profiles_dir, serving
+from tests.harness.inprocess import (
+    as_layer,
+    in_process_config,
+    owned_project,
+    profiles_dir,
+    serving,
+)
 
 HEAD = "ref: refs/heads/main\n"
 
@@ -54,9 +59,7 @@ async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncItera
             "node_modules/pkg/index.js": "module.exports = 1\n",
         },
     )
-    config = Config(
-        state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
-    )
+    config = in_process_config(engine_state, project.parent, profiles)
     async with serving(config), open_client(engine_state / "substrate.sock") as client:
         ws = await client.call("workspace.adopt", path=str(project))
         yield Env(client, ws["workspace"], project)

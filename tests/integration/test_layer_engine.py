@@ -19,12 +19,17 @@ import pytest
 import trio
 import trio.lowlevel
 
-from substrate.config import Config
 from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox.layers import mounted_under
 from substrate.sandbox.working_layer import CTIME_SLACK_NS
-from tests.harness.inprocess import as_layer, owned_project, profiles_dir, serving
+from tests.harness.inprocess import (
+    as_layer,
+    in_process_config,
+    owned_project,
+    profiles_dir,
+    serving,
+)
 
 OWNER = 1000
 LOCK = b"# lock file\n"
@@ -62,9 +67,7 @@ async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncItera
             "old.txt": "old\n",
         },
     )
-    config = Config(
-        state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
-    )
+    config = in_process_config(engine_state, project.parent, profiles)
     async with serving(config) as daemon, open_client(engine_state / "substrate.sock") as client:
         ws = await client.call(
             "workspace.adopt", path=str(project), policy={"write_deny": ["*.lock", ".env"]}

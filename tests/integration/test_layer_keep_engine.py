@@ -17,11 +17,16 @@ from typing import Any
 
 import pytest
 
-from substrate.config import Config
 from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from tests.harness import wait_until_async
-from tests.harness.inprocess import as_layer, owned_project, profiles_dir, serving
+from tests.harness.inprocess import (
+    as_layer,
+    in_process_config,
+    owned_project,
+    profiles_dir,
+    serving,
+)
 
 OWNER = 1000
 CAP = 2
@@ -50,12 +55,7 @@ async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncItera
     project = owned_project(
         tmp_path / "roots" / "project", {"old.txt": "old\n", "src/app.py": "print('hi')\n"}
     )
-    config = Config(
-        state_dir=str(engine_state),
-        adopt_roots=[str(project.parent)],
-        profiles_dir=str(profiles),
-        max_kept_changesets=CAP,
-    )
+    config = in_process_config(engine_state, project.parent, profiles, max_kept_changesets=CAP)
     async with serving(config) as daemon, open_client(engine_state / "substrate.sock") as client:
         ws = await client.call("workspace.adopt", path=str(project))
         yield Env(daemon, client, ws["workspace"], project, engine_state)

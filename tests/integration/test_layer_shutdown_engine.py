@@ -24,8 +24,7 @@ import trio
 from test_terminal import dirs, leftovers  # noqa: F401 - fixtures
 from trio_websocket import WebSocketConnection
 
-from substrate.config import Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.daemon import Daemon
 from substrate.process import layer_recovery, service
 from substrate.protocol.client import AsyncClient, open_client
 from substrate.pty import docker as pty_docker
@@ -33,6 +32,7 @@ from substrate.pty.client import open_terminal
 from substrate.sandbox.layers import mounted_under
 from substrate.schema.journal import Entry
 from tests.harness import wait_until_async
+from tests.harness.inprocess import Served, in_process_config, serving_until_stopped
 from tests.harness.ws_frames import read_until, recv, send
 
 #: The shell writes this many files (the set's apply then takes a while: long enough that
@@ -52,8 +52,7 @@ class Running:
     ws: str
     project: Path
     state: Path
-    stop: trio.CancelScope
-    stopped: trio.Event
+    served: Served
 
     @property
     def url(self) -> str:
@@ -76,52 +75,23 @@ class Running:
 
     async def stop_daemon(self) -> None:
         """Stop the daemon as a signal does (every service cancelled at once) and wait."""
-        self.stop.cancel()
         with trio.fail_after(120):
-            await self.stopped.wait()
-
-
-def _config(made: tuple[Path, Path, Path]) -> Config:
-    state, profiles, root = made
-    return Config(
-        state_dir=str(state),
-        adopt_roots=[str(root)],
-        profiles_dir=str(profiles),
-        listen="127.0.0.1:0",
-    )
-
-
-async def _serve(
-    daemon: Daemon,
-    scope: trio.CancelScope,
-    stopped: trio.Event,
-    *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    try:
-        with scope:
-            await daemon.serve(task_status=task_status)
-    finally:
-        stopped.set()
+            await self.served.stop()
 
 
 @contextlib.asynccontextmanager
 async def running(made: tuple[Path, Path, Path]) -> AsyncIterator[Running]:
     """A serving daemon on `made` (test_terminal's `dirs`) with `project` adopted; the
     body stops it (`stop_daemon`) and may then read its store, open until the block ends."""
-    state, _profiles, root = made
-    async with open_daemon(_config(made)) as daemon, trio.open_nursery() as nursery:
-        scope, stopped = trio.CancelScope(), trio.Event()
-        await nursery.start(_serve, daemon, scope, stopped)
-        try:
-            async with (
-                open_client(state / "substrate.sock") as agent,
-                open_client(state / "operator.sock") as operator,
-            ):
-                ws = (await agent.call("workspace.adopt", path=str(root / "project")))["workspace"]
-                yield Running(daemon, agent, operator, ws, root / "project", state, scope, stopped)
-        finally:
-            scope.cancel()
+    state, profiles, root = made
+    config = in_process_config(state, root, profiles, listen="127.0.0.1:0")
+    async with (
+        serving_until_stopped(config) as served,
+        open_client(state / "substrate.sock") as agent,
+        open_client(state / "operator.sock") as operator,
+    ):
+        ws = (await agent.call("workspace.adopt", path=str(root / "project")))["workspace"]
+        yield Running(served.daemon, agent, operator, ws, root / "project", state, served)
 
 
 async def _shell(r: Running, term: WebSocketConnection) -> tuple[str, str]:

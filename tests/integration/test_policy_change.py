@@ -17,10 +17,9 @@ from typing import Any
 
 import pytest
 
-from substrate.config import Config
 from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, open_client
-from tests.harness.inprocess import owned_project, profiles_dir, serving
+from tests.harness.inprocess import in_process_config, owned_project, profiles_dir, serving
 
 OWNER = 1000
 
@@ -45,9 +44,7 @@ async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncItera
     project = owned_project(tmp_path / "roots" / "project", {"build/keep": "k\n"})
     (project / "src").mkdir()
     os.chown(project / "src", OWNER, OWNER)
-    config = Config(
-        state_dir=str(engine_state), adopt_roots=[str(project.parent)], profiles_dir=str(profiles)
-    )
+    config = in_process_config(engine_state, project.parent, profiles)
     async with (
         serving(config) as daemon,
         open_client(engine_state / "substrate.sock") as agent,

@@ -35,13 +35,13 @@ from typing import Any
 import pytest
 import trio
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import open_daemon
+from substrate.config import PROJECT_ROOT
 from substrate.egress.pipindex import pip_index_hosts
 from substrate.egress.proxy import Addresses
 from substrate.protocol.client import AsyncClient, open_client
 from tests.harness import snapshot_tree
 from tests.harness.engine import remove_daemon_containers
+from tests.harness.inprocess import in_process_config, serving
 from tests.harness.workspaces import chown_tree, remove_tree, short_tempdir
 
 pytestmark = pytest.mark.slow
@@ -122,23 +122,18 @@ async def flow(
     chown_tree(checkout)
     state = base / "state"
     state.mkdir(mode=0o700)
-    config = Config(
-        state_dir=str(state), adopt_roots=[str(checkout.parent)], profiles_dir=str(profiles)
-    )
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(daemon.serve)
-        async with open_client(state / "substrate.sock") as client:
-            made = Flow(client, checkout)
-            system = daemon.egress.resolve
+    config = in_process_config(state, checkout.parent, profiles)
+    async with serving(config) as daemon, open_client(state / "substrate.sock") as client:
+        made = Flow(client, checkout)
+        system = daemon.egress.resolve
 
-            async def recording(host: str, port: int) -> Addresses:
-                made.resolved.add(host)
-                return await system(host, port)
+        async def recording(host: str, port: int) -> Addresses:
+            made.resolved.add(host)
+            return await system(host, port)
 
-            daemon.egress.resolve = recording
-            await made.adopt()
-            yield made
-        nursery.cancel_scope.cancel()
+        daemon.egress.resolve = recording
+        await made.adopt()
+        yield made
 
 
 async def test_substrates_own_tests_pass_in_its_sandbox_after_setup(flow: Flow) -> None:

@@ -23,13 +23,14 @@ import wsproto
 import wsproto.events as wse
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from substrate.config import PROJECT_ROOT, Config
-from substrate.daemon import Daemon, open_daemon
+from substrate.config import PROJECT_ROOT
+from substrate.daemon import Daemon
 from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.pty.client import open_terminal
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
 from tests.harness import wait_until_async
 from tests.harness.engine import sweep_mounts
+from tests.harness.inprocess import in_process_config, serving
 from tests.harness.ws_frames import read_until as _read_until
 from tests.harness.ws_frames import recv, send, until_closed
 
@@ -134,35 +135,25 @@ async def env(
 ) -> AsyncIterator[Env]:
     monkeypatch.setenv("DOCKER_HOST", "unix:///var/run/docker.sock")
     state, profiles, root = dirs
-    config = Config(
-        state_dir=str(state),
-        adopt_roots=[str(root)],
-        profiles_dir=str(profiles),
-        listen="127.0.0.1:0",
-    )
-    async with open_daemon(config) as daemon:
-        settings = daemon.terminals.sessions.settings
-        settings.ping_interval_s = 0.5
-        settings.ping_timeout_s = 1.0
-        settings.send_timeout_s = 1.0
-        settings.first_frame_timeout_s = 1.0
-        async with trio.open_nursery() as nursery:
-            await nursery.start(daemon.serve)
-            async with (
-                open_client(state / "substrate.sock") as agent,
-                open_client(state / "operator.sock") as operator,
-            ):
-                ws = await agent.call("workspace.adopt", path=str(root / "project"))
-                yield Env(
-                    daemon,
-                    agent,
-                    operator,
-                    ws["workspace"],
-                    root / "project",
-                    docker_client,
-                    leftovers,
-                )
-            nursery.cancel_scope.cancel()
+    config = in_process_config(state, root, profiles, listen="127.0.0.1:0")
+    async with (
+        serving(config, prepare=quick_terminal_clocks) as daemon,
+        open_client(state / "substrate.sock") as agent,
+        open_client(state / "operator.sock") as operator,
+    ):
+        ws = await agent.call("workspace.adopt", path=str(root / "project"))
+        yield Env(
+            daemon, agent, operator, ws["workspace"], root / "project", docker_client, leftovers
+        )
+
+
+def quick_terminal_clocks(daemon: Daemon) -> None:
+    """Pings, sends and the first frame time out within a second or two."""
+    settings = daemon.terminals.sessions.settings
+    settings.ping_interval_s = 0.5
+    settings.ping_timeout_s = 1.0
+    settings.send_timeout_s = 1.0
+    settings.first_frame_timeout_s = 1.0
 
 
 async def read_until(ws: WebSocketConnection, needle: str) -> tuple[str, int]:
