@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from substrate.config import Config
+from substrate.layer.mounts import working_layer
+from substrate.layer.mounts.plan import LayerPlan, plan
+from substrate.layer.mounts.working_layer import WorkingLayer, next_plan
 from substrate.process import layering
-from substrate.sandbox import working_layer
-from substrate.sandbox.layer_plan import LayerPlan, plan
-from substrate.sandbox.working_layer import WorkingLayer, next_plan
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.layer import ApplyResult

@@ -1,5 +1,5 @@
 """Shared generations of a layer sandbox, without an engine: the bookkeeping
-(`sandbox.generation.Users`) and its conclusions (`process.layer_users.LayerUsers`, with
+(`layer.generation.Users`) and its conclusions (`process.layer_users.LayerUsers`, with
 `layering.conclude` replaced by a recorder that swaps like the real one)."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import pytest
 import trio
 import trio.testing
 
+from substrate.layer.generation import Conclusion, Deferred, User, Users, combined
+from substrate.layer.mounts.plan import plan
+from substrate.layer.mounts.working_layer import WorkingLayer, next_plan
 from substrate.process import layer_users
 from substrate.process.layer_users import LayerUsers, journal_summary
 from substrate.process.runner import RunRequest
-from substrate.sandbox.generation import Conclusion, Deferred, User, Users, combined
-from substrate.sandbox.layer_plan import plan
-from substrate.sandbox.working_layer import WorkingLayer, next_plan
 from substrate.schema.proc import ChangeCounts, ChangesMode, ProcChanges
 from substrate.store.db import Store
 from substrate.store.journal import Journal

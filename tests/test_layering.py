@@ -10,10 +10,10 @@ from typing import Any, cast
 
 import pytest
 
+from substrate.layer.generation import User, Users
+from substrate.layer.mounts.working_layer import WorkingLayer
 from substrate.process import layering
 from substrate.sandbox.containers import Containers, Sandbox
-from substrate.sandbox.generation import User, Users
-from substrate.sandbox.working_layer import WorkingLayer
 from substrate.workspace.registry import Workspace
 
 

@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 
 from substrate.errors import Refusal
-from substrate.sandbox.layer_plan import layers_dir
+from substrate.layer.mounts.plan import layers_dir
 from substrate.store.journal import Journal
 from substrate.workspace.layer import Changesets, remove_layer
 from substrate.workspace.registry import Workspace

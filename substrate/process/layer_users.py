@@ -3,7 +3,7 @@ conclusion that applies it once (docs/working-layer.md, "Per command").
 
 Theory of operation. `join` counts a command (`Processes.run`, before its exec is made)
 or a terminal session (`pty.docker`, before its TTY exec) as a user of the generation
-mounted now (`sandbox.generation.Users`), waiting only while a conclusion runs. `end`
+mounted now (`layer.generation.Users`), waiting only while a conclusion runs. `end`
 (its process ended, called shielded) answers, for a user others still share the
 generation with, `ProcChanges {generation, deferred: true}` at once; for the last user
 it concludes the generation (`layering.conclude`: swap, re-verify, scan, apply) in the
@@ -40,11 +40,11 @@ import msgspec
 import trio
 
 from substrate.errors import RuntimeUnavailable
+from substrate.layer.generation import Conclusion, Deferred, User, combined
+from substrate.layer.mounts import working_layer
 from substrate.process import layering
-from substrate.sandbox import working_layer
 from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone
-from substrate.sandbox.generation import Conclusion, Deferred, User, combined
 from substrate.schema.proc import ChangesMode, ProcChanges
 from substrate.store.journal import Journal
 from substrate.workspace.layer import Changesets, upper_holds_changes

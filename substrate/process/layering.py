@@ -2,7 +2,7 @@
 (docs/working-layer.md).
 
 Theory of operation. Commands and terminals on one layer sandbox that overlap share its
-generation (`process.layer_users`, `sandbox.generation`): none waits for another, and the
+generation (`process.layer_users`, `layer.generation`): none waits for another, and the
 generation concludes once, when the last of them ends (a newcomer waits only while that
 conclusion runs, then joins the next generation), so every change belongs to exactly one
 generation and is applied once. When the last user has ended — also killed, timed out or
@@ -62,10 +62,11 @@ import msgspec
 import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
+from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
+from substrate.layer.mounts.plan import LayerPlan
 from substrate.process import layer_keep
-from substrate.sandbox import passthrough, passthrough_scan, reaper, working_layer
+from substrate.sandbox import reaper
 from substrate.sandbox.containers import Containers, Sandbox
-from substrate.sandbox.layer_plan import LayerPlan
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
 from substrate.workspace.layer import (
     ApplyResult,

@@ -7,12 +7,12 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from substrate.layer.mounts import WorkingLayer
 from substrate.sandbox import reaper
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.proxy_link import ProxyLink
 from substrate.sandbox.spec import RunAs
-from substrate.sandbox.working_layer import WorkingLayer
 from substrate.workspace.homes import Home
 
 __all__ = ["Sandbox"]

@@ -21,9 +21,9 @@ import trio.lowlevel
 
 from substrate.config import Config
 from substrate.daemon import Daemon
+from substrate.layer.mounts.overlay import mounted_under
+from substrate.layer.mounts.working_layer import CTIME_SLACK_NS
 from substrate.protocol.client import AsyncClient, RpcError, open_client
-from substrate.sandbox.layers import mounted_under
-from substrate.sandbox.working_layer import CTIME_SLACK_NS
 from tests.harness.inprocess import as_layer, owned_project, profiles_dir, serving
 
 OWNER = 1000

@@ -26,11 +26,11 @@ from trio_websocket import WebSocketConnection
 
 from substrate.config import Config
 from substrate.daemon import Daemon, open_daemon
+from substrate.layer.mounts.overlay import mounted_under
 from substrate.process import layer_recovery, service
 from substrate.protocol.client import AsyncClient, open_client
 from substrate.pty import docker as pty_docker
 from substrate.pty.client import open_terminal
-from substrate.sandbox.layers import mounted_under
 from substrate.schema.journal import Entry
 from tests.harness import wait_until_async
 from tests.harness.ws_frames import read_until, recv, send

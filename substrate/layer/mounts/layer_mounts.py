@@ -1,6 +1,6 @@
 """The working layers' host mounts as `substrate.sandbox.containers` uses them: made,
-torn down and identified through worker threads (`substrate.sandbox.working_layer`
-blocks), and swept of what a previous run left (`substrate.sandbox.layers.sweep`).
+torn down and identified through worker threads (`substrate.layer.mounts.working_layer`
+blocks), and swept of what a previous run left (`substrate.layer.mounts.overlay.sweep`).
 
 No layer is made before the sweep at start has run: a leftover mount of a previous run
 must not be mistaken for, or stacked under, a new one.
@@ -15,12 +15,12 @@ from typing import Any
 import trio
 
 from substrate.errors import RuntimeUnavailable
-from substrate.sandbox import layers, working_layer
-from substrate.sandbox.facts import FactValue
-from substrate.sandbox.layer_plan import layers_dir
-from substrate.sandbox.working_layer import WorkingLayer
+from substrate.layer.mounts import overlay, working_layer
+from substrate.layer.mounts.plan import layers_dir
+from substrate.layer.mounts.working_layer import WorkingLayer
+from substrate.schema.facts import FactValue
 
-log = logging.getLogger("substrate.sandbox.containers")
+log = logging.getLogger("substrate.layer.mounts.layer_mounts")
 
 #: `Containers._journal_async`: (kind, data, workspace).
 JournalAsync = Callable[[str, dict[str, Any], str | None], Awaitable[None]]
@@ -70,14 +70,14 @@ class LayerMounts:
         )
 
     async def sweep(self) -> None:
-        """Unmount every layer mount a previous run left (`layers.sweep`); until this ran
+        """Unmount every layer mount a previous run left (`overlay.sweep`); until this ran
         at start, no layer is made. Also at shutdown (the layer directory's own
         self-bind goes too). A failure is logged (a leftover still in use stays
         mounted; new layers get new directories)."""
         try:
             if self._state_dir is not None:
                 gone = await trio.to_thread.run_sync(
-                    layers.sweep, layers_dir(self._state_dir), limiter=self._fs_limiter
+                    overlay.sweep, layers_dir(self._state_dir), limiter=self._fs_limiter
                 )
                 if gone:
                     await self._journal("layer.swept", {"mounts": len(gone)}, None)

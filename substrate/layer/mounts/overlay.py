@@ -1,5 +1,5 @@
 """The working layer's host-side mounts: make, swap, observe and tear down the overlay
-that a sandbox sees as `/workspace` (plan and check: `substrate.sandbox.layer_plan`).
+that a sandbox sees as `/workspace` (plan and check: `substrate.layer.mounts.plan`).
 
 Theory of operation. Everything is a `mount(2)` / `umount2(2)` system call through
 ctypes (no `mount` binary, no shell). `prepare` makes the layer directory a private
@@ -10,7 +10,7 @@ mounted on it, so every later mount and unmount on the base reaches the containe
 every read-only part over it — never the other way round: a mount that lands on the base
 hides whatever was mounted under it. `swap` unmounts generation N (never lazily: a lazily
 detached layer could still take writes after its change set was read, and they would be
-lost) and mounts N+1; each step re-reads mountinfo and `layer_plan.verify`s it.
+lost) and mounts N+1; each step re-reads mountinfo and `plan.verify`s it.
 
 Paths handed to the kernel: the checkout is named `/proc/self/fd/<n>` of the root fd the
 daemon holds, and every mount target beneath the base is opened first without following
@@ -30,7 +30,8 @@ import stat
 from collections.abc import Iterator
 
 from substrate.errors import ConfinementUnmet
-from substrate.sandbox.layer_plan import (
+from substrate.layer.mounts.mountinfo import Mount, parse_mountinfo, visible_mounts
+from substrate.layer.mounts.plan import (
     FD_PATH_PREFIX,
     LayerPlan,
     PassthroughPart,
@@ -39,7 +40,6 @@ from substrate.sandbox.layer_plan import (
     readonly_options,
     verify,
 )
-from substrate.sandbox.parsers import Mount, parse_mountinfo, visible_mounts
 from substrate.workspace.paths import open_dir
 
 MS_RDONLY = 0x1
@@ -168,7 +168,7 @@ def mount_generation(p: LayerPlan, root_fd: int) -> None:
 
 
 def verify_generation(p: LayerPlan) -> None:
-    """`layer_plan.verify` of generation `p` against the daemon's mountinfo now: refuses
+    """`plan.verify` of generation `p` against the daemon's mountinfo now: refuses
     `confinement_unmet` when what is mounted on the base is not exactly that."""
     verify(p, read_mounts())
 

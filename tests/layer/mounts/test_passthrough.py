@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from substrate.errors import PathDenied
-from substrate.sandbox import passthrough
+from substrate.layer.mounts import passthrough
 from substrate.sandbox.profiles import ProfileError, load_profile
 from substrate.schema.workspace import Policy
 from substrate.workspace.policy import compile_policy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SECCOMP = ROOT / "seccomp"
 LAYER = """\
 description = "test"

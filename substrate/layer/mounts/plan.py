@@ -1,6 +1,6 @@
 """The working layer's mount plan, and the check of what the kernel shows against it.
 
-Pure: no I/O. `substrate.sandbox.layers` makes the mounts this plans and hands back the
+Pure: no I/O. `substrate.layer.mounts.overlay` makes the mounts this plans and hands back the
 parsed `/proc/self/mountinfo` for `verify`. Layout, for sandbox `S` and generation `N`
 (docs/working-layer-mounts.md):
 
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import msgspec
 
 from substrate.errors import ConfinementUnmet
-from substrate.sandbox.parsers import Mount, visible_mounts
+from substrate.layer.mounts.mountinfo import Mount, visible_mounts
 
 #: The directory under the state dir holding every sandbox's layers.
 LAYERS_DIRNAME = "layers"
@@ -60,7 +60,7 @@ class PassthroughPart(msgspec.Struct, frozen=True, kw_only=True):
     """One checkout directory bound read-write over the merged view (profile
     `passthrough`): writes under it go straight to the checkout, never to the upper."""
 
-    rel: str  # workspace-relative, validated by `substrate.sandbox.passthrough`
+    rel: str  # workspace-relative, validated by `substrate.layer.mounts.passthrough`
     identity: tuple[int, int]  # (st_dev, st_ino) found: re-checked at mount time
     target: str  # base + rel
     #: Where the bind is made nosuid,nodev first (private: never propagated), then bound

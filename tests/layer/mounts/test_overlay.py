@@ -1,5 +1,5 @@
-"""The working layer's host-side mounts on the real kernel (substrate.sandbox.layers) and
-its pure plan and check (substrate.sandbox.layer_plan).
+"""The working layer's host-side mounts on the real kernel (substrate.layer.mounts.overlay;
+the plan they follow is tested in test_plan.py).
 
 Needs root (CAP_SYS_ADMIN) and overlayfs: a failing mount fails the test, never skips it.
 Every test that mounts checks at the end, by mountinfo, that it left no mount behind.
@@ -16,124 +16,10 @@ from pathlib import Path
 import pytest
 
 from substrate.errors import ConfinementUnmet
-from substrate.sandbox import layers, passthrough
-from substrate.sandbox.layer_plan import LayerPlan, layers_dir, plan, verify
+from substrate.layer.mounts import overlay, passthrough
+from substrate.layer.mounts.mountinfo import Mount
+from substrate.layer.mounts.plan import LayerPlan, layers_dir, plan
 from substrate.sandbox.mounts import git_paths
-from substrate.sandbox.parsers import Mount, parse_mountinfo
-
-# -- the plan (pure) -----------------------------------------------------------------------
-
-
-def test_plan_lays_out_one_sandbox_generation() -> None:
-    p = plan("/state", "sb1", 3, [("sub/.git", (1, 3)), (".git", (1, 2))])
-    assert p.layers_dir == "/state/layers"
-    assert p.base == "/state/layers/sb1/merged"
-    assert (p.upper, p.work) == ("/state/layers/sb1/upper/3", "/state/layers/sb1/work/3")
-    assert [(r.rel, r.target, r.identity) for r in p.readonly] == [
-        (".git", "/state/layers/sb1/merged/.git", (1, 2)),
-        ("sub/.git", "/state/layers/sb1/merged/sub/.git", (1, 3)),
-    ]
-    assert p == plan("/state/", "sb1", 3, [(".git", (1, 2)), ("sub/.git", (1, 3))])
-
-
-@pytest.mark.parametrize(
-    ("state", "sandbox", "generation", "rel"),
-    [
-        ("state", "sb", 0, ".git"),
-        ("/st,ate", "sb", 0, ".git"),
-        ("/state", "../x", 0, ".git"),
-        ("/state", "a/b", 0, ".git"),
-        ("/state", "sb", -1, ".git"),
-        ("/state", "sb", 0, "../.git"),
-        ("/state", "sb", 0, "/.git"),
-        ("/state", "sb", 0, "a//.git"),
-    ],
-)
-def test_plan_refuses_what_it_cannot_lay_out(
-    state: str, sandbox: str, generation: int, rel: str
-) -> None:
-    with pytest.raises(ConfinementUnmet):
-        plan(state, sandbox, generation, [(rel, (1, 2))])
-
-
-def _mountinfo(*lines: str) -> list[Mount]:
-    return parse_mountinfo("\n".join(lines))
-
-
-_ROOT = "1 0 8:1 / / rw - ext4 /dev/sda1 rw"
-_BASE = "20 1 8:1 /s/layers/sb/merged /s/layers/sb/merged rw shared:5 - ext4 /dev/sda1 rw"
-_MERGED = (
-    "21 20 0:50 / /s/layers/sb/merged rw shared:6 - overlay overlay "
-    "rw,lowerdir=/proc/self/fd/7,upperdir=/s/layers/sb/upper/2,workdir=/s/layers/sb/work/2"
-)
-_GIT = (
-    "22 21 0:51 / /s/layers/sb/merged/.git rw shared:7 - overlay overlay "
-    "ro,lowerdir=/proc/self/fd/9:/s/layers/sb/empty"
-)
-
-
-def test_verify_accepts_the_planned_mounts() -> None:
-    verify(plan("/s", "sb", 2, [(".git", (1, 2))]), _mountinfo(_ROOT, _BASE, _MERGED, _GIT))
-
-
-_NODE = (
-    "23 21 8:1 /c/node_modules /s/layers/sb/merged/node_modules rw,nosuid,nodev - ext4 /dev/sda1 rw"
-)
-
-
-def test_verify_wants_each_passthrough_as_a_rw_nosuid_nodev_bind() -> None:
-    p = plan("/s", "sb", 2, [(".git", (1, 2))], [("node_modules", (1, 3))])
-    assert p.passthrough[0].staging == "/s/layers/sb/pt/0"
-    verify(p, _mountinfo(_ROOT, _BASE, _MERGED, _GIT, _NODE))
-    for lines in (
-        (_ROOT, _BASE, _MERGED, _GIT),
-        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace(" rw,", " ro,")),
-        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace("node_modules rw", "other rw")),
-        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace("rw,nosuid,nodev", "rw,nodev")),
-        (_ROOT, _BASE, _MERGED, _GIT, _NODE.replace("rw,nosuid,nodev", "rw,nosuid")),
-    ):
-        with pytest.raises(ConfinementUnmet):
-            verify(p, _mountinfo(*lines))
-    with pytest.raises(ConfinementUnmet):
-        plan("/s", "sb", 2, [], [("../up", (1, 3))])
-
-
-@pytest.mark.parametrize(
-    "lines",
-    [
-        pytest.param((_ROOT, _BASE, _GIT), id="no-overlay"),
-        pytest.param((_ROOT, _BASE, _MERGED), id="readonly-part-missing"),
-        pytest.param(
-            (_ROOT, _BASE, _MERGED, _GIT.replace("ro,lowerdir", "rw,lowerdir")), id="rw-part"
-        ),
-        pytest.param(
-            (
-                _ROOT,
-                _BASE,
-                _MERGED,
-                "22 21 8:1 /c/.git /s/layers/sb/merged/.git ro shared:7 - ext4 /dev/sda1 rw",
-            ),
-            id="ro-bind-only",
-        ),
-        pytest.param((_ROOT, _BASE, _MERGED.replace("upper/2", "upper/1"), _GIT), id="old-gen"),
-        pytest.param(
-            (_ROOT, _BASE, _MERGED, _GIT, "23 21 0:52 / /s/layers/sb/merged/x rw - tmpfs t rw"),
-            id="extra-mount",
-        ),
-        pytest.param(
-            (_ROOT, _BASE, _MERGED, _GIT, "23 21 0:53 / /s/layers/sb/merged rw - tmpfs t rw"),
-            id="covered",
-        ),
-    ],
-)
-def test_verify_refuses_any_other_mount_state(lines: tuple[str, ...]) -> None:
-    with pytest.raises(ConfinementUnmet) as caught:
-        verify(plan("/s", "sb", 2, [(".git", (1, 2))]), _mountinfo(*lines))
-    assert (
-        caught.value.data["required"]["layer_mounts"]
-        != caught.value.data["observed"]["layer_mounts"]
-    )
-
 
 # -- the mounts (real kernel) -------------------------------------------------------------
 
@@ -164,9 +50,9 @@ def layer(tmp_path: Path) -> Iterator[Layer]:
     try:
         yield made
     finally:
-        leftover = layers.sweep(layers_dir(str(made.state)))
+        leftover = overlay.sweep(layers_dir(str(made.state)))
         os.close(made.root_fd)
-        assert not layers.mounted_under(str(tmp_path)), "a mount was left behind"
+        assert not overlay.mounted_under(str(tmp_path)), "a mount was left behind"
         del leftover
 
 
@@ -209,7 +95,7 @@ def _in_child(fn: Callable[[], int]) -> int:
 
 
 def _mount_at(point: str) -> Mount:
-    return [m for m in layers.read_mounts() if m.mount_point == point][-1]
+    return [m for m in overlay.read_mounts() if m.mount_point == point][-1]
 
 
 def _check_readonly_parts(base: str) -> None:
@@ -219,8 +105,8 @@ def _check_readonly_parts(base: str) -> None:
 
 def test_generation_writes_go_to_upper_and_git_is_readonly(layer: Layer) -> None:
     p = layer.plan(1)
-    layers.prepare(p)
-    layers.mount_generation(p, layer.root_fd)
+    overlay.prepare(p)
+    overlay.mount_generation(p, layer.root_fd)
 
     assert _write_errno(f"{p.base}/made.txt") == 0
     with open(f"{p.base}/src.txt", "w") as f:
@@ -233,22 +119,22 @@ def test_generation_writes_go_to_upper_and_git_is_readonly(layer: Layer) -> None
     assert (layer.checkout / "wt" / ".git").read_text() == "gitdir: ../.git/worktrees/wt\n"
     assert "ro" in _mount_at(f"{p.base}/wt/.git").super_options
     assert _mount_at(p.base).fstype == "overlay"
-    assert not layers.mounted_under(f"{p.sandbox_dir}/ro")  # staging mounts are gone
+    assert not overlay.mounted_under(f"{p.sandbox_dir}/ro")  # staging mounts are gone
 
-    layers.teardown(p)
-    assert not layers.mounted_under(p.sandbox_dir)
-    layers.teardown(p)  # idempotent
+    overlay.teardown(p)
+    assert not overlay.mounted_under(p.sandbox_dir)
+    overlay.teardown(p)  # idempotent
 
 
 def test_swap_keeps_the_old_upper_and_mounts_a_clean_one(layer: Layer) -> None:
     first = layer.plan(1)
-    layers.prepare(first)
-    layers.mount_generation(first, layer.root_fd)
+    overlay.prepare(first)
+    overlay.mount_generation(first, layer.root_fd)
     Path(first.base, "made.txt").write_text("gen 1\n")
     os.unlink(f"{first.base}/src.txt")
 
     second = layer.plan(2)
-    layers.swap(first, second, layer.root_fd)
+    overlay.swap(first, second, layer.root_fd)
 
     assert Path(first.upper, "made.txt").read_text() == "gen 1\n"  # for the change set
     assert sorted(os.listdir(first.upper)) == ["made.txt", "src.txt"]  # src.txt: whiteout
@@ -256,9 +142,9 @@ def test_swap_keeps_the_old_upper_and_mounts_a_clean_one(layer: Layer) -> None:
     assert Path(second.base, "src.txt").read_text() == "original\n"
     assert os.listdir(second.upper) == []
     _check_readonly_parts(second.base)
-    layers.verify_generation(second)
+    overlay.verify_generation(second)
     with pytest.raises(ConfinementUnmet):
-        layers.verify_generation(first)
+        overlay.verify_generation(first)
 
 
 def _passthrough_plan(layer: Layer, generation: int) -> LayerPlan:
@@ -270,8 +156,8 @@ def test_passthrough_writes_land_in_the_checkout_across_swaps(layer: Layer) -> N
     (layer.checkout / "node_modules" / "pkg" / ".git").mkdir(parents=True)
     first = _passthrough_plan(layer, 1)
     assert [part.rel for part in first.passthrough] == ["node_modules"]
-    layers.prepare(first)
-    layers.mount_generation(first, layer.root_fd)
+    overlay.prepare(first)
+    overlay.mount_generation(first, layer.root_fd)
 
     Path(first.base, "node_modules", "x").write_text("direct\n")
     Path(first.base, "made.txt").write_text("layered\n")
@@ -283,20 +169,20 @@ def test_passthrough_writes_land_in_the_checkout_across_swaps(layer: Layer) -> N
     bound = _mount_at(f"{first.base}/node_modules")
     assert not bound.read_only
     assert {"nosuid", "nodev"} <= set(bound.options)  # a set-id file there is inert
-    assert layers.mounted_under(f"{first.sandbox_dir}/pt") == []  # the staging bind went
+    assert overlay.mounted_under(f"{first.sandbox_dir}/pt") == []  # the staging bind went
     _check_readonly_parts(first.base)
 
     second = _passthrough_plan(layer, 2)
-    layers.swap(first, second, layer.root_fd)
+    overlay.swap(first, second, layer.root_fd)
     assert Path(second.base, "node_modules", "x").read_text() == "direct\n"
     Path(second.base, "node_modules", "y").write_text("again\n")
     assert (layer.checkout / "node_modules" / "y").read_text() == "again\n"
     assert os.listdir(second.upper) == []
     assert _write_errno(f"{second.base}/node_modules/pkg/.git/new") == errno.EROFS
-    layers.verify_generation(second)
+    overlay.verify_generation(second)
 
-    layers.teardown(second)
-    assert not layers.mounted_under(second.sandbox_dir)
+    overlay.teardown(second)
+    assert not overlay.mounted_under(second.sandbox_dir)
 
 
 def test_a_replaced_passthrough_dir_is_refused_and_nothing_stays_mounted(layer: Layer) -> None:
@@ -304,42 +190,42 @@ def test_a_replaced_passthrough_dir_is_refused_and_nothing_stays_mounted(layer: 
     p = _passthrough_plan(layer, 1)
     os.rename(layer.checkout / "node_modules", layer.checkout / "moved")
     (layer.checkout / "node_modules").mkdir()  # same name, another directory
-    layers.prepare(p)
+    overlay.prepare(p)
     with pytest.raises(ConfinementUnmet):
-        layers.mount_generation(p, layer.root_fd)
-    assert [m.mount_point for m in layers.mounted_under(p.base)] == [p.base]
+        overlay.mount_generation(p, layer.root_fd)
+    assert [m.mount_point for m in overlay.mounted_under(p.base)] == [p.base]
 
 
 def test_a_generation_is_never_reused(layer: Layer) -> None:
     p = layer.plan(1)
-    layers.prepare(p)
-    layers.mount_generation(p, layer.root_fd)
-    layers.unmount_generation(p)
+    overlay.prepare(p)
+    overlay.mount_generation(p, layer.root_fd)
+    overlay.unmount_generation(p)
     with pytest.raises(ConfinementUnmet):
-        layers.mount_generation(p, layer.root_fd)
-    assert [m.mount_point for m in layers.mounted_under(p.base)] == [p.base]
+        overlay.mount_generation(p, layer.root_fd)
+    assert [m.mount_point for m in overlay.mounted_under(p.base)] == [p.base]
 
 
 def test_a_changed_readonly_part_is_refused_and_nothing_stays_mounted(layer: Layer) -> None:
     p = layer.plan(1)
     os.rename(layer.checkout / "sub" / "nested" / ".git", layer.checkout / "moved")
     (layer.checkout / "sub" / "nested" / ".git").mkdir()  # same name, another directory
-    layers.prepare(p)
+    overlay.prepare(p)
     with pytest.raises(ConfinementUnmet):
-        layers.mount_generation(p, layer.root_fd)
-    assert [m.mount_point for m in layers.mounted_under(p.base)] == [p.base]
+        overlay.mount_generation(p, layer.root_fd)
+    assert [m.mount_point for m in overlay.mounted_under(p.base)] == [p.base]
 
 
 def test_a_busy_generation_is_kept_whole(layer: Layer) -> None:
     first = layer.plan(1)
-    layers.prepare(first)
-    layers.mount_generation(first, layer.root_fd)
+    overlay.prepare(first)
+    overlay.mount_generation(first, layer.root_fd)
     held = os.open(f"{first.base}/src.txt", os.O_RDONLY)
     try:
         with pytest.raises(OSError) as caught:
-            layers.swap(first, layer.plan(2), layer.root_fd)
+            overlay.swap(first, layer.plan(2), layer.root_fd)
         assert caught.value.errno == errno.EBUSY
-        layers.verify_generation(first)
+        overlay.verify_generation(first)
         _check_readonly_parts(first.base)
     finally:
         os.close(held)
@@ -349,16 +235,16 @@ def test_swaps_propagate_into_an_rslave_bind_in_another_namespace(layer: Layer) 
     """The trap issue 10 found: the container's view must get the new generation with
     its read-only parts still read-only (a `-o ro` bind would arrive read-write)."""
     first = layer.plan(1)
-    layers.prepare(first)
+    overlay.prepare(first)
     inside = layer.state / "container-workspace"
     inside.mkdir()
     with _Container(first.base, str(inside)) as container:
-        layers.mount_generation(first, layer.root_fd)
+        overlay.mount_generation(first, layer.root_fd)
         Path(first.base, "gen1.txt").write_text("1\n")
         assert container.ask("gen1.txt") == {"exists": True, "upper": first.upper, "erofs": 4}
 
         second = layer.plan(2)
-        layers.swap(first, second, layer.root_fd)
+        overlay.swap(first, second, layer.root_fd)
         assert container.ask("gen1.txt") == {"exists": False, "upper": second.upper, "erofs": 4}
         assert container.ask("written.txt", write=True)["exists"]
         assert Path(second.upper, "written.txt").exists()
@@ -367,22 +253,22 @@ def test_swaps_propagate_into_an_rslave_bind_in_another_namespace(layer: Layer) 
 
 def test_a_generation_in_use_in_the_container_is_not_swapped(layer: Layer) -> None:
     first = layer.plan(1)
-    layers.prepare(first)
+    overlay.prepare(first)
     inside = layer.state / "container-workspace"
     inside.mkdir()
     with _Container(first.base, str(inside)) as container:
-        layers.mount_generation(first, layer.root_fd)
+        overlay.mount_generation(first, layer.root_fd)
         container.ask("src.txt", hold=True)
         with pytest.raises(OSError) as caught:
-            layers.swap(first, layer.plan(2), layer.root_fd)
+            overlay.swap(first, layer.plan(2), layer.root_fd)
         assert caught.value.errno == errno.EBUSY
-        layers.verify_generation(first)
+        overlay.verify_generation(first)
         assert container.ask("src.txt", release=True) == {
             "exists": True,
             "upper": first.upper,
             "erofs": 4,
         }
-        layers.swap(first, layer.plan(2), layer.root_fd)
+        overlay.swap(first, layer.plan(2), layer.root_fd)
 
 
 class _Container:
@@ -413,10 +299,10 @@ class _Container:
         return self
 
     def _serve(self, ask_r: int, answer_w: int) -> None:
-        layers.unshare_mount_namespace()
-        layers.mount(None, "/", None, layers.MS_REC | layers.MS_SLAVE)
-        layers.mount(self.base, self.target, None, layers.MS_BIND | layers.MS_REC)
-        layers.mount(None, self.target, None, layers.MS_REC | layers.MS_SLAVE)
+        overlay.unshare_mount_namespace()
+        overlay.mount(None, "/", None, overlay.MS_REC | overlay.MS_SLAVE)
+        overlay.mount(self.base, self.target, None, overlay.MS_BIND | overlay.MS_REC)
+        overlay.mount(None, self.target, None, overlay.MS_REC | overlay.MS_SLAVE)
         asks = os.fdopen(ask_r, "r")
         os.write(answer_w, b'{"ready": true}\n')
         held: list[int] = []
@@ -428,7 +314,7 @@ class _Container:
                 os.close(held.pop())
             if query["write"]:
                 Path(self.target, query["name"]).write_text("from the container\n")
-            top = [m for m in layers.read_mounts() if m.mount_point == self.target][-1]
+            top = [m for m in overlay.read_mounts() if m.mount_point == self.target][-1]
             opts = dict(o.partition("=")[::2] for o in top.super_options)
             erofs = sum(
                 _try_write(f"{self.target}/{rel}") == errno.EROFS
@@ -467,16 +353,16 @@ class _Container:
 def test_sweep_unmounts_a_dead_daemons_leftovers_only(layer: Layer, tmp_path: Path) -> None:
     for sandbox in ("sb1", "sb2"):
         p = plan(str(layer.state), sandbox, 1, git_paths(layer.root_fd))
-        layers.prepare(p)
-        layers.mount_generation(p, layer.root_fd)
+        overlay.prepare(p)
+        overlay.mount_generation(p, layer.root_fd)
     outside = tmp_path / "outside"
     outside.mkdir()
-    layers.mount("tmpfs", str(outside), "tmpfs", 0, "size=1m")
+    overlay.mount("tmpfs", str(outside), "tmpfs", 0, "size=1m")
     try:
-        swept = layers.sweep(layers_dir(str(layer.state)))
+        swept = overlay.sweep(layers_dir(str(layer.state)))
         assert layers_dir(str(layer.state)) in swept
-        assert not layers.mounted_under(layers_dir(str(layer.state)))
-        assert [m.fstype for m in layers.mounted_under(str(outside))] == ["tmpfs"]
-        assert layers.sweep(layers_dir(str(layer.state))) == []
+        assert not overlay.mounted_under(layers_dir(str(layer.state)))
+        assert [m.fstype for m in overlay.mounted_under(str(outside))] == ["tmpfs"]
+        assert overlay.sweep(layers_dir(str(layer.state))) == []
     finally:
-        layers.umount(str(outside))
+        overlay.umount(str(outside))

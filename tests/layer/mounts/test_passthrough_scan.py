@@ -1,4 +1,4 @@
-"""substrate.sandbox.passthrough_scan: what a command left in passthrough dirs is reported,
+"""substrate.layer.mounts.passthrough_scan: what a command left in passthrough dirs is reported,
 and git dirs and set-id bits the command made are neutralised."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from substrate.sandbox import passthrough_scan
-from substrate.sandbox.passthrough_scan import Finding, inspect
+from substrate.layer.mounts import passthrough_scan
+from substrate.layer.mounts.passthrough_scan import Finding, inspect
 
 
 @pytest.fixture

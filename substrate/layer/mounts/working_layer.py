@@ -6,7 +6,7 @@ container binds the base `rslave`, then `mount_first`), re-checks it after every
 (`identity_required` against what the container shows) and tears it down with the
 container (`close`). `substrate.process.layering` swaps it when a generation concludes:
 when the last of the commands and terminals sharing it ends (`users`,
-`substrate.sandbox.generation`).
+`substrate.layer.generation`).
 
 Facts: the container's `/workspace` must be the very overlay mounted on the host's base
 (`workspace_identity`: its st_dev:st_ino, which is the overlay superblock's), and each
@@ -27,13 +27,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from substrate.sandbox import layers, passthrough
-from substrate.sandbox.facts import FactValue
-from substrate.sandbox.generation import Users
-from substrate.sandbox.layer_plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
+from substrate.layer.generation import Users
+from substrate.layer.mounts import overlay, passthrough
+from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
+from substrate.schema.facts import FactValue
 from substrate.workspace.paths import open_dir
 
-log = logging.getLogger("substrate.sandbox.working_layer")
+log = logging.getLogger("substrate.layer.mounts.working_layer")
 
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -90,19 +90,19 @@ def open_layer(
     readonly: Sequence[tuple[str, tuple[int, int]]],
     passthrough_dirs: Sequence[str] = (),
 ) -> WorkingLayer:
-    """Plan generation 0 of a new layer (a fresh random id) and `layers.prepare` it: the
-    base exists, shared, with nothing mounted on it. Refuses as `layer_plan.plan` does."""
+    """Plan generation 0 of a new layer (a fresh random id) and `overlay.prepare` it: the
+    base exists, shared, with nothing mounted on it. Refuses as `plan.plan` does."""
     p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly)
-    layers.prepare(p)
+    overlay.prepare(p)
     return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs))
 
 
 def mount_first(layer: WorkingLayer, root_fd: int) -> None:
     """Mount generation 0 (after the container bound the base), binding the passthrough
-    dirs that exist now. Refuses as `layers.mount_generation` does."""
+    dirs that exist now. Refuses as `overlay.mount_generation` does."""
     with layer.mounting:
         first = _with_passthrough(layer.plan, passthrough.existing(root_fd, layer.passthrough))
-        layers.mount_generation(first, root_fd)
+        overlay.mount_generation(first, root_fd)
         layer.plan = first
 
 
@@ -128,14 +128,14 @@ def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
     """Swap the layer to its next generation; return the old plan (its upper dir holds
     the ended command's changes), or None when the layer was closed meanwhile (nothing
     mounted again). Raises OSError(EBUSY) when the generation is in use (it stays, see
-    `layers.swap`) and `confinement_unmet` when the new one does not verify (then
+    `overlay.swap`) and `confinement_unmet` when the new one does not verify (then
     nothing is mounted on the base: the caller drops the sandbox)."""
     with layer.mounting:
         if layer.closed:
             return None
         old = layer.plan
         new = next_plan(old, passthrough.existing(root_fd, layer.passthrough))
-        layers.swap(old, new, root_fd)
+        overlay.swap(old, new, root_fd)
         layer.plan = new
         return old
 
@@ -175,7 +175,7 @@ def close(layer: WorkingLayer) -> None:
     with layer.mounting:
         layer.closed = True
         try:
-            layers.teardown(layer.plan)
+            overlay.teardown(layer.plan)
         except OSError as exc:
             log.error("tearing down layer %s failed: %s", layer.plan.sandbox_dir, exc)
         else:
