@@ -14,12 +14,12 @@ import msgspec
 import pytest
 
 from substrate.config import Config
+from substrate.layer.changes import Changesets, apply, scan
 from substrate.process import layer_recovery
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import batch_writes
-from substrate.workspace.layer import Changesets, apply, scan
 from substrate.workspace.registry import WorkspaceRegistry
 from substrate.workspace.writes import Writer
 

@@ -5,7 +5,7 @@ workspace, and the wire entries that report both.
 - `ArtifactKeeper` copies a conflict's version (a file in the set's upper layer) into
   the artifact store as one artifact, `proc` = the change set's id, `stream` =
   "conflict", through an `OutputSink` like command output: spooled, hashed and moved
-  to its content address, never held in memory whole. `workspace.layer.Changesets`
+  to its content address, never held in memory whole. `layer.changes.Changesets`
   calls it (that package sits below the artifact store).
 - `check_room` refuses a command that could keep one more set when its workspace keeps
   `max_kept_changesets` already (`limit_exceeded`, `scope: "kept_changesets"`): before
@@ -22,10 +22,10 @@ from collections.abc import Iterable, Mapping
 
 from substrate.artifacts.store import ArtifactStore
 from substrate.errors import LimitExceeded
+from substrate.layer.changes import Changesets, Outcomes
+from substrate.layer.changes.versions import Versions, needs_version
 from substrate.schema.changes import Change, KeptVersion
 from substrate.schema.proc import ChangeEntry, ChangesMode
-from substrate.workspace.layer import Changesets, Outcomes
-from substrate.workspace.layer.versions import Versions, needs_version
 
 #: The artifact `stream` of a conflict's version.
 CONFLICT_STREAM = "conflict"

@@ -26,9 +26,9 @@ import os
 from collections.abc import Callable
 
 from substrate.errors import Refusal
+from substrate.layer.changes import Changesets, remove_layer
 from substrate.layer.mounts.plan import layers_dir
 from substrate.store.journal import Journal
-from substrate.workspace.layer import Changesets, remove_layer
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 

@@ -40,6 +40,7 @@ import msgspec
 import trio
 
 from substrate.errors import RuntimeUnavailable
+from substrate.layer.changes import Changesets, upper_holds_changes
 from substrate.layer.generation import Conclusion, Deferred, User, combined
 from substrate.layer.mounts import working_layer
 from substrate.process import layering
@@ -47,7 +48,6 @@ from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone
 from substrate.schema.proc import ChangesMode, ProcChanges
 from substrate.store.journal import Journal
-from substrate.workspace.layer import Changesets, upper_holds_changes
 from substrate.workspace.writes import Writer
 
 if TYPE_CHECKING:

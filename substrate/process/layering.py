@@ -14,7 +14,7 @@ request with the users' combined mode and the actor of the last that ran:
    and whose passthrough dirs are still the checkout's stays mounted as it is, with no
    swap, re-verification, scan or change set (`changes {generation, mode}` and zero
    counts); its next user joins it as it is, since-time and all (its overlay may still
-   show a file the host replaced or removed since: `workspace.layer.host_edits`). That
+   show a file the host replaced or removed since: `layer.changes.host_edits`). That
    is most commands, and it saves the swap's mount calls and the observation (about
    10 ms of a warm command);
 1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
@@ -22,13 +22,13 @@ request with the users' combined mode and the actor of the last that ran:
 2. observes the sandbox's facts again against the new generation
    (`Containers.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
 3. scans the old upper dir against the checkout and, by the request's `changes` mode:
-   "apply" applies the change set through the guarded path (`workspace.layer.scan` /
+   "apply" applies the change set through the guarded path (`layer.changes.scan` /
    `apply`), as the command's actor; "review" applies nothing; both keep the set by id
-   (`workspace.layer.Changesets`, `applied` or `pending`) for `changes.get/apply/
+   (`layer.changes.Changesets`, `applied` or `pending`) for `changes.get/apply/
    discard`; "discard" scans nothing, removes the old upper (and work) dir and keeps
    nothing. A change the host overtook during the generation (a file it edited,
    replaced, removed or renamed away, a directory it removed:
-   `workspace.layer.host_edits`) is kept in the set as blocked (`host_changed`): no
+   `layer.changes.host_edits`) is kept in the set as blocked (`host_changed`): no
    later `changes.apply` overwrites or re-creates it. Each conflict's version
    (the command's bytes) is kept as an artifact (`Changesets.keep_versions`,
    `process.layer_keep`); an applied set with nothing pending and every version kept
@@ -62,13 +62,7 @@ import msgspec
 import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
-from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
-from substrate.layer.mounts.plan import LayerPlan
-from substrate.process import layer_keep
-from substrate.sandbox import reaper
-from substrate.sandbox.containers import Containers, Sandbox
-from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
-from substrate.workspace.layer import (
+from substrate.layer.changes import (
     ApplyResult,
     Blocked,
     Change,
@@ -81,7 +75,13 @@ from substrate.workspace.layer import (
     scan,
     upper_holds_changes,
 )
-from substrate.workspace.layer.versions import Versions
+from substrate.layer.changes.versions import Versions
+from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
+from substrate.layer.mounts.plan import LayerPlan
+from substrate.process import layer_keep
+from substrate.sandbox import reaper
+from substrate.sandbox.containers import Containers, Sandbox
+from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 

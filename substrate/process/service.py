@@ -23,6 +23,7 @@ from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.egress import EgressProxy
 from substrate.errors import Refusal
+from substrate.layer.changes import Changesets
 from substrate.process import layer_recovery
 from substrate.process.driver import ExecDriver
 from substrate.process.fastexec import Launcher
@@ -41,7 +42,6 @@ from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.gate import SnapshotGate
 from substrate.workspace.homes import Homes
-from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 

@@ -8,8 +8,8 @@ without following a symlink and `fsops` does the file-system steps beneath a dir
 `reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3);
 `writes` applies guarded writes (docs/protocol.md §4) with `patching`, `preview` and `temp_files`;
 `checkpoints` keeps what they replace while a checkpoint is live and `restore` puts it back;
-`gate` checks what sandboxed code changed (docs/protocol.md §5); `layer` reads an overlay
-upper layer as a change set and applies it through the guarded path (docs/working-layer.md).
+`gate` checks what sandboxed code changed (docs/protocol.md §5). The working layer's
+change sets, applied through the guarded path, are `substrate.layer.changes`.
 """
 
 from substrate.workspace.adopted import Workspace

@@ -57,7 +57,7 @@ class WorkingLayer:
     #: `CTIME_SLACK_NS`; kept while the generation stays mounted with nothing in it (its
     #: overlay may still show what the checkout held then). A checkout change since
     #: (ctime) was not the layer's: the change set never undoes it
-    #: (`workspace.layer.host_edits`).
+    #: (`layer.changes.host_edits`).
     began: tuple[int, int] = (-1, 0)
     #: path → sha256 of what the last change set put in the checkout: those files are
     #: newer than `began` because the layer wrote them, not the host.

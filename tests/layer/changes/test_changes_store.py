@@ -1,4 +1,4 @@
-"""substrate.workspace.layer.store: change sets kept by id, applied later through the
+"""substrate.layer.changes.store: change sets kept by id, applied later through the
 guarded path (all or some paths, dry run, twice), discarded with their layer; conflicts'
 versions kept as artifacts (`layer.versions`, `process.layer_keep`), a settled set's
 layer removed, kept sets counted and reattached to a re-adopted checkout."""
@@ -17,14 +17,14 @@ from substrate.api.changes import bounded_diffs
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.errors import ChangesetUnknown, LimitExceeded
+from substrate.layer.changes import ApplyResult, ChangeSet, Changesets, Kept, scan, versions
+from substrate.layer.changes import store as store_mod
 from substrate.process import layer_keep
 from substrate.process.layer_keep import ArtifactKeeper
 from substrate.schema.changes import Change
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace.layer import ApplyResult, ChangeSet, Changesets, Kept, scan, versions
-from substrate.workspace.layer import store as store_mod
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.writes import Writer
 

@@ -42,10 +42,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from substrate.errors import NotADirectory, NotFound, Refusal, SymlinkRefused, TooLarge
-from substrate.workspace import discoverable, fsops, paths
-from substrate.workspace.digests import hash_fd
-from substrate.workspace.gate.diff import display_rel
-from substrate.workspace.layer.changeset import (
+from substrate.layer.changes.changeset import (
     Blocked,
     Change,
     ChangeSet,
@@ -54,6 +51,9 @@ from substrate.workspace.layer.changeset import (
     classify,
     ordered,
 )
+from substrate.workspace import discoverable, fsops, paths
+from substrate.workspace.digests import hash_fd
+from substrate.workspace.gate.diff import display_rel
 from substrate.workspace.patching import MAX_RESULT_BYTES
 from substrate.workspace.preview import PREVIEW_DIFF_LIMIT, unified_preview
 

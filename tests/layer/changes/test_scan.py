@@ -1,4 +1,4 @@
-"""substrate.workspace.layer.scan on real directories: hand-made upper layers and a real overlay mount."""
+"""substrate.layer.changes.scan on real directories: hand-made upper layers and a real overlay mount."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from substrate.workspace.layer import ChangeSet, scan
+from substrate.layer.changes import ChangeSet, scan
 
 # The module (the package exports the function under the same name).
-scan_module = importlib.import_module("substrate.workspace.layer.scan")
+scan_module = importlib.import_module("substrate.layer.changes.scan")
 
 DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 

@@ -1,10 +1,10 @@
-"""substrate.workspace.layer.changeset: what a pair of layer entries means, and the apply order (pure)."""
+"""substrate.layer.changes.changeset: what a pair of layer entries means, and the apply order (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from substrate.workspace.layer.changeset import Change, Seen, Verdict, classify, ordered
+from substrate.layer.changes.changeset import Change, Seen, Verdict, classify, ordered
 
 A = "a" * 64
 B = "b" * 64

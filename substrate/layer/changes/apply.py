@@ -35,13 +35,13 @@ from typing import Literal
 import msgspec
 
 from substrate.errors import ApprovalRequired, PathDenied, Refusal
+from substrate.layer.changes.changeset import Change, ChangeSet, Op
+from substrate.layer.changes.scan import MAX_FILE_BYTES
 from substrate.workspace import discoverable, fsops, paths
 from substrate.workspace.batch_base import Landing
 from substrate.workspace.batch_dirs import DirChange
 from substrate.workspace.batch_writes import FileChange
-from substrate.workspace.layer.changeset import Change, ChangeSet, Op
-from substrate.workspace.layer.scan import MAX_FILE_BYTES
-from substrate.workspace.policy import CompiledPolicy, GlobSet, is_git_path
+from substrate.workspace.policy import denying_rule
 from substrate.workspace.registry import Workspace
 from substrate.workspace.temp_files import TEMP_PREFIX
 from substrate.workspace.write_base import DirOp
@@ -76,20 +76,6 @@ class ApplyResult(msgspec.Struct, frozen=True, kw_only=True):
     blocked: tuple[Outcomes, ...] = ()
     pending: tuple[Outcomes, ...] = ()
     conflicts: tuple[Outcomes, ...] = ()
-
-
-def denying_rule(policy: CompiledPolicy, rel: str) -> str:
-    """The rule a denied `rel` falls under (see `Outcomes.rule`); `filesystem` if none."""
-    if any(part.startswith(TEMP_PREFIX) for part in rel.split("/")):
-        return "reserved"
-    if is_git_path(rel):
-        return ".git/**"
-    for pattern in policy.write_deny.patterns:
-        if GlobSet.of([pattern]).matches(rel):
-            return pattern
-    if policy.write_allow and not policy.write_allow.matches(rel):
-        return "write_allow"
-    return "filesystem"
 
 
 def _current(ws: Workspace, parts: tuple[str, ...]) -> str | None:
@@ -188,7 +174,8 @@ def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
     if why is not None:
         return out("blocked", reason=why)
     if isinstance(refusal, PathDenied):
-        return out("blocked", reason=PathDenied.name, rule=denying_rule(ws.policy, change.path))
+        rule = denying_rule(ws.policy, change.path, TEMP_PREFIX)
+        return out("blocked", reason=PathDenied.name, rule=rule)
     if isinstance(refusal, ApprovalRequired):
         return out("pending", reason=refusal.name, plan_digest=refusal.data.get("plan_digest"))
     # stale_base, already_exists, not_found, symlink_refused, ...

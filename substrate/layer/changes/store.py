@@ -51,15 +51,15 @@ from dataclasses import dataclass
 import msgspec
 
 from substrate.errors import ChangesetUnknown
+from substrate.layer.changes import versions as kept_versions
+from substrate.layer.changes.apply import ApplyResult, Outcomes, apply
+from substrate.layer.changes.changeset import ChangeSet
+from substrate.layer.changes.scan import BOUND_REASONS
+from substrate.layer.changes.versions import FileKeeper, Versions
 from substrate.schema.changes import ChangesetState, LayerState
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import fsops
-from substrate.workspace.layer import versions as kept_versions
-from substrate.workspace.layer.apply import ApplyResult, Outcomes, apply
-from substrate.workspace.layer.changeset import ChangeSet
-from substrate.workspace.layer.scan import BOUND_REASONS
-from substrate.workspace.layer.versions import FileKeeper, Versions
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 

@@ -1,4 +1,4 @@
-"""substrate.workspace.layer.apply: a change set lands through the guarded write path, or not at all."""
+"""substrate.layer.changes.apply: a change set lands through the guarded write path, or not at all."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from substrate.config import Config
+from substrate.layer.changes import ApplyResult, ChangeSet, Outcomes, apply, scan
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace.layer import ApplyResult, ChangeSet, Outcomes, apply, scan
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.writes import Writer
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from substrate.config import Config
+from substrate.layer.changes import ApplyResult
 from substrate.layer.mounts import working_layer
 from substrate.layer.mounts.plan import LayerPlan, plan
 from substrate.layer.mounts.working_layer import WorkingLayer, next_plan
 from substrate.process import layering
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace.layer import ApplyResult
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.writes import Writer
 

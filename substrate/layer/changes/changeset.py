@@ -1,6 +1,6 @@
 """What an overlay's upper layer means for the checkout: pure, no file system.
 
-The scan (`substrate.workspace.layer.scan`) records what stands at a path in each layer
+The scan (`substrate.layer.changes.scan`) records what stands at a path in each layer
 as a `Seen`; `classify` names the steps that turn the checkout (the lower layer) into
 what the command left there, or why the path is blocked. `ordered` puts a change set in
 the one order it is applied in. The results are `ChangeSet`s of the wire's `Change` and

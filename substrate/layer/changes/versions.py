@@ -27,11 +27,11 @@ from typing import Protocol
 import msgspec
 
 from substrate.errors import Refusal
+from substrate.layer.changes.apply import Outcomes
 from substrate.schema.changes import KeptVersion
 from substrate.workspace import paths
-from substrate.workspace.layer.apply import Outcomes
 
-log = logging.getLogger("substrate.workspace.layer.versions")
+log = logging.getLogger("substrate.layer.changes.versions")
 
 #: The largest version kept as an artifact, bytes.
 MAX_VERSION_BYTES = 16 << 20
