@@ -14,8 +14,7 @@ import msgspec
 import trio
 
 from substrate.api.base import Caller, handles
-from substrate.layer.changes import Kept
-from substrate.process.layering import MAX_CHANGE_ENTRIES, entries
+from substrate.layer import MAX_CHANGE_ENTRIES, Kept, entries
 from substrate.schema.changes import (
     Change,
     ChangesApplyParams,

@@ -11,7 +11,8 @@ import trio
 
 from substrate.api.base import Caller, handles
 from substrate.errors import InvalidParams, StdinClosed, TooLarge
-from substrate.process import intents, layer_keep
+from substrate.layer import check_room
+from substrate.process import intents
 from substrate.process.facts_summary import shaped
 from substrate.process.runner import RunRequest
 from substrate.process.stdin_stream import StdinStream
@@ -112,7 +113,7 @@ async def checked_request(daemon: Daemon, caller: Caller, p: StartParams) -> Run
     profile = execution.profiles.get(p.profile)
     if profile is not None and profile.workspace == "layer":
         await trio.to_thread.run_sync(
-            layer_keep.check_room,
+            check_room,
             execution.changesets,
             req.ws.id,
             p.changes,

@@ -15,7 +15,7 @@ The mode of a conclusion is the most conservative its users asked (`combined`): 
 "apply". A conclusion that could not swap (the generation was still busy: something no
 kill reaches holds it) keeps its users as *carried*: their changes are still in the
 generation and go with its next conclusion, in a mode that counts theirs (which does
-not carry them again: `process.layering`).
+not carry them again: `layer.conclusion`).
 
 A user that never ran (its exec never started) changes nothing: it concludes the
 generation only when others' changes wait in it (`leave(ran=False)`).

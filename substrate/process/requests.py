@@ -28,7 +28,7 @@ class RunRequest(msgspec.Struct, frozen=True, kw_only=True):
     stdin: bytes | StdinStream | None = None
     timeout_s: float | None = None  # None: the profile's; never above it
     actor: str = "daemon"  # who asked, for the journal
-    changes: ChangesMode = "apply"  # a layer sandbox's change set (process.layering)
+    changes: ChangesMode = "apply"  # a layer sandbox's change set (layer.conclusion)
 
 
 class WriteGate(Protocol):

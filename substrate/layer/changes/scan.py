@@ -70,7 +70,7 @@ BOUND_REASONS = frozenset({"too_deep", "too_long", "too_many", "too_large"})
 #: The largest file a change set carries: what the guarded write path takes.
 MAX_FILE_BYTES = MAX_RESULT_BYTES
 #: Changes given a `diff` preview: the first ones in apply order, as many as
-#: `changes.get` shows (`process.layering.MAX_CHANGE_ENTRIES`); the others never are.
+#: `changes.get` shows (`layer.conclusion.MAX_CHANGE_ENTRIES`); the others never are.
 MAX_PREVIEWS = 1000
 
 WHITEOUT_XATTR = "trusted.overlay.whiteout"

@@ -3,8 +3,8 @@
 Theory of operation. A change the checkout could not take (the host changed the file
 meanwhile, or it is not at its base) is never applied; the command's version of the
 file — its bytes in the set's upper layer — is copied into the artifact store by a
-`FileKeeper` (the execution layer's `process.layer_keep.ArtifactKeeper`: this package
-sits below the artifact store) and named in the set's row (`KeptVersion`), so the
+`FileKeeper` (`layer.keep.ArtifactKeeper`: the layer sits below the artifact
+store) and named in the set's row (`KeptVersion`), so the
 set's layer can be removed without losing it. Only file versions are kept: a delete or
 a directory step has no bytes.
 

@@ -4,7 +4,7 @@ the facts that tie the container's `/workspace` to the overlay the daemon mounte
 `substrate.sandbox.containers` makes one at sandbox creation (`open_layer`, then the
 container binds the base `rslave`, then `mount_first`), re-checks it after every swap
 (`identity_required` against what the container shows) and tears it down with the
-container (`close`). `substrate.process.layering` swaps it when a generation concludes:
+container (`close`). `substrate.layer.conclusion` swaps it when a generation concludes:
 when the last of the commands and terminals sharing it ends (`users`,
 `substrate.layer.generation`).
 

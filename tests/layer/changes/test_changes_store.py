@@ -1,6 +1,6 @@
 """substrate.layer.changes.store: change sets kept by id, applied later through the
 guarded path (all or some paths, dry run, twice), discarded with their layer; conflicts'
-versions kept as artifacts (`layer.versions`, `process.layer_keep`), a settled set's
+versions kept as artifacts (`layer.changes.versions`, `layer.keep`), a settled set's
 layer removed, kept sets counted and reattached to a re-adopted checkout."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from substrate.api.changes import bounded_diffs
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.errors import ChangesetUnknown, LimitExceeded
+from substrate.layer import keep as layer_keep
 from substrate.layer.changes import ApplyResult, ChangeSet, Changesets, Kept, scan, versions
 from substrate.layer.changes import store as store_mod
-from substrate.process import layer_keep
-from substrate.process.layer_keep import ArtifactKeeper
+from substrate.layer.keep import ArtifactKeeper
 from substrate.schema.changes import Change
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store

@@ -1,6 +1,6 @@
 """The base a layer command saw, against what the host did meanwhile, on a real overlay
 mount (no engine): a host delete, rename-away or rename-replace of a file the command
-changed is a conflict, never undone or overwritten (`process.layering`, docs/
+changed is a conflict, never undone or overwritten (`layer.conclusion`, docs/
 working-layer.md "Host edits during a command")."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from substrate.config import Config
+from substrate.layer import conclusion
 from substrate.layer.changes import ApplyResult
 from substrate.layer.mounts import working_layer
 from substrate.layer.mounts.plan import LayerPlan, plan
 from substrate.layer.mounts.working_layer import WorkingLayer, next_plan
-from substrate.process import layering
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
@@ -73,11 +73,13 @@ class Env:
         self.layer.began = (self.layer.plan.generation, fs_clock_after(self.tmp, *dirs))
 
     def conclude(self) -> ApplyResult:
-        """What `layering.conclude` does after its swap: scan the quiet upper, keep the
+        """What `conclusion.conclude` does after its swap: scan the quiet upper, keep the
         host's edits apart, apply the rest."""
         self.unmount()
         old: LayerPlan = self.layer.plan
-        result, *_ = layering._scan_apply(self.writer, self.ws, old, ACTOR, self.layer, False, None)
+        result, *_ = conclusion._scan_apply(
+            self.writer, self.ws, old, ACTOR, self.layer, False, None
+        )
         return result
 
     def next_generation(self) -> None:
@@ -220,7 +222,7 @@ def test_a_host_save_while_the_generation_stays_mounted_is_a_conflict(
     monkeypatch.setattr(working_layer, "CTIME_SLACK_NS", 0)
     env.begin_now()
     assert (env.merged / "b.txt").read_text() == "b\n"  # a command that changes nothing
-    assert not layering._changed(env.layer, env.ws)  # the generation stays mounted
+    assert not conclusion._changed(env.layer, env.ws)  # the generation stays mounted
     (env.root / ".b.save").write_text("person\n")  # the person saves by rename
     os.rename(env.root / ".b.save", env.root / "b.txt")
     working_layer.begin(env.layer)  # the next command, on the same overlay

@@ -1,6 +1,6 @@
 """Shared generations of a layer sandbox, without an engine: the bookkeeping
-(`layer.generation.Users`) and its conclusions (`process.layer_users.LayerUsers`, with
-`layering.conclude` replaced by a recorder that swaps like the real one)."""
+(`layer.generation.Users`) and its conclusions (`layer.users.LayerUsers`, with
+`conclusion.conclude` replaced by a recorder that swaps like the real one)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import pytest
 import trio
 import trio.testing
 
+from substrate.layer import users as layer_users
 from substrate.layer.generation import Conclusion, Deferred, User, Users, combined
 from substrate.layer.mounts.plan import plan
 from substrate.layer.mounts.working_layer import WorkingLayer, next_plan
-from substrate.process import layer_users
-from substrate.process.layer_users import LayerUsers, journal_summary
+from substrate.layer.users import LayerUsers, journal_summary
 from substrate.process.runner import RunRequest
 from substrate.schema.proc import ChangeCounts, ChangesMode, ProcChanges
 from substrate.store.db import Store
@@ -106,7 +106,7 @@ def test_a_user_joins_once() -> None:
 
 @dataclass
 class Recorder:
-    """Stands in for `layering.conclude`: records each call, swaps the layer to its next
+    """Stands in for `conclusion.conclude`: records each call, swaps the layer to its next
     generation (or not, when `busy`), and may be held open by `gate`."""
 
     calls: list[tuple[int, str, str]] = field(default_factory=list)
@@ -153,7 +153,7 @@ class Env:
 @pytest.fixture
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     recorder = Recorder()
-    monkeypatch.setattr(layer_users.layering, "conclude", recorder)
+    monkeypatch.setattr(layer_users.conclusion, "conclude", recorder)
     store = Store(tmp_path / "db")
     journal = Journal(store)
     layer = WorkingLayer(plan=plan(str(tmp_path), "s0123456789abcdef", 0, []))
@@ -238,7 +238,7 @@ async def test_a_failed_conclusion_still_lets_newcomers_in(
         raise RuntimeError("boom")
 
     use = await env.users.join(env.sandbox, "p_a", env.req("agent:1"))
-    monkeypatch.setattr(layer_users.layering, "conclude", broken)
+    monkeypatch.setattr(layer_users.conclusion, "conclude", broken)
     with pytest.raises(RuntimeError):
         await env.users.end(use)
     with trio.fail_after(5):
@@ -249,7 +249,7 @@ async def test_a_failed_conclusion_still_lets_newcomers_in(
 
 async def test_a_closed_layer_refuses_newcomers(env: Env) -> None:
     env.sandbox.layer.closed = True
-    with pytest.raises(layer_users.ContainerGone):
+    with pytest.raises(layer_users.LayerClosed):
         await env.users.join(env.sandbox, "p_a", env.req("agent:1"))
     assert env.sandbox.layer.users.active == {}
 

@@ -2,7 +2,7 @@
 (docs/working-layer.md).
 
 Theory of operation. Commands and terminals on one layer sandbox that overlap share its
-generation (`process.layer_users`, `layer.generation`): none waits for another, and the
+generation (`layer.users`, `layer.generation`): none waits for another, and the
 generation concludes once, when the last of them ends (a newcomer waits only while that
 conclusion runs, then joins the next generation), so every change belongs to exactly one
 generation and is applied once. When the last user has ended — also killed, timed out or
@@ -20,7 +20,7 @@ request with the users' combined mode and the actor of the last that ran:
 1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
    stays on disk, untouched, until the set settles (step 3) or is discarded;
 2. observes the sandbox's facts again against the new generation
-   (`Containers.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
+   (`Sandboxes.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
 3. scans the old upper dir against the checkout and, by the request's `changes` mode:
    "apply" applies the change set through the guarded path (`layer.changes.scan` /
    `apply`), as the command's actor; "review" applies nothing; both keep the set by id
@@ -31,7 +31,7 @@ request with the users' combined mode and the actor of the last that ran:
    `layer.changes.host_edits`) is kept in the set as blocked (`host_changed`): no
    later `changes.apply` overwrites or re-creates it. Each conflict's version
    (the command's bytes) is kept as an artifact (`Changesets.keep_versions`,
-   `process.layer_keep`); an applied set with nothing pending and every version kept
+   `layer.keep`); an applied set with nothing pending and every version kept
    is settled: its upper and work dirs are removed (`Changesets.finish`);
 4. returns a bounded summary (`schema.proc.ProcChanges`), each conflict naming the
    artifact of its version.
@@ -48,6 +48,10 @@ fresh one, journaled `container.removed` with reason `layer_busy`) and the gener
 is concluded as it is (`_swap_or_settle`): a generation is never busy forever.
 The reactive write gate never runs for a layer sandbox: the layer never writes the
 checkout.
+
+The sandbox layer sits above this package: what a conclusion needs of it is two small
+Protocols, `LayerSandbox` (its id, its layer, `kill_left`) and `Sandboxes` (re-verify,
+remove), which `substrate.sandbox`'s `Sandbox` and `Containers` satisfy.
 """
 
 from __future__ import annotations
@@ -56,12 +60,13 @@ import errno
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol, TypeVar
 
 import msgspec
 import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
+from substrate.layer import keep
 from substrate.layer.changes import (
     ApplyResult,
     Blocked,
@@ -78,28 +83,64 @@ from substrate.layer.changes import (
 from substrate.layer.changes.versions import Versions
 from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
 from substrate.layer.mounts.plan import LayerPlan
-from substrate.process import layer_keep
-from substrate.sandbox import reaper
-from substrate.sandbox.containers import Containers, Sandbox
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
-if TYPE_CHECKING:
-    from substrate.process.runner import RunRequest
-
-log = logging.getLogger("substrate.process.layering")
+log = logging.getLogger("substrate.layer.conclusion")
 
 #: At most this many entries per list of a result's `changes` (`counts` has the totals).
 MAX_CHANGE_ENTRIES = 1000
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+class Request(msgspec.Struct, frozen=True, kw_only=True):
+    """What a conclusion is asked: the workspace, the actor its applied set is journaled
+    as, and what is done with the changes (a `proc.run`'s `changes`, combined over the
+    generation's users)."""
+
+    ws: Workspace
+    actor: str
+    changes: ChangesMode = "apply"
+
+
+class LayerSandbox(Protocol):
+    """A layer sandbox as its generation's users and conclusion see it (the sandbox
+    layer's `Sandbox` is one)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def layer(self) -> working_layer.WorkingLayer | None: ...
+
+    async def kill_left(self, limiter: trio.CapacityLimiter | None = None) -> int:
+        """Kill every unprotected process left in the sandbox; how many there were."""
+        ...
+
+
+S = TypeVar("S", bound=LayerSandbox)
+S_contra = TypeVar("S_contra", bound=LayerSandbox, contravariant=True)
+
+
+class Sandboxes(Protocol[S_contra]):
+    """What a conclusion asks of whoever owns the sandboxes (the sandbox layer's
+    `Containers`): the layer never removes or observes a container itself."""
+
+    async def reverify_layer(self, sandbox: S_contra, ws: Workspace) -> None:
+        """Observe again what a swap can change; `confinement_unmet` on a mismatch."""
+        ...
+
+    async def forget(self, sandbox: S_contra, reason: str) -> None:
+        """Remove the sandbox (journaled `container.removed` with `reason`)."""
+        ...
+
+
 async def conclude(
-    containers: Containers,
+    containers: Sandboxes[S],
     writer: Writer,
-    sandbox: Sandbox,
-    req: RunRequest,
+    sandbox: S,
+    req: Request,
     changesets: Changesets | None,
     limiter: trio.CapacityLimiter | None = None,
 ) -> ProcChanges | None:
@@ -143,10 +184,10 @@ def _inspect_passthrough(
 
 
 async def _conclude(
-    containers: Containers,
+    containers: Sandboxes[S],
     writer: Writer,
-    sandbox: Sandbox,
-    req: RunRequest,
+    sandbox: S,
+    req: Request,
     changesets: Changesets | None,
     limiter: trio.CapacityLimiter | None,
 ) -> ProcChanges | None:
@@ -206,23 +247,19 @@ async def _conclude(
     )
 
 
-async def _sweep(sandbox: Sandbox, limiter: trio.CapacityLimiter | None) -> int:
+async def _sweep(sandbox: LayerSandbox, limiter: trio.CapacityLimiter | None) -> int:
     """Kill every unprotected process left in the sandbox (its generation's users all
-    ended: none of it is anyone's now). The usual case, nothing left, is one read of the
-    container's cgroup on the event loop. Returns how many were found."""
-    if not sandbox.host_visible:
-        return 0
-    if not reaper.everything(sandbox.cgroups, sandbox.protected):
-        return 0
-    found = await reaper.kill_all(sandbox.cgroups, sandbox.protected, limiter=limiter)
+    ended: none of it is anyone's now; `kill_left`). The usual case, nothing left, is one
+    read of the container's cgroup on the event loop. Returns how many were found."""
+    found = await sandbox.kill_left(limiter)
     if found:
         log.warning("%s: %d process(es) outlived their commands: killed", sandbox.id[:12], found)
     return found
 
 
 async def _swap_or_settle(
-    containers: Containers,
-    sandbox: Sandbox,
+    containers: Sandboxes[S],
+    sandbox: S,
     layer: working_layer.WorkingLayer,
     ws: Workspace,
     limiter: trio.CapacityLimiter | None,
@@ -355,9 +392,9 @@ def entries(
     changes: Mapping[str, Change] | None = None,
     versions: Versions | None = None,
 ) -> list[ChangeEntry]:
-    """The wire entries of outcomes, at most `MAX_CHANGE_ENTRIES` (`layer_keep.entries`:
+    """The wire entries of outcomes, at most `MAX_CHANGE_ENTRIES` (`keep.entries`:
     `size`/`mode` from `changes`, a conflict's artifact from `versions`)."""
-    return layer_keep.entries(outcomes[:MAX_CHANGE_ENTRIES], changes, versions)
+    return keep.entries(outcomes[:MAX_CHANGE_ENTRIES], changes, versions)
 
 
 def summary(
@@ -383,7 +420,7 @@ def summary(
         generation=generation,
         changeset=changeset_id,
         mode=mode,
-        review=[layer_keep.change_entry(c) for c in review[:MAX_CHANGE_ENTRIES]],
+        review=[keep.change_entry(c) for c in review[:MAX_CHANGE_ENTRIES]],
         applied=entries(result.applied, by_path),
         blocked=blocked,
         pending=entries(result.pending, by_path),

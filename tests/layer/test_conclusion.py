@@ -1,4 +1,4 @@
-"""`substrate.process.layering` without Docker: what a conclusion does with a generation
+"""`substrate.layer.conclusion` without Docker: what a conclusion does with a generation
 that stays busy (the swap itself and the sweep are stand-ins here; the real ones are
 exercised in tests/integration/test_layer_engine.py and test_tree_kill_engine.py)."""
 
@@ -10,10 +10,10 @@ from typing import Any, cast
 
 import pytest
 
+from substrate.layer import conclusion
+from substrate.layer.conclusion import LayerSandbox, Sandboxes
 from substrate.layer.generation import User, Users
 from substrate.layer.mounts.working_layer import WorkingLayer
-from substrate.process import layering
-from substrate.sandbox.containers import Containers, Sandbox
 from substrate.workspace.registry import Workspace
 
 
@@ -42,8 +42,8 @@ def always_busy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append("sweep")
         return 0
 
-    monkeypatch.setattr(layering, "_swap", swap)
-    monkeypatch.setattr(layering, "_sweep", sweep)
+    monkeypatch.setattr(conclusion, "_swap", swap)
+    monkeypatch.setattr(conclusion, "_sweep", sweep)
     return calls
 
 
@@ -51,9 +51,9 @@ async def test_busy_once_is_carried_after_one_more_sweep(monkeypatch: pytest.Mon
     calls = always_busy(monkeypatch)
     containers, layer = Forgetting(), Layer()
     with pytest.raises(OSError) as raised:
-        await layering._swap_or_settle(
-            cast(Containers, containers),
-            cast(Sandbox, type("S", (), {"id": "c" * 64})()),
+        await conclusion._swap_or_settle(
+            cast(Sandboxes[Any], containers),
+            cast(LayerSandbox, type("S", (), {"id": "c" * 64})()),
             cast(WorkingLayer, layer),
             cast(Workspace, None),
             None,
@@ -68,9 +68,9 @@ async def test_busy_again_after_a_carry_removes_the_sandbox(
     calls = always_busy(monkeypatch)
     containers, layer = Forgetting(), Layer()
     layer.users.carried = [User(id="p_1", actor="a", mode="apply")]  # busy before
-    old = await layering._swap_or_settle(
-        cast(Containers, containers),
-        cast(Sandbox, type("S", (), {"id": "c" * 64})()),
+    old = await conclusion._swap_or_settle(
+        cast(Sandboxes[Any], containers),
+        cast(LayerSandbox, type("S", (), {"id": "c" * 64})()),
         cast(WorkingLayer, layer),
         cast(Workspace, None),
         None,

@@ -6,7 +6,7 @@ or a terminal session (`pty.docker`, before its TTY exec) as a user of the gener
 mounted now (`layer.generation.Users`), waiting only while a conclusion runs. `end`
 (its process ended, called shielded) answers, for a user others still share the
 generation with, `ProcChanges {generation, deferred: true}` at once; for the last user
-it concludes the generation (`layering.conclude`: swap, re-verify, scan, apply) in the
+it concludes the generation (`conclusion.conclude`: swap, re-verify, scan, apply) in the
 most conservative mode its users asked, as the actor of the last user that ran, and
 returns the set's summary. `abandon` is for a user whose process never ran (it wrote
 nothing): it concludes only when others' changes wait. A generation shared by more than
@@ -34,26 +34,23 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol
 
 import msgspec
 import trio
 
 from substrate.errors import RuntimeUnavailable
+from substrate.layer import conclusion
 from substrate.layer.changes import Changesets, upper_holds_changes
+from substrate.layer.conclusion import Request, S, Sandboxes
 from substrate.layer.generation import Conclusion, Deferred, User, combined
 from substrate.layer.mounts import working_layer
-from substrate.process import layering
-from substrate.sandbox.containers import Containers, Sandbox
-from substrate.sandbox.engine import ContainerGone
 from substrate.schema.proc import ChangesMode, ProcChanges
 from substrate.store.journal import Journal
+from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
-if TYPE_CHECKING:
-    from substrate.process.runner import RunRequest
-
-log = logging.getLogger("substrate.process.layer_users")
+log = logging.getLogger("substrate.layer.users")
 
 #: Terminal session ids start so (`pty.terminals`); every other user is a process.
 SESSION_PREFIX = "t-"
@@ -62,22 +59,41 @@ SESSION_PREFIX = "t-"
 STOPPED = "daemon_stopped"
 
 
+class LayerClosed(Exception):
+    """`join` found the sandbox's layer torn down (its container is going): the caller
+    forgets the sandbox and tries again with a fresh one, as after `ContainerGone`."""
+
+
+class Asked(Protocol):
+    """What a joining user asked (a `process.requests.RunRequest` is one)."""
+
+    @property
+    def ws(self) -> Workspace: ...
+
+    @property
+    def actor(self) -> str: ...
+
+    @property
+    def changes(self) -> ChangesMode: ...
+
+
 @dataclass
-class Use:
+class Use(Generic[S]):
     """One user's hold on a sandbox's generation, from `join` to `end`/`abandon`."""
 
-    sandbox: Sandbox
+    sandbox: S
     user: User
-    req: RunRequest  # what it asked: its workspace, actor and mode
+    req: Request  # what it asked: its workspace, actor and mode
     left: bool = False
 
 
-class LayerUsers:
-    """Joins and conclusions of every layer sandbox of this daemon."""
+class LayerUsers(Generic[S]):
+    """Joins and conclusions of every layer sandbox of this daemon: the one interface
+    the runner and the terminals use the layer through."""
 
     def __init__(
         self,
-        containers: Containers,
+        containers: Sandboxes[S],
         writer: Writer | None,
         changesets: Changesets | None,
         journal: Journal,
@@ -94,15 +110,16 @@ class LayerUsers:
         self._stopping = False
         #: sandbox id → the layer sandbox and the last request joined on it: what
         #: `keep_left` needs (its workspace). Pruned of torn-down layers holding nothing.
-        self._layers: dict[str, tuple[Sandbox, RunRequest]] = {}
+        self._layers: dict[str, tuple[S, Request]] = {}
         #: sandbox id → the set `keep_left` kept for it (a late user's result names it).
         self._kept: dict[str, ProcChanges] = {}
 
-    async def join(self, sandbox: Sandbox, user_id: str, req: RunRequest) -> Use:
-        """Count `user_id` (a process id, or a terminal session id), asking `req`, on the
+    async def join(self, sandbox: S, user_id: str, asked: Asked) -> Use[S]:
+        """Count `user_id` (a process id, or a terminal session id), asking `asked`, on the
         sandbox's current generation (waiting while one concludes: at most its apply).
-        Raises `ContainerGone` when the layer was torn down meanwhile (the caller retries
+        Raises `LayerClosed` when the layer was torn down meanwhile (the caller retries
         with a fresh sandbox); refuses `runtime_unavailable` once the daemon stops."""
+        req = Request(ws=asked.ws, actor=asked.actor, changes=asked.changes)
         user = User(id=user_id, actor=req.actor, mode=req.changes)
         layer = sandbox.layer
         if layer is None:
@@ -111,7 +128,7 @@ class LayerUsers:
         if self._stopping:
             raise RuntimeUnavailable("the daemon is stopping")
         if layer.closed:
-            raise ContainerGone(sandbox.id)
+            raise LayerClosed(sandbox.id)
         # No await from the wait to here: nothing concludes in between.
         layer.users.join(user, layer.plan.generation)
         working_layer.begin(layer)
@@ -120,15 +137,15 @@ class LayerUsers:
         self._layers[sandbox.id] = (sandbox, req)
         return Use(sandbox, user, req)
 
-    async def end(self, use: Use) -> ProcChanges | None:
+    async def end(self, use: Use[S]) -> ProcChanges | None:
         """`use`'s process ran and ended: deferred while others share its generation, else
         the generation's conclusion (see the module doc). Never raises a refusal (a
         failure is the summary's `error`); None when this daemon applies nothing
-        (no writer). Call it shielded; costs what `layering.conclude` costs when it
+        (no writer). Call it shielded; costs what `conclusion.conclude` costs when it
         concludes, nothing otherwise."""
         return await self._leave(use, ran=True)
 
-    async def abandon(self, use: Use) -> None:
+    async def abandon(self, use: Use[S]) -> None:
         """`use` is over without `end` (its process never ran, or its conclusion failed
         before): leave, concluding only if others' changes wait. Idempotent; shielded."""
         if use.left:
@@ -138,7 +155,7 @@ class LayerUsers:
         if changes is not None and changes.error is not None:
             log.warning("a layer concluded without its last user: %s", changes.error)
 
-    async def _leave(self, use: Use, *, ran: bool) -> ProcChanges | None:
+    async def _leave(self, use: Use[S], *, ran: bool) -> ProcChanges | None:
         if use.left:
             return None
         use.left = True
@@ -223,9 +240,7 @@ class LayerUsers:
                 kept.append(changes)
         return kept
 
-    async def _keep(
-        self, sandbox: Sandbox, req: RunRequest, holders: list[User]
-    ) -> ProcChanges | None:
+    async def _keep(self, sandbox: S, req: Request, holders: list[User]) -> ProcChanges | None:
         layer = sandbox.layer
         assert layer is not None
         if self._writer is None:
@@ -239,7 +254,7 @@ class LayerUsers:
         )
         try:
             with trio.CancelScope(shield=True):
-                changes = await layering.conclude(
+                changes = await conclusion.conclude(
                     self._containers, self._writer, sandbox, keep, self._changesets, self._limiter
                 )
         finally:
@@ -276,11 +291,11 @@ class LayerUsers:
             ):
                 del self._layers[sandbox_id]
 
-    async def _conclude(self, use: Use, step: Conclusion) -> ProcChanges | None:
+    async def _conclude(self, use: Use[S], step: Conclusion) -> ProcChanges | None:
         if self._writer is None:
             return None
         req = msgspec.structs.replace(use.req, actor=step.actor, changes=step.mode)
-        changes = await layering.conclude(
+        changes = await conclusion.conclude(
             self._containers, self._writer, use.sandbox, req, self._changesets, self._limiter
         )
         if changes is not None and len(step.users) > 1 and changes.error != "layer_busy":

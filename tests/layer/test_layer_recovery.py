@@ -1,4 +1,4 @@
-"""substrate.process.layer_recovery: a set a crash left half-applied is applied whole at
+"""substrate.layer.recovery: a set a crash left half-applied is applied whole at
 start, a generation that never concluded is dropped whole; both journaled."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import msgspec
 import pytest
 
 from substrate.config import Config
+from substrate.layer import recovery as layer_recovery
 from substrate.layer.changes import Changesets, apply, scan
-from substrate.process import layer_recovery
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal

@@ -6,7 +6,8 @@ workspace, and the wire entries that report both.
   the artifact store as one artifact, `proc` = the change set's id, `stream` =
   "conflict", through an `OutputSink` like command output: spooled, hashed and moved
   to its content address, never held in memory whole. `layer.changes.Changesets`
-  calls it (that package sits below the artifact store).
+  calls it; the artifact store (above this package) is reached as `Artifacts`, a
+  Protocol `substrate.artifacts.store.ArtifactStore` satisfies.
 - `check_room` refuses a command that could keep one more set when its workspace keeps
   `max_kept_changesets` already (`limit_exceeded`, `scope: "kept_changesets"`): before
   anything runs, so nothing of an agent's is lost; "discard" runs keep nothing and
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from typing import Protocol
 
-from substrate.artifacts.store import ArtifactStore
 from substrate.errors import LimitExceeded
 from substrate.layer.changes import Changesets, Outcomes
 from substrate.layer.changes.versions import Versions, needs_version
+from substrate.schema.artifact import OutputRef
 from substrate.schema.changes import Change, KeptVersion
 from substrate.schema.proc import ChangeEntry, ChangesMode
 
@@ -32,10 +34,26 @@ CONFLICT_STREAM = "conflict"
 _CHUNK = 1 << 20
 
 
-class ArtifactKeeper:
-    """`layer.versions.FileKeeper` over the artifact store."""
+class Sink(Protocol):
+    """One artifact being written: spooled, hashed, and stored by `close`."""
 
-    def __init__(self, artifacts: ArtifactStore) -> None:
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> OutputRef: ...
+
+
+class Artifacts(Protocol):
+    """Where conflicts' versions are kept (`substrate.artifacts.store.ArtifactStore`)."""
+
+    def open_sink(self, proc: str, stream: str, inline_limit: int, max_bytes: int) -> Sink:
+        """A new spool for one stream of `proc`."""
+        ...
+
+
+class ArtifactKeeper:
+    """`layer.changes.versions.FileKeeper` over the artifact store."""
+
+    def __init__(self, artifacts: Artifacts) -> None:
         self._artifacts = artifacts
 
     def keep_file(self, fd: int, size: int, owner: str) -> tuple[str, str] | None:

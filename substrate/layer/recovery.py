@@ -32,7 +32,7 @@ from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
-log = logging.getLogger("substrate.process.layer_recovery")
+log = logging.getLogger("substrate.layer.recovery")
 
 
 def finish_applying(
