@@ -1,12 +1,13 @@
-"""`substrate.sandbox.parsers` (pure): kernel texts captured from this project's engine
-host (dockerd 20.10, cgroup v1 + an empty unified hierarchy, runc and runsc) and a cgroup
-v2 host."""
+"""`substrate.sandbox.parsers` and `substrate.layer.mounts.mountinfo` (pure): kernel texts
+captured from this project's engine host (dockerd 20.10, cgroup v1 + an empty unified
+hierarchy, runc and runsc) and a cgroup v2 host."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from substrate.layer.mounts import mountinfo
 from substrate.sandbox import observe
 from substrate.sandbox import parsers as P
 
@@ -160,14 +161,14 @@ def test_cap_names_unknown_bits_and_split_ids() -> None:
 
 
 def test_parse_mountinfo_confined_container() -> None:
-    mounts = P.parse_mountinfo(MOUNTINFO_RUNC)
+    mounts = mountinfo.parse_mountinfo(MOUNTINFO_RUNC)
     top = P.topmost(mounts)
     assert P.rootfs_readonly(mounts) is True
     assert top["/"].fstype == "overlay" and "ro" in top["/"].options
     assert top["/workspace"].root == "/tmp/fws" and top["/workspace"].source == "/dev/vda"
     assert top["/tmp"].super_options == ("rw", "size=65536k")
     assert P.workspace_view(
-        ((m.mount_point, m.read_only) for m in P.visible_mounts(mounts)), "/workspace"
+        ((m.mount_point, m.read_only) for m in mountinfo.visible_mounts(mounts)), "/workspace"
     ) == (
         "rw",
         [".git"],
@@ -178,12 +179,12 @@ def test_parse_mountinfo_confined_container() -> None:
 
 def test_parse_mountinfo_decodes_octal_escapes_and_super_ro() -> None:
     text = "50 40 254:0 /srv/my\\040work\\134x /workspace/a\\011b rw - ext4 /dev/vda ro,errors=remount\n"
-    (m,) = P.parse_mountinfo(text)
+    (m,) = mountinfo.parse_mountinfo(text)
     assert m.root == "/srv/my work\\x"
     assert m.mount_point == "/workspace/a\tb"
     assert m.read_only  # read-only superblock, even with a rw mount
     with pytest.raises(ValueError, match="separator"):
-        P.parse_mountinfo("1 2 3:4 / / rw shared:1 ext4 /dev/x rw\n")
+        mountinfo.parse_mountinfo("1 2 3:4 / / rw shared:1 ext4 /dev/x rw\n")
 
 
 def test_visible_mounts_follow_the_mount_tree() -> None:
@@ -195,14 +196,14 @@ def test_visible_mounts_follow_the_mount_tree() -> None:
         # wherever it appears in the list.
         "4 2 0:2 /other /workspace rw - ext4 /dev/vda rw\n"
     )
-    mounts = P.parse_mountinfo(text)
-    assert [m.mount_id for m in P.visible_mounts(mounts)] == [1, 4]
+    mounts = mountinfo.parse_mountinfo(text)
+    assert [m.mount_id for m in mountinfo.visible_mounts(mounts)] == [1, 4]
     reordered = [mounts[3], mounts[0], mounts[2], mounts[1]]
-    assert [m.mount_id for m in P.visible_mounts(reordered)] == [4, 1]
+    assert [m.mount_id for m in mountinfo.visible_mounts(reordered)] == [4, 1]
     assert P.topmost(mounts)["/workspace"].root == "/other"
     # The real container's mounts are all visible.
-    real = P.parse_mountinfo(MOUNTINFO_RUNC)
-    assert P.visible_mounts(real) == real
+    real = mountinfo.parse_mountinfo(MOUNTINFO_RUNC)
+    assert mountinfo.visible_mounts(real) == real
 
 
 def test_workspace_view_shapes() -> None:
@@ -226,7 +227,7 @@ def test_parse_cgroup_and_find_v1_dirs() -> None:
     groups = P.parse_cgroup(CGROUP_V1)
     assert groups["memory"] == f"/docker/{CID}" and groups["name=systemd"] == f"/docker/{CID}"
     assert groups[""] == f"/docker/{CID}"
-    host = P.parse_mountinfo(HOST_MOUNTINFO)
+    host = mountinfo.parse_mountinfo(HOST_MOUNTINFO)
     # Hybrid host: the v1 hierarchy wins over the (controller-less) unified one.
     assert P.cgroup_dir("memory", groups, host) == ("v1", f"/sys/fs/cgroup/memory/docker/{CID}")
     assert P.cgroup_dir("pids", groups, host) == ("v1", f"/sys/fs/cgroup/pids/docker/{CID}")
@@ -235,7 +236,7 @@ def test_parse_cgroup_and_find_v1_dirs() -> None:
 
 
 def test_cgroup_dir_v2_and_namespaced_paths() -> None:
-    host = P.parse_mountinfo(HOST_MOUNTINFO_V2)
+    host = mountinfo.parse_mountinfo(HOST_MOUNTINFO_V2)
     assert P.cgroup_dir("memory", P.parse_cgroup(CGROUP_V2), host) == (
         "v2",
         f"/sys/fs/cgroup/system.slice/docker-{CID}.scope",
@@ -243,7 +244,9 @@ def test_cgroup_dir_v2_and_namespaced_paths() -> None:
     # A path outside the reader's cgroup namespace cannot be found under its mounts.
     assert P.cgroup_dir("memory", {"": "/../other"}, host) is None
     # A hierarchy mounted from a sub-path (the reader is itself in a container).
-    sub = P.parse_mountinfo("1 0 0:1 /docker /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
+    sub = mountinfo.parse_mountinfo(
+        "1 0 0:1 /docker /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+    )
     assert P.cgroup_dir("memory", {"memory": "/docker/abc"}, sub) == (
         "v1",
         "/sys/fs/cgroup/memory/abc",

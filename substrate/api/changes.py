@@ -1,5 +1,5 @@
 """Handlers of `changes.*` (docs/protocol.md §11): the kept change sets of commands run
-on `workspace = "layer"` profiles (`substrate.workspace.layer.Changesets`). A set of a
+on `workspace = "layer"` profiles (`substrate.layer.changes.Changesets`). A set of a
 released workspace answers `changes.get`; `changes.apply`/`discard` refuse
 `unknown_workspace` until its checkout is adopted again (`workspace.adopt` reattaches).
 
@@ -13,7 +13,7 @@ import trio
 
 from substrate.api.base import Caller, Handles
 from substrate.api.services import ChangesServices
-from substrate.process.layering import MAX_CHANGE_ENTRIES, entries
+from substrate.layer import MAX_CHANGE_ENTRIES, Kept, entries
 from substrate.schema.changes import (
     Change,
     ChangesApplyParams,
@@ -23,7 +23,6 @@ from substrate.schema.changes import (
     ChangesetParams,
 )
 from substrate.schema.proc import ChangeCounts
-from substrate.workspace.layer import Kept
 
 #: At most this many bytes of `diff` text in one `changes.get` answer (each diff is
 #: bounded by the preview already; 1,000 of them would not be).

@@ -11,7 +11,8 @@ import trio
 from substrate.api.base import Caller, Handles
 from substrate.api.services import ProcServices
 from substrate.errors import InvalidParams, StdinClosed, TooLarge
-from substrate.process import intents, layer_keep
+from substrate.layer import check_room
+from substrate.process import intents
 from substrate.process.facts_summary import shaped
 from substrate.process.runner import RunRequest
 from substrate.process.stdin_stream import StdinStream
@@ -104,7 +105,7 @@ async def checked_request(s: ProcServices, caller: Caller, p: StartParams) -> Ru
     profile = s.profiles.by_name.get(p.profile)
     if profile is not None and profile.workspace == "layer":
         await trio.to_thread.run_sync(
-            layer_keep.check_room,
+            check_room,
             s.changesets,
             req.ws.id,
             p.changes,

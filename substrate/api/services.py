@@ -15,6 +15,7 @@ import trio
 
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
+from substrate.layer import Changesets
 from substrate.process.profile_registry import ProfileRegistry
 from substrate.process.runner import Processes
 from substrate.process.service import Execution
@@ -25,7 +26,6 @@ from substrate.sandbox.containers import Containers
 from substrate.store.journal import Journal
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.digests import Digests
-from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import WorkspaceRegistry
 from substrate.workspace.uploads import Uploads
 from substrate.workspace.writes import UploadWriter, Writer

@@ -1,6 +1,7 @@
 """What a run is asked (`RunRequest`) and the write gate it checks with (`WriteGate`):
 the types `substrate.process.runner.Processes` takes, kept apart so callers (the API,
-terminals, the layer's users) name them without the runner's machinery."""
+terminals) name them without the runner's machinery; the working layer's users read a
+`RunRequest` as `substrate.layer.users.Asked`."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class RunRequest(msgspec.Struct, frozen=True, kw_only=True):
     stdin: bytes | StdinStream | None = None
     timeout_s: float | None = None  # None: the profile's; never above it
     actor: str = "daemon"  # who asked, for the journal
-    changes: ChangesMode = "apply"  # a layer sandbox's change set (process.layering)
+    changes: ChangesMode = "apply"  # a layer sandbox's change set (layer.conclusion)
 
 
 class WriteGate(Protocol):

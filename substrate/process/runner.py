@@ -27,7 +27,8 @@ Each shielded step is bounded (`driver.SETTLE_S`, `GATE_WAIT_S`).
 
 Collaborators (engine, containers, driver, records, artifacts, subscriptions, write gate)
 are given, never built here: `substrate.process.service` wires them. On a `layer` sandbox
-commands share a generation, applied when the last ends (`process.layer_users`; no gate).
+commands share a generation, applied when the last ends (`substrate.layer.LayerUsers`;
+no gate).
 Hot path (a warm `["true"]`): on the fast path no engine call (engine path: four, one of
 them the inspect that names the exec's process for its cgroup), two
 commits, one procfs scan of the container's cgroup, a few reads of its counters
@@ -51,6 +52,7 @@ from substrate.artifacts.sink import OutputSink
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.errors import LimitExceeded, RuntimeUnavailable
+from substrate.layer import Changesets, LayerClosed, LayerUsers, Use
 from substrate.process.argv import (
     effective_timeout,
     exec_env,
@@ -60,7 +62,6 @@ from substrate.process.argv import (
 )
 from substrate.process.driver import Entry, ExecDriver, Run
 from substrate.process.fastexec import Launcher, Prepared
-from substrate.process.layer_users import LayerUsers, Use
 from substrate.process.records import Outcome, ProcessRecords
 from substrate.process.requests import RunRequest, WriteGate
 from substrate.process.stdin_stream import StdinStream
@@ -74,7 +75,6 @@ from substrate.sandbox.profiles import Profile, find_profile
 from substrate.schema.proc import PolicyBlocked, ProcChanges, ProcResult
 from substrate.store.journal import Journal
 from substrate.workspace import paths
-from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -107,7 +107,7 @@ class _Launched:
     t0: float  # trio clock at the record's start
     limit_s: float
     snapshot: object  # the write gate's, None when the gate does not look
-    use: Use | None  # its hold on a layer sandbox's generation
+    use: Use[Sandbox] | None  # its hold on a layer sandbox's generation
     meter: Meter  # its CPU and memory, from just before its start (process.usage)
     cgroup: CommandCgroup | None  # its own cgroup (None: gVisor, or none could be made)
 
@@ -135,7 +135,9 @@ class Processes:
     ) -> None:
         self._engine = engine
         #: Layer sandboxes' shared generations, concluded and applied (and kept by id).
-        self.layer_users = LayerUsers(containers, writer, changesets, journal, fs_limiter)
+        self.layer_users: LayerUsers[Sandbox] = LayerUsers(
+            containers, writer, changesets, journal, fs_limiter
+        )
         # Starts each command, through the sandbox's supervisor or the engine (fastexec).
         self.launcher = (
             launcher if launcher is not None else Launcher(engine, fs_limiter=fs_limiter)
@@ -259,7 +261,7 @@ class Processes:
                     if sandbox.host_visible:
                         cgroup = cmd_cgroups.make(sandbox.cgroups, proc)
                     return await self._run_in(req, checked, sandbox, proc, on_started, use, cgroup)
-                except ContainerGone:
+                except (ContainerGone, LayerClosed):
                     # Removed or stopped under us before the exec started: once more
                     # with a fresh, freshly verified container.
                     await self._containers.forget(sandbox, "gone")
@@ -303,7 +305,7 @@ class Processes:
         sandbox: Sandbox,
         proc: str,
         on_started: Callable[[Entry], None] | None,
-        use: Use | None,
+        use: Use[Sandbox] | None,
         cgroup: CommandCgroup | None,
     ) -> ProcResult:
         profile = sandbox.profile

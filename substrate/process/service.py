@@ -23,10 +23,15 @@ from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.egress import EgressProxy
 from substrate.errors import Refusal
-from substrate.process import layer_recovery
+from substrate.layer import (
+    ArtifactKeeper,
+    Changesets,
+    drop_unconcluded,
+    finish_applying,
+    sandbox_dirs,
+)
 from substrate.process.driver import ExecDriver
 from substrate.process.fastexec import Launcher
-from substrate.process.layer_keep import ArtifactKeeper
 from substrate.process.profile_registry import ProfileRegistry
 from substrate.process.records import ProcessRecords
 from substrate.process.runner import Processes
@@ -43,7 +48,6 @@ from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.gate import SnapshotGate
 from substrate.workspace.homes import Homes
-from substrate.workspace.layer import Changesets
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -142,7 +146,7 @@ class Execution:
         #: go to the artifact store.
         self.changesets = Changesets(store, journal, ArtifactKeeper(self.artifacts))
         # The previous runs' layers, listed before this run makes any (crash recovery).
-        self._previous_layers = layer_recovery.sandbox_dirs(str(state_dir))
+        self._previous_layers = sandbox_dirs(str(state_dir))
         self.processes = Processes(
             engine=self.engine,
             containers=self.containers,
@@ -184,8 +188,8 @@ class Execution:
 
     def finish_applying(self, workspace: Callable[[str], Workspace]) -> None:
         """At start, before any socket accepts: apply whole every change set a crash left
-        half-applied (`layer_recovery.finish_applying`). Blocking."""
-        done = layer_recovery.finish_applying(self.changesets, self._writer, workspace)
+        half-applied (`layer.recovery.finish_applying`). Blocking."""
+        done = finish_applying(self.changesets, self._writer, workspace)
         if done:
             log.info("%d change set(s) a crash left half-applied applied whole", done)
 
@@ -211,7 +215,7 @@ class Execution:
                 # Only once the dead run's containers are gone: they hold its layers busy.
                 await self.containers.sweep_layers()
                 await trio.to_thread.run_sync(
-                    layer_recovery.drop_unconcluded,
+                    drop_unconcluded,
                     self.changesets,
                     self.journal,
                     self._previous_layers,

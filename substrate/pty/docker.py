@@ -13,7 +13,7 @@ directly by Trio (non-blocking), so a session costs no worker thread while idle.
 go to `exec_resize`; the exit code comes from `exec_inspect` once the stream ends.
 
 On a `workspace = "layer"` profile the session is a user of the sandbox's generation like
-a command (`process.layer_users`), from before its exec to its end: what the shell
+a command (`substrate.layer.LayerUsers`), from before its exec to its end: what the shell
 changes is applied through the guarded path (mode "apply", as `terminal:<grant>`) when
 the generation concludes — when the session ends if nothing else uses it then, else with
 the last command's. `terminate` records the summary in `ended["changes"]` for `pty.closed`
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from substrate.errors import GrantInvalid, RuntimeUnavailable
+from substrate.layer import LayerClosed, LayerUsers, Use, journal_summary
 from substrate.process.argv import exec_env, validate_argv, workdir_for
-from substrate.process.layer_users import LayerUsers, Use, journal_summary
 from substrate.process.runner import RunRequest
 from substrate.sandbox import cmd_cgroups, reaper
 from substrate.sandbox.cmd_cgroups import CommandCgroup
@@ -73,7 +73,7 @@ class DockerPty:
         stream: ExecStream,
         marker: str,
         info: dict[str, Any],
-        layer: tuple[LayerUsers, Use] | None = None,
+        layer: tuple[LayerUsers[Sandbox], Use[Sandbox]] | None = None,
         cgroup: CommandCgroup | None = None,
     ) -> None:
         self.info = info
@@ -203,7 +203,7 @@ class DockerPtys:
         argv = shell_argv(prof)
         containers: Containers = execution.containers
         engine: Engine = execution.engine
-        users: LayerUsers = execution.processes.layer_users
+        users: LayerUsers[Sandbox] = execution.processes.layer_users
         req = RunRequest(ws=ws, profile=prof.name, argv=tuple(argv), actor=actor)
         marker = "t_" + secrets.token_hex(8)
         for attempt in (1, 2):
@@ -230,7 +230,7 @@ class DockerPtys:
                 stream = await engine.exec_start(exec_id, tty=True)
                 if cgroup is not None:
                     await _enclose(engine, exec_id, cgroup, sandbox)
-            except ContainerGone:
+            except (ContainerGone, LayerClosed):
                 if cgroup is not None:
                     cmd_cgroups.remove(cgroup)
                 if use is not None:

@@ -6,7 +6,8 @@ per (workspace, profile) through an `engine` (the `Engine` Protocol; `docker_eng
 the real one, the daemon's only module importing `docker`); `facts` says what a profile
 requires and compares it with what `observe` (with `observe_gvisor`, `netns`, `parsers`)
 reads from the kernel through a `host` view; `mounts` decides what is read-only over the
-workspace; `reaper` finds, signals and reaps a command's host processes; `supervisor`
+workspace (a `workspace = "layer"` sandbox's overlay is `substrate.layer.mounts`, below
+this package); `reaper` finds, signals and reaps a command's host processes; `supervisor`
 is fast exec: each sandbox's own supervisor, and the host's checks of it and of every
 command it starts (docs/fast-exec.md). `fake_engine`
 is an in-memory engine and host for tests of logic.

@@ -56,20 +56,13 @@ import msgspec
 import trio
 
 from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
+from substrate.layer.mounts import LayerMounts, WorkingLayer, passthrough, working_layer
 from substrate.sandbox import facts as factlib
-from substrate.sandbox import (
-    mounts,
-    passthrough,
-    profiles,
-    proxy_link,
-    reaper,
-    working_layer,
-)
+from substrate.sandbox import mounts, profiles, proxy_link, reaper
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.environment import SandboxEnvironment
 from substrate.sandbox.facts import Fact, FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
-from substrate.sandbox.layer_mounts import LayerMounts
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.proxy_link import ProxyLink, ProxyLinks
 from substrate.sandbox.sandboxes import Sandbox
@@ -87,7 +80,6 @@ from substrate.sandbox.spec import (
     spec_digest,
 )
 from substrate.sandbox.supervisor.supervisors import Supervisors, supervised
-from substrate.sandbox.working_layer import WorkingLayer
 from substrate.secrets import SecretStore
 from substrate.store.journal import Journal
 from substrate.workspace.homes import Home, Homes

@@ -34,11 +34,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from substrate.layer.mounts import mountinfo
+from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS
 from substrate.sandbox import facts as F
 from substrate.sandbox import observe_gvisor
 from substrate.sandbox import parsers as P
 from substrate.sandbox.facts import Fact, FactValue
-from substrate.sandbox.layer_plan import PASSTHROUGH_OPTIONS
 from substrate.sandbox.netns import read_netns
 from substrate.sandbox.readings import facts, failed, read_at, read_path, why
 
@@ -266,10 +267,10 @@ def _mount_facts(
     if layer:
         names += ["passthrough", "passthrough_options"]
     try:
-        mounts = P.parse_mountinfo(read_at(proc_fd, "mountinfo"))
+        mounts = mountinfo.parse_mountinfo(read_at(proc_fd, "mountinfo"))
     except (OSError, ValueError) as exc:
         return failed(names, source, exc)
-    visible = P.visible_mounts(mounts)
+    visible = mountinfo.visible_mounts(mounts)
     mode, ro_dirs = P.workspace_view(((m.mount_point, m.read_only) for m in visible), target)
     if layer and _is_layer(visible, target):
         # A working layer: only a read-only *superblock* counts (a per-mount `ro` made on
@@ -307,7 +308,7 @@ def _mount_facts(
     return found
 
 
-def _passthrough_mounts(visible: Sequence[P.Mount], target: str) -> dict[str, str]:
+def _passthrough_mounts(visible: Sequence[mountinfo.Mount], target: str) -> dict[str, str]:
     """The workspace-relative paths where a writable mount that is not an overlay sits
     over a working layer — its passthrough binds (the read-only parts are overlays) —
     each with which of `PASSTHROUGH_OPTIONS` its per-mount options hold (`rw,nosuid,nodev`
@@ -320,7 +321,7 @@ def _passthrough_mounts(visible: Sequence[P.Mount], target: str) -> dict[str, st
     }
 
 
-def _is_layer(visible: Sequence[P.Mount], target: str) -> bool:
+def _is_layer(visible: Sequence[mountinfo.Mount], target: str) -> bool:
     """Is the mount on `target` a writable overlay with an upper dir (a working layer)?"""
     on_target = [m for m in visible if m.mount_point == target.rstrip("/")]
     return bool(on_target) and (
@@ -339,7 +340,7 @@ def _cgroup_facts(proc_fd: int, pid: int) -> list[Fact]:
         groups = P.parse_cgroup(read_at(proc_fd, "cgroup"))
         # Only the hierarchies matter; skipping the other lines halves the parse.
         mine = read_path("/proc/self/mountinfo").splitlines()
-        host_mounts = P.parse_mountinfo("\n".join(m for m in mine if " - cgroup" in m))
+        host_mounts = mountinfo.parse_mountinfo("\n".join(m for m in mine if " - cgroup" in m))
     except (OSError, ValueError) as exc:
         return failed(["memory_limit", "pids_limit", "cpu_quota"], source, exc)
     found: list[Fact] = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from substrate.layer.mounts import mountinfo
 from substrate.sandbox import parsers as P
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.readings import facts, failed, read_at, read_path
@@ -97,7 +98,9 @@ def gofer_rootfs(found: list[Fact], sandbox_pid: int) -> list[Fact]:
         return found
     source = "kernel:gofer-mountinfo"
     try:
-        readonly = P.rootfs_readonly(P.parse_mountinfo(read_path(f"/proc/{gofer}/mountinfo")))
+        readonly = P.rootfs_readonly(
+            mountinfo.parse_mountinfo(read_path(f"/proc/{gofer}/mountinfo"))
+        )
     except (OSError, ValueError) as exc:
         return [f for f in found if f.name != "rootfs_readonly"] + failed(
             ["rootfs_readonly"], source, exc

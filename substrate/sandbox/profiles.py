@@ -34,7 +34,8 @@ from substrate.egress import allow as egress_allow
 from substrate.egress import cabundle, inject_rules
 from substrate.egress.pipindex import PIP_INDEX, pip_index_hosts
 from substrate.errors import ConfinementUnmet, ProfileUnknown
-from substrate.sandbox import passthrough, seccomp
+from substrate.layer.mounts import passthrough
+from substrate.sandbox import seccomp
 from substrate.schema.profile import Profile as Profile  # the declared shape; re-exported
 from substrate.secrets import NAME_RE as SECRET_NAME_RE
 

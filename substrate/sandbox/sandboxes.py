@@ -1,5 +1,6 @@
 """`Sandbox`: one container this daemon created and verified (`substrate.sandbox.containers`
-makes them, the execution and terminal layers run commands in them)."""
+makes them, the execution and terminal layers run commands in them; a working layer's
+conclusion sees one as `substrate.layer.conclusion.LayerSandbox`)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import trio
+
+from substrate.layer.mounts import WorkingLayer
 from substrate.sandbox import reaper
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.proxy_link import ProxyLink
 from substrate.sandbox.spec import RunAs
-from substrate.sandbox.working_layer import WorkingLayer
 from substrate.workspace.homes import Home
 
 __all__ = ["Sandbox"]
@@ -59,3 +62,12 @@ class Sandbox:
     def release(self) -> None:
         self.running -= 1
         self.last_used = time.monotonic()
+
+    async def kill_left(self, limiter: trio.CapacityLimiter | None = None) -> int:
+        """Kill every unprotected process left in the container (`reaper.kill_all`): for
+        a working layer whose generation's users all ended, none of it is anyone's now.
+        Returns how many were found; 0 when the host cannot see its processes (gVisor).
+        The usual case, nothing left, is one read of its cgroup on the event loop."""
+        if not self.host_visible or not reaper.everything(self.cgroups, self.protected):
+            return 0
+        return await reaper.kill_all(self.cgroups, self.protected, limiter=limiter)

@@ -8,9 +8,10 @@ without following a symlink and `fsops` does the file-system steps beneath a dir
 `reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3);
 `writes` is the guarded-write package (docs/protocol.md §4: plan, base check, temp files,
 intents, batches, uploads' commit, recovery) with `patching` and `preview`, and every write
-asks `discoverable` what host tools would find; `checkpoints` keeps what they replace while a checkpoint is live and `restore` puts it back;
-`gate` checks what sandboxed code changed (docs/protocol.md §5); `layer` reads an overlay
-upper layer as a change set and applies it through the guarded path (docs/working-layer.md).
+asks `discoverable` what host tools would find; `checkpoints` keeps what they replace while
+a checkpoint is live and `restore` puts it back; `gate` checks what sandboxed code changed
+(docs/protocol.md §5). The working layer's change sets, applied through the guarded path,
+are `substrate.layer.changes`.
 """
 
 from substrate.workspace.adopted import Workspace

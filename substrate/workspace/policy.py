@@ -224,6 +224,23 @@ def compile_policy(policy: Policy | None) -> CompiledPolicy:
 # --- combining policies (pure) -----------------------------------------------------------------
 
 
+def denying_rule(policy: CompiledPolicy, rel: str, reserved_prefix: str) -> str:
+    """The rule a denied `rel` falls under, as a blocked change or restore names it:
+    `reserved` (a component starting with `reserved_prefix`, substrate's temp files),
+    `.git/**`, the first `write_deny` glob that matches, `write_allow` (outside every
+    allowed glob), else `filesystem`. Pure."""
+    if any(part.startswith(reserved_prefix) for part in rel.split("/")):
+        return "reserved"
+    if is_git_path(rel):
+        return ".git/**"
+    for pattern in policy.write_deny.patterns:
+        if GlobSet.of([pattern]).matches(rel):
+            return pattern
+    if policy.write_allow and not policy.write_allow.matches(rel):
+        return "write_allow"
+    return "filesystem"
+
+
 def _dedupe(globs: Sequence[str]) -> list[str]:
     seen: set[str] = set()
     out: list[str] = []

@@ -39,9 +39,9 @@ from substrate.schema.workspace import (
 from substrate.store.journal import Journal
 from substrate.workspace import discoverable, fsops, paths
 from substrate.workspace.checkpoints import Checkpoints, History
-from substrate.workspace.layer.apply import denying_rule
+from substrate.workspace.policy import denying_rule
 from substrate.workspace.registry import Workspace
-from substrate.workspace.writes import MAX_PATCH_FILE, Writer
+from substrate.workspace.writes import MAX_PATCH_FILE, TEMP_PREFIX, Writer
 
 LISTS = ("restored", "unchanged", "conflicts", "blocked", "pending")
 
@@ -102,7 +102,9 @@ def _one(
             return "blocked", entry(reason=why)
         if isinstance(exc, PathInvalid):
             return "conflicts", entry(reason=exc.name, current_sha256=now_sha)
-        return "blocked", entry(reason=PathDenied.name, rule=denying_rule(ws.policy, h.rel))
+        return "blocked", entry(
+            reason=PathDenied.name, rule=denying_rule(ws.policy, h.rel, TEMP_PREFIX)
+        )
     except ApprovalRequired as exc:
         return "pending", entry(reason=exc.name, plan_digest=exc.data.get("plan_digest"))
     except Refusal as exc:  # stale_base (a host edit just now), not_a_file, ...

@@ -18,8 +18,8 @@ from typing import Any
 import docker
 import docker.errors
 
+from substrate.layer.mounts.overlay import mounted_under, unmount_under
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
-from substrate.sandbox.layers import mounted_under, unmount_under
 
 #: Labels every container made by a test carries; `remove_test_containers` finds them.
 TEST_LABELS = {"substrate.test": "1", "substrate.test.session": uuid.uuid4().hex}

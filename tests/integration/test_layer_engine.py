@@ -20,9 +20,9 @@ import trio
 import trio.lowlevel
 
 from substrate.daemon import Daemon
+from substrate.layer.mounts.overlay import mounted_under
+from substrate.layer.mounts.working_layer import CTIME_SLACK_NS
 from substrate.protocol.client import AsyncClient, RpcError, open_client
-from substrate.sandbox.layers import mounted_under
-from substrate.sandbox.working_layer import CTIME_SLACK_NS
 from tests.harness.inprocess import (
     as_layer,
     in_process_config,

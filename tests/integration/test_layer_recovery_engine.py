@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from substrate.config import PROJECT_ROOT
+from substrate.layer.mounts.overlay import mounted_under
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
-from substrate.sandbox.layers import mounted_under
 from tests.harness import wait_until
 from tests.harness.engine import remove_daemon_containers, sweep_mounts
 

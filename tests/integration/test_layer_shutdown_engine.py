@@ -25,11 +25,11 @@ from test_terminal import dirs, leftovers  # noqa: F401 - fixtures
 from trio_websocket import WebSocketConnection
 
 from substrate.daemon import Daemon
-from substrate.process import layer_recovery, service
+from substrate.layer.mounts.overlay import mounted_under
+from substrate.process import service
 from substrate.protocol.client import AsyncClient, open_client
 from substrate.pty import docker as pty_docker
 from substrate.pty.client import open_terminal
-from substrate.sandbox.layers import mounted_under
 from substrate.schema.journal import Entry
 from tests.harness import wait_until_async
 from tests.harness.inprocess import Served, in_process_config, serving_until_stopped
@@ -205,14 +205,14 @@ async def test_a_stop_keeps_for_review_what_could_not_conclude_in_time(
     # The next start keeps the set (its recovery drops only generations without one);
     # applying it lands every change.
     dropped: list[list[tuple[str, int]]] = []
-    drop = layer_recovery.drop_unconcluded
+    drop = service.drop_unconcluded
 
     def recording(*args: Any) -> list[tuple[str, int]]:
         gone = drop(*args)
         dropped.append(gone)
         return gone
 
-    monkeypatch.setattr(layer_recovery, "drop_unconcluded", recording)
+    monkeypatch.setattr(service, "drop_unconcluded", recording)
     async with running(dirs) as again:
         assert again.ws == r.ws
 

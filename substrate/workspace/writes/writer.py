@@ -295,7 +295,7 @@ class Writer:
             prepared, parent_fd = _plan(ws, p.path, p.base_sha256, None, None, False, p.plan_digest)
             return self._finish(ws, prepared, parent_fd, p.dry_run, actor, "fs.delete")
 
-    # -- a working layer's change set (substrate.workspace.layer.apply) --------------------
+    # -- a working layer's change set (substrate.layer.changes.apply) --------------------
 
     def apply_change(
         self,

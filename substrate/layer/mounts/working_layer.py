@@ -1,0 +1,182 @@
+"""The working layer of one `workspace = "layer"` sandbox: its current generation, and
+the facts that tie the container's `/workspace` to the overlay the daemon mounted.
+
+`substrate.sandbox.containers` makes one at sandbox creation (`open_layer`, then the
+container binds the base `rslave`, then `mount_first`), re-checks it after every swap
+(`identity_required` against what the container shows) and tears it down with the
+container (`close`). `substrate.layer.conclusion` swaps it when a generation concludes:
+when the last of the commands and terminals sharing it ends (`users`,
+`substrate.layer.generation`).
+
+Facts: the container's `/workspace` must be the very overlay mounted on the host's base
+(`workspace_identity`: its st_dev:st_ino, which is the overlay superblock's), and each
+read-only part the very read-only overlay mounted over it (`workspace_identity:<rel>`).
+A propagated mount that did not reach the container, or reached it late, shows other
+identities: `confinement_unmet`.
+
+Every function here blocks (mount calls, lstat): callers use worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from substrate.layer.generation import Users
+from substrate.layer.mounts import overlay, passthrough
+from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
+from substrate.schema.facts import FactValue
+from substrate.workspace.paths import open_dir
+
+log = logging.getLogger("substrate.layer.mounts.working_layer")
+
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass
+class WorkingLayer:
+    """One sandbox's layer. `users` counts the commands and terminals sharing its current
+    generation (it concludes when the last ends); `mounting` guards the mounts against a
+    teardown racing a swap (a thread lock: both run in worker threads)."""
+
+    plan: LayerPlan  # the generation mounted now
+    #: The profile's passthrough dirs; each generation binds those that exist then.
+    passthrough: tuple[str, ...] = ()
+    #: The facts every generation must show, apart from its identities.
+    required: Mapping[str, FactValue] = field(default_factory=dict)
+    closed: bool = False  # torn down: nothing may be mounted on the base again
+    #: The teardown unmounted everything (`close` succeeded): nothing can write the
+    #: generation any more, so it may be scanned without its container.
+    unmounted: bool = False
+    #: (generation, ns): when its first user (command or terminal) started, less
+    #: `CTIME_SLACK_NS`; kept while the generation stays mounted with nothing in it (its
+    #: overlay may still show what the checkout held then). A checkout change since
+    #: (ctime) was not the layer's: the change set never undoes it
+    #: (`layer.changes.host_edits`).
+    began: tuple[int, int] = (-1, 0)
+    #: path → sha256 of what the last change set put in the checkout: those files are
+    #: newer than `began` because the layer wrote them, not the host.
+    landed: dict[str, str] = field(default_factory=dict)
+    #: path → ctime (ns) of each checkout directory the last change set changed, as its
+    #: apply left it: still so, it is the layer's change, not the host's.
+    landed_dirs: dict[str, int] = field(default_factory=dict)
+    users: Users = field(default_factory=Users)
+    mounting: threading.Lock = field(default_factory=threading.Lock)
+
+
+#: File ctimes come from a coarse clock that lags the real one by up to a tick; a host
+#: edit right after a command started must not look older than it (a false conflict is
+#: safe, a missed one loses the edit).
+CTIME_SLACK_NS = 50_000_000
+
+
+def begin(layer: WorkingLayer) -> int:
+    """Note that a command starts on the current generation; return the time (ns) since
+    which a checkout change is the host's, not this generation's base: set by the
+    generation's first user, kept by every later one (also after a conclusion that
+    found nothing and left it mounted)."""
+    if layer.began[0] != layer.plan.generation:
+        layer.began = (layer.plan.generation, time.time_ns() - CTIME_SLACK_NS)
+    return layer.began[1]
+
+
+def open_layer(
+    state_dir: str,
+    readonly: Sequence[tuple[str, tuple[int, int]]],
+    passthrough_dirs: Sequence[str] = (),
+) -> WorkingLayer:
+    """Plan generation 0 of a new layer (a fresh random id) and `overlay.prepare` it: the
+    base exists, shared, with nothing mounted on it. Refuses as `plan.plan` does."""
+    p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly)
+    overlay.prepare(p)
+    return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs))
+
+
+def mount_first(layer: WorkingLayer, root_fd: int) -> None:
+    """Mount generation 0 (after the container bound the base), binding the passthrough
+    dirs that exist now. Refuses as `overlay.mount_generation` does."""
+    with layer.mounting:
+        first = _with_passthrough(layer.plan, passthrough.existing(root_fd, layer.passthrough))
+        overlay.mount_generation(first, root_fd)
+        layer.plan = first
+
+
+def next_plan(
+    p: LayerPlan, passthrough_dirs: Sequence[tuple[str, tuple[int, int]]] = ()
+) -> LayerPlan:
+    """The plan of the generation after `p`: same read-only parts, and the passthrough
+    dirs (path, identity) given (those that exist now)."""
+    readonly = [(part.rel, part.identity) for part in p.readonly]
+    sandbox_id = p.sandbox_dir.rsplit("/", 1)[1]
+    state_dir = p.layers_dir.rsplit("/", 1)[0]
+    return plan(state_dir, sandbox_id, p.generation + 1, readonly, passthrough_dirs)
+
+
+def _with_passthrough(p: LayerPlan, found: Sequence[tuple[str, tuple[int, int]]]) -> LayerPlan:
+    readonly = [(part.rel, part.identity) for part in p.readonly]
+    sandbox_id = p.sandbox_dir.rsplit("/", 1)[1]
+    state_dir = p.layers_dir.rsplit("/", 1)[0]
+    return plan(state_dir, sandbox_id, p.generation, readonly, found)
+
+
+def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
+    """Swap the layer to its next generation; return the old plan (its upper dir holds
+    the ended command's changes), or None when the layer was closed meanwhile (nothing
+    mounted again). Raises OSError(EBUSY) when the generation is in use (it stays, see
+    `overlay.swap`) and `confinement_unmet` when the new one does not verify (then
+    nothing is mounted on the base: the caller drops the sandbox)."""
+    with layer.mounting:
+        if layer.closed:
+            return None
+        old = layer.plan
+        new = next_plan(old, passthrough.existing(root_fd, layer.passthrough))
+        overlay.swap(old, new, root_fd)
+        layer.plan = new
+        return old
+
+
+def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
+    """`workspace_identity` facts of the generation mounted now, read on the host: the
+    overlay on the base, each read-only part over it (opened beneath the base without
+    following a symlink); and `passthrough`, the dirs this generation binds read-write
+    (the container's mountinfo must show exactly those as writable non-overlay mounts)."""
+    p = layer.plan
+    base_fd = os.open(p.base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(base_fd)
+        found: dict[str, FactValue] = {
+            "workspace_identity": f"{st.st_dev}:{st.st_ino}",
+            "passthrough": sorted(part.rel for part in p.passthrough),
+            "passthrough_options": sorted(
+                f"{part.rel}: {','.join(PASSTHROUGH_OPTIONS)}" for part in p.passthrough
+            ),
+        }
+        for part in p.readonly:
+            *parents, name = part.rel.split("/")
+            parent = open_dir(base_fd, parents, where=part.rel)
+            try:
+                pst = os.lstat(name, dir_fd=parent)
+            finally:
+                os.close(parent)
+            found[f"workspace_identity:{part.rel}"] = f"{pst.st_dev}:{pst.st_ino}"
+        return found
+    finally:
+        os.close(base_fd)
+
+
+def close(layer: WorkingLayer) -> None:
+    """Unmount the layer (after its container is gone); the upper dirs stay on disk.
+    A failure is logged: the start-up sweep unmounts what is left."""
+    with layer.mounting:
+        layer.closed = True
+        try:
+            overlay.teardown(layer.plan)
+        except OSError as exc:
+            log.error("tearing down layer %s failed: %s", layer.plan.sandbox_dir, exc)
+        else:
+            layer.unmounted = True

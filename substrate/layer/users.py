@@ -1,0 +1,338 @@
+"""Commands and terminals sharing a `workspace = "layer"` sandbox's generation, and the
+conclusion that applies it once (docs/working-layer.md, "Per command").
+
+Theory of operation. `join` counts a command (`Processes.run`, before its exec is made)
+or a terminal session (`pty.docker`, before its TTY exec) as a user of the generation
+mounted now (`layer.generation.Users`), waiting only while a conclusion runs. `end`
+(its process ended, called shielded) answers, for a user others still share the
+generation with, `ProcChanges {generation, deferred: true}` at once; for the last user
+it concludes the generation (`conclusion.conclude`: swap, re-verify, scan, apply) in the
+most conservative mode its users asked, as the actor of the last user that ran, and
+returns the set's summary. `abandon` is for a user whose process never ran (it wrote
+nothing): it concludes only when others' changes wait. A generation shared by more than
+one user is journaled `changes.shared {generation, changeset, mode, procs, sessions}`
+(ids only) with the set, under the concluding actor.
+
+A conclusion that finds the generation busy (`layer_busy`) keeps its users: their
+changes go with the generation's next conclusion (`Users.concluded(kept=True)`).
+
+Shutdown (`process.service.Execution.shutdown`), in this order: `quiet` waits (bounded
+by the caller) until every user has ended and every conclusion is over — terminals and
+cut-off commands end concurrently and conclude normally, against their still-running
+containers; `stop` refuses newcomers, turns every later conclusion into a no-op (its
+users are carried) and waits for the conclusions still running; the caller then removes
+the containers and tears the layers down; `keep_left` keeps, as a `pending` set, each
+generation still holding changes (users that did not end in time, or a `layer_busy`
+generation's carried users): scanned once nothing can write it, nothing applied,
+journaled `changes.kept` and `changes.stopped`, so the next start's recovery (which drops
+generations without a set) never loses them. Only then may the layers' directory be
+swept: a conclusion holds fds beneath it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol
+
+import msgspec
+import trio
+
+from substrate.errors import RuntimeUnavailable
+from substrate.layer import conclusion
+from substrate.layer.changes import Changesets, upper_holds_changes
+from substrate.layer.conclusion import Request, S, Sandboxes
+from substrate.layer.generation import Conclusion, Deferred, User, combined
+from substrate.layer.mounts import working_layer
+from substrate.schema.proc import ChangesMode, ProcChanges
+from substrate.store.journal import Journal
+from substrate.workspace.registry import Workspace
+from substrate.workspace.writes import Writer
+
+log = logging.getLogger("substrate.layer.users")
+
+#: Terminal session ids start so (`pty.terminals`); every other user is a process.
+SESSION_PREFIX = "t-"
+#: `changes.error` of a user whose generation the daemon stopped before it concluded:
+#: its set is kept pending (`keep_left`), nothing applied.
+STOPPED = "daemon_stopped"
+
+
+class LayerClosed(Exception):
+    """`join` found the sandbox's layer torn down (its container is going): the caller
+    forgets the sandbox and tries again with a fresh one, as after `ContainerGone`."""
+
+
+class Asked(Protocol):
+    """What a joining user asked (a `process.requests.RunRequest` is one)."""
+
+    @property
+    def ws(self) -> Workspace: ...
+
+    @property
+    def actor(self) -> str: ...
+
+    @property
+    def changes(self) -> ChangesMode: ...
+
+
+@dataclass
+class Use(Generic[S]):
+    """One user's hold on a sandbox's generation, from `join` to `end`/`abandon`."""
+
+    sandbox: S
+    user: User
+    req: Request  # what it asked: its workspace, actor and mode
+    left: bool = False
+
+
+class LayerUsers(Generic[S]):
+    """Joins and conclusions of every layer sandbox of this daemon: the one interface
+    the runner and the terminals use the layer through."""
+
+    def __init__(
+        self,
+        containers: Sandboxes[S],
+        writer: Writer | None,
+        changesets: Changesets | None,
+        journal: Journal,
+        limiter: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self._containers = containers
+        self._writer = writer
+        self._changesets = changesets
+        self._journal = journal
+        self._limiter = limiter
+        self._joined = 0  # users joined and not yet left
+        self._concluding = 0  # conclusions running
+        self._changed = trio.Event()  # set (and replaced) when either count drops
+        self._stopping = False
+        #: sandbox id → the layer sandbox and the last request joined on it: what
+        #: `keep_left` needs (its workspace). Pruned of torn-down layers holding nothing.
+        self._layers: dict[str, tuple[S, Request]] = {}
+        #: sandbox id → the set `keep_left` kept for it (a late user's result names it).
+        self._kept: dict[str, ProcChanges] = {}
+
+    async def join(self, sandbox: S, user_id: str, asked: Asked) -> Use[S]:
+        """Count `user_id` (a process id, or a terminal session id), asking `asked`, on the
+        sandbox's current generation (waiting while one concludes: at most its apply).
+        Raises `LayerClosed` when the layer was torn down meanwhile (the caller retries
+        with a fresh sandbox); refuses `runtime_unavailable` once the daemon stops."""
+        req = Request(ws=asked.ws, actor=asked.actor, changes=asked.changes)
+        user = User(id=user_id, actor=req.actor, mode=req.changes)
+        layer = sandbox.layer
+        if layer is None:
+            raise ValueError("joining a sandbox without a working layer")
+        await layer.users.wait_joinable()
+        if self._stopping:
+            raise RuntimeUnavailable("the daemon is stopping")
+        if layer.closed:
+            raise LayerClosed(sandbox.id)
+        # No await from the wait to here: nothing concludes in between.
+        layer.users.join(user, layer.plan.generation)
+        working_layer.begin(layer)
+        self._joined += 1
+        self._prune()
+        self._layers[sandbox.id] = (sandbox, req)
+        return Use(sandbox, user, req)
+
+    async def end(self, use: Use[S]) -> ProcChanges | None:
+        """`use`'s process ran and ended: deferred while others share its generation, else
+        the generation's conclusion (see the module doc). Never raises a refusal (a
+        failure is the summary's `error`); None when this daemon applies nothing
+        (no writer). Call it shielded; costs what `conclusion.conclude` costs when it
+        concludes, nothing otherwise."""
+        return await self._leave(use, ran=True)
+
+    async def abandon(self, use: Use[S]) -> None:
+        """`use` is over without `end` (its process never ran, or its conclusion failed
+        before): leave, concluding only if others' changes wait. Idempotent; shielded."""
+        if use.left:
+            return
+        with trio.CancelScope(shield=True):
+            changes = await self._leave(use, ran=False)
+        if changes is not None and changes.error is not None:
+            log.warning("a layer concluded without its last user: %s", changes.error)
+
+    async def _leave(self, use: Use[S], *, ran: bool) -> ProcChanges | None:
+        if use.left:
+            return None
+        use.left = True
+        self._joined -= 1
+        self._wake()
+        layer = use.sandbox.layer
+        assert layer is not None
+        step = layer.users.leave(use.user.id, ran=ran)
+        if step is None:
+            return None
+        if isinstance(step, Deferred):
+            return ProcChanges(generation=step.generation, deferred=True, mode=use.user.mode)
+        if self._stopping:
+            # The sandbox is being removed: concluding now would race its teardown.
+            # Its users are carried; `keep_left` keeps the generation once nothing runs.
+            layer.users.concluded(kept=True)
+            kept = self._kept.get(use.sandbox.id)
+            if kept is not None:
+                return msgspec.structs.replace(kept, error=STOPPED)
+            mode: ChangesMode = "discard" if step.mode == "discard" else "review"
+            return ProcChanges(generation=step.generation, mode=mode, error=STOPPED)
+        busy = False
+        self._concluding += 1
+        try:
+            changes = await self._conclude(use, step)
+            busy = changes is not None and changes.error == "layer_busy"
+            return changes
+        finally:
+            layer.users.concluded(kept=busy)
+            self._concluding -= 1
+            self._wake()
+
+    # -- shutdown ----------------------------------------------------------------------
+
+    async def quiet(self) -> None:
+        """Wait until no user is joined and no conclusion runs (every generation of every
+        layer sandbox concluded, or carried when busy). Unbounded: the caller bounds it."""
+        while self._joined or self._concluding:
+            await self._changed.wait()
+
+    async def stop(self) -> None:
+        """The daemon stops: refuse every newcomer (`runtime_unavailable`), conclude
+        nothing more (a last user's generation is carried for `keep_left`), and wait for
+        the conclusions running now (each bounded by its engine calls and its apply).
+        Then the containers may be removed: nothing swaps or scans a layer any more."""
+        self._stopping = True
+        while self._concluding:
+            await self._changed.wait()
+
+    async def keep_left(self) -> list[ProcChanges]:
+        """After `stop` and the containers' removal: keep each torn-down layer's
+        generation that still holds changes (users that did not end, or carried ones) as
+        a `pending` set — scanned, nothing applied (a generation all of whose users asked
+        "discard" is discarded) — journaled `changes.kept` and `changes.stopped
+        {generation, changeset, mode, procs, sessions}` (the mode its users asked, ids
+        only) as the last user's actor. A layer not unmounted (its container could not
+        be removed: something may still write it) is left for the next start's
+        recovery, logged. Returns the summaries. Costs a scan per generation kept."""
+        kept: list[ProcChanges] = []
+        for sandbox_id, (sandbox, req) in list(self._layers.items()):
+            layer = sandbox.layer
+            assert layer is not None
+            users = layer.users
+            holders = [*users.carried, *users.ended, *users.active.values()]
+            if not holders or sandbox_id in self._kept:
+                continue
+            if not layer.unmounted:
+                log.error(
+                    "the layer of %s is still mounted at shutdown: its generation %d is "
+                    "left for the next start",
+                    sandbox_id[:12],
+                    layer.plan.generation,
+                )
+                continue
+            try:
+                changes = await self._keep(sandbox, req, holders)
+            except Exception:  # one layer's failure must not leave the others unkept
+                log.exception("keeping the layer of %s at shutdown failed", sandbox_id[:12])
+                continue
+            if changes is not None:
+                self._kept[sandbox_id] = changes
+                kept.append(changes)
+        return kept
+
+    async def _keep(self, sandbox: S, req: Request, holders: list[User]) -> ProcChanges | None:
+        layer = sandbox.layer
+        assert layer is not None
+        if self._writer is None:
+            return None
+        if not await trio.to_thread.run_sync(upper_holds_changes, layer.plan.upper):
+            return None  # nothing written: the next start removes the empty generation
+        asked = combined(u.mode for u in holders)
+        actor = holders[-1].actor
+        keep = msgspec.structs.replace(
+            req, actor=actor, changes="discard" if asked == "discard" else "review"
+        )
+        try:
+            with trio.CancelScope(shield=True):
+                changes = await conclusion.conclude(
+                    self._containers, self._writer, sandbox, keep, self._changesets, self._limiter
+                )
+        finally:
+            # Whatever it held is in the set now (or its error says why not); nobody can
+            # join a stopping daemon's layer, and nothing writes a torn-down one.
+            layer.users.concluded(kept=False)
+        if changes is None:
+            return None
+        ids = list(dict.fromkeys(u.id for u in holders))
+        data = {
+            "generation": changes.generation,
+            "changeset": changes.changeset,
+            "mode": asked,
+            "procs": [u for u in ids if not u.startswith(SESSION_PREFIX)],
+            "sessions": [u for u in ids if u.startswith(SESSION_PREFIX)],
+        }
+        if changes.error is not None:
+            data["error"] = changes.error
+        await self._append("changes.stopped", data, req.ws.id, actor)
+        return changes
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _prune(self) -> None:
+        """Forget torn-down layers whose generation holds nothing (bounded by the
+        sandboxes made since the last join)."""
+        for sandbox_id, (sandbox, _req) in list(self._layers.items()):
+            layer = sandbox.layer
+            if layer is None or (
+                layer.closed
+                and not (layer.users.active or layer.users.ended or layer.users.carried)
+            ):
+                del self._layers[sandbox_id]
+
+    async def _conclude(self, use: Use[S], step: Conclusion) -> ProcChanges | None:
+        if self._writer is None:
+            return None
+        req = msgspec.structs.replace(use.req, actor=step.actor, changes=step.mode)
+        changes = await conclusion.conclude(
+            self._containers, self._writer, use.sandbox, req, self._changesets, self._limiter
+        )
+        if changes is not None and len(step.users) > 1 and changes.error != "layer_busy":
+            data = {
+                "generation": changes.generation,
+                "changeset": changes.changeset,
+                "mode": step.mode,
+                "procs": [u for u in step.users if not u.startswith(SESSION_PREFIX)],
+                "sessions": [u for u in step.users if u.startswith(SESSION_PREFIX)],
+            }
+            await self._append("changes.shared", data, req.ws.id, step.actor)
+        return changes
+
+    async def _append(self, kind: str, data: dict[str, Any], workspace: str, actor: str) -> None:
+        try:
+            await trio.to_thread.run_sync(
+                functools.partial(
+                    self._journal.append, kind, data, workspace=workspace, actor=actor
+                ),
+                limiter=self._limiter,
+            )
+        except Exception:  # the set is applied (or kept) and journaled already
+            log.exception("journaling %s failed", kind)
+
+
+def journal_summary(changes: ProcChanges) -> dict[str, Any]:
+    """`changes` for a journal entry: generation, mode, counts, and the changeset,
+    `deferred` and `error` when set; no per-file lists."""
+    summary: dict[str, Any] = {
+        "generation": changes.generation,
+        "mode": changes.mode,
+        "counts": msgspec.to_builtins(changes.counts),
+    }
+    if changes.changeset is not None:
+        summary["changeset"] = changes.changeset
+    if changes.deferred:
+        summary["deferred"] = True
+    if changes.error is not None:
+        summary["error"] = changes.error
+    return summary
