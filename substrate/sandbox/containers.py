@@ -22,9 +22,9 @@ inputs and outputs; what a step made is undone, last first, if a later one fails
    removed (`labelled.Labelled.remove_foreign`: weaker settings are `confinement_unmet`);
    an egress profile's CA bundle and facts (`proxy_link.prepare`).
 4. Create (`_request` → `spec.CreateRequest`: `spec.container_spec` and
-   `spec.create_request`, pure; `Engine.create_container`, `_start`): kept alive by the engine's init and
-   `sleep infinity`, a runc sandbox's supervisor directory bound in (docs/fast-exec.md),
-   a working layer's first generation mounted once it runs.
+   `spec.create_request`, pure; `Engine.create_container`, `_start`): kept alive by the
+   engine's init and `sleep infinity`, a runc sandbox's supervisor directory bound in
+   (docs/fast-exec.md), a working layer's first generation mounted once it runs.
 5. Observe (`verification.Verifier.observe_started` → `Observed`): inspect, the facts
    from outside (procfs, cgroups, netns, the identities of `/workspace`, each read-only
    path and the home against the held fds), an egress sandbox's link to the proxy.
@@ -560,7 +560,7 @@ class Containers:
 def _shielded(
     fn: Callable[[Any], Awaitable[None]],
 ) -> Callable[[Any], Awaitable[None]]:
-    """`fn`, shielded from cancellation: an undo runs to its end, as a cancelled start's does."""
+    """`fn`, shielded from cancellation: the undo of a cancelled creation runs to its end."""
 
     async def run(arg: Any) -> None:
         with trio.CancelScope(shield=True):
