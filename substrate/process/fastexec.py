@@ -20,6 +20,13 @@ Fallback: whenever the supervisor cannot be used for this command (no python3 in
 image, `fast_exec = false`, a supervisor that was lost, is being replaced, or whose
 restarts are exhausted), the same command goes through the engine (`EngineChannel`);
 nothing ran before. A confinement mismatch is not a fallback: it is `confinement_unmet`.
+
+This module is the process layer's use of fast exec; the supervisor itself (its
+directory, start, checks, held children, the program in the container) is
+`substrate.sandbox.supervisor`, whose docstring is the map of both. It lives here, not
+there, because it is built on process-layer types: `FastChannel` and `EngineChannel` are
+`process.channels.ExecChannel`s, stdin goes through `process.stdin_stream`, and a failed
+exec gets the shell's code from `process.argv`; the sandbox layer imports none of them.
 """
 
 from __future__ import annotations

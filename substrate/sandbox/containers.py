@@ -3,83 +3,85 @@ from the kernel before anything runs in it.
 
 Theory of operation. `Containers.ensure(ws, profile)` returns a `Sandbox`, a container
 this daemon created and verified, cached until it is idle for `container_idle_s`, its
-workspace is released, or the daemon stops. On a cache miss it:
+workspace is released, or the daemon stops. A cache hit checks only that the container's
+init is the same process (pid and start time, from procfs: microseconds), re-reads
+secrets whose files changed and checks the home's quota. A miss is one pipeline,
+`_create_verified`, read top to bottom: each step a method or pure function with typed
+inputs and outputs; what a step made is undone, last first, if a later one fails.
 
-1. decides who runs (docs/protocol.md §5 "Who runs"): the uid:gid owning the workspace root (read
-   now from the held root fd) or the profile's `UID:GID`; root only with `allow_root`;
-2. checks the runtime is registered and the image is present (never pulled);
-3. removes any container carrying this daemon's labels for the same pair that it did not
-   create itself: one with weaker settings is reported as `confinement_unmet` (and
-   removed, so the next call starts clean); one that looks right is still never reused;
-4. creates the container from the profile alone (`container_spec`, pure), keeps it alive
-   with the engine's init and `sleep infinity`, and starts it;
-5. observes the confinement facts from outside (`substrate.sandbox.observe`: procfs,
-   cgroups, netns, inspect) plus the identity (st_dev, st_ino) of `/workspace` and of every
-   read-only directory as the container's own root sees them, against the held fds, and
-   compares them with the required facts (`substrate.sandbox.facts`). Any mismatch removes the
-   container and raises `confinement_unmet` with what was required and what was seen.
-   The facts are journalled (`proc.facts`) and returned with every command's result.
+1. Resolve (`_resolve` → `Resolved`; nothing made): the secrets
+   (`SandboxEnvironment.load_secrets`: `secret_unknown` first), who runs
+   (docs/protocol.md §5 "Who runs": the held root's owner or the profile's `UID:GID`;
+   root only with `allow_root`), runtime and image (never pulled), security options,
+   what is read-only over the workspace (`mounts.readonly_paths`: every `.git`, the
+   policy's whole-directory denies).
+2. Environment: the persistent home (`SandboxEnvironment.prepare_home`, its quota) and a
+   `layer` profile's working layer (`LayerMounts.open`, its passthrough policy-checked).
+3. Require (`requirements`, pure: `facts.required_facts`, the home's and workspace's
+   identities); labelled containers of the pair this run did not make are checked and
+   removed (`labelled.Labelled.remove_foreign`: weaker settings are `confinement_unmet`);
+   an egress profile's CA bundle and facts (`proxy_link.prepare`).
+4. Create (`_request` → `spec.CreateRequest`: `spec.container_spec` and
+   `spec.create_request`, pure; `Engine.create_container`, `_start`): kept alive by the
+   engine's init and `sleep infinity`, a runc sandbox's supervisor directory bound in
+   (docs/fast-exec.md), a working layer's first generation mounted once it runs.
+5. Observe (`verification.Verifier.observe_started` → `Observed`): inspect, the facts
+   from outside (procfs, cgroups, netns, the identities of `/workspace`, each read-only
+   path and the home against the held fds), an egress sandbox's link to the proxy.
+6. Verify (`Verifier.check`: `facts.compare`): a mismatch removes the container and
+   refuses `confinement_unmet` with what was required and seen (journalled); then
+   `_sandbox` → `Sandbox` (its init's identity, cgroups, protected pids).
+7. Journal (`Verifier.passed`): `proc.facts`; the facts go with every command's result.
 
-What is mounted read-only over the workspace (every `.git`, the policy's whole-directory
-denies) and the empty resolver file are `substrate.sandbox.mounts`'; the persistent home
-(bound at /home/agent, its `home_identity` required) and the secrets (in
-`Sandbox.profile.env` only, per exec) are `substrate.sandbox.environment`'s. What the host kernel
-shows of a started container comes through a `SandboxHost` (`substrate.sandbox.host`);
-tests of this logic give it `substrate.sandbox.fake_engine`'s fakes.
-
-A profile reload retires the sandboxes of changed profiles (`retire`): their commands
-go on, new ones get a sandbox of the new profile. On a cache hit the only check is that
-the container's init is still the same process
-(its pid and start time, from procfs: tens of microseconds): a restarted or replaced
-container is verified again from scratch. Settings changed on a running container through the
-engine (`docker update`) are not re-observed per command; that needs engine access,
-which is root-equivalent anyway (docs/execution.md).
-
-Labels: `substrate.daemon` (this state dir's daemon id), `substrate.epoch`,
-`substrate.workspace`, `substrate.profile`, `substrate.config` (SHA-256 of the create
-request, labels aside). At start, every container labelled with our daemon id is
-removed: it belongs to a previous run.
+A `proc.run` enters here once (`ensure`) and walks down: nothing here calls back into the
+process layer. Secrets' values are in `Sandbox.profile.env` only (given per exec); the
+container is created from the declared profile. The host kernel is read through a
+`SandboxHost` (`substrate.sandbox.host`; tests give `fake_engine`'s fakes). A profile
+reload retires the sandboxes of changed profiles (`retire`): their commands go on, new
+ones get a new sandbox. Settings changed through the engine (`docker update`) are not
+re-observed per command: that needs engine access, root-equivalent anyway
+(docs/execution.md). Labels and an earlier run's containers: `substrate.sandbox.labelled`.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import os
 import secrets
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import trio
 
-from substrate.errors import ConfinementUnmet, Refusal, RuntimeUnavailable
+from substrate.errors import RuntimeUnavailable
 from substrate.layer.mounts import LayerMounts, WorkingLayer, passthrough, working_layer
 from substrate.sandbox import facts as factlib
 from substrate.sandbox import mounts, profiles, proxy_link, reaper
 from substrate.sandbox.engine import ContainerGone, Engine
-from substrate.sandbox.environment import SandboxEnvironment
-from substrate.sandbox.facts import Fact, FactValue
+from substrate.sandbox.environment import SandboxEnvironment, SecretsVersion
+from substrate.sandbox.facts import FactValue
 from substrate.sandbox.host import HostKernel, SandboxHost
+from substrate.sandbox.labelled import Labelled
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.proxy_link import ProxyLink, ProxyLinks
 from substrate.sandbox.sandboxes import Sandbox
 from substrate.sandbox.spec import (
     HOST_VISIBLE_RUNTIMES,
-    LABEL_CONFIG,
     LABEL_DAEMON,
     LABEL_EPOCH,
-    LABEL_PROFILE,
-    LABEL_WORKSPACE,
+    CreateRequest,
     RunAs,
     container_spec,
+    create_request,
     daemon_id_for,
     run_as,
-    spec_digest,
 )
-from substrate.sandbox.supervisor.supervisors import Supervisors, supervised
+from substrate.sandbox.supervisor.supervisors import Slot, Supervisors, supervised
+from substrate.sandbox.verification import Observed, Verifier
 from substrate.secrets import SecretStore
 from substrate.store.journal import Journal
 from substrate.workspace.homes import Home, Homes
@@ -88,6 +90,62 @@ from substrate.workspace.registry import Workspace
 __all__ = ["LABEL_DAEMON", "LABEL_EPOCH", "Containers", "Sandbox", "daemon_id_for"]
 
 log = logging.getLogger("substrate.sandbox.containers")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Step 1: what a sandbox of `declared` will be, read before anything is made."""
+
+    declared: Profile
+    #: `declared` with its secrets' values in `env` (`profiles.with_secrets`): never
+    #: serialized, never given to the engine's create.
+    profile: Profile
+    secrets_version: SecretsVersion
+    owner: os.stat_result  # the held workspace root's fstat
+    who: RunAs
+    image_id: str
+    security_opt: list[str]
+    #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
+    readonly: list[tuple[str, tuple[int, int]]]
+
+    @property
+    def readonly_rels(self) -> list[str]:
+        return [rel for rel, _ in self.readonly]
+
+
+def requirements(run: Resolved, home: Home | None, *, layered: bool) -> dict[str, FactValue]:
+    """Step 3 (pure): every fact a sandbox of `run` must show before an egress link's:
+    the profile's (`facts.required_facts`), the home's identity, and, without a working
+    layer, the identities of the workspace and its read-only paths (a layer's are its
+    own: `LayerMounts.identities`, once it is mounted)."""
+    profile = run.declared
+    required = factlib.required_facts(
+        profile,
+        run_uid=run.who.uid,
+        run_gid=run.who.gid,
+        workspace_mode=profile.workspace,
+        readonly_dirs=run.readonly_rels,
+        seccomp_expected=profile.seccomp != "engine-default",
+        image_id=run.image_id,
+        security_opt=run.security_opt,
+    )
+    if home is not None:
+        required["home_identity"] = f"{home.identity[0]}:{home.identity[1]}"
+    if not layered:
+        required.update(mounts.identity_required(profile, run.readonly, run.owner))
+    return required
+
+
+@contextlib.contextmanager
+def _stays_up(profile: Profile) -> Iterator[None]:
+    """A container that went away while it was started and verified: `runtime_unavailable`."""
+    try:
+        yield
+    except (ContainerGone, ProcessLookupError):
+        raise RuntimeUnavailable(
+            f"the sandbox of profile {profile.name!r} did not stay up (its image "
+            "needs `sleep` accepting `infinity`)"
+        ) from None
 
 
 class Containers:
@@ -126,6 +184,10 @@ class Containers:
         #: the commands they run keep running, and each goes once nothing runs in it.
         self._retired: list[Sandbox] = []
         self._locks: dict[tuple[str, str], trio.Lock] = {}
+        #: Observes, checks and journals each container's facts (steps 5-7).
+        self._verifier = Verifier(engine, self._host, journal, egress, fs_limiter=fs_limiter)
+        #: Our labels; an earlier run's containers, and the ones this run did not create.
+        self._labelled = Labelled(engine, journal, self._verifier, daemon_id=daemon_id, epoch=epoch)
         # Working layers live under the state dir; None: "layer" profiles are refused.
         self.layer_mounts = LayerMounts(state_dir, fs_limiter, self._journal_async)
         self._egress = egress  # links egress sandboxes to the proxy; None: they are refused
@@ -138,11 +200,7 @@ class Containers:
 
     def labels_for(self, workspace: str, profile: str) -> dict[str, str]:
         """The labels that mark a container as this daemon's, for one (workspace, profile)."""
-        return {
-            LABEL_DAEMON: self.daemon_id,
-            LABEL_WORKSPACE: workspace,
-            LABEL_PROFILE: profile,
-        }
+        return self._labelled.of_pair(workspace, profile)
 
     def cached(self, workspace: str, profile: str) -> Sandbox | None:
         return self._live.get((workspace, profile))
@@ -232,10 +290,56 @@ class Containers:
             sandbox.workspace,
         )
 
-    # -- creation and verification -----------------------------------------------------------
+    # -- a new sandbox: the pipeline (module doc, steps 1-7) ------------------------------
 
     async def _create_verified(self, ws: Workspace, profile: Profile) -> Sandbox:
-        # First: a missing secret refuses before anything is made.
+        """A new, verified sandbox for (ws, profile). Refuses as `ensure`."""
+        run = await self._resolve(ws, profile)  # 1. resolve
+        async with contextlib.AsyncExitStack() as undo:
+            home = await self._home(ws, run)  # 2. the environment
+            layer = await self._layer(ws, run)
+            if layer is not None:
+                undo.push_async_callback(self.layer_mounts.close, layer)
+            required = requirements(run, home, layered=layer is not None)  # 3. require
+            await self._labelled.remove_foreign(
+                ws.id, profile, required, run.readonly_rels, mine={s.id for s in self.live()}
+            )
+            ca_bundle, egress_required = await proxy_link.prepare(self._egress, profile)
+            required |= egress_required
+            if layer is not None:
+                layer.required = dict(required)  # what every later generation must show too
+            request = await self._request(ws, run, home, layer, ca_bundle)  # 4. create
+            slot = await self._supervisor_slot(run, request)
+            if slot is not None:
+                undo.callback(slot.discard)
+            container = await self._engine.create_container(
+                name=request.name, labels=request.labels, **request.spec
+            )
+            undo.push_async_callback(_shielded(self._engine.remove), container)
+            links: list[ProxyLink] = []  # an egress sandbox's, closed if it does not verify
+            undo.push_async_callback(_shielded(_close_links), links)
+            with _stays_up(profile):
+                required = await self._start(container, ws, layer, required)
+                observed = await self._verifier.observe_started(  # 5. observe
+                    container, ws.id, profile, run.readonly_rels, required, links
+                )
+                await self._verifier.check(  # 6. verify
+                    container, ws.id, profile, required, observed.facts
+                )
+                sandbox = await self._sandbox(container, ws, run, observed, home, links)
+                await self._verifier.passed(  # 7. journal
+                    container, ws.id, profile, observed.inspect, sandbox.facts
+                )
+            sandbox.layer = layer
+            if slot is not None and self._supervisors is not None:
+                self._supervisors.attach(slot, sandbox)
+            undo.pop_all()  # verified: everything made is the sandbox's now
+        return sandbox
+
+    async def _resolve(self, ws: Workspace, profile: Profile) -> Resolved:
+        """Step 1. Refuses, in this order: `secret_unknown`, `confinement_unmet` (root),
+        `runtime_unavailable`, `image_missing`, the security options' refusals."""
+        # First: a missing secret refuses before anything is read or made.
         exec_profile, secrets_version = await self.environment.load_secrets(profile)
         owner = await trio.to_thread.run_sync(os.fstat, ws.root_fd, limiter=self._fs_limiter)
         who = run_as(profile, owner.st_uid, owner.st_gid)
@@ -245,188 +349,137 @@ class Containers:
         security_opt = await trio.to_thread.run_sync(
             profiles.checked_security_opts, profile, self._seccomp_dir, limiter=self._fs_limiter
         )
-        ro_dirs = await trio.to_thread.run_sync(
+        readonly = await trio.to_thread.run_sync(
             mounts.readonly_paths, ws, profile, limiter=self._fs_limiter
         )
-        home = await self.environment.prepare_home(ws, who, profile)
-        await self.environment.check_home(home)  # over its quota: nothing is made
-        layer = None
-        if profile.workspace == "layer":
-            passthrough.check_policy(ws.policy, profile.passthrough)
-            layer = await self.layer_mounts.open(ro_dirs, profile.passthrough)
-        try:
-            sandbox = await self._create_in(
-                ws, profile, owner, who, image_id, security_opt, ro_dirs, layer, home
-            )
-        except BaseException:
-            if layer is not None:
-                await self.layer_mounts.close(layer)
-            raise
-        sandbox.profile, sandbox.secrets_version = exec_profile, secrets_version
-        return sandbox
-
-    async def _create_in(
-        self,
-        ws: Workspace,
-        profile: Profile,
-        owner: os.stat_result,
-        who: RunAs,
-        image_id: str,
-        security_opt: list[str],
-        ro_dirs: list[tuple[str, tuple[int, int]]],
-        layer: WorkingLayer | None,
-        home: Home | None,
-    ) -> Sandbox:
-        required = factlib.required_facts(
-            profile,
-            run_uid=who.uid,
-            run_gid=who.gid,
-            workspace_mode=profile.workspace,
-            readonly_dirs=[rel for rel, _ in ro_dirs],
-            seccomp_expected=profile.seccomp != "engine-default",
+        return Resolved(
+            declared=profile,
+            profile=exec_profile,
+            secrets_version=secrets_version,
+            owner=owner,
+            who=who,
             image_id=image_id,
             security_opt=security_opt,
+            readonly=readonly,
         )
-        ro_rels = [rel for rel, _ in ro_dirs]
-        if home is not None:
-            required["home_identity"] = f"{home.identity[0]}:{home.identity[1]}"
-        if layer is None:
-            required.update(mounts.identity_required(profile, ro_dirs, owner))
-        await self._remove_foreign(ws, profile, required, ro_rels)
-        ca_bundle, egress_required = await proxy_link.prepare(self._egress, profile)
-        required.update(egress_required)
-        if layer is not None:
-            layer.required = dict(required)
+
+    async def _home(self, ws: Workspace, run: Resolved) -> Home | None:
+        """Step 2: the persistent home (None: this daemon keeps none). Refuses
+        `runtime_unavailable` (it cannot be made) and `limit_exceeded` (over its quota:
+        nothing else is made)."""
+        home = await self.environment.prepare_home(ws, run.who, run.declared)
+        await self.environment.check_home(home)
+        return home
+
+    async def _layer(self, ws: Workspace, run: Resolved) -> WorkingLayer | None:
+        """Step 2: a `layer` profile's working layer, opened (not mounted yet). Refuses
+        `path_denied` (a passthrough the policy does not let be written) and
+        `runtime_unavailable` (this daemon keeps no layers)."""
+        profile = run.declared
+        if profile.workspace != "layer":
+            return None
+        passthrough.check_policy(ws.policy, profile.passthrough)
+        return await self.layer_mounts.open(run.readonly, profile.passthrough)
+
+    async def _request(
+        self,
+        ws: Workspace,
+        run: Resolved,
+        home: Home | None,
+        layer: WorkingLayer | None,
+        ca_bundle: str | None,
+    ) -> CreateRequest:
+        """Step 4: the create call, from the profile alone (`spec.container_spec`); the
+        empty resolver file it binds is made first when this daemon binds one."""
         resolv_conf = None
         if self._files_dir is not None:
             resolv_conf = await trio.to_thread.run_sync(
                 mounts.empty_resolv_conf, self._files_dir, limiter=self._fs_limiter
             )
-
+        profile = run.declared
         spec = container_spec(
             profile,
-            who=who,
+            who=run.who,
             workspace_source=ws.host_path if layer is None else layer.plan.base,
-            readonly_dirs=ro_rels if layer is None else [],
-            security_opt=security_opt,
+            readonly_dirs=run.readonly_rels if layer is None else [],
+            security_opt=run.security_opt,
             resolv_conf=resolv_conf,
             ca_bundle=ca_bundle,
             home_source=None if home is None else home.source,
         )
-        labels = {
-            **self.labels_for(ws.id, profile.name),
-            LABEL_EPOCH: str(self._epoch),
-            LABEL_CONFIG: spec_digest(spec),
-        }
-        name = f"substrate-{ws.id}-{profile.name}-{secrets.token_hex(3)}"
-        slot = None
-        if self._supervisors is not None and supervised(profile):
-            slot = await trio.to_thread.run_sync(self._supervisors.prepare, who)
-            spec["host_config"]["mounts"].append(slot.mount)  # after the digest: a fresh dir
-        try:
-            container = await self._engine.create_container(name=name, labels=labels, **spec)
-        except BaseException:
-            if slot is not None:
-                slot.discard()
-            raise
-        links: list[ProxyLink] = []  # an egress sandbox's, closed if it does not verify
-        try:
-            try:
-                await self._engine.start(container)
-                if layer is not None:
-                    # Only now: the container bound the base with nothing on it, so every
-                    # generation mounted from here on reaches it (docs/working-layer-mounts.md).
-                    await trio.to_thread.run_sync(
-                        working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
-                    )
-                    required = {**required, **await self.layer_mounts.identities(layer)}
-                sandbox = await self._verify(
-                    container, ws, profile, who, required, dict(ro_dirs), home, links
-                )
-                sandbox.layer = layer
-                if slot is not None and self._supervisors is not None:
-                    self._supervisors.attach(slot, sandbox)
-                return sandbox
-            except (ContainerGone, ProcessLookupError):
-                raise RuntimeUnavailable(
-                    f"the sandbox of profile {profile.name!r} did not stay up (its image "
-                    "needs `sleep` accepting `infinity`)"
-                ) from None
-        except BaseException:
-            with trio.CancelScope(shield=True):
-                for link in links:
-                    await link.aclose()
-                await self._engine.remove(container)
-                if slot is not None:
-                    slot.discard()
-            raise
+        return create_request(
+            ws.id,
+            profile.name,
+            spec,
+            daemon_id=self.daemon_id,
+            epoch=self._epoch,
+            token=secrets.token_hex(3),
+        )
 
-    async def _verify(
+    async def _supervisor_slot(self, run: Resolved, request: CreateRequest) -> Slot | None:
+        """Step 4: a supervised sandbox's supervisor directory (docs/fast-exec.md), bound
+        into `request` after its digest was taken (a fresh directory each time)."""
+        if self._supervisors is None or not supervised(run.declared):
+            return None
+        slot = await trio.to_thread.run_sync(self._supervisors.prepare, run.who)
+        request.spec["host_config"]["mounts"].append(slot.mount)
+        return slot
+
+    async def _start(
         self,
         container: str,
         ws: Workspace,
-        profile: Profile,
-        who: RunAs,
-        required: Mapping[str, FactValue],
-        readonly: dict[str, tuple[int, int]],
-        home: Home | None,
-        links: list[ProxyLink],  # gets an egress sandbox's link (closed by the caller)
-    ) -> Sandbox:
-        inspect = await self._engine.inspect(container)
-        init_pid = int(inspect["State"]["Pid"] or 0)
-        if not inspect["State"].get("Running") or init_pid <= 0:
-            raise ContainerGone(container)
-        observed = await self._observe(init_pid, inspect, profile, list(readonly))
-        observed += await proxy_link.link(
-            self._egress, links, container, ws.id, profile, init_pid, required
+        layer: WorkingLayer | None,
+        required: dict[str, FactValue],
+    ) -> dict[str, FactValue]:
+        """Step 4: start the container; for a working layer, mount its first generation
+        and return `required` with that generation's identities."""
+        await self._engine.start(container)
+        if layer is None:
+            return required
+        # Only now: the container bound the base with nothing on it, so every generation
+        # mounted from here on reaches it (docs/working-layer-mounts.md).
+        await trio.to_thread.run_sync(
+            working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
         )
-        await self._check(container, ws, profile, required, observed)
+        return {**required, **await self.layer_mounts.identities(layer)}
+
+    async def _sandbox(
+        self,
+        container: str,
+        ws: Workspace,
+        run: Resolved,
+        observed: Observed,
+        home: Home | None,
+        links: list[ProxyLink],
+    ) -> Sandbox:
+        """Step 6: the verified container as a `Sandbox`: its init's identity, its
+        cgroups, the pids the reaper never signals (the init and its keep-alive)."""
+        init_pid = observed.init_pid
         init = self._host.identity(init_pid)
         if init is None:
             raise ContainerGone(container)
-        host_visible = profile.runtime in HOST_VISIBLE_RUNTIMES
+        host_visible = run.declared.runtime in HOST_VISIBLE_RUNTIMES
         cgroups = await trio.to_thread.run_sync(self._host.cgroups, init_pid)
         protected = {init_pid}
         if host_visible:
             protected |= await self._keepalive_pids(cgroups, init_pid)
-        sandbox = Sandbox(
+        return Sandbox(
             id=container,
             workspace=ws.id,
-            profile=profile,
-            declared=profile,
-            who=who,
+            profile=run.profile,
+            declared=run.declared,
+            who=run.who,
             init_pid=init_pid,
             init=init,
             protected=frozenset(protected),
             cgroups=cgroups,
-            facts=observed,
+            facts=observed.facts,
             host_visible=host_visible,
-            readonly=readonly,
+            readonly=dict(run.readonly),
             egress=links[0] if links else None,
             home=home,
-        )
-        await self._journal_async(
-            "proc.facts",
-            {
-                "container": container[:12],
-                "profile": profile.name,
-                "image": str(inspect.get("Image", "")),
-                "ok": True,
-                "facts": [msgspec.to_builtins(f) for f in observed],
-            },
-            ws.id,
-        )
-        return sandbox
-
-    async def _observe(
-        self, init_pid: int, inspect: dict[str, Any], profile: Profile, ro_rels: Sequence[str]
-    ) -> list[Fact]:
-        # Every sandbox of a daemon keeping homes has one: its identity is a fact.
-        observe = self._host.observe
-        if self.environment.homes is not None:
-            observe = functools.partial(observe, home=True)
-        return await trio.to_thread.run_sync(
-            observe, init_pid, inspect, profile, ro_rels, limiter=self._fs_limiter
+            secrets_version=run.secrets_version,
         )
 
     async def _keepalive_pids(self, cgroups: reaper.CgroupDirs, init_pid: int) -> set[int]:
@@ -438,69 +491,6 @@ class Containers:
                     return found
                 await trio.sleep(0.005)
         return set()
-
-    async def _check(
-        self,
-        container: str,
-        ws: Workspace,
-        profile: Profile,
-        required: Mapping[str, FactValue],
-        observed: list[Fact],
-    ) -> None:
-        """Raise `confinement_unmet` (journalled) when an observed fact is not the required one."""
-        mismatches = factlib.compare(required, observed)
-        if not mismatches:
-            return
-        data = {
-            "container": container[:12],
-            "profile": profile.name,
-            "ok": False,
-            "mismatches": [msgspec.to_builtins(m) for m in mismatches],
-        }
-        await self._journal_async("proc.facts", data, ws.id)
-        raise ConfinementUnmet(
-            f"the sandbox for profile {profile.name!r} does not meet "
-            f"{len(mismatches)} required fact(s): "
-            + ", ".join(factlib.mismatch_name(m) for m in mismatches[:8]),
-            **factlib.mismatch_report(mismatches),
-        )
-
-    async def _remove_foreign(
-        self,
-        ws: Workspace,
-        profile: Profile,
-        required: Mapping[str, FactValue],
-        ro_rels: Sequence[str],
-    ) -> None:
-        """Containers labelled as ours for this pair that we did not create: never reused."""
-        mine = {s.id for s in self.live()}
-        for entry in await self._engine.list_labelled(self.labels_for(ws.id, profile.name)):
-            container = str(entry["Id"])
-            if container in mine:
-                continue
-            refusal: Refusal | None = None
-            if entry.get("State") == "running":
-                try:
-                    inspect = await self._engine.inspect(container)
-                    pid = int(inspect["State"]["Pid"] or 0)
-                    observed = await self._observe(pid, inspect, profile, ro_rels)
-                    await self._check(container, ws, profile, required, observed)
-                except ConfinementUnmet as exc:
-                    refusal = exc
-                except (ContainerGone, OSError):
-                    pass
-            await self._engine.remove(container)
-            await self._journal_async(
-                "container.removed",
-                {
-                    "container": container[:12],
-                    "profile": profile.name,
-                    "reason": "weaker" if refusal is not None else "foreign",
-                },
-                ws.id,
-            )
-            if refusal is not None:
-                raise refusal
 
     # -- working layers ------------------------------------------------------------------------
 
@@ -516,20 +506,7 @@ class Containers:
         if layer is None:
             return
         required = {**layer.required, **await self.layer_mounts.identities(layer)}
-        engine_ok = any(f.name == "docker_socket_absent" and f.value is True for f in sandbox.facts)
-        fresh = await trio.to_thread.run_sync(
-            functools.partial(
-                self._host.observe_mounts,
-                sandbox.init_pid,
-                list(sandbox.readonly),
-                engine_ok=engine_ok,
-            ),
-            limiter=self._fs_limiter,
-        )
-        names = {f.name for f in fresh}
-        observed = [f for f in sandbox.facts if f.name not in names] + fresh
-        await self._check(sandbox.id, ws, sandbox.profile, required, observed)
-        sandbox.facts = observed
+        sandbox.facts = await self._verifier.recheck_mounts(sandbox, ws.id, required)
 
     async def sweep_layers(self) -> None:
         """At start, after `reap_previous`, and at shutdown, after `remove_all`
@@ -539,17 +516,9 @@ class Containers:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def reap_previous(self) -> int:
-        """At start: remove every container of an earlier run of this daemon (its epoch)."""
-        gone = 0
-        for entry in await self._engine.list_labelled({LABEL_DAEMON: self.daemon_id}):
-            # Only earlier epochs: one of ours may be being created right now.
-            if (entry.get("Labels") or {}).get(LABEL_EPOCH) == str(self._epoch):
-                continue
-            await self._engine.remove(str(entry["Id"]))
-            gone += 1
-        if gone:
-            await self._journal_async("container.reaped", {"containers": gone}, None)
-        return gone
+        """At start: remove every container of an earlier run of this daemon (its epoch;
+        `Labelled.reap_previous`)."""
+        return await self._labelled.reap_previous()
 
     async def reap_idle(self, now: float | None = None) -> int:
         """Remove sandboxes unused for `idle_s` with nothing running in them, and retired
@@ -578,3 +547,20 @@ class Containers:
 
     async def _journal_async(self, kind: str, data: dict[str, Any], workspace: str | None) -> None:
         await trio.to_thread.run_sync(lambda: self._journal.append(kind, data, workspace=workspace))
+
+
+def _shielded(
+    fn: Callable[[Any], Awaitable[None]],
+) -> Callable[[Any], Awaitable[None]]:
+    """`fn`, shielded from cancellation: the undo of a cancelled creation runs to its end."""
+
+    async def run(arg: Any) -> None:
+        with trio.CancelScope(shield=True):
+            await fn(arg)
+
+    return run
+
+
+async def _close_links(links: list[ProxyLink]) -> None:
+    for link in links:
+        await link.aclose()

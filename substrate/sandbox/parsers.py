@@ -4,7 +4,8 @@ and the cgroup limit files, rtnetlink routes, `net/tcp`. No I/O: the text comes 
 `substrate.sandbox.observe`, which turns the parsed values into facts.
 
 Each parser takes the text as the kernel writes it and raises ValueError on a malformed
-value of a line it reads; tested in tests/test_parsers.py with texts from real hosts.
+value of a line it reads; tested in tests/sandbox/test_parsers.py with texts from real
+hosts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,12 @@
 """`Sandbox`: one container this daemon created and verified (`substrate.sandbox.containers`
 makes them, the execution and terminal layers run commands in them; a working layer's
-conclusion sees one as `substrate.layer.conclusion.LayerSandbox`)."""
+conclusion sees one as `substrate.layer.conclusion.LayerSandbox`).
+
+Its own module, not `containers`': it is the value every user holds (the process layer,
+terminals, `process.usage`, the supervisors through their `SandboxView`), with a life of
+its own (its users counted, its facts replaced after a layer's swap), while `Containers`
+is the cache and the pipeline that make and remove them; a user of the value need not
+import the factory."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 Everything a sandbox gets comes from its profile (docs/protocol.md §5: a request never weakens a
 profile): `container_spec` turns a profile, who runs, the workspace's bind source and its
 read-only paths into the engine's create arguments; `run_as` decides who runs and refuses
-root; the labels name the daemon, its run (epoch), the workspace, the profile and the
-digest of the request. No I/O here: `substrate.sandbox.containers` creates, starts and verifies.
+root; `create_request` names the container and labels it: the daemon, its run (epoch),
+the workspace, the profile and the digest of the request (`substrate.sandbox.labelled`
+acts on them). No I/O here: `substrate.sandbox.containers` creates, starts and verifies.
 """
 
 from __future__ import annotations
@@ -194,6 +195,34 @@ def spec_digest(spec: Mapping[str, Any]) -> str:
     return hashlib.sha256(
         json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
     ).hexdigest()
+
+
+def pair_labels(daemon_id: str, workspace: str, profile: str) -> dict[str, str]:
+    """The labels that mark a container as daemon `daemon_id`'s, for one (workspace,
+    profile)."""
+    return {LABEL_DAEMON: daemon_id, LABEL_WORKSPACE: workspace, LABEL_PROFILE: profile}
+
+
+@dataclass(frozen=True)
+class CreateRequest:
+    """The engine's create call of one sandbox container (`create_request`)."""
+
+    name: str
+    labels: dict[str, str]  # their `substrate.config` is the digest of `spec` as made
+    spec: dict[str, Any]  # `container_spec`'s
+
+
+def create_request(
+    workspace: str, profile: str, spec: dict[str, Any], *, daemon_id: str, epoch: int, token: str
+) -> CreateRequest:
+    """`spec` named (`substrate-<workspace>-<profile>-<token>`) and labelled as daemon
+    `daemon_id`'s, of run `epoch`, with the digest of `spec` (pure)."""
+    labels = {
+        **pair_labels(daemon_id, workspace, profile),
+        LABEL_EPOCH: str(epoch),
+        LABEL_CONFIG: spec_digest(spec),
+    }
+    return CreateRequest(name=f"substrate-{workspace}-{profile}-{token}", labels=labels, spec=spec)
 
 
 def daemon_id_for(state_dir: os.PathLike[str] | str) -> str:

@@ -1,9 +1,28 @@
 """Fast exec: substrate's own supervisor inside each sandbox (docs/fast-exec.md).
 
-`agent` is the program that runs inside the container (standard library only; the
-daemon imports its wire codec); `supervisors.Supervisors` prepares each sandbox's
-supervisor directory, starts, checks, replaces and journals supervisors and spawns
-commands through them; `link` is the daemon's side of one running supervisor; `checks`
-reads a supervisor and each command's own process from the host and compares them with
-the sandbox's confinement.
+The map of fast exec, in the order a command meets it:
+
+- `supervisors.Supervisors` (the sandbox's side, one per daemon): `supervised(profile)`
+  says which sandboxes get one (runc, read-only root filesystem); `prepare` makes a
+  sandbox's supervisor directory (`Slot`) before its container is created
+  (`sandbox.containers` binds it in) and `attach` keeps it once the sandbox is verified;
+  `spawn` hands out a held child checked from the host (or None: use the engine's exec),
+  `prefork` asks for the next one (`Pending`), `serving` tells (and journals) a lost or
+  tampered supervisor, `detach` removes it all with the sandbox.
+- `startup`: the start of one supervisor (exec, pid and pidfd, `ready`, the host's
+  check, the secret, the authenticated `hello`), `StartFailed` and its journal words.
+- `link.Link`: the daemon's side of one running supervisor (its control connection,
+  `problem`, `fork`); `link.Spawned`: one held child, then the command it became (`go`,
+  the exit report).
+- `checks`: what the host reads of a supervisor and of each held child (procfs, its
+  cgroup, namespaces) and the comparison with the sandbox's confinement facts.
+- `agent`: the program that runs inside the container (standard library only; the
+  daemon imports its sans-IO wire codec and constants).
+
+The runner's side is `substrate.process.fastexec` (`Launcher`: which path a command
+takes; `FastChannel`: a supervisor-started command as the driver drives it). It stays in
+the process layer because it is the process layer's use of this package: it implements
+the process layer's `ExecChannel` and stdin pipes (`process.channels`,
+`process.stdin_stream`) and the shell's start-failure codes (`process.argv`), which
+nothing in `substrate.sandbox` may import.
 """

@@ -4,7 +4,8 @@ Standard library only: this one file is copied into the sandbox's supervisor dir
 and bound read-only into the container (docs/fast-exec.md), where it runs as
 `/usr/bin/python3 -I -S -B /run/substrate/supervisor.py`, started by one engine exec as
 the sandbox's own uid:gid. The daemon imports the same file for the wire (`encode`,
-`Decoder`, `hello_mac`, `exit_code_of`: sans-IO, tested in tests/test_fast_exec_wire.py).
+`Decoder`, `hello_mac`, `exit_code_of`: sans-IO, tested in
+tests/sandbox/supervisor/test_fast_exec_wire.py).
 
 Theory of operation (the program):
 1. Start: remember the environment the engine gave (`/proc/self/environ`, before the

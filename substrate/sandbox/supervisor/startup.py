@@ -1,17 +1,39 @@
-"""Pieces of a supervisor's start-up that need no slot (docs/fast-exec.md "How a command
-runs", step 2): the failure a start reports, reading the program's `ready` from the
-engine's multiplexed stream, and the journal word of an exception. Used by
-`supervisors.Supervisors._start`.
+"""The start of one supervisor (docs/fast-exec.md "How a command runs", step 2).
+
+`start_program` is one start, from the engine's exec to the authenticated control
+connection: the program (`agent.COMMAND`) is exec'd as the sandbox's uid:gid with the
+profile's environment; its host pid is read from the engine and a pidfd opened on it
+(whatever fails after that, the process is killed through it); its `ready` is read from
+the engine's multiplexed stream (`read_ready`) once it is non-dumpable; it is checked
+from the host (`checks.supervisor_start_problem`); only then is the start's secret (32
+random bytes) written on its stdin, and the one connection on the sandbox's socket whose
+peer credentials name that process and whose `hello` carries the secret's MAC is
+accepted (`accept_hello`; anyone else connecting is closed). A start that does not
+complete raises `StartFailed` with its journal word (`reason_of` names the others).
+`supervisors.Supervisors._start` bounds it, keeps the result and journals it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hmac
+import logging
+import os
+import secrets
+import signal
+import socket
 import struct
+from typing import Any
 
 import trio
 
 from substrate.errors import Refusal
-from substrate.sandbox.engine import ContainerGone
+from substrate.sandbox.engine import ContainerGone, Engine
+from substrate.sandbox.spec import RunAs
+from substrate.sandbox.supervisor import agent, checks
+from substrate.sandbox.supervisor.link import LinkBroken, receive
+
+log = logging.getLogger("substrate.sandbox.supervisor")
 
 
 class StartFailed(Exception):
@@ -20,6 +42,67 @@ class StartFailed(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+async def start_program(
+    engine: Engine,
+    container: str,
+    who: RunAs,
+    environment: dict[str, str],
+    base: checks.Baseline,
+    accepting: trio.socket.SocketType,
+) -> tuple[int, int, trio.socket.SocketType]:
+    """Start the program in `container` through the engine; (host pid, pidfd, control
+    connection). Raises `StartFailed`, and what the engine's exec raises."""
+    exec_id = await engine.exec_create(
+        container,
+        list(agent.COMMAND),
+        user=str(who),
+        workdir="/",
+        environment=environment,
+        stdin=True,
+    )
+    stream = await engine.exec_start(exec_id)
+    sock = trio.socket.from_stdlib_socket(stream.sock)
+    pidfd = -1
+    try:
+        # The pid first: whatever fails after this, the process is killed (its pidfd).
+        pid = await exec_pid(engine, exec_id)
+        pidfd = os.pidfd_open(pid)
+        await read_ready(sock, stream.initial)
+        try:
+            reading = checks.read_process(pid)
+        except ProcessLookupError:
+            raise StartFailed("exited") from None
+        problem = checks.supervisor_start_problem(reading, base, who.uid)
+        if problem is not None:
+            raise StartFailed(problem)
+        secret = secrets.token_bytes(32)
+        await sock.send(secret.hex().encode() + b"\n")
+        control = await accept_hello(accepting, pid, secret)
+        return pid, pidfd, control
+    except BaseException:
+        if pidfd >= 0:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
+        raise
+    finally:
+        sock.close()
+
+
+async def exec_pid(engine: Engine, exec_id: str) -> int:
+    """The host pid of a running exec (asked again, backing off, until it runs)."""
+    delay = 0.002
+    while True:
+        info = await engine.exec_inspect(exec_id)
+        pid = int(info.get("Pid") or 0)
+        if info.get("Running") and pid > 0:
+            return pid
+        if not info.get("Running") and info.get("ExitCode") is not None:
+            raise StartFailed("exited")
+        await trio.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 async def read_ready(sock: trio.socket.SocketType, initial: bytes) -> None:
@@ -45,7 +128,38 @@ async def read_ready(sock: trio.socket.SocketType, initial: bytes) -> None:
         raise StartFailed("protocol")
 
 
+async def accept_hello(
+    accepting: trio.socket.SocketType, pid: int, secret: bytes
+) -> trio.socket.SocketType:
+    """The connection from process `pid` that proves the secret; others are closed."""
+    while True:
+        conn, _ = await accepting.accept()
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        peer = struct.unpack("3i", creds)[0]
+        if peer != pid:
+            log.warning("supervisor socket: a connection from another process was closed")
+            conn.close()
+            continue
+        decoder = agent.Decoder(agent.MAX_REPORT)
+        pending: list[dict[str, Any]] = []
+        try:
+            hello = await receive(conn, decoder, pending)
+        except (OSError, LinkBroken, trio.ClosedResourceError):
+            conn.close()
+            raise StartFailed("hello") from None
+        mac = str(hello.get("mac", ""))
+        if (
+            hello.get("op") != "hello"
+            or hello.get("v") != agent.VERSION
+            or not hmac.compare_digest(mac, agent.hello_mac(secret))
+        ):
+            conn.close()
+            raise StartFailed("hello")
+        return conn
+
+
 def reason_of(exc: BaseException) -> str:
+    """The journal word of an exception that ended a start (`supervisor.unavailable`)."""
     if isinstance(exc, trio.TooSlowError):
         return "timeout"
     if isinstance(exc, trio.ClosedResourceError):

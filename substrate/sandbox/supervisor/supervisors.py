@@ -17,13 +17,13 @@ Theory of operation (docs/fast-exec.md):
   forked while the command runs. The command's run `settle`s it before it looks for its own processes
   (its stragglers, a kill): the spare's host pid then joins the sandbox's `protected`
   pids, so no scan ever finds it unprotected (docs/fast-exec.md "Held children").
-- Start: one engine exec of `agent.COMMAND` as the sandbox's uid:gid with the profile's
-  environment (no process marker: it belongs to no command). It says `ready` once it is
-  non-dumpable; the daemon then checks it from the host, opens a pidfd on it, writes the
-  start's secret (32 random bytes, held by the daemon and the supervisor only) on its
-  stdin, and accepts on the socket the one connection whose peer credentials name that
-  process and whose `hello` carries the secret's MAC. Anyone else connecting is closed.
-  Its host pid joins the sandbox's `protected` pids (the reaper never signals it).
+- Start (`_start`, with the sandbox's first command; `startup.start_program`): one engine
+  exec of `agent.COMMAND` as the sandbox's uid:gid with the profile's environment (no
+  process marker: it belongs to no command), checked from the host once it is
+  non-dumpable, then given the start's secret (32 random bytes, held by the daemon and
+  the supervisor only); the one connection whose peer credentials name that process and
+  whose `hello` carries the secret's MAC is its control connection. Its host pid joins
+  the sandbox's `protected` pids (the reaper never signals it).
 - A supervisor that exited, stopped answering or broke the wire is `supervisor.lost`; one
   that is traced, dumpable, or shows other confinement is `supervisor.tampered` (it is
   killed). Either way the next command starts a new one (`supervisor.started` with the
@@ -38,14 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hmac
 import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,8 +55,8 @@ from substrate.sandbox.facts import Fact, mismatch_report
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import HOST_VISIBLE_RUNTIMES, RunAs
 from substrate.sandbox.supervisor import agent, checks
-from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned, receive
-from substrate.sandbox.supervisor.startup import StartFailed, read_ready, reason_of
+from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned
+from substrate.sandbox.supervisor.startup import StartFailed, reason_of, start_program
 from substrate.store.journal import Journal
 
 log = logging.getLogger("substrate.sandbox.supervisor")
@@ -365,7 +362,15 @@ class Supervisors:
                 base = await trio.to_thread.run_sync(
                     checks.baseline, sandbox.init_pid, sandbox.facts, limiter=self._fs_limiter
                 )
-                pid, pidfd, control = await self._exec(slot, sandbox, base)
+                assert slot.accepting is not None  # attached: its sandbox is verified
+                pid, pidfd, control = await start_program(
+                    self._engine,
+                    sandbox.id,
+                    sandbox.who,
+                    dict(sandbox.profile.env),
+                    base,
+                    slot.accepting,
+                )
         except (
             StartFailed,
             trio.TooSlowError,
@@ -397,86 +402,6 @@ class Supervisors:
             "supervisor.started", sandbox, generation, None, start_ms=start_ms
         )
         return slot.link
-
-    async def _exec(
-        self, slot: Slot, sandbox: SandboxView, base: checks.Baseline
-    ) -> tuple[int, int, trio.socket.SocketType]:
-        """Start the program through the engine; (host pid, pidfd, control connection)."""
-        exec_id = await self._engine.exec_create(
-            sandbox.id,
-            list(agent.COMMAND),
-            user=str(sandbox.who),
-            workdir="/",
-            environment=dict(sandbox.profile.env),
-            stdin=True,
-        )
-        stream = await self._engine.exec_start(exec_id)
-        sock = trio.socket.from_stdlib_socket(stream.sock)
-        pidfd = -1
-        try:
-            # The pid first: whatever fails after this, the process is killed (its pidfd).
-            pid = await self._exec_pid(exec_id)
-            pidfd = os.pidfd_open(pid)
-            await read_ready(sock, stream.initial)
-            try:
-                reading = checks.read_process(pid)
-            except ProcessLookupError:
-                raise StartFailed("exited") from None
-            problem = checks.supervisor_start_problem(reading, base, sandbox.who.uid)
-            if problem is not None:
-                raise StartFailed(problem)
-            secret = secrets.token_bytes(32)
-            await sock.send(secret.hex().encode() + b"\n")
-            control = await self._accept(slot, pid, secret)
-            return pid, pidfd, control
-        except BaseException:
-            if pidfd >= 0:
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                os.close(pidfd)
-            raise
-        finally:
-            sock.close()
-
-    async def _exec_pid(self, exec_id: str) -> int:
-        delay = 0.002
-        while True:
-            info = await self._engine.exec_inspect(exec_id)
-            pid = int(info.get("Pid") or 0)
-            if info.get("Running") and pid > 0:
-                return pid
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                raise StartFailed("exited")
-            await trio.sleep(delay)
-            delay = min(delay * 2, 0.2)
-
-    async def _accept(self, slot: Slot, pid: int, secret: bytes) -> trio.socket.SocketType:
-        """The connection from process `pid` that proves the secret; others are closed."""
-        assert slot.accepting is not None
-        while True:
-            conn, _ = await slot.accepting.accept()
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            peer = struct.unpack("3i", creds)[0]
-            if peer != pid:
-                log.warning("supervisor socket: a connection from another process was closed")
-                conn.close()
-                continue
-            decoder = agent.Decoder(agent.MAX_REPORT)
-            pending: list[dict[str, Any]] = []
-            try:
-                hello = await receive(conn, decoder, pending)
-            except (OSError, LinkBroken, trio.ClosedResourceError):
-                conn.close()
-                raise StartFailed("hello") from None
-            mac = str(hello.get("mac", ""))
-            if (
-                hello.get("op") != "hello"
-                or hello.get("v") != agent.VERSION
-                or not hmac.compare_digest(mac, agent.hello_mac(secret))
-            ):
-                conn.close()
-                raise StartFailed("hello")
-            return conn
 
     async def _drop(
         self, slot: Slot, link: Link, reason: str, report: dict[str, Any] | None = None

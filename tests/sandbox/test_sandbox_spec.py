@@ -9,9 +9,15 @@ from substrate.errors import ConfinementUnmet
 from substrate.sandbox.profiles import EGRESS_ENV, Profile
 from substrate.sandbox.spec import (
     KEEPALIVE,
+    LABEL_CONFIG,
+    LABEL_DAEMON,
+    LABEL_EPOCH,
+    LABEL_PROFILE,
+    LABEL_WORKSPACE,
     PROXY_URL,
     RunAs,
     container_spec,
+    create_request,
     egress_env,
     run_as,
     spec_digest,
@@ -113,6 +119,20 @@ def test_workspace_modes() -> None:
     none = spec(Profile(name="p", workspace="none"))
     assert none["host_config"]["mounts"] == []  # type: ignore[index]
     assert none["working_dir"] == "/"
+
+
+def test_the_create_request_is_named_and_labelled_with_the_digest_of_its_spec() -> None:
+    made = spec(Profile(name="box", workspace="rw"))
+    request = create_request("w_1", "box", made, daemon_id="d" * 16, epoch=7, token="abc123")
+    assert request.name == "substrate-w_1-box-abc123"
+    assert request.labels == {
+        LABEL_DAEMON: "d" * 16,
+        LABEL_WORKSPACE: "w_1",
+        LABEL_PROFILE: "box",
+        LABEL_EPOCH: "7",
+        LABEL_CONFIG: spec_digest(made),
+    }
+    assert request.spec is made  # a supervisor directory is bound in after the digest
 
 
 def test_digest_changes_with_any_setting() -> None:

@@ -14,7 +14,7 @@ import pytest
 from substrate.sandbox import seccomp
 from substrate.sandbox.seccomp import SeccompError, Verdict, evaluate, load_seccomp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STRICT = ROOT / "seccomp" / "strict.json"
 EPERM = Verdict("SCMP_ACT_ERRNO", 1)
 ALLOW = Verdict("SCMP_ACT_ALLOW", None)

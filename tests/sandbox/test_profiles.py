@@ -23,7 +23,7 @@ from substrate.sandbox.profiles import (
 )
 from substrate.sandbox.spec import HOME_TARGET, WORKSPACE_TARGET
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "profiles"
 SECCOMP = ROOT / "seccomp"
 SHIPPED = sorted(p.stem for p in PROFILES.glob("*.toml"))

@@ -14,7 +14,7 @@ from substrate.sandbox import observe, observe_gvisor, profiles
 from substrate.sandbox import parsers as P
 from substrate.sandbox.facts import Fact, Mismatch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CID = "1861239ebab313493267c5b96ef434c3764753482345831e678b0ea2ef797ce3"
 
 SANDBOX_ARGV = [
