@@ -1,4 +1,4 @@
-"""Benchmark of confined execution (issue 3): one run, ratios against the engine's own tools.
+"""Benchmark of confined execution: one run, ratios against the engine's own tools.
 
     python3 bench/bench_exec.py [--runs 50] [--skip-gvisor] [--skip-big]
 

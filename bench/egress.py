@@ -1,4 +1,4 @@
-"""Benchmark of the egress proxy (issue 11): one run, ratios against baselines measured in
+"""Benchmark of the egress proxy (docs/egress.md): one run, ratios against baselines measured in
 the same run (medians).
 
     python3 bench/egress.py [--mib 512] [--runs 5] [--conns 200]

@@ -1,4 +1,4 @@
-"""Benchmark of a project's set-up in its sandbox (issue 11): substrate's own checkout,
+"""Benchmark of a project's set-up in its sandbox (docs/environments.md): substrate's own checkout,
 its dev dependencies from the package index, against the same set-up on the host in the
 same run (medians of `--runs`).
 

@@ -1,4 +1,4 @@
-"""Benchmark of fast exec (issue 12, docs/fast-exec.md): one run, ratios against baselines
+"""Benchmark of fast exec (docs/fast-exec.md): one run, ratios against baselines
 measured in the same run, taking turns so background load hits every side alike.
 
     python3 bench/fast_exec.py [--runs 60] [--rounds 3]

@@ -1,4 +1,4 @@
-"""Foundation benchmark (issue 2): guarded writes, stat round trips, search vs grep.
+"""Foundation benchmark: guarded writes, stat round trips, search vs grep.
 
 Starts a real daemon (`python -m substrate --state-dir D serve --adopt-root R`) on a
 private temp dir, waits for its socket, and prints one table measured in this run:

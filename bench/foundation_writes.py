@@ -1,4 +1,4 @@
-"""The write measures of `bench/foundation.py` (issue 2, issue 12): a guarded 4 KiB
+"""The write measures of `bench/foundation.py` (docs/performance.md): a guarded 4 KiB
 replace through the socket, sequential and from several connections at once, the same
 `Writer` in-process, and the local atomic-replace loop they are compared with.
 """

@@ -1,4 +1,4 @@
-"""Benchmark of the write gate for sandboxed code (issue 4): one run.
+"""Benchmark of the write gate for sandboxed code (docs/write-gate.md): one run.
 
     python3 bench/gate.py [--files 10000] [--runs 30]
 

@@ -1,4 +1,4 @@
-"""Benchmark of the working layer (issue 10): one run, ratios against baselines measured
+"""Benchmark of the working layer (docs/working-layer.md): one run, ratios against baselines measured
 in the same run (medians).
 
     python3 bench/layer.py [--suite-runs 5] [--many-runs 5] [--true-runs 30]

@@ -1,4 +1,4 @@
-"""Long-running work benchmark (issue 4): a responsive daemon under 16 output streams.
+"""Long-running work benchmark: a responsive daemon under 16 output streams.
 
     python3 bench/longrun.py [--streams 16] [--workspaces 4] [--bytes 30000000]
                              [--idle 500] [--rounds 3] [--dir /tmp] [--keep]

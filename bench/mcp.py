@@ -1,4 +1,4 @@
-"""MCP benchmark (issue 13): an `fs.stat` round trip through `substrate mcp` vs the socket.
+"""MCP benchmark (docs/mcp.md): an `fs.stat` round trip through `substrate mcp` vs the socket.
 
 Starts a real daemon (`python -m substrate --state-dir D serve --adopt-root R`) on a
 private temp dir, adopts a small workspace, and spawns `python -m substrate mcp` with

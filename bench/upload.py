@@ -1,4 +1,4 @@
-"""Chunked upload benchmark (issue 13): `fs.upload.*` throughput against a local copy.
+"""Chunked upload benchmark (docs/protocol.md §14): `fs.upload.*` throughput against a local copy.
 
 Starts a real daemon on a private temp dir and prints, measured in this run:
 

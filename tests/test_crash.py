@@ -1,4 +1,4 @@
-"""`kill -9` the daemon during a stream of large guarded writes, many times (issue 2).
+"""`kill -9` the daemon during a stream of large guarded writes, many times (docs/protocol.md §4).
 
 After every crash and restart: each file is entirely one version the writers sent (its
 last acknowledged one, or the one in flight when the daemon died), never a mix; no

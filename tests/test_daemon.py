@@ -1,4 +1,4 @@
-"""Daemon start-up and shutdown, as a subprocess (docs/protocol.md §1, §2, §8, §9; issue 2 "Start-up").
+"""Daemon start-up and shutdown, as a subprocess (docs/protocol.md §1, §2, §8, §9).
 
 Start-up refusals leave the daemon not running, with a message naming the problem, and
 never touch what a planted symlink points at. Shutdown on SIGTERM/SIGINT lets an

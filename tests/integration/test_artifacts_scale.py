@@ -1,4 +1,4 @@
-"""Artifacts at scale (issue 4), against a real `substrate serve` and the real engine.
+"""Artifacts at scale (docs/artifacts.md), against a real `substrate serve` and the real engine.
 
 - `artifact.lines` / `artifact.grep` on a 20 MB artifact a command printed: lines near
   the end (through the line index), past the end, and the bounds refusals.

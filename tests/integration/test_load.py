@@ -1,4 +1,4 @@
-"""Load (issue 4): 16 commands streaming output at once in 4 workspaces, while another
+"""Load: 16 commands streaming output at once in 4 workspaces, while another
 client does `fs.stat` and `fs.read` in a loop.
 
 "Responsive" is asserted as correctness, never as timing (timings are in

@@ -24,7 +24,7 @@ CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
 FORK_FLAGS = 0x01200011  # CLONE_CHILD_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD: glibc fork()
 THREAD_FLAGS = 0x003D0F00  # glibc pthread_create's clone flags
 
-#: The syscalls issue 3 and docs/seccomp.md say strict denies with EPERM, whatever the args.
+#: The syscalls docs/seccomp.md says strict denies with EPERM, whatever the args.
 DENIED = [
     "unshare",
     "mount",

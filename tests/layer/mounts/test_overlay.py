@@ -232,7 +232,7 @@ def test_a_busy_generation_is_kept_whole(layer: Layer) -> None:
 
 
 def test_swaps_propagate_into_an_rslave_bind_in_another_namespace(layer: Layer) -> None:
-    """The trap issue 10 found: the container's view must get the new generation with
+    """The trap the first layered sandboxes fell into: the container's view must get the new generation with
     its read-only parts still read-only (a `-o ro` bind would arrive read-write)."""
     first = layer.plan(1)
     overlay.prepare(first)
