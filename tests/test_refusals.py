@@ -1,4 +1,4 @@
-"""Bad paths and bad writes, end to end through the agent socket (docs/protocol.md §2–§4).
+"""Bad paths and bad writes, end to end through the agent socket (docs/protocol.md §2, §3, §4).
 
 Each test asserts the named refusal AND that nothing changed: the workspace and the
 directory outside it are byte-for-byte, mode-for-mode the same, and the journal holds no
