@@ -61,7 +61,7 @@ TREE_BYTES = 50 << 20
 SEARCH_PATTERN = r"def \w+_handler\("
 #: A second one that starts with a class, so no literal prefix helps the engine.
 SEARCH_PATTERN_CLASS = r"[A-Z][a-z]+Error\(\w+"
-#: A third with no literal every match must contain: screened by RE2 (`search_re2`).
+#: A third with no literal every match must contain: screened by RE2 (`re2_translate`).
 SEARCH_PATTERN_NO_LITERAL = r"[0-9]{5}"
 
 

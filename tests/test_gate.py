@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 
 from substrate.config import Config
+from substrate.fs import fsops
 from substrate.schema.proc import PolicyBlocked
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import fsops, gate
+from substrate.workspace import gate
 from substrate.workspace.gate import EVERY_CHANGE_IS_THE_SANDBOXS, SnapshotGate, snapshot
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.writes import TEMP_PREFIX, TempFiles

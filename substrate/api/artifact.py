@@ -12,6 +12,7 @@ import trio
 from substrate.api.base import Caller, Handles
 from substrate.api.services import ArtifactServices
 from substrate.artifacts.store import compile_grep
+from substrate.matching import agent_regex
 from substrate.schema.artifact import (
     GrepParams,
     GrepResult,
@@ -22,7 +23,6 @@ from substrate.schema.artifact import (
     StatParams,
     StatResult,
 )
-from substrate.workspace import agent_regex
 
 handles = Handles(ArtifactServices)
 

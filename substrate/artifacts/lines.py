@@ -14,8 +14,8 @@ import bisect
 import os
 
 from substrate.artifacts.sink import boundary_before
+from substrate.matching.agent_regex import Matcher
 from substrate.schema.artifact import GrepMatch, GrepResult, LinesResult
-from substrate.workspace.agent_regex import Matcher
 
 #: Read size when scanning; also the granularity of the line index.
 BLOCK = 1 << 20

@@ -51,10 +51,10 @@ import msgspec
 from substrate.artifacts.lines import BLOCK, count_blocks, grep_fd, line_offset, read_lines
 from substrate.artifacts.sink import OutputSink, pread_exact
 from substrate.errors import ArtifactUnknown, InvalidParams, TooLarge
+from substrate.fs import fsops
+from substrate.matching.agent_regex import Matcher, matcher_for
 from substrate.schema.artifact import GrepResult, LinesResult, ReadResult, StatResult
 from substrate.store.db import Store
-from substrate.workspace import fsops
-from substrate.workspace.agent_regex import Matcher, matcher_for
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -332,7 +332,7 @@ class ArtifactStore:
         `max_matches` ≤ 10000 else `too_large`; a bad pattern is `invalid_params`. One
         match per line; only the first 1 MiB of a longer line is searched; `text` is cut
         at 4 KiB. Costs one pass over the artifact (stops at `max_matches`), in linear
-        time unless the pattern needs backtracking (`workspace.agent_regex`: then at most
+        time unless the pattern needs backtracking (`matching.agent_regex`: then at most
         its budget, else `limit_exceeded`).
         """
         if max_matches > MAX_MATCHES:

@@ -19,8 +19,8 @@ from typing import Any
 
 from substrate.config import Config
 from substrate.errors import Refusal
+from substrate.fs import paths
 from substrate.protocol.client import Client, RpcError, socket_path
-from substrate.workspace import paths
 
 Check = tuple[str, bool, str]
 

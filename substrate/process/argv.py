@@ -14,10 +14,10 @@ import signal
 from collections.abc import Sequence
 
 from substrate.errors import ArgvDenied, LimitExceeded, PathInvalid
+from substrate.fs import paths
 from substrate.sandbox import reaper
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import WORKSPACE_TARGET
-from substrate.workspace import paths
 
 #: Largest argv (items) and total argv bytes accepted.
 MAX_ARGV_ITEMS = 4096

@@ -52,6 +52,7 @@ from substrate.artifacts.sink import OutputSink
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.errors import LimitExceeded, RuntimeUnavailable
+from substrate.fs import paths
 from substrate.layer import Changesets, LayerClosed, LayerUsers, Use
 from substrate.process.argv import (
     effective_timeout,
@@ -74,7 +75,6 @@ from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
 from substrate.schema.proc import PolicyBlocked, ProcChanges, ProcResult
 from substrate.store.journal import Journal
-from substrate.workspace import paths
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 

@@ -28,11 +28,11 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from substrate.errors import ConfinementUnmet, LimitExceeded, Refusal
+from substrate.fs.paths import open_dir
 from substrate.sandbox.facts import FactValue
 from substrate.sandbox.profiles import Profile
 from substrate.workspace import discoverable
 from substrate.workspace.gate import readonly_identities
-from substrate.workspace.paths import open_dir
 from substrate.workspace.registry import Workspace
 
 #: At most this many `.git` paths get a read-only mount in one sandbox; more is refused

@@ -25,7 +25,7 @@ class Result(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 #: A workspace handle, as returned by `workspace.adopt`.
 WorkspaceId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-#: A workspace-relative POSIX path; validated further by `substrate.workspace.paths`.
+#: A workspace-relative POSIX path; validated further by `substrate.fs.paths`.
 RelPath = Annotated[str, msgspec.Meta(max_length=8192)]
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]

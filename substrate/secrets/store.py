@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from substrate.errors import InvalidParams, LimitExceeded, PathDenied, SecretUnknown, TooLarge
-from substrate.workspace import fsops
+from substrate.fs import fsops
 
 #: The secrets directory's name in the state dir.
 DIR_NAME = "secrets"

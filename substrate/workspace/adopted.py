@@ -13,8 +13,8 @@ import threading
 from dataclasses import dataclass, field
 
 from substrate.errors import UnknownWorkspace
+from substrate.fs import paths
 from substrate.schema.workspace import WorkspaceInfo
-from substrate.workspace import paths
 from substrate.workspace.policy import CompiledPolicy
 from substrate.workspace.vcs import read_vcs
 

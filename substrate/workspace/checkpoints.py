@@ -51,9 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from substrate.errors import CheckpointUnknown, NotFound, Refusal
+from substrate.fs import fsops, paths
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import fsops, paths
 from substrate.workspace.adopted import Workspace
 
 SCHEMA = """

@@ -39,8 +39,8 @@ import stat
 from collections.abc import Collection, Iterable, Sequence
 
 from substrate.errors import PathDenied, PathInvalid, Refusal
+from substrate.fs import paths
 from substrate.schema.changes import Change
-from substrate.workspace import paths
 from substrate.workspace.policy import is_git_path
 
 HEAD = "HEAD"

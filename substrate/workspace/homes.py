@@ -46,8 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from substrate.fs import fsops
 from substrate.schema.workspace import HomeUsage
-from substrate.workspace import fsops
 from substrate.workspace.home_quota import HomeQuota
 
 #: The homes directory's name in the state dir.

@@ -59,7 +59,7 @@ from substrate.errors import (
     PathDenied,
     SymlinkRefused,
 )
-from substrate.workspace import fsops, paths
+from substrate.fs import fsops, paths
 from substrate.workspace.policy import GlobSet
 
 #: google-re2 ships no type information.

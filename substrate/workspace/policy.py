@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import msgspec
 
 from substrate.errors import InvalidParams
+from substrate.matching.glob_regex import NEVER, GlobRegex, compile_sources
 from substrate.schema.workspace import Policy
-from substrate.workspace.glob_regex import NEVER, GlobRegex, compile_sources
 
 GIT_DENY = ".git/**"
 #: The name git gives its directory (or, in worktrees and submodules, its pointer file).

@@ -1,7 +1,7 @@
 """Bounded, symlink-refusing reads of a workspace (docs/protocol.md §3).
 
 Every function is blocking (call it from a worker thread) and reaches files only through
-the workspace's root fd (`substrate.workspace.paths`), held against release (`Workspace.use`) while
+the workspace's root fd (`substrate.fs.paths`), held against release (`Workspace.use`) while
 it opens them. Symlinks are reported as such and never followed; `read_deny` paths are
 refused for content and skipped by search (`substrate.workspace.search`, which walks
 with `walk_entries`). Names that are not UTF-8 are listed escaped (`paths.wire_name`),
@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from substrate.errors import PathDenied, TooLarge
+from substrate.fs import fsops, paths
 from substrate.schema.fs import (
     MAX_READ,
     ListEntry,
@@ -36,7 +37,6 @@ from substrate.schema.fs import (
     WalkParams,
     WalkResult,
 )
-from substrate.workspace import fsops, paths
 from substrate.workspace.digests import CHUNK, Digests, version_of
 from substrate.workspace.ignore import Pruner
 from substrate.workspace.registry import Workspace

@@ -37,11 +37,11 @@ from substrate.errors import (
     Refusal,
     UnknownWorkspace,
 )
+from substrate.fs import paths
 from substrate.schema.workspace import MAX_GLOBS, Policy, WorkspaceInfo
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import paths
 from substrate.workspace.adopted import FdUsers as FdUsers
 from substrate.workspace.adopted import Workspace as Workspace
 from substrate.workspace.checkouts import (

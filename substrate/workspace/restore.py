@@ -30,6 +30,7 @@ import hashlib
 import stat
 
 from substrate.errors import ApprovalRequired, NotFound, PathDenied, PathInvalid, Refusal
+from substrate.fs import fsops, paths
 from substrate.schema.workspace import (
     MAX_RESTORE_LISTED,
     RestoreCounts,
@@ -37,7 +38,7 @@ from substrate.schema.workspace import (
     RestoreResult,
 )
 from substrate.store.journal import Journal
-from substrate.workspace import discoverable, fsops, paths
+from substrate.workspace import discoverable
 from substrate.workspace.checkpoints import Checkpoints, History
 from substrate.workspace.policy import denying_rule
 from substrate.workspace.registry import Workspace

@@ -6,7 +6,7 @@ each. `_Prefilter` derives from the stdlib's own parse of the pattern a literal 
 match must contain (grep's "must" string): files without it are rejected by
 `bytes.find`, and where no match can leave its line only the lines holding it are
 searched. A pattern with no such literal is screened by RE2 instead
-(`substrate.workspace.search_re2`): a file where a pattern matching a superset of the
+(`substrate.matching.re2_translate`): a file where a pattern matching a superset of the
 original's finds nothing is skipped, and `re` starts at the line of its first hit. The
 results are those of `regex.search` over every file, whatever is skipped.
 """
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from substrate.errors import InvalidParams
+from substrate.fs import fsops, paths
+from substrate.matching.agent_regex import Matcher, matcher_for
+from substrate.matching.re2_translate import exact_of, superset_of
 from substrate.schema.fs import SearchMatch, SearchParams, SearchResult
-from substrate.workspace import fsops, paths
-from substrate.workspace.agent_regex import Matcher, matcher_for
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.reads import pruner_for, walk_entries
 from substrate.workspace.registry import Workspace
-from substrate.workspace.search_re2 import exact_of, superset_of
 
 #: The stdlib's own regex parser (private, stable since 3.11): see `_Prefilter`.
 _sre: Any = importlib.import_module("re._constants")
@@ -63,7 +63,7 @@ def search(ws: Workspace, p: SearchParams, found_by: Matcher | None = None) -> S
     byte column. Refuses `invalid_params` for a bad pattern, glob or exclude glob; `too_large`/`limit_exceeded` for ignore files over their
     bounds. Costs one read of every scanned file, plus regex work only where a literal
     every match must contain occurs (see `_Prefilter`), or else where RE2 finds a match
-    of the pattern's superset (`search_re2`); stops at `max_matches`.
+    of the pattern's superset (`re2_translate`); stops at `max_matches`.
     """
     regex = _compile_search(p)
     matching = found_by or matcher_for(regex)
@@ -138,13 +138,13 @@ class _Prefilter:
     line_bound: bool = False
     #: Without a literal: an RE2 pattern matching wherever the regex can, or None.
     screen: Any = None
-    #: The screen matches exactly where the regex does (`search_re2.exact_of`): its hit
+    #: The screen matches exactly where the regex does (`re2_translate.exact_of`): its hit
     #: from a line's start is that line's match, with no second search.
     exact: bool = False
 
     @classmethod
     def for_search(cls, regex: re.Pattern[bytes], exact: Any = _LOOK) -> _Prefilter:
-        """The literal prefilter, or else the RE2 screen (`search_re2`): `exact` when
+        """The literal prefilter, or else the RE2 screen (`re2_translate`): `exact` when
         given (the matcher's, or None), else looked up."""
         literal = cls.of(regex)
         if literal.literal:

@@ -49,7 +49,7 @@ from substrate.errors import (
     UploadMismatch,
     UploadUnknown,
 )
-from substrate.workspace import fsops
+from substrate.fs import fsops
 
 #: The spool directory beneath the state dir.
 SPOOL_DIR = "uploads"

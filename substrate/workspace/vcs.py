@@ -12,8 +12,8 @@ import re
 import stat
 
 from substrate.errors import Refusal
+from substrate.fs import paths
 from substrate.schema.workspace import Vcs
-from substrate.workspace import paths
 
 _SHA_RE = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 _REF_RE = re.compile(r"^refs/[A-Za-z0-9._/-]{1,200}$")

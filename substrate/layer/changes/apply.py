@@ -35,9 +35,10 @@ from typing import Literal
 import msgspec
 
 from substrate.errors import ApprovalRequired, PathDenied, Refusal
+from substrate.fs import fsops, paths
 from substrate.layer.changes.changeset import Change, ChangeSet, Op
 from substrate.layer.changes.scan import MAX_FILE_BYTES
-from substrate.workspace import discoverable, fsops, paths
+from substrate.workspace import discoverable
 from substrate.workspace.policy import denying_rule
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import TEMP_PREFIX, DirChange, DirOp, FileChange, Landing, Writer

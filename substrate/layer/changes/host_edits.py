@@ -43,10 +43,10 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from substrate.errors import Refusal
+from substrate.fs import paths
 from substrate.layer.changes.apply import Outcomes
 from substrate.layer.changes.changeset import Change, ChangeSet
 from substrate.layer.changes.scan import seen_in_lower
-from substrate.workspace import paths
 
 #: `Outcomes.reason` of a change the host overtook.
 HOST_CHANGED = "host_changed"

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from substrate.errors import NotADirectory, NotFound, Refusal, SymlinkRefused, TooLarge
+from substrate.fs import fsops, paths
 from substrate.layer.changes.changeset import (
     Blocked,
     Change,
@@ -51,7 +52,7 @@ from substrate.layer.changes.changeset import (
     classify,
     ordered,
 )
-from substrate.workspace import discoverable, fsops, paths
+from substrate.workspace import discoverable
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.gate.diff import display_rel
 from substrate.workspace.patching import MAX_RESULT_BYTES

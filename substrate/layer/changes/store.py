@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import msgspec
 
 from substrate.errors import ChangesetUnknown
+from substrate.fs import fsops
 from substrate.layer.changes import versions as kept_versions
 from substrate.layer.changes.apply import ApplyResult, Outcomes, apply
 from substrate.layer.changes.changeset import ChangeSet
@@ -59,7 +60,6 @@ from substrate.layer.changes.versions import FileKeeper, Versions
 from substrate.schema.changes import ChangesetState, LayerState
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import fsops
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 

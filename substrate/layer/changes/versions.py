@@ -27,9 +27,9 @@ from typing import Protocol
 import msgspec
 
 from substrate.errors import Refusal
+from substrate.fs import paths
 from substrate.layer.changes.apply import Outcomes
 from substrate.schema.changes import KeptVersion
-from substrate.workspace import paths
 
 log = logging.getLogger("substrate.layer.changes.versions")
 

@@ -30,6 +30,7 @@ import stat
 from collections.abc import Iterator
 
 from substrate.errors import ConfinementUnmet
+from substrate.fs.paths import open_dir
 from substrate.layer.mounts.mountinfo import Mount, parse_mountinfo, visible_mounts
 from substrate.layer.mounts.plan import (
     FD_PATH_PREFIX,
@@ -40,7 +41,6 @@ from substrate.layer.mounts.plan import (
     readonly_options,
     verify,
 )
-from substrate.workspace.paths import open_dir
 
 MS_RDONLY = 0x1
 MS_REMOUNT = 0x20

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from substrate.errors import PathDenied, Refusal
-from substrate.workspace.paths import open_dir
+from substrate.fs.paths import open_dir
 from substrate.workspace.policy import CompiledPolicy, is_git_path
 
 #: At most this many passthrough directories in one profile.

@@ -32,8 +32,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from substrate.errors import Refusal
+from substrate.fs.paths import open_dir
 from substrate.workspace import discoverable
-from substrate.workspace.paths import open_dir
 
 #: Entries looked at per conclusion, over every passthrough dir, and directory depth.
 MAX_ENTRIES = 200_000

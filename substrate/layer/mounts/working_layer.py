@@ -27,11 +27,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from substrate.fs.paths import open_dir
 from substrate.layer.generation import Users
 from substrate.layer.mounts import overlay, passthrough
 from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
 from substrate.schema.facts import FactValue
-from substrate.workspace.paths import open_dir
 
 log = logging.getLogger("substrate.layer.mounts.working_layer")
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 if TYPE_CHECKING:
-    from substrate.workspace.paths import Kind
+    from substrate.fs.paths import Kind
 
 Change = Literal["create", "modify", "delete", "chmod"]
 

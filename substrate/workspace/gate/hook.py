@@ -30,9 +30,10 @@ from typing import Any, Literal
 import trio
 
 from substrate.errors import Refusal
+from substrate.fs import paths
 from substrate.schema.proc import PolicyBlocked
 from substrate.store.journal import Journal
-from substrate.workspace import discoverable, paths
+from substrate.workspace import discoverable
 from substrate.workspace.gate.attribution import (
     Attribution,
     Failed,

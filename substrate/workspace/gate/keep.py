@@ -15,7 +15,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from substrate.workspace import fsops
+from substrate.fs import fsops
 
 #: Denied files larger than this are hashed but not kept: a change to one is reported
 #: with `reverted: false` (a creation is still removed).

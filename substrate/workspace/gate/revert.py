@@ -19,7 +19,7 @@ import stat
 from collections.abc import Mapping
 
 from substrate.errors import Refusal
-from substrate.workspace import fsops, paths
+from substrate.fs import fsops, paths
 from substrate.workspace.gate.diff import Change, Node, classify
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, Keep
 from substrate.workspace.registry import Workspace

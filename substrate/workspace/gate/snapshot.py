@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from substrate.errors import Refusal
-from substrate.workspace import fsops, paths
+from substrate.fs import fsops, paths
+from substrate.matching.glob_regex import MAX_SOURCE_CHARS, GlobRegex, compile_sources
 from substrate.workspace.gate.attribution import Handle, handle_at
 from substrate.workspace.gate.diff import Node
 from substrate.workspace.gate.gitdirs import GitContent
 from substrate.workspace.gate.keep import MAX_KEPT_FILE, MAX_KEPT_TOTAL, Keep
-from substrate.workspace.glob_regex import MAX_SOURCE_CHARS, GlobRegex, compile_sources
 from substrate.workspace.policy import GIT_NAME, CompiledPolicy, glob_source
 from substrate.workspace.registry import Workspace
 

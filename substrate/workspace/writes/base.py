@@ -15,7 +15,7 @@ import stat
 from dataclasses import dataclass
 
 from substrate.errors import NotAFile, NotFound, TooLarge
-from substrate.workspace import fsops, paths
+from substrate.fs import fsops, paths
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.writes.plan import DEFAULT_FILE_MODE
 

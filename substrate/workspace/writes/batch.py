@@ -61,10 +61,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from substrate.errors import ApprovalRequired, Refusal
+from substrate.fs import fsops, paths
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Draft, Journal
-from substrate.workspace import fsops, paths
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.writes.base import Current

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from substrate.errors import ApprovalRequired, NotFound, PathDenied, Refusal
-from substrate.workspace import discoverable, fsops, paths
+from substrate.fs import fsops, paths
+from substrate.workspace import discoverable
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.writes import batch
 from substrate.workspace.writes.batch import UNCHANGED, BatchCore, HeldDirs, Landing, Step

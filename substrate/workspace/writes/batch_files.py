@@ -19,7 +19,8 @@ from substrate.errors import (
     Refusal,
     StaleBase,
 )
-from substrate.workspace import discoverable, fsops, paths
+from substrate.fs import fsops, paths
+from substrate.workspace import discoverable
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.writes import batch

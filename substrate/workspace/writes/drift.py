@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 
 from substrate.errors import NotFound
+from substrate.fs import paths
 from substrate.store.journal import Journal
-from substrate.workspace import paths
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.digests import hash_fd
 

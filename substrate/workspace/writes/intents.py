@@ -44,10 +44,10 @@ from typing import Any
 import msgspec
 
 from substrate.errors import NotFound, Refusal
+from substrate.fs import paths
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Draft, Journal
-from substrate.workspace import paths
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.digests import hash_fd
 

@@ -40,8 +40,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from substrate.errors import PathDenied, Refusal
+from substrate.fs import fsops, paths
 from substrate.store.db import Store
-from substrate.workspace import fsops, paths
 
 TEMP_PREFIX = ".substrate-tmp-"
 #: Names reserved (recorded) at once for a directory that has none left.

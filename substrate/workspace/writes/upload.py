@@ -49,11 +49,12 @@ from substrate.errors import (
     TooLarge,
     UploadMismatch,
 )
+from substrate.fs import fsops, paths
 from substrate.schema.fs import Plan
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import discoverable, fsops, paths
+from substrate.workspace import discoverable
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.digests import Digests

@@ -18,7 +18,7 @@ database transaction as the journal entry. A write with no approval and no pre-i
 keep submits that transaction to the store's group commit under the lock and waits for
 it after (`substrate.store.group`): concurrent writes share one fsynced commit, entries
 keep the lock's order, and the write returns only once its entry is durable. The
-file-system steps are `substrate.workspace.fsops`'s. The writer takes `fs.write` and
+file-system steps are `substrate.fs.fsops`'s. The writer takes `fs.write` and
 `fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
 "exactly one of" pairs arrive as one tagged Struct it `match`es on.
 
@@ -59,6 +59,7 @@ from substrate.errors import (
     Refusal,
     StaleBase,
 )
+from substrate.fs import fsops, paths
 from substrate.schema.fs import (
     BytesContent,
     DeleteParams,
@@ -72,7 +73,7 @@ from substrate.schema.fs import (
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import discoverable, fsops, patching, paths
+from substrate.workspace import discoverable, patching
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.preview import unified_preview

@@ -33,11 +33,12 @@ import pytest
 
 from substrate.config import Config
 from substrate.errors import Refusal
+from substrate.fs import paths
 from substrate.protocol.client import Client, RpcError
 from substrate.schema.fs import WriteParams, write_request
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import paths, writes
+from substrate.workspace import writes
 from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry
 from substrate.workspace.writes import TempFiles
 

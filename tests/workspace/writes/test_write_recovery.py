@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from substrate.config import Config
+from substrate.fs import fsops
 from substrate.schema.fs import (
     DeleteParams,
     Edit,
@@ -31,7 +32,6 @@ from substrate.schema.fs import (
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
-from substrate.workspace import fsops
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.digests import Digests
 from substrate.workspace.registry import TEMP_PREFIX, Workspace, WorkspaceRegistry

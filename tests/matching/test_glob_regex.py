@@ -1,4 +1,4 @@
-"""Glob regexes in bounded time (substrate.workspace.glob_regex): which engine matches
+"""Glob regexes in bounded time (substrate.matching.glob_regex): which engine matches
 what, that both engines mean the same, and the caps."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import re
 import pytest
 
 from substrate.errors import InvalidParams
+from substrate.matching.glob_regex import MAX_SOURCE_CHARS, compile_sources
 from substrate.schema.workspace import Policy
-from substrate.workspace.glob_regex import MAX_SOURCE_CHARS, compile_sources
 from substrate.workspace.policy import GlobSet, compile_glob, compile_policy, glob_source
 
 

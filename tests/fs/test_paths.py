@@ -1,4 +1,4 @@
-"""substrate.workspace.paths: relative-path validation and symlink-refusing opens through dir fds.
+"""substrate.fs.paths: relative-path validation and symlink-refusing opens through dir fds.
 
 Every open is exercised twice: with `openat2` (where the kernel has it) and with the
 component-by-component `O_NOFOLLOW` walk that is the fallback.
@@ -28,7 +28,7 @@ from substrate.errors import (
     Refusal,
     SymlinkRefused,
 )
-from substrate.workspace import paths
+from substrate.fs import paths
 
 # --- wire_name (pure) -----------------------------------------------------------------------
 

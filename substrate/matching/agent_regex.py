@@ -5,7 +5,7 @@ minutes, holding a worker thread (and a slot of the file-system limiter every fi
 operation shares) for as long. A client's input must never cost the daemon unbounded
 time, so a search never runs `re` itself:
 
-- a pattern whose RE2 translation is exact (`search_re2.exact_of`: the same language;
+- a pattern whose RE2 translation is exact (`re2_translate.exact_of`: the same language;
   every pattern without lookarounds, atomic groups, possessive repeats, backreferences,
   conditionals or scoped flags) is searched by RE2, linear in the bytes whatever the
   pattern. Only match starts are reported, and the leftmost start from a position is a
@@ -27,7 +27,7 @@ import time
 from typing import Any, Protocol
 
 from substrate.errors import InvalidParams, LimitExceeded
-from substrate.workspace.search_re2 import exact_of
+from substrate.matching.re2_translate import exact_of
 
 #: mrab-regex ships no type information.
 regex_mod: Any = importlib.import_module("regex")

@@ -1,4 +1,4 @@
-"""substrate.workspace.fsops: the file-system primitives beneath a dir fd, on a temp dir."""
+"""substrate.fs.fsops: the file-system primitives beneath a dir fd, on a temp dir."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from substrate.errors import SymlinkRefused, TooLarge
-from substrate.workspace import fsops
+from substrate.fs import fsops
 
 
 @pytest.fixture

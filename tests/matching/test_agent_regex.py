@@ -1,4 +1,4 @@
-"""Agents' regexes in bounded time (substrate.workspace.agent_regex): RE2 where its
+"""Agents' regexes in bounded time (substrate.matching.agent_regex): RE2 where its
 translation is exact (and then the same answers as `re`), a budgeted backtracking
 engine elsewhere, and `limit_exceeded` past the budget — for `fs.search` and
 `artifact.grep`."""
@@ -14,11 +14,11 @@ import pytest
 
 from substrate.artifacts.store import ArtifactStore
 from substrate.errors import InvalidParams, LimitExceeded
+from substrate.matching import agent_regex
+from substrate.matching.agent_regex import matcher_for
 from substrate.schema.fs import SearchParams
 from substrate.store.db import Store
-from substrate.workspace import agent_regex
 from substrate.workspace import search as search_module
-from substrate.workspace.agent_regex import matcher_for
 from substrate.workspace.registry import Workspace
 
 FLAGS = re.MULTILINE

@@ -29,7 +29,7 @@ import secrets
 from collections.abc import Callable, Sequence
 
 from substrate.errors import TooLarge
-from substrate.workspace import paths
+from substrate.fs import paths
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

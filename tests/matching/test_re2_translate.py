@@ -1,4 +1,4 @@
-"""The RE2 screen of `fs.search` (substrate.workspace.search_re2): a superset, never less."""
+"""The RE2 screen of `fs.search` (substrate.matching.re2_translate): a superset, never less."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from substrate.workspace.search_re2 import superset_of
+from substrate.matching.re2_translate import superset_of
 
 FLAGS = re.MULTILINE
 
