@@ -3,8 +3,8 @@ guarded writes, and the write gate for sandboxed code.
 
 Where things are: `registry` adopts and releases (`adopted`: one workspace and the guard
 of its root fd; `checkouts`: the policies remembered per checkout; `vcs`: git state read
-as plain files); `policy` is the glob language; `paths` resolves a path beneath a root
-without following a symlink and `fsops` does the file-system steps beneath a dir fd;
+as plain files); `policy` is the glob language (matched by `substrate.matching`); paths
+beneath the root fd are resolved and changed with `substrate.fs` (`paths`, `fsops`);
 `reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3);
 `writes` is the guarded-write package (docs/protocol.md §4: plan, base check, temp files,
 intents, batches, uploads' commit, recovery) with `patching` and `preview`, and every write
