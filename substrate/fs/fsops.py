@@ -1,4 +1,5 @@
-"""File-system primitives beneath a held directory fd: the one place that does the dance.
+"""File-system primitives beneath a held directory fd: the one place that creates, renames
+and removes beneath a dir fd (opening and resolving beneath one is `paths`'s).
 
 Theory of operation. Every name is used relative to an open directory fd and opened
 `O_NOFOLLOW`, so a symlink planted at a name is met, never followed:
@@ -12,6 +13,9 @@ Theory of operation. Every name is used relative to an open directory fd and ope
   the same directory and fsyncs the directory. `atomic_write` is the three in a row with
   a random temp name; guarded writes and the gate's restores do the steps themselves
   because their temp files are recorded first (`substrate.workspace.writes.temp_files`).
+  `rename_new` renames only onto a free name (`RENAME_NOREPLACE`: a file made since the
+  check is never replaced); `make_durable` flushes many new files at once, one
+  `syncfs(2)` per file system, where an fsync each would cost one flush per file.
 - `read_fd`/`read_regular` read a whole file with a cap on what they hold, also when the
   file grows while it is read.
 - `remove_tree` removes a directory with everything beneath it, iteratively, holding one
@@ -23,6 +27,7 @@ Everything here is blocking; callers run it in worker threads.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import secrets
@@ -109,6 +114,42 @@ def rename_into(dir_fd: int, temp: str, name: str, *, fsync: bool = True) -> Non
     os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     if fsync:
         os.fsync(dir_fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_RENAME_NOREPLACE = 1
+
+
+def rename_new(dir_fd: int, temp: str, name: str) -> None:
+    """Rename `temp` to `name` in `dir_fd` only if nothing holds `name`: `renameat2(2)`
+    with `RENAME_NOREPLACE`, so a file the host made since the check is never replaced
+    (FileExistsError). Where the file system or libc cannot (EINVAL), a plain rename
+    after an lstat."""
+    renameat2 = getattr(_libc, "renameat2", None)  # glibc 2.28 and later
+    if renameat2 is None:
+        err = errno.EINVAL
+    elif renameat2(dir_fd, os.fsencode(temp), dir_fd, os.fsencode(name), _RENAME_NOREPLACE):
+        err = ctypes.get_errno()
+    else:
+        return
+    if err != errno.EINVAL:
+        raise OSError(err, os.strerror(err), name)
+    if paths.lstat_at(dir_fd, name) is not None:
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
+    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def make_durable(fds: Sequence[int]) -> None:
+    """Flush what was written to files on the file systems of `fds` (open directories):
+    one `syncfs(2)` per file system (a checkout may hold mounts). Costs one flush of
+    each file system's dirty data."""
+    by_dev: dict[int, int] = {}
+    for fd in fds:
+        by_dev.setdefault(os.fstat(fd).st_dev, fd)
+    for fd in by_dev.values():
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
 
 
 def atomic_write(

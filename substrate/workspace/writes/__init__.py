@@ -39,7 +39,7 @@ takes them per file (`batch_files`) and per directory step (`batch_dirs`) over o
 frame (`batch`): plan each change, record all temp files and intents in one
 transaction, write the temp files and make them durable with one `syncfs`, then under
 the lock re-check and rename each (a new file never over one made since:
-`batch.rename_new`), make the parents durable once and journal the chunk in one
+`fsops.rename_new`), make the parents durable once and journal the chunk in one
 transaction.
 
 Recovery at start, before anything writes: `WorkspaceRegistry.clean_stale_temp_files`

@@ -2,9 +2,9 @@
 (docs/working-layer.md), each with the guarantees of one guarded write (docs/protocol.md
 §4), at a fraction of the cost. This module is the frame both kinds share: a change's
 `Landing`, the parent directories a chunk holds (`HeldDirs`), the chunk loop, the
-one-step durability of temp files (`make_durable`), the no-replace rename of a new file
-(`rename_new`), the background close of replaced files (`RELEASER`), and the
-transaction that journals what landed (`BatchCore`).
+background close of replaced files (`RELEASER`), and the transaction that journals what
+landed (`BatchCore`). The one-step durability of temp files (`make_durable`) and the
+no-replace rename of a new file (`rename_new`) are `substrate.fs.fsops`'s.
 
 Theory of operation. `apply_files` (`batch_files`) takes file changes - a path, the
 base it is bound to, the digest of its new bytes (None: a delete), a mode - and a
@@ -49,14 +49,12 @@ and SQLite throughout: call from a worker thread.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
 import queue
 import resource
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -146,22 +144,6 @@ class Step:
         return self.parts[:-1]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def make_durable(fds: Sequence[int]) -> None:
-    """Flush what was written to files on the file systems of `fds` (open directories):
-    one `syncfs(2)` per file system (a checkout may hold mounts). Costs one flush of
-    each file system's dirty data."""
-    by_dev: dict[int, int] = {}
-    for fd in fds:
-        by_dev.setdefault(os.fstat(fd).st_dev, fd)
-    for fd in by_dev.values():
-        if _libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-
-
 class Releaser:
     """Closes the fds of files a batch replaced or deleted, in a background thread.
 
@@ -208,28 +190,6 @@ def _release_bound() -> int:
 
 #: The process's one releaser.
 RELEASER = Releaser(_release_bound())
-
-_RENAME_NOREPLACE = 1
-
-
-def rename_new(dir_fd: int, temp: str, name: str) -> None:
-    """Rename `temp` to `name` in `dir_fd` only if nothing holds `name`: `renameat2(2)`
-    with `RENAME_NOREPLACE`, so a file the host made since the check is never replaced
-    (FileExistsError). Where the file system or libc cannot (EINVAL), a plain rename
-    after an lstat."""
-    renameat2 = getattr(_libc, "renameat2", None)  # glibc 2.28 and later
-    if renameat2 is None:
-        err = errno.EINVAL
-    elif renameat2(dir_fd, os.fsencode(temp), dir_fd, os.fsencode(name), _RENAME_NOREPLACE):
-        err = ctypes.get_errno()
-    else:
-        return
-    if err != errno.EINVAL:
-        raise OSError(err, os.strerror(err), name)
-    if paths.lstat_at(dir_fd, name) is not None:
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), name)
-    os.rename(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-
 
 #: Plans change `index` with the chunk's held dirs: a Step to land, or its Landing now.
 Planner = Callable[[HeldDirs, int], "Step | Landing"]
@@ -327,7 +287,7 @@ class BatchCore:
         if len(parents) == 1:
             os.fsync(parents[0])
         elif parents:
-            make_durable(parents)
+            fsops.make_durable(parents)
         drafts = []
         for step in landed:
             data = step.intent.data

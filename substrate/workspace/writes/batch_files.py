@@ -20,6 +20,7 @@ from substrate.errors import (
     StaleBase,
 )
 from substrate.fs import fsops, paths
+from substrate.fs.fsops import make_durable, rename_new
 from substrate.workspace import discoverable
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
@@ -34,8 +35,6 @@ from substrate.workspace.writes.batch import (
     Landing,
     Step,
     Temp,
-    make_durable,
-    rename_new,
 )
 from substrate.workspace.writes.intents import FILE_KIND, Intent
 from substrate.workspace.writes.plan import (

@@ -19,6 +19,7 @@ import pytest
 
 from substrate.config import Config
 from substrate.errors import PathDenied, PathInvalid, StaleBase
+from substrate.fs import fsops
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
 from substrate.store.journal import Journal
@@ -375,7 +376,7 @@ def test_rename_new_never_replaces_also_without_renameat2(
 ) -> None:
     for libc in ("real", "without renameat2"):
         if libc != "real":
-            monkeypatch.setattr(batch, "_libc", object())  # no renameat2: the fallback
+            monkeypatch.setattr(fsops, "_libc", object())  # no renameat2: the fallback
         d = tmp_path / libc
         d.mkdir()
         (d / "tmp").write_text("new\n")
@@ -383,8 +384,8 @@ def test_rename_new_never_replaces_also_without_renameat2(
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             with pytest.raises(FileExistsError):
-                batch.rename_new(fd, "tmp", "taken")
-            batch.rename_new(fd, "tmp", "free")
+                fsops.rename_new(fd, "tmp", "taken")
+            fsops.rename_new(fd, "tmp", "free")
         finally:
             os.close(fd)
         assert (d / "taken").read_text() == "the host's\n"
