@@ -29,6 +29,7 @@ from substrate import __version__, api
 from substrate.config import Config, ConfigError
 from substrate.egress import EgressProxy, from_environ
 from substrate.errors import Refusal, StartupError
+from substrate.fs.state import StatePaths
 from substrate.process.service import Execution
 from substrate.protocol.server import Backend, serve_socket
 from substrate.pty.service import TerminalService
@@ -44,10 +45,6 @@ from substrate.workspace.writes import UploadWriter, Writer
 __all__ = ["Daemon", "StartupError", "configure_logging", "open_daemon"]
 
 log = logging.getLogger("substrate")
-
-#: The agent socket (0660) and the operator socket (0600), in the state dir.
-AGENT_SOCKET = "substrate.sock"
-OPERATOR_SOCKET = "operator.sock"
 
 
 class _IsoFormatter(logging.Formatter):
@@ -239,7 +236,8 @@ class Daemon:
         backend = Backend(config=self.config, dispatch=dispatch, record=self.journal.append)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
-                agent, operator = self.state_dir / AGENT_SOCKET, self.state_dir / OPERATOR_SOCKET
+                state = StatePaths(self.state_dir)
+                agent, operator = state.agent_socket, state.operator_socket
                 await nursery.start(serve_socket, backend, agent, 0o660, "agent")
                 if self.agent_gid is not None:  # its group may connect; so far only root
                     os.chown(agent, -1, self.agent_gid, follow_symlinks=False)
@@ -273,7 +271,8 @@ class Daemon:
         engine. Logged once the sockets accept; the engine line waits for the engine's
         answer (bounded by its client's timeout). Never a path inside a workspace, never
         a secret."""
-        agent, operator = self.state_dir / AGENT_SOCKET, self.state_dir / OPERATOR_SOCKET
+        state = StatePaths(self.state_dir)
+        agent, operator = state.agent_socket, state.operator_socket
         log.info("substrate %s serving: pid %d, epoch %d", __version__, os.getpid(), self.epoch)
         log.info("state dir %s", self.state_dir)
         log.info("agent socket %s (0660), operator socket %s (0600)", agent, operator)
@@ -328,11 +327,12 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     except ConfigError as exc:
         raise StartupError(str(exc)) from None
     state_dir = prepare_state_dir(config.state_path(), agent_gid)
+    state = StatePaths(state_dir)
     # Checked here too (bind_unix checks again) so a refusal is a message, not a traceback.
-    for name in (AGENT_SOCKET, OPERATOR_SOCKET):
-        check_socket_path(state_dir / name)
+    for sock in (state.agent_socket, state.operator_socket):
+        check_socket_path(sock)
     _raise_fd_limit()
-    store = Store(state_dir / "substrate.db")
+    store = Store(state.database)
     closing.callback(store.close)
     journal = Journal(store)
     workspaces = WorkspaceRegistry(config, store, journal, state_dir)

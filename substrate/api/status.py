@@ -12,7 +12,7 @@ import psutil
 from substrate import __version__
 from substrate.api.base import Caller, Handles
 from substrate.api.services import StatusServices
-from substrate.protocol.client import AGENT_SOCKET, OPERATOR_SOCKET
+from substrate.fs.state import StatePaths
 from substrate.schema.journal import InfoResult, StatusParams, StatusResult
 
 handles = Handles(StatusServices)
@@ -45,8 +45,8 @@ async def info(s: StatusServices, caller: Caller, p: StatusParams) -> InfoResult
         epoch=s.journal.epoch,
         uptime_s=round(time.monotonic() - s.started, 3),
         state_dir=str(s.state_dir),
-        agent_socket=str(s.state_dir / AGENT_SOCKET),
-        operator_socket=str(s.state_dir / OPERATOR_SOCKET),
+        agent_socket=str(StatePaths(s.state_dir).agent_socket),
+        operator_socket=str(StatePaths(s.state_dir).operator_socket),
         listen=s.terminals.address(),
         config=s.config.public(),
         profiles=s.profiles.listing(),

@@ -20,6 +20,7 @@ from typing import Any
 from substrate.config import Config
 from substrate.errors import Refusal
 from substrate.fs import paths
+from substrate.fs.state import StatePaths
 from substrate.protocol.client import Client, RpcError, socket_path
 
 Check = tuple[str, bool, str]
@@ -142,8 +143,8 @@ def run_checks(config: Config, running: RunningDaemon | None = None) -> list[Che
     add("openat2", _openat2)
     state = config.state_path()
     add("state dir", lambda: _state_dir(state))
-    add("agent socket", lambda: _socket(state / "substrate.sock", 0o660))
-    add("operator socket", lambda: _socket(state / "operator.sock", 0o600))
+    add("agent socket", lambda: _socket(StatePaths(state).agent_socket, 0o660))
+    add("operator socket", lambda: _socket(StatePaths(state).operator_socket, 0o600))
     add("profiles", lambda: _profiles(config, running))
     add("secrets", lambda: _secrets(config))
     if running is not None:

@@ -23,6 +23,7 @@ from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.egress import EgressProxy
 from substrate.errors import Refusal
+from substrate.fs.state import StatePaths
 from substrate.layer import (
     ArtifactKeeper,
     Changesets,
@@ -80,6 +81,7 @@ class Execution:
     ) -> None:
         self.config = config
         self.journal = journal
+        state = StatePaths(state_dir)
         self.profiles: dict[str, Profile] = load_profiles(
             Path(config.profiles_dir), Path(config.seccomp_dir)
         )
@@ -93,7 +95,7 @@ class Execution:
         self._warn_missing_secrets()
         self.artifacts = ArtifactStore(
             store,
-            state_dir / "artifacts",
+            state.artifacts,
             quota_bytes=config.artifact_quota_bytes,
             max_age_s=config.artifact_max_age_s,
         )
@@ -101,7 +103,7 @@ class Execution:
         self.supervisors: Supervisors | None = None
         if config.fast_exec:
             self.supervisors = Supervisors(
-                self.engine, journal, state_dir / "supervisor", fs_limiter=fs_limiter
+                self.engine, journal, state.supervisor, fs_limiter=fs_limiter
             )
             self.supervisors.sweep()
         self.containers = Containers(
@@ -112,7 +114,7 @@ class Execution:
             seccomp_dir=Path(config.seccomp_dir),
             idle_s=config.container_idle_s,
             fs_limiter=fs_limiter,
-            files_dir=state_dir / "sandbox-files",
+            files_dir=state.sandbox_files,
             state_dir=str(state_dir),
             homes=self.homes,
             secrets=self.secrets,
@@ -122,7 +124,7 @@ class Execution:
             else ProxyLinks(
                 egress,
                 journal,
-                files_dir=state_dir / "sandbox-files",
+                files_dir=state.sandbox_files,
                 limiter=fs_limiter,
                 secrets=self.secrets,
             ),
@@ -154,7 +156,9 @@ class Execution:
             records=ProcessRecords(store, journal),
             artifacts=self.artifacts,
             subscriptions=Subscriptions(),
-            write_gate=SnapshotGate(config.state_path() / "gate", journal, limiter=fs_limiter),
+            write_gate=SnapshotGate(
+                StatePaths(config.state_path()).gate, journal, limiter=fs_limiter
+            ),
             journal=journal,
             config=config,
             profiles=self.profiles,

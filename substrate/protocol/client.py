@@ -38,10 +38,8 @@ from typing import Any, BinaryIO
 import msgspec
 import trio
 
+from substrate.fs.state import StatePaths
 from substrate.schema.upload import chunk_bytes
-
-AGENT_SOCKET = "substrate.sock"
-OPERATOR_SOCKET = "operator.sock"
 
 
 def default_state_dir() -> Path:
@@ -64,7 +62,8 @@ def state_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 
 def socket_path(state: str | os.PathLike[str] | None = None, *, operator: bool = False) -> Path:
-    return state_dir(state) / (OPERATOR_SOCKET if operator else AGENT_SOCKET)
+    paths = StatePaths(state_dir(state))
+    return paths.operator_socket if operator else paths.agent_socket
 
 
 class RpcError(Exception):

@@ -32,9 +32,8 @@ from pathlib import Path
 
 from substrate.errors import InvalidParams, LimitExceeded, PathDenied, SecretUnknown, TooLarge
 from substrate.fs import fsops
+from substrate.fs.state import StatePaths
 
-#: The secrets directory's name in the state dir.
-DIR_NAME = "secrets"
 #: A secret's name (its file name); no dot, so never `.`, `..` or a temp file's name.
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 #: At most this many secrets are kept (`limit_exceeded` past it).
@@ -75,7 +74,7 @@ class SecretStore:
     """The secrets of one state dir. Cheap to make: nothing is opened until used."""
 
     def __init__(self, state_dir: Path) -> None:
-        self.directory = Path(state_dir) / DIR_NAME
+        self.directory = StatePaths(Path(state_dir)).secrets
 
     # -- the directory ---------------------------------------------------------------------
 
@@ -95,9 +94,9 @@ class SecretStore:
         try:
             if create:
                 with contextlib.suppress(FileExistsError):
-                    fsops.make_dir(parent, DIR_NAME, mode=0o700)
+                    fsops.make_dir(parent, self.directory.name, mode=0o700)
             try:
-                fd = os.open(DIR_NAME, fsops.DIR_FLAGS, dir_fd=parent)
+                fd = os.open(self.directory.name, fsops.DIR_FLAGS, dir_fd=parent)
             except FileNotFoundError:
                 return None
             except OSError:

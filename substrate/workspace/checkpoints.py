@@ -52,6 +52,7 @@ from pathlib import Path
 
 from substrate.errors import CheckpointUnknown, NotFound, Refusal
 from substrate.fs import fsops, paths
+from substrate.fs.state import ENTRIES
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.adopted import Workspace
@@ -81,7 +82,7 @@ CREATE TABLE IF NOT EXISTS preimage_blobs (sha256 TEXT PRIMARY KEY, size INTEGER
 """
 
 #: The blob directory beneath the state dir.
-BLOB_DIR = "preimages"
+BLOB_DIR = ENTRIES.preimages.name
 #: Live checkpoints per workspace; one more expires the oldest.
 MAX_LIVE = 64
 #: Expired checkpoints remembered per workspace (to answer `expired: true`).

@@ -47,11 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from substrate.fs import fsops
+from substrate.fs.state import StatePaths
 from substrate.schema.workspace import HomeUsage
 from substrate.workspace.home_quota import HomeQuota
 
-#: The homes directory's name in the state dir.
-DIR_NAME = "homes"
 #: `usage` reads at most this many entries; past it the sizes are a lower bound
 #: (`truncated`). One lstat per entry: about 70 ms per 10,000 entries measured here
 #: (2 CPUs, shared, warm cache), so at most about 0.7 s. A venv with substrate's dev
@@ -97,7 +96,7 @@ class Homes:
     """The persistent homes under one state dir."""
 
     def __init__(self, state_dir: Path, quota_bytes: int = 0) -> None:
-        self.directory = Path(state_dir) / DIR_NAME
+        self.directory = StatePaths(Path(state_dir)).homes
         # prepare and remove of the same checkout never interleave.
         self._lock = threading.Lock()
         #: `home_quota_bytes` of each home, checked before each command (0: no bound).
@@ -106,11 +105,11 @@ class Homes:
     def _open_top(self, *, create: bool) -> int | None:
         parent = os.open(self.directory.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            if create and _lstat(parent, DIR_NAME) is None:
+            if create and _lstat(parent, self.directory.name) is None:
                 with contextlib.suppress(FileExistsError):
-                    fsops.make_dir(parent, DIR_NAME, mode=0o700)
+                    fsops.make_dir(parent, self.directory.name, mode=0o700)
             try:
-                return os.open(DIR_NAME, fsops.DIR_FLAGS, dir_fd=parent)
+                return os.open(self.directory.name, fsops.DIR_FLAGS, dir_fd=parent)
             except FileNotFoundError:
                 return None
         finally:

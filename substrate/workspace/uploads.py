@@ -50,9 +50,10 @@ from substrate.errors import (
     UploadUnknown,
 )
 from substrate.fs import fsops
+from substrate.fs.state import ENTRIES
 
 #: The spool directory beneath the state dir.
-SPOOL_DIR = "uploads"
+SPOOL_DIR = ENTRIES.uploads.name
 #: Names of spool files: the upload id.
 UPLOAD_ID = re.compile(r"upl_[0-9a-f]{32}")
 

@@ -29,10 +29,11 @@ from collections.abc import Sequence
 import msgspec
 
 from substrate.errors import ConfinementUnmet
+from substrate.fs.state import ENTRIES
 from substrate.layer.mounts.mountinfo import Mount, visible_mounts
 
 #: The directory under the state dir holding every sandbox's layers.
-LAYERS_DIRNAME = "layers"
+LAYERS_DIRNAME = ENTRIES.layers.name
 #: What a sandbox id may be: it names a directory, and overlayfs' option string and
 #: mountinfo must carry every path unescaped.
 _SANDBOX_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
