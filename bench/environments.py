@@ -23,7 +23,7 @@ Each run, steps interleaved so both sides see the same load and the same index:
 
 Each line gives the wall time of the venv, of the install and of both (as the client
 sees `proc.run`), and how many files pip downloaded (its `Downloading` lines, with their
-sizes). After the runs, tests/test_policy.py runs under `default` with the last venv,
+sizes). After the runs, tests/workspace/test_policy.py runs under `default` with the last venv,
 as a check. Needs the engine, the substrate-sandbox:bookworm image and root. Reaches no
 address but loopback and the package index, through the daemon's proxy only.
 """
@@ -220,11 +220,13 @@ async def run(args: argparse.Namespace, base: Path) -> dict[str, list[Step]]:
                     "-q",
                     "-p",
                     "no:cacheprovider",
-                    "tests/test_policy.py",
+                    "tests/workspace/test_policy.py",
                 ],
             )
             info = await c.call("workspace.info", workspace=box.ws)
-            print(f"check: tests/test_policy.py under `default`: {out.strip().splitlines()[-1]}")
+            print(
+                f"check: tests/workspace/test_policy.py under `default`: {out.strip().splitlines()[-1]}"
+            )
             print(f"  ({wall:.1f} s); home: {info.get('home')}; refused: {refused or 'none'}")
         nursery.cancel_scope.cancel()
     return steps

@@ -65,7 +65,7 @@ def dispatcher(*bundles: object) -> Dispatcher:
 
     Raises RuntimeError at once, before anything is served, for two bundles of one type or
     a group with handlers and no bundle. A declared method without a handler is
-    `internal` (tests/test_schema.py keeps the table and the handlers in step).
+    `internal` (tests/schema/test_schema.py keeps the table and the handlers in step).
     """
     given = {type(b): b for b in bundles}
     if len(given) != len(bundles):

@@ -23,7 +23,7 @@ resumes with `since = min(a, b)` and drops what it already has (offsets make tha
 exact).
 
 The pure parts (`encode_piece`, `complete_prefix`, `plan_read`) are tested without a
-daemon in tests/test_subscriptions.py.
+daemon in tests/process/test_subscriptions.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 (`end_of_input`), a call started or finished (`call_started`, `call_finished`) — with the
 current time, and asks it when to stop waiting (`deadline`) and whether a wait that ran
 out closes the connection (`expired`). Nothing here touches a socket or a clock, so
-every deadline is tested with plain numbers (tests/test_connection_state.py).
+every deadline is tested with plain numbers (tests/protocol/test_connection_state.py).
 
 The rules:
 - A started line must end within `line_timeout_s` of the chunk that began it (a client

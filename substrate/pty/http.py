@@ -100,7 +100,7 @@ class _CappedWebSocket(WebSocketConnection):
 
     trio-websocket's own cap closes with 1009 and no explanation; docs/protocol.md §7 wants a 44xx
     code. This overrides the one method that counts message bytes (pinned to the
-    trio-websocket 0.12 internals; `tests/test_pty_server.py` checks the behaviour).
+    trio-websocket 0.12 internals; `tests/pty/test_pty_server.py` checks the behaviour).
     """
 
     async def _handle_message_event(self, event: Any) -> None:

@@ -1,7 +1,7 @@
 """A terminal server on the in-memory fake PTY, for client tests in another process.
 
 Prints one JSON line `{"port": P, "token": T}` (a 5-use grant), then serves until killed.
-`tests/test_pty_attach.py` runs it as `python -m tests.harness.pty_fake_server`.
+`tests/pty/test_pty_attach.py` runs it as `python -m tests.harness.pty_fake_server`.
 """
 
 from __future__ import annotations

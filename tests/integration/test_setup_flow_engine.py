@@ -3,7 +3,7 @@
 A clone of this repository (its HEAD: `git clone --no-hardlinks`, owned by uid 1000) is
 adopted by a daemon in this process with the shipped `setup` and `default` profiles:
 
-1. before any set-up, `default` runs tests/test_policy.py and tests/fs/test_paths.py with
+1. before any set-up, `default` runs tests/workspace/test_policy.py and tests/fs/test_paths.py with
    the image's `python3` and they cannot even load (no msgspec there);
 2. `setup` makes a venv in the workspace's persistent home and installs what those two
    files import and the image lacks (msgspec, trio, google-re2, pytest, pytest-trio, at the versions
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.slow
 
 #: What the two test files import beyond the standard library and the image's Python.
 NEEDED = ("msgspec", "trio", "google-re2", "pytest", "pytest-trio")
-TESTS = ["tests/test_policy.py", "tests/fs/test_paths.py"]
+TESTS = ["tests/workspace/test_policy.py", "tests/fs/test_paths.py"]
 #: pytest with nothing written into the checkout: no bytecode, no .pytest_cache.
 PYTEST = ["-B", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
 

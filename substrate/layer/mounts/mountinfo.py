@@ -4,7 +4,7 @@ The working layer checks its own host mounts with it (`overlay.read_mounts`,
 `plan.verify`); the sandbox reads a container's table with it too
 (`substrate.sandbox.observe`, `substrate.sandbox.parsers`' mount facts). Each parser
 takes the text as the kernel writes it and raises ValueError on a malformed line;
-tested in tests/test_parsers.py with texts from real hosts.
+tested in tests/sandbox/test_parsers.py with texts from real hosts.
 """
 
 from __future__ import annotations

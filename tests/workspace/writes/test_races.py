@@ -9,7 +9,7 @@ where the race has to be placed exactly (a hook between plan and commit, a chose
 4. a symlink planted at the temp-file name; a parent renamed away mid-write; the
    start-up temp cleaner running while writes are in flight.
 
-A checkout whose git config would run code is tests/test_vcs.py's.
+A checkout whose git config would run code is tests/workspace/test_vcs.py's.
 """
 
 from __future__ import annotations

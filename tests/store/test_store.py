@@ -11,8 +11,9 @@ import pytest
 
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
+from tests.harness import PACKAGE_ROOT
 
-PACKAGE = Path(__file__).resolve().parent.parent / "substrate"
+PACKAGE = PACKAGE_ROOT / "substrate"
 _CREATES = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+)")
 _USES = re.compile(r"\b(?:FROM|INTO|UPDATE|JOIN|TABLE)\s+(\w+)")
 

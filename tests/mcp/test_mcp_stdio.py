@@ -1,6 +1,6 @@
 """`substrate.mcp.stdio`: each line from the MCP host decided before the SDK sees it.
 
-Pure: no pipes (the same over real pipes: tests/test_mcp.py, "malformed ... lines").
+Pure: no pipes (the same over real pipes: tests/mcp/test_mcp.py, "malformed ... lines").
 """
 
 from __future__ import annotations

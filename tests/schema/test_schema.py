@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import msgspec
 import pytest
 
@@ -15,8 +13,9 @@ from substrate.sandbox.profiles import Profile
 from substrate.schema import METHODS, common, reference, render
 from substrate.schema.artifact import OutputRef
 from substrate.schema.reference import render_protocol
+from tests.harness import PACKAGE_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = PACKAGE_ROOT
 
 CONTRACT_REFUSALS = [
     "unauthorized",

@@ -1,6 +1,6 @@
 """One `Connection` in process over a socket pair: where unexpected errors stop.
 
-The end-to-end behaviour is in `tests/test_server.py` (a real daemon); here a fault is
+The end-to-end behaviour is in `tests/protocol/test_server.py` (a real daemon); here a fault is
 planted inside the server (a decoder or a handler that raises) to show that the
 connection task contains it: the client gets an `internal` error, the journal records
 an `internal` entry with exception type names only, and nothing propagates.

@@ -1,7 +1,7 @@
 """`ConnectionState`, `Admission` and `call_refusal`: a connection's rules, without a socket.
 
 Times are plain numbers (a fake clock): every deadline is checked exactly. The same rules
-over a real socket are in tests/test_server.py (slow-loris, idle timeout, caps).
+over a real socket are in tests/protocol/test_server.py (slow-loris, idle timeout, caps).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,9 @@ from substrate.config import Config
 from substrate.errors import LimitExceeded, RequestTooLarge, Unauthorized
 from substrate.protocol.connection import Admission, ConnectionState, UnsentBytes, call_refusal
 from substrate.schema import METHODS
+from tests.harness import PACKAGE_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = PACKAGE_ROOT
 LINE_S = 10.0
 IDLE_S = 600.0
 

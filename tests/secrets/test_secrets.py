@@ -17,6 +17,7 @@ from substrate.config import Config
 from substrate.errors import InvalidParams, LimitExceeded, PathDenied, SecretUnknown, TooLarge
 from substrate.secrets import MAX_VALUE_BYTES, SecretStore
 from substrate.secrets import store as secret_store
+from tests.harness import PACKAGE_ROOT
 
 
 @pytest.fixture
@@ -166,7 +167,7 @@ def test_the_command_line_sets_lists_and_removes(
 def test_doctor_names_the_secrets_profiles_need_that_are_not_set(
     state: Path, tmp_path: Path
 ) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = PACKAGE_ROOT
     profiles = tmp_path / "profiles"
     profiles.mkdir()
     tiny = (root / "profiles" / "tiny.toml").read_text()

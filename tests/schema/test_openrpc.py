@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jsonschema
@@ -21,11 +20,12 @@ from substrate.schema import METHODS, openrpc, reference
 from substrate.schema.discover import DiscoverResult
 from substrate.schema.proc import OutputRef
 from substrate.schema.upload import UploadBeginParams
+from tests.harness import PACKAGE_ROOT
 
 if TYPE_CHECKING:
     from tests.harness import DaemonProcess
 
-VENDORED = Path(__file__).resolve().parent / "openrpc"
+VENDORED = PACKAGE_ROOT / "tests" / "openrpc"
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from substrate.pty.attach import raw_terminal
-from tests.harness import WaitTimeout, wait_until
+from tests.harness import PACKAGE_ROOT, WaitTimeout, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = PACKAGE_ROOT
 TMUX = shutil.which("tmux")
 
 
