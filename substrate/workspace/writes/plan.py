@@ -12,6 +12,7 @@ import hashlib
 import stat
 from typing import Literal
 
+from substrate.schema.fs import Plan
 from substrate.store.journal import canonical
 from substrate.workspace import patching
 
@@ -31,6 +32,21 @@ def plan_digest(
 ) -> str:
     """SHA-256 of the canonical JSON array `[root_id, path, op, base, new, mode]`."""
     return hashlib.sha256(canonical([root_id, path, op, base, new, mode])).hexdigest()
+
+
+def journal_data(plan: Plan, approval: str | None) -> dict[str, object]:
+    """What an applied plan's journal entry holds (and its intent, before the rename):
+    path, op, digests, size, mode, plan digest and the approval that authorised it."""
+    return {
+        "path": plan.path,
+        "op": plan.op,
+        "base_sha256": plan.base_sha256,
+        "new_sha256": plan.new_sha256,
+        "size": plan.size,
+        "mode": plan.mode,
+        "plan_digest": plan.plan_digest,
+        "approval_id": approval,
+    }
 
 
 def dir_digest(root_id: str, path: str, op: DirOp, mode: int | None) -> str:

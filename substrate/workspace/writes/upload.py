@@ -67,6 +67,7 @@ from substrate.workspace.writes.plan import (
     DEFAULT_FILE_MODE,
     MAX_PATCH_FILE,
     Op,
+    journal_data,
     no_setid,
     plan_digest,
 )
@@ -113,18 +114,7 @@ class _Staged:
 
     def intent(self, approval: str | None) -> Intent:
         """The upload's journal entry-to-be (`intents`)."""
-        plan = self.plan
-        data = {
-            "path": plan.path,
-            "op": plan.op,
-            "base_sha256": plan.base_sha256,
-            "new_sha256": plan.new_sha256,
-            "size": plan.size,
-            "mode": plan.mode,
-            "plan_digest": plan.plan_digest,
-            "approval_id": approval,
-            "upload": self.up.id,
-        }
+        data = {**journal_data(self.plan, approval), "upload": self.up.id}
         return Intent(self.target.rel, KIND, self.actor, data, self.temp)
 
 

@@ -86,6 +86,7 @@ from substrate.workspace.writes.plan import (
     DEFAULT_FILE_MODE,
     MAX_PATCH_FILE,
     Op,
+    journal_data,
     no_setid,
     plan_digest,
 )
@@ -110,17 +111,7 @@ class _Staged:
 
     def intent(self, prep: _Prepared, approval: str | None) -> Intent:
         """The write's journal entry-to-be (`intents`)."""
-        plan = prep.plan
-        data = {
-            "path": plan.path,
-            "op": plan.op,
-            "base_sha256": plan.base_sha256,
-            "new_sha256": plan.new_sha256,
-            "size": plan.size,
-            "mode": plan.mode,
-            "plan_digest": plan.plan_digest,
-            "approval_id": approval,
-        }
+        data = journal_data(prep.plan, approval)
         return Intent(prep.rel, self.kind, self.actor, data, self.temp)
 
 
