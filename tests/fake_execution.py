@@ -16,8 +16,8 @@ import trio
 
 from substrate.artifacts.store import ArtifactStore
 from substrate.process.driver import ExecDriver
+from substrate.process.processes import Processes, RunRequest
 from substrate.process.records import ProcessRecords
-from substrate.process.runner import Processes, RunRequest
 from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers
 from substrate.sandbox.fake_engine import FakeEngine, FakeExec, FakeHost

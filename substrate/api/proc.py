@@ -14,7 +14,7 @@ from substrate.errors import InvalidParams, StdinClosed, TooLarge
 from substrate.layer import check_room
 from substrate.process import intents
 from substrate.process.facts_summary import shaped
-from substrate.process.runner import RunRequest
+from substrate.process.processes import RunRequest
 from substrate.process.stdin_stream import StdinStream
 from substrate.schema.proc import (
     MAX_WRITE_BYTES,

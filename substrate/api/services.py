@@ -16,8 +16,8 @@ import trio
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.layer import Changesets
+from substrate.process.processes import Processes
 from substrate.process.profile_registry import ProfileRegistry
-from substrate.process.runner import Processes
 from substrate.process.service import Execution
 from substrate.pty.grants import Grants
 from substrate.pty.service import TerminalService

@@ -1,6 +1,6 @@
 """Processes: argv-only commands run in verified sandboxes, and what is known of them.
 
-`argv` holds the pure rules a request must pass; `runner.Processes` runs a `RunRequest`
+`argv` holds the pure rules a request must pass; `processes.Processes` runs a `RunRequest`
 (records it, drives its exec, gates what it wrote); `fastexec.Launcher` starts it through
 the sandbox's own supervisor or as an engine exec; `driver` drives it (pumps, timeout,
 signals, the kill) through its `channels.ExecChannel` (the engine's `stream`, or a
@@ -21,8 +21,8 @@ from substrate.process.argv import (
     workdir_for,
 )
 from substrate.process.driver import Entry, ExecDriver
+from substrate.process.processes import Processes, RunRequest, WriteGate
 from substrate.process.records import Outcome, ProcessRecords, ProcRow
-from substrate.process.runner import Processes, RunRequest, WriteGate
 from substrate.process.service import Execution
 from substrate.process.subscriptions import Subscriptions
 

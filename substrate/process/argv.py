@@ -3,7 +3,7 @@
 The rules a `proc.run` request must pass before anything runs (`validate_argv`,
 `effective_timeout`, `workdir_for`), the environment every exec gets (`exec_env`), and the
 readings of how an exec ended (`start_failure` for a program the engine could not start,
-`signal_of` for a `128 + n` exit code). Used by `substrate.process.runner` and by the
+`signal_of` for a `128 + n` exit code). Used by `substrate.process.processes` and by the
 terminal backend (`substrate.pty.docker`), so a shell passes the same rules as a command.
 Tested without Docker in tests/process/test_argv.py.
 """

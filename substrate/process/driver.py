@@ -1,6 +1,6 @@
 """Driving one exec: its output and stdin pumps, the supervisor, signals, the kill.
 
-`substrate.process.runner.Processes` creates the exec and the record; `ExecDriver` runs it from
+`substrate.process.processes.Processes` creates the exec and the record; `ExecDriver` runs it from
 the engine's start until its main process has ended and its stream is drained, then
 `Processes` checks the write gate and finishes the record.
 
@@ -51,7 +51,7 @@ from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.schema.proc import EgressBlocked, ProcResult
 
-log = logging.getLogger("substrate.process.runner")
+log = logging.getLogger("substrate.process.processes")
 
 #: Seconds between TERM and KILL, on timeout and for stragglers.
 GRACE_S = 2.0
@@ -132,7 +132,7 @@ class Run:
 
 class ExecDriver:
     """Drives the execs of one daemon: pumps, supervision, signals, kills. Used by
-    `substrate.process.runner.Processes` (which records, gates and answers)."""
+    `substrate.process.processes.Processes` (which records, gates and answers)."""
 
     def __init__(
         self,

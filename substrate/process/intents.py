@@ -25,8 +25,8 @@ from substrate.artifacts.sink import OutputSink
 from substrate.errors import LimitExceeded, ProcessUnknown
 from substrate.process.driver import Entry
 from substrate.process.facts_summary import shaped
+from substrate.process.processes import Processes
 from substrate.process.records import ProcRow
-from substrate.process.runner import Processes
 from substrate.process.subscriptions import MAX_SUBSCRIPTIONS, STREAMS, Feed, FixedSource, Source
 from substrate.schema.artifact import OutputRef
 from substrate.schema.proc import FactsMode, ProcPending, ProcResult, ProcStatus

@@ -33,9 +33,9 @@ from substrate.layer import (
 )
 from substrate.process.driver import ExecDriver
 from substrate.process.fastexec import Launcher
+from substrate.process.processes import Processes
 from substrate.process.profile_registry import ProfileRegistry
 from substrate.process.records import ProcessRecords
-from substrate.process.runner import Processes
 from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.docker_engine import DockerEngine

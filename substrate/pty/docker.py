@@ -33,7 +33,7 @@ import trio
 from substrate.errors import GrantInvalid, RuntimeUnavailable
 from substrate.layer import LayerClosed, LayerUsers, Use, journal_summary
 from substrate.process.argv import exec_env, validate_argv, workdir_for
-from substrate.process.runner import RunRequest
+from substrate.process.processes import RunRequest
 from substrate.sandbox import cmd_cgroups, reaper
 from substrate.sandbox.cmd_cgroups import CommandCgroup
 from substrate.sandbox.engine import ContainerGone, Engine, ExecStream

@@ -2,7 +2,7 @@
 
 `argv` is deliberately loose here (any list of strings): an empty argv, a NUL or an
 argv[0] outside the profile's `argv_allow` is the named refusal `argv_denied`, decided in
-`substrate.process.runner`, not `invalid_params`. Likewise a `timeout_s` above the profile's is
+`substrate.process.processes`, not `invalid_params`. Likewise a `timeout_s` above the profile's is
 `limit_exceeded`.
 """
 

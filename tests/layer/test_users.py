@@ -21,7 +21,7 @@ from substrate.layer.generation import Conclusion, Deferred, User, Users, combin
 from substrate.layer.mounts.plan import plan
 from substrate.layer.mounts.working_layer import WorkingLayer, next_plan
 from substrate.layer.users import LayerUsers, journal_summary
-from substrate.process.runner import RunRequest
+from substrate.process.processes import RunRequest
 from substrate.schema.proc import ChangeCounts, ChangesMode, ProcChanges
 from substrate.store.db import Store
 from substrate.store.journal import Journal

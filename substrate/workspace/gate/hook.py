@@ -86,7 +86,7 @@ class _WsState:
 
 
 class SnapshotGate:
-    """`process.runner.WriteGate`: snapshot before a command, revert offending changes
+    """`process.processes.WriteGate`: snapshot before a command, revert offending changes
     after.
 
     `before` refuses nothing of its own (`unknown_workspace` once the workspace is

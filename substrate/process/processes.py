@@ -78,7 +78,7 @@ from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
-log = logging.getLogger("substrate.process.runner")
+log = logging.getLogger("substrate.process.processes")
 
 __all__ = ["Processes", "RunRequest", "WriteGate"]
 
