@@ -76,7 +76,8 @@ class StatePaths:
 
     @property
     def layers(self) -> Path:
-        """`layers/`: the working layers, a directory per sandbox (docs/working-layer-mounts.md)."""
+        """`layers/`: the working layers, a directory per sandbox (docs/working-layer.md,
+        "Layout and what a generation mounts")."""
         return self.root / "layers"
 
 

@@ -438,7 +438,8 @@ class Containers:
         if layer is None:
             return required
         # Only now: the container bound the base with nothing on it, so every generation
-        # mounted from here on reaches it (docs/working-layer-mounts.md).
+        # mounted from here on reaches it (docs/working-layer.md, "Propagation and the order
+        # of things").
         await trio.to_thread.run_sync(
             working_layer.mount_first, layer, ws.root_fd, limiter=self._fs_limiter
         )

@@ -1,5 +1,5 @@
 """The working layer's host side: the overlay a sandbox sees as `/workspace`, one
-generation after another (docs/working-layer-mounts.md).
+generation after another (docs/working-layer.md, "The mounts on the host side").
 
 Where things are: `plan` is the mount plan of one generation and its check against the
 kernel's mount table (pure; `mountinfo` parses that table); `overlay` makes the mounts —

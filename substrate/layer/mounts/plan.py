@@ -2,7 +2,7 @@
 
 Pure: no I/O. `substrate.layer.mounts.overlay` makes the mounts this plans and hands back the
 parsed `/proc/self/mountinfo` for `verify`. Layout, for sandbox `S` and generation `N`
-(docs/working-layer-mounts.md):
+(docs/working-layer.md, "Layout and what a generation mounts"):
 
     <state>/layers/                 the layer directory (a private self-bind: nothing
                                     mounted under it leaks to the host's peer namespaces)
