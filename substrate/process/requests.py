@@ -1,4 +1,6 @@
-"""What a run is asked (`RunRequest`) and the write gate it checks with (`WriteGate`):
+"""What a run is asked (`RunRequest`) and the write gate it checks with (`WriteGate`).
+
+What a run is asked (`RunRequest`) and the write gate it checks with (`WriteGate`):
 the types `substrate.process.runner.Processes` takes, kept apart so callers (the API,
 terminals) name them without the runner's machinery; the working layer's users read a
 `RunRequest` as `substrate.layer.users.Asked`."""
