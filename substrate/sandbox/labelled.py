@@ -1,4 +1,4 @@
-"""The containers labelled as this daemon's: their labels, an earlier run's removed, others never reused.
+"""The containers labelled as this daemon's: an earlier run's removed, others never reused.
 
 The labels a sandbox is created with, an earlier run's containers (removed at start) and
 the ones this run did not create (never reused). docs/execution.md "A container with our
