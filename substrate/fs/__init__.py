@@ -1,7 +1,9 @@
-"""The file-system floor: names resolved beneath held directory fds, never through a
-symlink; the steps that change what is beneath them; the names of the state dir's
-entries. Imports nothing of substrate but `substrate.errors`; every domain above uses it
-(workspaces, sandboxes, the working layer, artifacts, secrets, homes, the daemon).
+"""The file-system floor: names beneath held directory fds, never through a symlink.
+
+Names resolved beneath held directory fds, never through a symlink; the steps that
+change what is beneath them; the names of the state dir's entries. Imports nothing of
+substrate but `substrate.errors`; every domain above uses it (workspaces, sandboxes, the
+working layer, artifacts, secrets, homes, the daemon).
 
     paths.py   kernel  `split_relpath` (pure); `open_dir`/`opened_dir` by `openat2`
                        (`RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`) or an `O_NOFOLLOW` walk;

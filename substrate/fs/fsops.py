@@ -1,4 +1,6 @@
-"""File-system primitives beneath a held directory fd: the one place that creates, renames
+"""The one place that creates, fills, renames and removes beneath a held directory fd.
+
+File-system primitives beneath a held directory fd: the one place that creates, renames
 and removes beneath a dir fd (opening and resolving beneath one is `paths`'s).
 
 Theory of operation. Every name is used relative to an open directory fd and opened

@@ -1,7 +1,9 @@
-"""The working layer (docs/working-layer.md): a `workspace = "layer"` sandbox writes into
-an overlay whose lower layer is the checkout; once the commands and terminals sharing a
-generation have ended, what they changed becomes a change set, applied through the
-guarded write path, kept for review or discarded.
+"""The working layer (docs/working-layer.md): a sandbox's writes as change sets of the checkout.
+
+A `workspace = "layer"` sandbox writes into an overlay whose lower layer is the
+checkout; once the commands and terminals sharing a generation have ended, what they
+changed becomes a change set, applied through the guarded write path, kept for review or
+discarded.
 
 Where things are, bottom up:
 - `generation` (pure): who uses the generation mounted now, when it concludes, in

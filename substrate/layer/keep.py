@@ -1,4 +1,6 @@
-"""What a layer command's change set leaves behind (docs/working-layer.md, "Conflicts"
+"""What a layer command's change set leaves behind: conflicts' versions, the kept-set cap.
+
+What a layer command's change set leaves behind (docs/working-layer.md, "Conflicts"
 and "Cleanup"): its conflicts' versions as artifacts, the cap on sets kept per
 workspace, and the wire entries that report both.
 

@@ -1,6 +1,8 @@
-"""Bounded matchers: patterns that reach the daemon from agents (globs, regexes) matched
-in time linear in the text, or against a named budget, whatever the pattern. Pure; imports
-nothing of substrate but `substrate.errors`. Their users: the workspace policy's globs and
+"""Bounded matchers: agents' globs and regexes matched in bounded time, whatever the pattern.
+
+Patterns that reach the daemon from agents (globs, regexes) matched in time linear in
+the text, or against a named budget, whatever the pattern. Pure; imports nothing of
+substrate but `substrate.errors`. Their users: the workspace policy's globs and
 `fs.walk`/`fs.search` (`substrate.workspace`), `artifact.grep` (`substrate.artifacts`).
 
     glob_regex.py     glob regexes: `re` for simple ones, RE2 for the rest (`GlobRegex`,

@@ -1,6 +1,8 @@
-"""RE2 translations of a `re` pattern: a linear-time superset (the prefilter of `fs.search`
-patterns that hold no required literal) or, where one exists, the same language
-(`exact_of`: `agent_regex` searches with it).
+"""RE2 translations of a `re` pattern: a linear-time superset, or the same language.
+
+A linear-time superset (the prefilter of `fs.search` patterns that hold no required
+literal) or, where one exists, the same language (`exact_of`: `agent_regex` searches
+with it).
 
 Python's `re` walks every byte with a backtracking engine; a pattern like `\\d{5}` or
 `[A-Z][a-z]+Error\\(` gives the literal prefilter of `substrate.workspace.search` nothing

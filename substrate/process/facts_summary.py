@@ -1,4 +1,6 @@
-"""Results that are easy to feed to a model: the confinement facts as a digest and a
+"""Confinement facts in results: a digest and a short summary, in full only when asked.
+
+Results that are easy to feed to a model: the confinement facts as a digest and a
 short summary, in full only when asked (docs/protocol.md §5 "Facts in results").
 
 A command's result used to carry its sandbox's whole fact list (about 3.4 KB of a 3.8 KB

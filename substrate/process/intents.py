@@ -1,5 +1,7 @@
-"""Process intents (docs/protocol.md §5): `proc.wait`, `proc.status`, `proc.list`, `proc.subscribe`
-answered from a running command (`driver.Entry`) or from its record.
+"""Process intents (docs/protocol.md §5): `proc.wait`, `.status`, `.list`, `.subscribe`.
+
+`proc.wait`, `proc.status`, `proc.list`, `proc.subscribe` answered from a running
+command (`driver.Entry`) or from its record.
 
 A command of this daemon run is looked up in memory first (byte counts grow, waits
 wake as it ends); anything else comes from the `processes` table: an exited command's

@@ -1,5 +1,6 @@
-"""What a run is asked (`RunRequest`) and the write gate it checks with (`WriteGate`):
-the types `substrate.process.processes.Processes` takes, kept apart so callers (the API,
+"""What a run is asked (`RunRequest`) and the write gate it checks with (`WriteGate`).
+
+The types `substrate.process.processes.Processes` takes, kept apart so callers (the API,
 terminals) name them without the runner's machinery; the working layer's users read a
 `RunRequest` as `substrate.layer.users.Asked`."""
 

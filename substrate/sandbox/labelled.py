@@ -1,6 +1,8 @@
-"""The containers labelled as this daemon's: the labels a sandbox is created with, an
-earlier run's containers (removed at start) and the ones this run did not create (never
-reused). docs/execution.md "A container with our labels we did not create".
+"""The containers labelled as this daemon's: an earlier run's removed, others never reused.
+
+The labels a sandbox is created with, an earlier run's containers (removed at start) and
+the ones this run did not create (never reused). docs/execution.md "A container with our
+labels we did not create".
 
 Labels (`spec.create_request`): `substrate.daemon` (this state dir's daemon id,
 `spec.daemon_id_for`), `substrate.epoch` (the daemon run), `substrate.workspace`,

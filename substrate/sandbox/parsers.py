@@ -1,7 +1,9 @@
-"""Pure parsers of what the kernel shows about a process: `/proc/<pid>/status`, the mount
-facts of a `mountinfo` (the table itself: `substrate.layer.mounts.mountinfo`), `cgroup`
-and the cgroup limit files, rtnetlink routes, `net/tcp`. No I/O: the text comes from
-`substrate.sandbox.observe`, which turns the parsed values into facts.
+"""Pure parsers of what the kernel shows about a process: status, mounts, cgroups, routes.
+
+`/proc/<pid>/status`, the mount facts of a `mountinfo` (the table itself:
+`substrate.layer.mounts.mountinfo`), `cgroup` and the cgroup limit files, rtnetlink
+routes, `net/tcp`. No I/O: the text comes from `substrate.sandbox.observe`, which turns
+the parsed values into facts.
 
 Each parser takes the text as the kernel writes it and raises ValueError on a malformed
 value of a line it reads; tested in tests/sandbox/test_parsers.py with texts from real

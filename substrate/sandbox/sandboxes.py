@@ -1,5 +1,7 @@
-"""`Sandbox`: one container this daemon created and verified (`substrate.sandbox.containers`
-makes them, the execution and terminal layers run commands in them; a working layer's
+"""`Sandbox`: one container this daemon created and verified.
+
+One container this daemon created and verified (`substrate.sandbox.containers` makes
+them, the execution and terminal layers run commands in them; a working layer's
 conclusion sees one as `substrate.layer.conclusion.LayerSandbox`).
 
 Its own module, not `containers`': it is the value every user holds (the process layer,

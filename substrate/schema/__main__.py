@@ -1,9 +1,10 @@
-"""`python -m substrate.schema [SCHEMA] [--protocol FILE] [--check]`.
+"""`python -m substrate.schema [SCHEMA] [--protocol FILE] [--architecture FILE] [--check]`.
 
-Regenerates docs/api.schema.json (or SCHEMA) and the generated regions of
-docs/protocol.md (method reference, refusals, profile and config keys; by default the
-`protocol.md` next to SCHEMA). With `--check` nothing is written: the exit status is 1
-when either file is not current.
+Regenerates docs/api.schema.json (or SCHEMA), the generated regions of docs/protocol.md
+(method reference, refusals, profile and config keys) and the module tree of
+docs/architecture.md (`substrate.schema.tree`); by default both pages are the ones next to
+SCHEMA. With `--check` nothing is written: the exit status is 1 when any file is not
+current.
 """
 
 import argparse
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from substrate.schema import METHODS, render
 from substrate.schema.reference import render_protocol
+from substrate.schema.tree import render_architecture
 
 parser = argparse.ArgumentParser(prog="python -m substrate.schema", description=__doc__)
 parser.add_argument(
@@ -22,14 +24,17 @@ parser.add_argument(
     help="the JSON Schema file to write (default docs/api.schema.json)",
 )
 parser.add_argument("--protocol", type=Path, help="default: protocol.md beside SCHEMA")
+parser.add_argument("--architecture", type=Path, help="default: architecture.md beside SCHEMA")
 parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
 args = parser.parse_args()
 protocol: Path = args.protocol or args.schema.parent / "protocol.md"
+architecture: Path = args.architecture or args.schema.parent / "architecture.md"
 
 try:
     wanted = {
         args.schema: render(),
         protocol: render_protocol(protocol.read_text()),
+        architecture: render_architecture(architecture.read_text()),
     }
 except (OSError, ValueError) as exc:
     sys.exit(f"python -m substrate.schema: {exc}")

@@ -1,6 +1,8 @@
-"""Wire schema of kept change sets (docs/protocol.md §11): `changes.get`, `changes.apply`,
-`changes.discard` on the change set of a command run on a `workspace = "layer"`
-profile, named by the `changeset` id of its result's `changes`."""
+"""Wire schema of kept change sets (docs/protocol.md §11): `changes.get/apply/discard`.
+
+`changes.get`, `changes.apply`, `changes.discard` on the change set of a command run on
+a `workspace = "layer"` profile, named by the `changeset` id of its result's
+`changes`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Wire schema of chunked uploads (docs/protocol.md §14): a file of any size up to
+"""Wire schema of chunked uploads (docs/protocol.md §14).
+
+A file of any size up to
 `max_upload_bytes`, sent in pieces that each fit a request line, then written by the
 guarded path as one `fs.write` would be (bound to a base, same-directory atomic replace).
 

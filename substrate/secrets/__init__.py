@@ -1,4 +1,6 @@
-"""Operator secrets (docs/protocol.md §12, docs/environments.md): values kept 0600 under the
+"""Operator secrets (docs/protocol.md §12): 0600 files, given to sandboxes by their profiles.
+
+Operator secrets (docs/protocol.md §12, docs/environments.md): values kept 0600 under the
 state dir, named by profiles (`secrets = { ENV = "name" }`), given to sandboxed commands
 as environment variables of their exec.
 

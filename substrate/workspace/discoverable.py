@@ -1,4 +1,6 @@
-"""What a person's host tools would find in a checkout that substrate wrote: git
+"""What a person's host tools would find in a checkout: git dirs by content, misleading names.
+
+What a person's host tools would find in a checkout that substrate wrote: git
 directories by content, and names that mislead (docs/confinement.md, "What host tools
 discover").
 

@@ -1,5 +1,7 @@
-"""A checkout's identity: what says "the same directory" across release and restarts
-(docs/protocol.md §2, docs/environments.md "Which checkout a home belongs to").
+"""A checkout's identity: what says "the same directory" across release and restarts.
+
+What says "the same directory" across release and restarts (docs/protocol.md §2,
+docs/environments.md "Which checkout a home belongs to").
 
 Theory of operation. The remembered policy, the persistent homes, the persisted
 workspace (and so its journal history and replay) and kept change sets belong to a

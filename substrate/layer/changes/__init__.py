@@ -1,4 +1,6 @@
-"""The working layer's change sets (docs/working-layer.md): what a generation's upper dir
+"""The working layer's change sets: scanned, kept by id, applied through the guarded path.
+
+The working layer's change sets (docs/working-layer.md): what a generation's upper dir
 changes in the checkout, kept by id and applied through the guarded write path.
 
 Where things are: `scan` reads an upper dir against the checkout (held fds, no symlink

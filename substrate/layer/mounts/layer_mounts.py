@@ -1,4 +1,6 @@
-"""The working layers' host mounts as `substrate.sandbox.containers` uses them: made,
+"""`LayerMounts`: the working layers' host mounts as the containers use them.
+
+The working layers' host mounts as `substrate.sandbox.containers` uses them: made,
 torn down and identified through worker threads (`substrate.layer.mounts.working_layer`
 blocks), and swept of what a previous run left (`substrate.layer.mounts.overlay.sweep`).
 

@@ -1,4 +1,6 @@
-"""The working layer's host-side mounts: make, swap, observe and tear down the overlay
+"""The overlay a sandbox sees as `/workspace`: make, swap, observe, tear down.
+
+The working layer's host-side mounts: make, swap, observe and tear down the overlay
 that a sandbox sees as `/workspace` (plan and check: `substrate.layer.mounts.plan`).
 
 Theory of operation. Everything is a `mount(2)` / `umount2(2)` system call through

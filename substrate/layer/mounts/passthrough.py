@@ -1,5 +1,6 @@
-"""Passthrough directories of a `workspace = "layer"` profile (docs/protocol.md §11): checkout
-directories (caches, build output) bound read-write over the merged view, so writes under
+"""Passthrough directories of a `workspace = "layer"` profile (docs/protocol.md §11).
+
+Checkout directories (caches, build output) bound read-write over the merged view, so writes under
 them go straight to the checkout and never appear in a change set.
 
 Three checks, at three moments:

@@ -1,4 +1,6 @@
-"""The working layer of one `workspace = "layer"` sandbox: its current generation, and
+"""One sandbox's `WorkingLayer`: its current generation and its identity facts.
+
+The working layer of one `workspace = "layer"` sandbox: its current generation, and
 the facts that tie the container's `/workspace` to the overlay the daemon mounted.
 
 `substrate.sandbox.containers` makes one at sandbox creation (`open_layer`, then the

@@ -1,6 +1,7 @@
-"""Offline sandbox images: the Debian root filesystem (`rootfs`, debootstrap from a
-local mirror, slimmed) and the images built from it (`build`: base, sandbox, tiny).
-Never pulled from a registry."""
+"""Offline sandbox images: a Debian root filesystem and the images built from it.
+
+The Debian root filesystem (`rootfs`, debootstrap from a local mirror, slimmed) and the
+images built from it (`build`: base, sandbox, tiny). Never pulled from a registry."""
 
 from substrate.sandbox.images.build import (
     BASE_TAG,

@@ -1,9 +1,11 @@
-"""The base check: what a write's target is now, the bytes and digest the write is bound
-to (its `base_sha256`, docs/protocol.md §4), read through the held parent directory fd
-without following a symlink. Every write path reads its target here twice: once to plan,
-once more under the workspace's commit lock right before the rename (`writer`,
-`batch_files`; an upload hashes it as a stream, `upload`). `open_parent` finds the
-target's parent, or which of its directories a write would make.
+"""The base check: what a write's target is now, read through the held parent fd.
+
+What a write's target is now, the bytes and digest the write is bound to (its
+`base_sha256`, docs/protocol.md §4), read through the held parent directory fd without
+following a symlink. Every write path reads its target here twice: once to plan, once
+more under the workspace's commit lock right before the rename (`writer`, `batch_files`;
+an upload hashes it as a stream, `upload`). `open_parent` finds the target's parent, or
+which of its directories a write would make.
 """
 
 from __future__ import annotations

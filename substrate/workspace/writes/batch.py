@@ -1,10 +1,12 @@
-"""Guarded writes in batches: the files and directories of a change set
-(docs/working-layer.md), each with the guarantees of one guarded write (docs/protocol.md
-§4), at a fraction of the cost. This module is the frame both kinds share: a change's
-`Landing`, the parent directories a chunk holds (`HeldDirs`), the chunk loop, the
-background close of replaced files (`RELEASER`), and the transaction that journals what
-landed (`BatchCore`). The one-step durability of temp files (`make_durable`) and the
-no-replace rename of a new file (`rename_new`) are `substrate.fs.fsops`'s.
+"""Guarded writes in batches: the frame a change set's files and directories share.
+
+The files and directories of a change set (docs/working-layer.md), each with the
+guarantees of one guarded write (docs/protocol.md §4), at a fraction of the cost. This
+module is the frame both kinds share: a change's `Landing`, the parent directories a
+chunk holds (`HeldDirs`), the chunk loop, the background close of replaced files
+(`RELEASER`), and the transaction that journals what landed (`BatchCore`). The one-step
+durability of temp files (`make_durable`) and the no-replace rename of a new file
+(`rename_new`) are `substrate.fs.fsops`'s.
 
 Theory of operation. `apply_files` (`batch_files`) takes file changes - a path, the
 base it is bound to, the digest of its new bytes (None: a delete), a mode - and a

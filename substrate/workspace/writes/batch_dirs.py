@@ -1,4 +1,6 @@
-"""Directory steps of a change set in batches: `mkdir` (the workspace owner's), empty-only
+"""A change set's directory steps in batches: mkdir, empty-only rmdir, chmod.
+
+Directory steps of a change set in batches: `mkdir` (the workspace owner's), empty-only
 `rmdir` and `chmod`, journaled `changes.apply_dir` (theory of operation: `batch`). Set-id
 bits are never given.
 """

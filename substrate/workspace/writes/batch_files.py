@@ -1,4 +1,6 @@
-"""A change set's files in batches: step by step as the theory of operation in `batch`
+"""A change set's files in batches, each bound to its base (`changes.apply`).
+
+A change set's files in batches: step by step as the theory of operation in `batch`
 says, each file bound to its base, re-checked under the commit lock right before its
 rename, journaled `changes.apply`.
 """

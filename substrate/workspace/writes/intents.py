@@ -1,6 +1,7 @@
-"""Write intents: the journal entry a guarded write will get, recorded before its change
-lands, so a crash between a change landing and its journal entry never leaves it
-unjournaled.
+"""Write intents: each guarded write's journal entry, durable before its change lands.
+
+The journal entry a guarded write will get, recorded before its change lands, so a crash
+between a change landing and its journal entry never leaves it unjournaled.
 
 Theory of operation. Every guarded write records, before its rename (or unlink), a row
 holding the journal entry each of its changes will get: `(batch, workspace, epoch,

@@ -1,4 +1,6 @@
-"""A guarded write's plan, the pure part every write path shares (docs/protocol.md §4):
+"""A guarded write's plan: its digest, the modes a write gives, the set-id rule (pure).
+
+A guarded write's plan, the pure part every write path shares (docs/protocol.md §4):
 the plan digest an operator approves, the modes a write gives, and the set-id rule.
 
 `writer`, `upload` and the batches (`batch_files`, `batch_dirs`) compute their plans

@@ -1,5 +1,7 @@
-"""`Writer`: one guarded write, `fs.write`, `fs.patch`, `fs.delete` and a restore's
-file, the only way substrate changes a file (docs/protocol.md §4); `recover` at start.
+"""`Writer`: one guarded write (`fs.write`, `fs.patch`, `fs.delete`); `recover` at start.
+
+One guarded write, `fs.write`, `fs.patch`, `fs.delete` and a restore's file, the only
+way substrate changes a file (docs/protocol.md §4); `recover` at start.
 
 Theory of operation. A write is first *planned*, touching nothing (`_plan`): validate
 the path, refuse the temp prefix (`temp_files.check_not_reserved`), check the policy,
