@@ -59,7 +59,11 @@ GRACE_S = 2.0
 #: a background child holds the output pipe.
 MAIN_PROBE_S = 0.25
 #: How long a signal that finds nothing is tried again while the command runs, seconds.
-SIGNAL_RETRY_S = 1.0
+#: The command's processes are known by their cgroup or as the main process the engine
+#: reports, never by anything they carry themselves; under load the engine may take
+#: seconds to place and report an exec's process, so a second was too short (a KILL right
+#: after `proc.start` then answered `delivered: 0` for a command that kept running).
+SIGNAL_RETRY_S = 5.0
 #: A run cut off after its exec started: at most this long to end the command and read
 #: its exit code (the kill itself takes up to `GRACE_S` plus KILL rounds).
 SETTLE_S = 30.0
