@@ -269,17 +269,16 @@ class ExecDriver:
     async def reap_stragglers(self, run: Run) -> int:
         """After the main process: reap what it left behind; return the OOM-kill count."""
         sandbox = run.sandbox
-        alone = sandbox.running <= 1
         await run.channel.quiesce()
         if not sandbox.host_visible or _only_protected(sandbox):
             # The usual case: nothing but the container's own processes is left. Two small
             # cgroupfs reads, on the event loop (no thread hop for a quick command).
             return reaper.oom_kills(sandbox.cgroups)
         stragglers, oom_after = await trio.to_thread.run_sync(
-            _after_exit, sandbox, run.proc, alone, limiter=self._fs_limiter
+            _after_exit, sandbox, run.proc, limiter=self._fs_limiter
         )
         if stragglers:
-            await self._terminate(run, alone=alone)
+            await self._terminate(run)
         return oom_after
 
     def egress_blocked(self, run: Run) -> EgressBlocked | None:
@@ -408,7 +407,7 @@ class ExecDriver:
                 if not run.pump_done.is_set():
                     # The main process is gone but the stream is open: stragglers hold it.
                     run.main_exited = True
-                    await self._terminate(run, alone=sandbox.running <= 1)
+                    await self._terminate(run)
             # Under gVisor the engine itself closes the stream soon after the main exits.
             await run.pump_done.wait()
         if run.pump_done.is_set():
@@ -424,19 +423,20 @@ class ExecDriver:
     async def kill(self, run: Run) -> None:
         sandbox = run.sandbox
         if sandbox.host_visible:
-            await self._terminate(run, alone=sandbox.running <= 1)
+            await self._terminate(run)
         else:
             await self.kill_inside(run)
 
-    async def _terminate(self, run: Run, *, alone: bool) -> None:
-        """TERM the command's processes, KILL what is left after the grace; count both."""
+    async def _terminate(self, run: Run) -> None:
+        """TERM the command's processes, KILL what is left after the grace; count both.
+        Whether it is alone in its sandbox is asked at each scan (`reaper.Alone`)."""
         sandbox = run.sandbox
         await run.channel.quiesce()
         termed, killed = await reaper.terminate(
             sandbox.cgroups,
             run.proc,
             sandbox.protected,
-            alone=alone,
+            alone=lambda: sandbox.running <= 1,
             grace_s=GRACE_S,
             roots=_roots(run.entry),
         )
@@ -480,9 +480,9 @@ def _only_protected(sandbox: Sandbox) -> bool:
     return all(pid in protected for pid in reaper.cgroup_pids(sandbox.cgroups))
 
 
-def _after_exit(sandbox: Sandbox, proc: str, alone: bool) -> tuple[bool, int]:
+def _after_exit(sandbox: Sandbox, proc: str) -> tuple[bool, int]:
     """After the main process: does anything of the command remain? And the OOM count."""
     left = sandbox.host_visible and bool(
-        reaper.targets(sandbox.cgroups, proc, sandbox.protected, alone)
+        reaper.targets(sandbox.cgroups, proc, sandbox.protected, sandbox.running <= 1)
     )
     return left, reaper.oom_kills(sandbox.cgroups)

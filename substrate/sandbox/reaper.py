@@ -40,7 +40,7 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -339,27 +339,51 @@ def _set_frozen(dirs: CgroupDirs, frozen: bool) -> bool:
     return True  # best effort: signals queued to a freezing task still land at thaw
 
 
-def _cgroup_kill(dirs: CgroupDirs, owner: str) -> None:
-    """Write the v2 `cgroup.kill` of command `owner`'s cgroup (when it has one)."""
+def _cgroup_kill(dirs: CgroupDirs, owner: str) -> bool:
+    """Write the v2 `cgroup.kill` of command `owner`'s cgroup; False when it has none."""
     where = commands_parent(dirs)
     if where is None or not where[1]:
-        return
+        return False
     try:
         (where[0] / (CMD_PREFIX + owner) / "cgroup.kill").write_bytes(b"1")
     except OSError:
-        return  # no such cgroup (never made, removed already)
+        return False  # no such cgroup (never made, removed already)
+    return True
+
+
+#: Whether no other command runs in the container: a bool, or a callable asked at the
+#: moment of each scan. Asked late on purpose: an engine exec's process is nobody's until
+#: it is moved into its command's cgroup, so a sweep that decided "alone" before another
+#: command started would take that command's new process for its own straggler.
+Alone = bool | Callable[[], bool]
+
+
+def is_alone(alone: Alone) -> bool:
+    """`alone` as it is now."""
+    return alone() if callable(alone) else alone
 
 
 def kill_round(
     dirs: CgroupDirs,
     owner: str | None,
     protected: frozenset[int],
-    alone: bool,
+    alone: Alone,
     *,
     roots: Collection[Hashable] = (),
 ) -> int:
-    """One frozen KILL sweep (blocking, milliseconds). Returns how many were signalled.
-    `owner` None: every unprotected process (`everything`)."""
+    """One KILL sweep (blocking, milliseconds). Returns how many were signalled.
+    `owner` None: every unprotected process (`everything`).
+
+    A command with a cgroup of its own is killed by its `cgroup.kill` (the kernel takes
+    what it forks meanwhile too) and its processes outside it by pid, the container left
+    running: freezing the whole container would also make the engine refuse an exec that
+    another command is starting at that moment ("paused container"). Without one, the
+    sweep freezes the container so that a forking command cannot outrun it."""
+    if owner is not None:
+        found = targets(dirs, owner, protected, is_alone(alone), roots=roots)
+        if _cgroup_kill(dirs, owner):
+            _signal_all(found, signal.SIGKILL)
+            return len(found)
     frozen = _set_frozen(dirs, True)
     try:
         if owner is None:
@@ -367,7 +391,7 @@ def kill_round(
             for whose in set(command_members(dirs).values()) if found else ():
                 _cgroup_kill(dirs, whose)
         else:
-            found = targets(dirs, owner, protected, alone, roots=roots)
+            found = targets(dirs, owner, protected, is_alone(alone), roots=roots)
             if found:
                 _cgroup_kill(dirs, owner)
         _signal_all(found, signal.SIGKILL)
@@ -382,7 +406,7 @@ async def terminate(
     owner: str,
     protected: frozenset[int],
     *,
-    alone: bool,
+    alone: Alone,
     grace_s: float,
     limiter: trio.CapacityLimiter | None = None,
     roots: Collection[Hashable] = (),
@@ -395,7 +419,7 @@ async def terminate(
     """
 
     def term() -> list[int]:
-        found = targets(dirs, owner, protected, alone, roots=roots)
+        found = targets(dirs, owner, protected, is_alone(alone), roots=roots)
         _signal_all(found, signal.SIGTERM)
         return found
 
