@@ -305,6 +305,13 @@ class LimitExceeded(Refusal):
     name = "limit_exceeded"
 
 
+class Draining(Refusal):
+    """The daemon is draining (`daemon.drain`, docs/deployment.md "Draining a node"): it
+    starts no new command or terminal session; those running finish. Try another node."""
+
+    name = "draining"
+
+
 class Internal(Refusal):
     """Our fault: an unexpected error. The message carries no file bytes or secrets."""
 

@@ -1,4 +1,4 @@
-"""Handlers of `daemon.status` and `daemon.info` (docs/protocol.md §9): what this daemon
+"""Handlers of `daemon.status`, `daemon.info` and `daemon.drain` (docs/protocol.md §9): what this daemon
 run is, its engine, where its terminals are served."""
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ from substrate import __version__
 from substrate.api.base import Caller, Handles
 from substrate.api.services import StatusServices
 from substrate.fs.state import StatePaths
-from substrate.schema.journal import InfoResult, StatusParams, StatusResult
+from substrate.schema.journal import (
+    DrainParams,
+    DrainResult,
+    InfoResult,
+    StatusParams,
+    StatusResult,
+)
 
 handles = Handles(StatusServices)
 
@@ -32,6 +38,8 @@ async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusRe
         rss_bytes=_measured(lambda: me.memory_info().rss),
         open_fds=_measured(me.num_fds),
         threads=_measured(me.num_threads),
+        draining=s.execution.processes.draining,
+        running=s.execution.processes.running,
     )
 
 
@@ -51,6 +59,26 @@ async def info(s: StatusServices, caller: Caller, p: StatusParams) -> InfoResult
         config=s.config.public(),
         profiles=s.profiles.listing(),
         engine=await s.execution.engine_status(),
+    )
+
+
+@handles("daemon.drain")
+async def drain(s: StatusServices, caller: Caller, p: DrainParams) -> DrainResult:
+    """Operator socket only. Sets the daemon draining (new commands and terminal sessions
+    are refused `draining`; `daemon.status` says `draining: true`, which fails the
+    readiness check of deploy/kubernetes) and waits up to `timeout_s` for the running
+    commands; `cancel` accepts commands again. Never kills a command."""
+    processes = s.execution.processes
+    started = time.monotonic()
+    if p.cancel:
+        processes.draining = False
+        running = processes.running
+    else:
+        running = await processes.drain(p.timeout_s)
+    return DrainResult(
+        draining=processes.draining,
+        running=running,
+        waited_s=round(time.monotonic() - started, 3),
     )
 
 

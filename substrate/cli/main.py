@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from substrate.cli import exec as cli_exec
+from substrate.cli import node as cli_node
 from substrate.cli import secret as cli_secret
 from substrate.cli.common import (
     STATE_DIR_HELP,
@@ -380,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_exec.add_commands(sub)
     cli_secret.add_commands(sub)
+    cli_node.add_commands(sub)
     return parser
 
 

@@ -94,6 +94,10 @@ class StatusResult(Result):
     epoch: int
     uptime_s: float
     engine: EngineStatus
+    #: True once `daemon.drain` was asked (until it is cancelled): no new command starts.
+    draining: bool
+    #: Commands running now (`proc.run` and `proc.start`, every workspace).
+    running: int
     #: HOST:PORT the terminal endpoint is bound to (the real port, also for `:0`);
     #: absent when terminals could not listen.
     listen: str | None = None
@@ -134,7 +138,32 @@ class InfoResult(Result, omit_defaults=False):
     engine: EngineStatus
 
 
+#: The longest a `daemon.drain` waits for running commands, seconds.
+MAX_DRAIN_S = 3600.0
+
+
+class DrainParams(Params):
+    #: How long to wait for the running commands to end, seconds (0: do not wait).
+    timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_DRAIN_S)] = 60.0
+    #: Accept new commands again (a drain called off); nothing is waited for.
+    cancel: bool = False
+
+
+class DrainResult(Result, omit_defaults=False):
+    draining: bool
+    #: Commands still running when the call returned (0: the node is idle).
+    running: int
+    waited_s: float
+
+
 method("daemon.status", StatusParams, StatusResult)
+method(
+    "daemon.drain",
+    DrainParams,
+    DrainResult,
+    operator_only=True,
+    doc="Start no new command or terminal session; wait (bounded) for the running ones.",
+)
 method(
     "daemon.info",
     StatusParams,

@@ -361,5 +361,6 @@ KIND_OF: dict[str, str] = {
     "cli/exec.py": "edge",
     "cli/doctor.py": "edge",
     "cli/secret.py": "edge",
+    "cli/node.py": "edge",
     "cli/common.py": "edge",
 }
