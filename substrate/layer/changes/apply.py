@@ -5,8 +5,10 @@ and hands each to the `Writer`: a file's new bytes are read from the upper layer
 (through its dir fd, never following a symlink, checked against `new_sha256`) and go
 through `Writer.apply_change` - policy (`write_deny`, `write_allow`, `require_approval`),
 the base re-checked under the commit lock, a same-directory temp file renamed over the
-target with the old owner (the workspace owner's for a new file), a journal entry - and
-a directory through `Writer.apply_dir`. Nothing here writes the checkout itself.
+target with the old owner (the workspace owner's for a new file), a journal entry - a
+directory through `Writer.batch.apply_dirs`, and a symlink through
+`Writer.batch.apply_links` (`links.apply_links`: `symlinkat` into a temp name, renamed
+over, the target never followed). Nothing here writes the checkout itself.
 
 Each change ends in one of five lists:
 - `applied`;

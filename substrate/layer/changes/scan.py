@@ -5,8 +5,10 @@ command wrote) and the lower (the checkout the command saw). The walk is iterati
 stack of relative paths, each directory reopened beneath its layer's root fd
 (`paths.open_dir`: no symlink is ever followed), so it holds two directory fds and one
 file fd at a time whatever the depth. Each upper entry is `lstat`ed, a regular file is
-hashed, and the lower entry of the same name likewise; `changeset.classify` says what
-the pair means. A deleted or hidden lower directory is listed whole (one delete per
+hashed, a symlink's target read (`readlinkat`, never followed; `links`), and the lower
+entry of the same name likewise; a link the profile's `symlinks` refuses, or whose
+target substrate will not make, is blocked whole (`links.refusal`) before anything of
+its path is classified; `changeset.classify` says what the pair means. A deleted or hidden lower directory is listed whole (one delete per
 file, bound to its digest, and one per directory, deepest first) because the guarded
 path removes files one by one. Once the set is in apply order, its first
 `MAX_PREVIEWS` file changes (all `changes.get` shows) get their `diff` preview, both

@@ -345,3 +345,14 @@ def test_a_recorded_temp_link_is_removed_at_start_never_its_target(env: Env) -> 
         os.close(fd)
     assert not os.path.lexists(env.root / name)
     assert (env.outside / "secret").read_text() == "outside\n"
+
+
+def test_rm_r_of_a_directory_holding_a_link_deletes_the_link_itself(env: Env) -> None:
+    os.symlink(str(env.outside), env.root / "d/sub/out")
+    os.mknod(env.upper / "d", 0o20000, os.makedev(0, 0))  # `rm -r d`: a whiteout
+    cs = env.scan()
+    assert ("d/sub/out", "delete", "symlink") in [(c.path, c.op, c.kind) for c in cs.changes]
+    result = env.apply(cs)
+    assert not result.conflicts and not result.blocked
+    assert not os.path.lexists(env.root / "d")
+    assert sorted(os.listdir(env.outside)) == ["secret"]
