@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from substrate.layer.changes import ApplyResult, ChangeSet, apply, links, scan
+from substrate.sandbox.profiles import ProfileError, load_profile
 from substrate.schema.profile import SymlinkMode
 from substrate.schema.workspace import Policy
 from substrate.store.journal import Journal
@@ -356,3 +357,34 @@ def test_rm_r_of_a_directory_holding_a_link_deletes_the_link_itself(env: Env) ->
     assert not result.conflicts and not result.blocked
     assert not os.path.lexists(env.root / "d")
     assert sorted(os.listdir(env.outside)) == ["secret"]
+
+
+# -- the profile key -----------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[3]
+LAYER = 'description = "test"\nworkspace = "layer"\nseccomp = "strict"\n'
+
+
+@pytest.mark.parametrize("mode", ["any", "inside", "none"])
+def test_a_layer_profile_declares_symlinks(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(LAYER + f'symlinks = "{mode}"\n')
+    assert load_profile(path, ROOT / "seccomp").symlinks == mode
+
+
+def test_symlinks_default_any_and_shipped_default_says_so() -> None:
+    assert load_profile(ROOT / "profiles" / "default.toml", ROOT / "seccomp").symlinks == "any"
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (LAYER + 'symlinks = "some"\n', "symlinks"),
+        (LAYER.replace('"layer"', '"rw"') + 'symlinks = "none"\n', "symlinks"),
+    ],
+)
+def test_bad_symlinks_is_refused(tmp_path: Path, text: str, why: str) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=why):
+        load_profile(path, ROOT / "seccomp")
