@@ -143,7 +143,9 @@ async def test_npm_style_relative_links_are_applied_and_usable(env: Env) -> None
 async def test_inside_blocks_an_absolute_link_and_none_blocks_all(env: Env) -> None:
     inside = await env.sh("ln -s /etc/passwd abs && ln -s src/app.py rel", profile="inside")
     changes = inside["changes"]
-    assert [(e["path"], e["reason"]) for e in changes.get("blocked", [])] == [("abs", "symlink")]
+    assert [(e["path"], e["kind"], e["reason"]) for e in changes.get("blocked", [])] == [
+        ("abs", "symlink", "symlink")
+    ]
     assert list(links_of(changes.get("applied", []))) == ["rel"]
     assert os.readlink(env.path / "rel") == "src/app.py"
     assert not lexists(env.path / "abs")
@@ -257,6 +259,12 @@ async def test_nothing_follows_the_links_once_they_are_in_the_checkout(env: Env)
         ("loop", "delete"),
         ("passwd2", "create"),
     ]
+    # A sandbox made now, with the links in the checkout: its mounts (the overlay, the
+    # read-only git parts found by a walk) never resolve through them.
+    fresh = await env.sh("ls -l; cat outdir/secret old.txt 2>&1; true", profile="inside")
+    assert fresh["exit_code"] == 0
+    assert "outdir ->" in fresh["stdout"]["inline"]
+    assert SECRET.strip() not in fresh["stdout"]["inline"]
     # An rw command and its reactive gate (a denied .env made and reverted): the gate
     # walks the checkout, never into `outdir`, whose .env is not the checkout's.
     gated = await env.sh("echo x > .env; true", profile="tiny")
