@@ -246,6 +246,10 @@ async def test_nothing_follows_the_links_once_they_are_in_the_checkout(env: Env)
             sha256=sha(data),
         )
     assert caught.value.refusal == "symlink_refused"
+    # A checkpoint made with the links present, and restored: nothing to put back.
+    later = await call("workspace.checkpoint", workspace=env.ws)
+    again = await call("workspace.restore", workspace=env.ws, checkpoint=later["checkpoint"])
+    assert not again.get("restored") and not again.get("conflicts")
     # A restore puts nothing back through a link: old.txt is one now.
     restored = await call(
         "workspace.restore", workspace=env.ws, checkpoint=checkpoint["checkpoint"]
