@@ -352,7 +352,7 @@ def _scan_apply(
     upper_fd = os.open(old.upper, _DIR_FLAGS)
     try:
         with ws.use():
-            changeset = scan(upper_fd, ws.root_fd)
+            changeset = scan(upper_fd, ws.root_fd, symlinks=layer.symlinks)
             kept, host_changed = host_edits.overtaken(
                 ws.root_fd, upper_fd, changeset, layer.began[1], layer.landed, layer.landed_dirs
             )
@@ -412,7 +412,8 @@ def summary(
     (and, kept for review, the changes awaiting `changes.apply`); `size`/`mode` of each
     change, never its diff (`changes.get` has that), and a conflict's artifact."""
     scan_blocked = [
-        ChangeEntry(path=b.path, reason=b.reason) for b in changeset.blocked[:MAX_CHANGE_ENTRIES]
+        ChangeEntry(path=b.path, reason=b.reason, kind="symlink" if b.kind == "symlink" else None)
+        for b in changeset.blocked[:MAX_CHANGE_ENTRIES]
     ]
     by_path = {c.path: c for c in changeset.changes}
     blocked = (entries(result.blocked, by_path) + scan_blocked)[:MAX_CHANGE_ENTRIES]

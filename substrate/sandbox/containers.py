@@ -379,7 +379,7 @@ class Containers:
         if profile.workspace != "layer":
             return None
         passthrough.check_policy(ws.policy, profile.passthrough)
-        return await self.layer_mounts.open(run.readonly, profile.passthrough)
+        return await self.layer_mounts.open(run.readonly, profile.passthrough, profile.symlinks)
 
     async def _request(
         self,

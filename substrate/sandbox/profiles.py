@@ -408,6 +408,13 @@ def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
     if p.passthrough and p.workspace != "layer":
         fail("passthrough", 'only a "layer" workspace has passthrough directories')
     passthrough.check_declared(p.passthrough, fail)
+    if p.symlinks != "any" and p.workspace != "layer":
+        # A sandbox writing the checkout itself makes its links there: nothing applies
+        # them, so a narrower setting would promise what it cannot keep.
+        fail(
+            "symlinks",
+            'only a "layer" workspace applies symlinks: say "any" or workspace = "layer"',
+        )
     for key, value in p.env.items():
         if not _ENV_KEY_RE.fullmatch(key):
             fail(f"env.{key}", "not a valid environment variable name")

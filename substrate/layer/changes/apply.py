@@ -5,8 +5,10 @@ and hands each to the `Writer`: a file's new bytes are read from the upper layer
 (through its dir fd, never following a symlink, checked against `new_sha256`) and go
 through `Writer.apply_change` - policy (`write_deny`, `write_allow`, `require_approval`),
 the base re-checked under the commit lock, a same-directory temp file renamed over the
-target with the old owner (the workspace owner's for a new file), a journal entry - and
-a directory through `Writer.apply_dir`. Nothing here writes the checkout itself.
+target with the old owner (the workspace owner's for a new file), a journal entry - a
+directory through `Writer.batch.apply_dirs`, and a symlink through
+`Writer.batch.apply_links` (`links.apply_links`: `symlinkat` into a temp name, renamed
+over, the target never followed). Nothing here writes the checkout itself.
 
 Each change ends in one of five lists:
 - `applied`;
@@ -36,7 +38,9 @@ import msgspec
 
 from substrate.errors import ApprovalRequired, PathDenied, Refusal
 from substrate.fs import fsops, paths
+from substrate.layer.changes import links
 from substrate.layer.changes.changeset import Change, ChangeSet, Op
+from substrate.layer.changes.links import apply_links
 from substrate.layer.changes.scan import MAX_FILE_BYTES
 from substrate.workspace import discoverable
 from substrate.workspace.policy import denying_rule
@@ -51,7 +55,7 @@ class Outcomes(msgspec.Struct, frozen=True, kw_only=True):
 
     path: str
     op: Op
-    kind: Literal["file", "dir"]
+    kind: Literal["file", "dir", "symlink"]
     outcome: Outcome
     #: Why it was not applied: a refusal name (`path_denied`, `stale_base`, ...) or
     #: `not_empty`, `layer_changed`.
@@ -60,7 +64,8 @@ class Outcomes(msgspec.Struct, frozen=True, kw_only=True):
     #: (outside every allowed glob) or `reserved` (substrate's temp-file prefix).
     rule: str | None = None
     plan_digest: str | None = None
-    #: A conflict's checkout digest now (None: absent, or not a file).
+    #: A conflict's checkout digest now (None: absent, or neither a file nor a link; a
+    #: link's is its target's, `links.digest`).
     current_sha256: str | None = None
     #: A conflict's version from the command: its path in the upper layer, left there.
     kept: str | None = None
@@ -75,15 +80,18 @@ class ApplyResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _current(ws: Workspace, parts: tuple[str, ...]) -> str | None:
-    """A conflict's checkout digest now: None when absent or not a regular file."""
+    """A conflict's checkout digest now: None when absent or not a regular file or a
+    symlink (whose digest is its target's: read, never followed)."""
     try:
         with paths.opened_dir(ws.root_fd, parts[:-1], "/".join(parts)) as parent:
             st = paths.lstat_at(parent, parts[-1])
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                return links.digest(links.read_target(parent, parts[-1]))
             if st is None or not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
                 return None
             _, data = fsops.read_regular(parent, parts[-1], MAX_FILE_BYTES, parts[-1])
             return hashlib.sha256(data).hexdigest()
-    except Refusal:
+    except (Refusal, OSError):
         return None
 
 
@@ -94,7 +102,7 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class _Upper:
     """The command's bytes of a change, read from the upper layer through dir fds (never
-    following a symlink); None when not a regular file of one link. Holds the last
+    following a symlink); None when not a regular file. Holds the last
     directory it read from (files come sorted by path) until `close`."""
 
     def __init__(self, upper_fd: int) -> None:
@@ -112,7 +120,9 @@ class _Upper:
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > MAX_FILE_BYTES:
+            # Several links are fine (hard links made in the sandbox: each name becomes
+            # a separate file); the bytes are checked against the digest scanned.
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
                 return None
             # One read of a byte more than its size: the batch checks the digest, so
             # bytes that grew or shrank since are refused there (`layer_changed`).
@@ -128,21 +138,24 @@ class _Upper:
             self._held = None
 
 
-#: The apply's phases, in order: file deletes, directory deletes (deepest first), new
-#: directories (shallowest first), files made or changed, directory modes (deepest
-#: first). Within a phase the set's order (`changeset.ordered`) holds.
+#: The apply's phases, in order: file deletes, symlink deletes, directory deletes
+#: (deepest first), new directories (shallowest first), files made or changed,
+#: symlinks made or replaced, directory modes (deepest first). Within a phase the
+#: set's order (`changeset.ordered`) holds.
 _PHASES = (
     ("delete", "file"),
+    ("delete", "symlink"),
     ("delete", "dir"),
     ("mkdir", "dir"),
     ("write", "file"),
+    ("write", "symlink"),
     ("chmod", "dir"),
 )
 _DIR_OPS: dict[str, DirOp] = {"delete": "rmdir", "mkdir": "mkdir", "chmod": "chmod"}
 
 
 def _phase(change: Change) -> int:
-    op = "write" if change.kind == "file" and change.op != "delete" else change.op
+    op = "write" if change.kind != "dir" and change.op != "delete" else change.op
     return _PHASES.index((op, change.kind))
 
 
@@ -186,7 +199,10 @@ def _conflict(ws: Workspace, change: Change, reason: str) -> Outcomes:
         outcome="conflict",
         reason=reason,
         current_sha256=_current(ws, tuple(change.path.split("/"))),
-        kept=change.path if change.op in ("create", "replace", "chmod") else None,
+        # A link's version is its target, in the entry: nothing to keep in the layer.
+        kept=change.path
+        if change.kind == "file" and change.op in ("create", "replace", "chmod")
+        else None,
     )
 
 
@@ -218,7 +234,9 @@ def apply(
         for (op, kind), indices in zip(_PHASES, by_phase, strict=True):
             if not indices:
                 continue
-            if kind == "file":
+            if kind == "symlink":
+                landings = apply_links(writer, ws, [changes[i] for i in indices], actor, dry_run)
+            elif kind == "file":
                 files = [
                     FileChange(c.path, c.base_sha256, c.new_sha256, c.size, c.mode)
                     for c in (changes[i] for i in indices)

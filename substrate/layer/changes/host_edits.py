@@ -154,7 +154,7 @@ def overtaken(
     check = _Overtaken(root_fd, upper_fd, since_ns, landed_dirs, made)
     hit: set[str] = set()
     for change in changeset.changes:
-        if change.kind == "file" and change.op in ("replace", "delete", "chmod"):
+        if change.kind != "dir" and change.op in ("replace", "delete", "chmod"):
             moved = _file_overtaken(root_fd, change, since_ns, landed)
         elif change.op == "mkdir":
             moved = check.made_over(change.path)

@@ -5,8 +5,10 @@ command wrote) and the lower (the checkout the command saw). The walk is iterati
 stack of relative paths, each directory reopened beneath its layer's root fd
 (`paths.open_dir`: no symlink is ever followed), so it holds two directory fds and one
 file fd at a time whatever the depth. Each upper entry is `lstat`ed, a regular file is
-hashed, and the lower entry of the same name likewise; `changeset.classify` says what
-the pair means. A deleted or hidden lower directory is listed whole (one delete per
+hashed, a symlink's target read (`readlinkat`, never followed; `links`), and the lower
+entry of the same name likewise; a link the profile's `symlinks` refuses, or whose
+target substrate will not make, is blocked whole (`links.refusal`) before anything of
+its path is classified; `changeset.classify` says what the pair means. A deleted or hidden lower directory is listed whole (one delete per
 file, bound to its digest, and one per directory, deepest first) because the guarded
 path removes files one by one. Once the set is in apply order, its first
 `MAX_PREVIEWS` file changes (all `changes.get` shows) get their `diff` preview, both
@@ -43,15 +45,18 @@ import msgspec
 
 from substrate.errors import NotADirectory, NotFound, Refusal, SymlinkRefused, TooLarge
 from substrate.fs import fsops, paths
+from substrate.layer.changes import links
 from substrate.layer.changes.changeset import (
     Blocked,
     Change,
     ChangeSet,
+    Op,
     Seen,
     SeenKind,
     classify,
     ordered,
 )
+from substrate.schema.profile import SymlinkMode
 from substrate.workspace import discoverable
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.gate.diff import display_rel
@@ -89,6 +94,7 @@ class _Budget:
     max_depth: int
     max_bytes: int
     max_path_bytes: int
+    symlinks: SymlinkMode = "any"
     max_text: int = MAX_PATH_TEXT
     entries: int = 0
     text: int = 0
@@ -173,6 +179,18 @@ def _seen(dir_fd: int, name: str, budget: _Budget, *, upper: bool) -> Seen | Non
                 opaque=_xattr(fd, OPAQUE_XATTR) == b"y",
                 overlay_feature=_feature(fd),
             )
+    if kind == "symlink":
+        try:
+            target = links.read_target(dir_fd, name)
+        except OSError:
+            return None  # gone (or replaced) since the lstat: the layer is quiet; nothing
+        return Seen(
+            kind="symlink",
+            mode=mode,
+            size=len(target),
+            sha256=links.digest(target),
+            target=target,
+        )
     if kind != "file":
         return Seen(kind=kind, mode=mode, nlink=st.st_nlink)
     fd = paths.open_regular(dir_fd, name, name)
@@ -310,6 +328,8 @@ def _delete_one(
         out.block(sub, seen.kind, "name_not_utf8")
     elif seen.kind == "dir":
         stack.append(sub)
+    elif seen.kind == "symlink":
+        out.changes.append(Change(path=rel, op="delete", kind="symlink", base_sha256=seen.sha256))
     elif seen.kind != "file":
         out.block(sub, seen.kind, f"deletes_{seen.kind}")
     elif seen.sha256 is None:
@@ -334,8 +354,13 @@ def scan(
     max_depth: int = MAX_DEPTH,
     max_bytes: int = MAX_BYTES,
     max_path_bytes: int = MAX_PATH_BYTES,
+    symlinks: SymlinkMode = "any",
 ) -> ChangeSet:
     """The change set the upper layer `upper_fd` makes of the checkout `lower_fd`.
+
+    A symlink the command made is a change (`kind: "symlink"`) when `symlinks` (the
+    profile's) lets it through and its target is one substrate makes; else it is
+    blocked whole with `links.refusal`'s reason, and what it would replace stays.
 
     Past a bound, the part past it is blocked by name (`too_deep`, `too_long`,
     `too_many`, `too_large`: see the module doc) and the rest scanned. Names that are
@@ -344,7 +369,7 @@ def scan(
     lower file it shadows, and a listing and hash of every lower tree it deletes; holds
     at most `max_entries` names and `MAX_PATH_TEXT` bytes of paths.
     """
-    budget = _Budget(max_entries, max_depth, max_bytes, max_path_bytes)
+    budget = _Budget(max_entries, max_depth, max_bytes, max_path_bytes, symlinks)
     out = _Out()
     stack: list[tuple[str, ...]] = [()]
     while stack:
@@ -445,6 +470,12 @@ def _visit(
     if not _utf8(rel):
         out.block(sub, upper.kind, "name_not_utf8")
         return
+    if upper.kind == "symlink":
+        assert upper.target is not None
+        refused = links.refusal(rel, upper.target, budget.symlinks)
+        if refused is not None:  # blocked whole: what it would replace stays
+            out.block(sub, "symlink", refused)
+            return
     lower = _seen(ldir, name, budget, upper=False) if ldir is not None else None
     verdict = classify(upper, lower)
     if verdict.blocked is not None:
@@ -464,6 +495,8 @@ def _visit(
                 out.changes.append(Change(path=rel, op="mkdir", kind="dir", mode=upper.mode))
             case "chmod" if upper.kind == "dir":
                 out.changes.append(Change(path=rel, op="chmod", kind="dir", mode=upper.mode))
+            case "create" | "replace" if upper.kind == "symlink":
+                out.changes.append(_link_change(rel, step, upper, lower))
             case "create" | "replace" | "chmod":
                 base = lower if step != "create" else None
                 if upper.sha256 is None or (base is not None and base.sha256 is None):
@@ -483,3 +516,20 @@ def _visit(
                 stack.append(sub)
             case "delete_absent":
                 pass  # the walk does it once the directory's upper names are known
+
+
+def _link_change(rel: str, op: Op, upper: Seen, lower: Seen | None) -> Change:
+    """The change making the link `upper` (its target checked by `links.refusal`) at
+    `rel`; a replace is bound to the lower link's digest."""
+    assert upper.target is not None
+    target = upper.target.decode("utf-8")
+    return Change(
+        path=rel,
+        op=op,
+        kind="symlink",
+        base_sha256=lower.sha256 if op == "replace" and lower is not None else None,
+        new_sha256=upper.sha256,
+        size=upper.size,
+        target=target,
+        escapes=links.escapes(rel, target),
+    )

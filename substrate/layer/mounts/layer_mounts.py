@@ -21,6 +21,7 @@ from substrate.layer.mounts import overlay, working_layer
 from substrate.layer.mounts.plan import layers_dir
 from substrate.layer.mounts.working_layer import WorkingLayer
 from substrate.schema.facts import FactValue
+from substrate.schema.profile import SymlinkMode
 
 log = logging.getLogger("substrate.layer.mounts.layer_mounts")
 
@@ -45,7 +46,10 @@ class LayerMounts:
         self._swept = trio.Event()
 
     async def open(
-        self, ro_dirs: list[tuple[str, tuple[int, int]]], passthrough_dirs: list[str]
+        self,
+        ro_dirs: list[tuple[str, tuple[int, int]]],
+        passthrough_dirs: list[str],
+        symlinks: SymlinkMode = "any",
     ) -> WorkingLayer:
         """Plan and prepare a sandbox's layer (`working_layer.open_layer`), once swept."""
         if self._state_dir is None:
@@ -56,6 +60,7 @@ class LayerMounts:
             self._state_dir,
             ro_dirs,
             passthrough_dirs,
+            symlinks,
             limiter=self._fs_limiter,
         )
 

@@ -34,6 +34,7 @@ from substrate.layer.generation import Users
 from substrate.layer.mounts import overlay, passthrough
 from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
 from substrate.schema.facts import FactValue
+from substrate.schema.profile import SymlinkMode
 
 log = logging.getLogger("substrate.layer.mounts.working_layer")
 
@@ -49,6 +50,8 @@ class WorkingLayer:
     plan: LayerPlan  # the generation mounted now
     #: The profile's passthrough dirs; each generation binds those that exist then.
     passthrough: tuple[str, ...] = ()
+    #: The profile's `symlinks`: which links its generations' change sets apply.
+    symlinks: SymlinkMode = "any"
     #: The facts every generation must show, apart from its identities.
     required: Mapping[str, FactValue] = field(default_factory=dict)
     closed: bool = False  # torn down: nothing may be mounted on the base again
@@ -91,12 +94,13 @@ def open_layer(
     state_dir: str,
     readonly: Sequence[tuple[str, tuple[int, int]]],
     passthrough_dirs: Sequence[str] = (),
+    symlinks: SymlinkMode = "any",
 ) -> WorkingLayer:
     """Plan generation 0 of a new layer (a fresh random id) and `overlay.prepare` it: the
     base exists, shared, with nothing mounted on it. Refuses as `plan.plan` does."""
     p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly)
     overlay.prepare(p)
-    return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs))
+    return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs), symlinks=symlinks)
 
 
 def mount_first(layer: WorkingLayer, root_fd: int) -> None:

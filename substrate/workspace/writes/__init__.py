@@ -35,7 +35,8 @@ How a byte reaches the checkout, one write (`writer.Writer`), in order:
 
 An upload (`upload.UploadWriter`) takes the same steps with its bytes streamed from the
 spool and hashed again on the way. A change set (`writer.BatchWriter`, `Writer.batch`)
-takes them per file (`batch_files`) and per directory step (`batch_dirs`) over one
+takes them per file (`batch_files`), per directory step (`batch_dirs`) and per
+symlink (`batch_links`: made with `symlinkat` into a temp name, renamed over) over one
 frame (`batch`): plan each change, record all temp files and intents in one
 transaction, write the temp files and make them durable with one `syncfs`, then under
 the lock re-check and rename each (a new file never over one made since:
@@ -64,6 +65,7 @@ from substrate.workspace.writes.base import Current
 from substrate.workspace.writes.batch import Landing
 from substrate.workspace.writes.batch_dirs import DirChange
 from substrate.workspace.writes.batch_files import FileChange
+from substrate.workspace.writes.batch_links import LinkChange, link_digest
 from substrate.workspace.writes.drift import WRITE_KINDS, drift_report
 from substrate.workspace.writes.intents import Intent, Intents
 from substrate.workspace.writes.plan import MAX_PATCH_FILE, DirOp, Op, plan_digest
@@ -83,10 +85,12 @@ __all__ = [
     "Intent",
     "Intents",
     "Landing",
+    "LinkChange",
     "Op",
     "TempFiles",
     "UploadWriter",
     "Writer",
     "drift_report",
+    "link_digest",
     "plan_digest",
 ]

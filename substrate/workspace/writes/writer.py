@@ -82,6 +82,7 @@ from substrate.workspace.preview import unified_preview
 from substrate.workspace.writes.base import Current, open_parent, read_current
 from substrate.workspace.writes.batch_dirs import DirBatches
 from substrate.workspace.writes.batch_files import FileBatches, FileChange
+from substrate.workspace.writes.batch_links import LinkBatches
 from substrate.workspace.writes.intents import Intent, Pending
 from substrate.workspace.writes.plan import (
     DEFAULT_DIR_MODE,
@@ -204,9 +205,10 @@ def _plan(
         raise
 
 
-class BatchWriter(FileBatches, DirBatches):
-    """Applies change sets' files (`apply_files`, `batch_files`) and directories
-    (`apply_dirs`, `batch_dirs`) in batches over one shared frame (`batch`)."""
+class BatchWriter(FileBatches, DirBatches, LinkBatches):
+    """Applies change sets' files (`apply_files`, `batch_files`), directories
+    (`apply_dirs`, `batch_dirs`) and symlinks (`apply_links`, `batch_links`) in batches
+    over one shared frame (`batch`)."""
 
 
 class Writer:
