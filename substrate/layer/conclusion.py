@@ -367,14 +367,16 @@ def _scan_apply(
                 state: Literal["pending", "applying"] = "pending" if review else "applying"
                 versioned = [o.path for o in host_changed if o.kept is not None]
                 cs_id = changesets.record(
-                    ws, old.generation, old.upper, old.work, to_keep, state, versioned
+                    ws, old.generation, old.upper, old.work, to_keep, state, versioned, actor
                 )
             result = ApplyResult() if review else apply(writer, ws, upper_fd, kept, actor)
             if changesets is not None and cs_id is not None:
                 row = changesets.keep_versions(cs_id, upper_fd, result.conflicts)
                 versions = row.versions
                 if not review:
-                    changesets.finish(cs_id, ws, old.generation, result, "changes.applied")
+                    changesets.finish(
+                        cs_id, ws, old.generation, result, "changes.applied", actor=actor
+                    )
         done = {o.path for o in (*result.applied, *result.unchanged)}
         landed = [c for c in kept.changes if c.path in done]
         layer.landed = {c.path: c.new_sha256 for c in landed if c.new_sha256 is not None}

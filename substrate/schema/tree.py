@@ -295,6 +295,7 @@ KIND_OF: dict[str, str] = {
     "layer/changes/scan.py": "I/O",
     "layer/changes/host_edits.py": "I/O",
     "layer/changes/apply.py": "I/O",
+    "layer/changes/blocked.py": "pure",
     "layer/changes/store.py": "I/O",
     "layer/changes/versions.py": "I/O",
     "layer/keep.py": "glue",

@@ -1,0 +1,129 @@
+"""What did not land, named in the journal: a change set's `changes.blocked` entries
+(docs/working-layer.md, "Journal"; docs/protocol.md §8).
+
+Theory of operation. A change set's summary entry (`changes.applied`, `changes.kept`,
+`changes.recovered`) counts what became of its changes; an operator also needs to see
+*which* paths did not land and why. `drafts` makes one `changes.blocked` entry per path
+that did not land — blocked by the policy or the scan, pending approval, or in conflict
+(the host's edit kept) — naming the path (`root_id:relative/path`), its `op` and `kind`,
+its `outcome`, the `reason` (a refusal name or the scan's reason), the policy `rule` and,
+for a pending change, the `plan_digest` an operator grants. Never bytes, and never a
+digest of the command's bytes: a denied path (a `.env`) may hold a secret, and a digest
+of a short secret confirms a guess of it. The caller appends them in the transaction of
+the set's summary entry, so the journal never holds one without the other.
+
+Bounded: at most `MAX_NAMED` paths per act; past that one more entry carries how many of
+each outcome were left unnamed (`more`), whatever the set's size. `without_denied_previews`
+keeps the preview of a denied path's bytes out of the kept set (the state database) for
+the same reason. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import msgspec
+
+from substrate.layer.changes.apply import ApplyResult, Outcomes
+from substrate.layer.changes.changeset import Blocked, ChangeSet
+from substrate.store.journal import Draft
+from substrate.workspace.policy import CompiledPolicy
+
+KIND = "changes.blocked"
+#: At most this many paths named per set and act (an apply, a review, a recovery); the
+#: rest are counted in one more entry. The results' lists have the same bound.
+MAX_NAMED = 1000
+#: A scan's reason that the result lists as a conflict: the host changed the file.
+HOST_CHANGED = "host_changed"
+
+Outcome = Literal["blocked", "pending", "conflict"]
+
+
+def _display(rel: str) -> str:
+    """A name read from the disk carries bytes that are not UTF-8 as surrogates: they are
+    journaled `\\xNN` (docs/protocol.md §8)."""
+    return rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _named(
+    result: ApplyResult, scanned: Iterable[Blocked]
+) -> Iterator[tuple[Outcome, dict[str, Any]]]:
+    """Each path that did not land, in the result's order: the policy's blocks, the
+    scan's, the pending changes, then the conflicts (the host's edits last)."""
+
+    def of(o: Outcomes) -> dict[str, Any]:
+        return {"path": o.path, "op": o.op, "kind": o.kind, "reason": o.reason, "rule": o.rule}
+
+    for o in result.blocked:
+        yield "blocked", of(o)
+    held: list[Blocked] = []
+    for b in scanned:
+        if b.reason == HOST_CHANGED:
+            held.append(b)
+            continue
+        yield "blocked", {"path": b.path, "op": None, "kind": b.kind, "reason": b.reason}
+    for o in result.pending:
+        yield "pending", {**of(o), "plan_digest": o.plan_digest}
+    for o in result.conflicts:
+        yield "conflict", of(o)
+    for b in held:
+        yield "conflict", {"path": b.path, "op": None, "kind": b.kind, "reason": b.reason}
+
+
+def drafts(
+    root_id: str,
+    workspace: str,
+    actor: str,
+    changeset: str,
+    generation: int,
+    result: ApplyResult,
+    scanned: Iterable[Blocked] = (),
+) -> list[Draft]:
+    """The `changes.blocked` entries of set `changeset` (of `generation`): one per path of
+    `result` (an apply's outcomes) and `scanned` (the set's own blocked list: the scan's
+    refusals and the host's edits) that did not land, at most `MAX_NAMED`, then one with
+    the counts of the rest (`more`, and per outcome). Each holds `changeset`,
+    `generation`, `path` (`root_id:relative/path`), `op` (null for what the scan
+    blocked), `kind`, `outcome` (`blocked`, `pending`, `conflict`), `reason`, `rule`
+    (null when no policy rule) and `plan_digest` (a pending change's, else null). Costs
+    a dict per path named, a count per path past them."""
+    out: list[Draft] = []
+    rest: dict[str, int] = {"blocked": 0, "pending": 0, "conflict": 0}
+    for outcome, fields in _named(result, scanned):
+        if len(out) >= MAX_NAMED:
+            rest[outcome] += 1
+            continue
+        data = {
+            "changeset": changeset,
+            "generation": generation,
+            "path": f"{root_id}:{_display(fields['path'])}",
+            "op": fields["op"],
+            "kind": fields["kind"],
+            "outcome": outcome,
+            "reason": fields["reason"],
+            "rule": fields.get("rule"),
+            "plan_digest": fields.get("plan_digest"),
+        }
+        out.append(Draft(KIND, data, workspace, actor))
+    more = sum(rest.values())
+    if more:
+        counted = {"changeset": changeset, "generation": generation, "more": more, **rest}
+        out.append(Draft(KIND, counted, workspace, actor))
+    return out
+
+
+def without_denied_previews(changeset: ChangeSet, policy: CompiledPolicy) -> ChangeSet:
+    """`changeset` with no diff preview (`diff` empty, `diff_truncated`) for a path
+    `policy` does not let be written: it never lands, and its bytes (a secret in a
+    `.env`) stay in the layer only, never in the state database where the kept set is
+    recorded. Pure; the set itself when no change is denied."""
+    changes = tuple(
+        c
+        if not c.diff or policy.may_write(c.path)
+        else msgspec.structs.replace(c, diff="", diff_truncated=True)
+        for c in changeset.changes
+    )
+    if all(a is b for a, b in zip(changes, changeset.changes, strict=True)):
+        return changeset
+    return msgspec.structs.replace(changeset, changes=changes)
