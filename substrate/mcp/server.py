@@ -7,7 +7,10 @@ connection is closed after `idle_timeout_s`). A tool call is one daemon call
 (`substrate.mcp.tools`), its arguments passed as given with the default workspace
 filled in and counts clamped; the daemon validates and refuses. A refusal becomes a
 tool error (`isError`) carrying `{refusal, code, message, data}`, never a protocol
-error or a crash; a result is cut to the size limit (`substrate.mcp.bounds`).
+error or a crash; a result is cut to the size limit (`substrate.mcp.bounds`). Its text
+is its JSON, but a finished command's (`proc_run`, `proc_wait`), which reads as text
+(`substrate.protocol.proc_text`: exit code, output tails, changes, blocked paths) beside the JSON
+as structured content.
 `proc_output` subscribes on a connection of its own (`substrate.mcp.output`).
 Artifacts are resources (`substrate.mcp.resources`). A call that names a progress token
 (`_meta.progressToken`) gets a progress notification every `PROGRESS_INTERVAL_S` while
@@ -51,6 +54,7 @@ from substrate.mcp.tools import (
     unknown_fields,
 )
 from substrate.protocol.client import AsyncClient, ConnectionLost, RpcError, open_client
+from substrate.protocol.proc_text import is_proc_result, proc_text
 from substrate.schema import METHODS
 
 log = logging.getLogger("substrate.mcp")
@@ -241,6 +245,9 @@ class Bridge:
         for seen in resources.artifacts_in(value):
             self.seen.add(seen)
         value, text = bounds.fit(value, tool.fit, limit)
+        if tool.fit == "proc" and is_proc_result(value):
+            # What a model reads first; the whole result stays the structured content.
+            text = proc_text(value).encode("utf-8", "surrogatepass")
         return _text_result(value, text, error=False)
 
     async def _proc_output(self, args: dict[str, Any]) -> Any:

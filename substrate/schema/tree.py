@@ -189,6 +189,7 @@ KIND_OF: dict[str, str] = {
     "protocol/server.py": "edge",
     "protocol/client.py": "edge",
     "protocol/stream_json.py": "sans-IO",
+    "protocol/proc_text.py": "pure",
     "store/": "",
     "store/db.py": "I/O",
     "store/group.py": "I/O",
