@@ -4,8 +4,8 @@
 Theory of operation. A change set's summary entry (`changes.applied`, `changes.kept`,
 `changes.recovered`) counts what became of its changes; an operator also needs to see
 *which* paths did not land and why. `drafts` makes one `changes.blocked` entry per path
-that did not land — blocked by the policy or the scan, pending approval, or in conflict
-(the host's edit kept) — naming the path (`root_id:relative/path`), its `op` and `kind`,
+that did not land — blocked by the policy, the scan or the passthrough walk, pending
+approval, or in conflict (the host's edit kept) — naming the path (`root_id:relative/path`), its `op` and `kind`,
 its `outcome`, the `reason` (a refusal name or the scan's reason), the policy `rule` and,
 for a pending change, the `plan_digest` an operator grants. Never bytes, and never a
 digest of the command's bytes: a denied path (a `.env`) may hold a secret, and a digest
@@ -36,6 +36,8 @@ KIND = "changes.blocked"
 MAX_NAMED = 1000
 #: A scan's reason that the result lists as a conflict: the host changed the file.
 HOST_CHANGED = "host_changed"
+#: The rule of what the passthrough walk found (`layer.mounts.passthrough_scan`).
+PASSTHROUGH = "passthrough"
 
 Outcome = Literal["blocked", "pending", "conflict"]
 
@@ -47,10 +49,11 @@ def _display(rel: str) -> str:
 
 
 def _named(
-    result: ApplyResult, scanned: Iterable[Blocked]
+    result: ApplyResult, scanned: Iterable[Blocked], found: Iterable[tuple[str, str]]
 ) -> Iterator[tuple[Outcome, dict[str, Any]]]:
     """Each path that did not land, in the result's order: the policy's blocks, the
-    scan's, the pending changes, then the conflicts (the host's edits last)."""
+    scan's, the passthrough walk's, the pending changes, then the conflicts (the host's
+    edits last)."""
 
     def of(o: Outcomes) -> dict[str, Any]:
         return {"path": o.path, "op": o.op, "kind": o.kind, "reason": o.reason, "rule": o.rule}
@@ -63,6 +66,11 @@ def _named(
             held.append(b)
             continue
         yield "blocked", {"path": b.path, "op": None, "kind": b.kind, "reason": b.reason}
+    for path, reason in found:
+        yield (
+            "blocked",
+            {"path": path, "op": None, "kind": None, "reason": reason, "rule": PASSTHROUGH},
+        )
     for o in result.pending:
         yield "pending", {**of(o), "plan_digest": o.plan_digest}
     for o in result.conflicts:
@@ -75,22 +83,25 @@ def drafts(
     root_id: str,
     workspace: str,
     actor: str,
-    changeset: str,
+    changeset: str | None,
     generation: int,
     result: ApplyResult,
     scanned: Iterable[Blocked] = (),
+    found: Iterable[tuple[str, str]] = (),
 ) -> list[Draft]:
-    """The `changes.blocked` entries of set `changeset` (of `generation`): one per path of
-    `result` (an apply's outcomes) and `scanned` (the set's own blocked list: the scan's
-    refusals and the host's edits) that did not land, at most `MAX_NAMED`, then one with
-    the counts of the rest (`more`, and per outcome). Each holds `changeset`,
-    `generation`, `path` (`root_id:relative/path`), `op` (null for what the scan
-    blocked), `kind`, `outcome` (`blocked`, `pending`, `conflict`), `reason`, `rule`
-    (null when no policy rule) and `plan_digest` (a pending change's, else null). Costs
-    a dict per path named, a count per path past them."""
+    """The `changes.blocked` entries of set `changeset` (of `generation`; None: the
+    generation kept no set): one per path of `result` (an apply's outcomes), `scanned`
+    (the set's own blocked list: the scan's refusals and the host's edits) and `found`
+    (`(path, reason)` of the passthrough walk: rule `passthrough`) that did not land, at
+    most `MAX_NAMED`, then one with the counts of the rest (`more`, and per outcome).
+    Each holds `changeset`, `generation`, `path` (`root_id:relative/path`), `op` (null
+    for what the scan or the walk blocked), `kind`, `outcome` (`blocked`, `pending`,
+    `conflict`), `reason`, `rule` (null when no policy rule) and `plan_digest` (a
+    pending change's, else null). Costs a dict per path named, a count per path past
+    them."""
     out: list[Draft] = []
     rest: dict[str, int] = {"blocked": 0, "pending": 0, "conflict": 0}
-    for outcome, fields in _named(result, scanned):
+    for outcome, fields in _named(result, scanned, found):
         if len(out) >= MAX_NAMED:
             rest[outcome] += 1
             continue

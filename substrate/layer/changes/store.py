@@ -282,9 +282,7 @@ class Changesets:
                 left = blocked.drafts(
                     ws.root_id, ws.id, actor, kept.id, kept.generation, result, scanned
                 )
-                if left:
-                    with self._store.transaction() as db:
-                        self._journal.append_many_in(db, left)
+                self.append_named(left)
             if whole:  # applied before; pending changes may have been approved since
                 kept = self._settle(kept, result)
             return kept, result, unmatched
@@ -322,6 +320,13 @@ class Changesets:
             )
             self._journal.append_many_in(db, [Draft(kind, summary, ws.id), *named])
         return self._settle(dataclasses.replace(kept, state="applied", updated=now), result)
+
+    def append_named(self, drafts: list[Draft]) -> None:
+        """Append `changes.blocked` entries (`blocked.drafts`) in one transaction (none:
+        nothing). Costs one transaction."""
+        if drafts:
+            with self._store.transaction() as db:
+                self._journal.append_many_in(db, drafts)
 
     def keep_versions(self, cs_id: str, upper_fd: int, conflicts: Iterable[Outcomes]) -> Kept:
         """Keep the command's version of each of `conflicts` (read from `upper_fd`, the

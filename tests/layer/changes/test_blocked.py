@@ -100,3 +100,15 @@ def test_a_denied_path_keeps_no_preview_of_its_bytes() -> None:
     assert kept.changes[1] is ok
     clean = ChangeSet(changes=(ok,))
     assert without_denied_previews(clean, policy) is clean
+
+
+def test_what_the_passthrough_walk_found_is_named_with_its_rule() -> None:
+    found = [("node_modules/run", "setid"), ("node_modules/pipe", "fifo")]
+    made = drafts("p", "ws", "agent:1", None, 2, ApplyResult(), found=found)
+    assert [(d.data["path"], d.data["reason"], d.data["rule"]) for d in made] == [
+        ("p:node_modules/run", "setid", "passthrough"),
+        ("p:node_modules/pipe", "fifo", "passthrough"),
+    ]
+    assert {(d.data["changeset"], d.data["op"], d.data["outcome"]) for d in made} == {
+        (None, None, "blocked")
+    }
