@@ -21,6 +21,7 @@ the same reason. Pure.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from typing import Any, Literal
 
 import msgspec
@@ -48,35 +49,55 @@ def _display(rel: str) -> str:
     return rel.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+#: One path that did not land, as its list holds it: an apply's outcome, a scan's block,
+#: or a passthrough finding `(path, reason)`.
+_Source = Outcomes | Blocked | tuple[str, str]
+
+
 def _named(
     result: ApplyResult, scanned: Iterable[Blocked], found: Iterable[tuple[str, str]]
-) -> Iterator[tuple[Outcome, dict[str, Any]]]:
+) -> Iterator[tuple[Outcome, _Source]]:
     """Each path that did not land, in the result's order: the policy's blocks, the
     scan's, the passthrough walk's, the pending changes, then the conflicts (the host's
-    edits last)."""
-
-    def of(o: Outcomes) -> dict[str, Any]:
-        return {"path": o.path, "op": o.op, "kind": o.kind, "reason": o.reason, "rule": o.rule}
-
-    for o in result.blocked:
-        yield "blocked", of(o)
+    edits last). Nothing is built here: past the cap a path is only counted."""
     held: list[Blocked] = []
+    yield from (("blocked", o) for o in result.blocked)
     for b in scanned:
         if b.reason == HOST_CHANGED:
             held.append(b)
-            continue
-        yield "blocked", {"path": b.path, "op": None, "kind": b.kind, "reason": b.reason}
-    for path, reason in found:
-        yield (
-            "blocked",
-            {"path": path, "op": None, "kind": None, "reason": reason, "rule": PASSTHROUGH},
-        )
-    for o in result.pending:
-        yield "pending", {**of(o), "plan_digest": o.plan_digest}
-    for o in result.conflicts:
-        yield "conflict", of(o)
-    for b in held:
-        yield "conflict", {"path": b.path, "op": None, "kind": b.kind, "reason": b.reason}
+        else:
+            yield "blocked", b
+    yield from (("blocked", f) for f in found)
+    yield from (("pending", o) for o in result.pending)
+    yield from (("conflict", o) for o in result.conflicts)
+    yield from (("conflict", b) for b in held)
+
+
+def _fields(source: _Source) -> dict[str, Any]:
+    """`path`, `op`, `kind`, `reason`, `rule`, `plan_digest` of one path."""
+    match source:
+        case Outcomes():
+            return {
+                "path": source.path,
+                "op": source.op,
+                "kind": source.kind,
+                "reason": source.reason,
+                "rule": source.rule,
+                "plan_digest": source.plan_digest if source.outcome == "pending" else None,
+            }
+        case Blocked():
+            kind: str | None = source.kind
+            path, reason, rule = source.path, source.reason, None
+        case (path, reason):
+            kind, rule = None, PASSTHROUGH
+    return {
+        "path": path,
+        "op": None,
+        "kind": kind,
+        "reason": reason,
+        "rule": rule,
+        "plan_digest": None,
+    }
 
 
 def drafts(
@@ -97,14 +118,19 @@ def drafts(
     Each holds `changeset`, `generation`, `path` (`root_id:relative/path`), `op` (null
     for what the scan or the walk blocked), `kind`, `outcome` (`blocked`, `pending`,
     `conflict`), `reason`, `rule` (null when no policy rule) and `plan_digest` (a
-    pending change's, else null). Costs a dict per path named, a count per path past
-    them."""
+    pending change's, else null). Costs a dict per path named; past them, a look at
+    each scanned block's reason."""
+    scanned, found = tuple(scanned), tuple(found)
+    held = sum(1 for b in scanned if b.reason == HOST_CHANGED)
+    rest = {  # what is left unnamed, counted down as paths are named
+        "blocked": len(result.blocked) + len(scanned) - held + len(found),
+        "pending": len(result.pending),
+        "conflict": len(result.conflicts) + held,
+    }
     out: list[Draft] = []
-    rest: dict[str, int] = {"blocked": 0, "pending": 0, "conflict": 0}
-    for outcome, fields in _named(result, scanned, found):
-        if len(out) >= MAX_NAMED:
-            rest[outcome] += 1
-            continue
+    for outcome, source in islice(_named(result, scanned, found), MAX_NAMED):
+        rest[outcome] -= 1
+        fields = _fields(source)
         data = {
             "changeset": changeset,
             "generation": generation,
@@ -113,8 +139,8 @@ def drafts(
             "kind": fields["kind"],
             "outcome": outcome,
             "reason": fields["reason"],
-            "rule": fields.get("rule"),
-            "plan_digest": fields.get("plan_digest"),
+            "rule": fields["rule"],
+            "plan_digest": fields["plan_digest"],
         }
         out.append(Draft(KIND, data, workspace, actor))
     more = sum(rest.values())
