@@ -78,8 +78,11 @@ Read a file (fs_read) to get its sha256, then write or patch it bound to that ba
 (stale_base, with current_sha256) and nothing is written: read again. dry_run shows
 the diff and plan_digest first. Commands take argv lists (no shell) and an operator
 profile; large output is an artifact: read it with artifact_read/lines/grep or the
-resource substrate://artifact/<id>. Refusals come back as tool errors naming the
-refusal. Results are bounded; `elided` says what was cut and where the rest is."""
+resource substrate://artifact/<id>. A finished command's text is its exit code, the
+tails of its output and each changed path that did not land (blocked by the policy,
+pending approval, in conflict with a host edit); its whole result is the structured
+content. Refusals come back as tool errors naming the refusal. Results are bounded;
+`elided` says what was cut and where the rest is."""
 
 
 @dataclass(frozen=True)
