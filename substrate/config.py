@@ -62,6 +62,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     line_timeout_s: float = 10.0  # a started request line must end within this
     idle_timeout_s: float = 600.0  # a connection with nothing in flight closes after this
     max_processes: int = 64  # running processes per daemon
+    #: the profile of a proc.run/proc.start that names none (shipped: `default`)
+    default_profile: str = "default"
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
     #: commands start through each sandbox's own supervisor (docs/fast-exec.md); false:
     #: every command is an engine exec (no supervisor, no supervisor directory bound)

@@ -80,6 +80,7 @@ from substrate.layer.changes import (
     scan,
     upper_holds_changes,
 )
+from substrate.layer.changes.blocked import drafts as blocked_drafts
 from substrate.layer.changes.versions import Versions
 from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
 from substrate.layer.mounts.plan import LayerPlan
@@ -149,7 +150,8 @@ async def conclude(
     failure is the summary's `error`. Call it shielded. Cost: two to four mount calls,
     one observation, and the scan and apply (a read and hash per changed file, two
     fsyncs per applied file) or the removal; with passthrough dirs bound, their walk
-    (`passthrough_scan.inspect`), whose findings join `blocked` (`rule: "passthrough"`)."""
+    (`passthrough_scan.inspect`), whose findings join `blocked` (`rule: "passthrough"`)
+    and are journaled `changes.blocked`, in a transaction after the set's."""
     layer = sandbox.layer
     found: list[passthrough_scan.Finding] = []
     if layer is not None and layer.plan.passthrough:
@@ -162,8 +164,20 @@ async def conclude(
         ChangeEntry(path=f.path, reason=f.reason, rule="passthrough", mode=f.mode) for f in found
     ]
     counts = msgspec.structs.replace(changes.counts, blocked=changes.counts.blocked + len(found))
-    blocked = (changes.blocked + extra)[:MAX_CHANGE_ENTRIES]
-    return msgspec.structs.replace(changes, blocked=blocked, counts=counts)
+    listed = (changes.blocked + extra)[:MAX_CHANGE_ENTRIES]
+    if changesets is not None:  # named in the journal too, after the set's own entries
+        ws = req.ws
+        named = blocked_drafts(
+            ws.root_id,
+            ws.id,
+            req.actor,
+            changes.changeset,
+            changes.generation,
+            ApplyResult(),
+            found=[(f.path, f.reason) for f in found],
+        )
+        await trio.to_thread.run_sync(changesets.append_named, named, limiter=limiter)
+    return msgspec.structs.replace(changes, blocked=listed, counts=counts)
 
 
 def _inspect_passthrough(
@@ -367,14 +381,16 @@ def _scan_apply(
                 state: Literal["pending", "applying"] = "pending" if review else "applying"
                 versioned = [o.path for o in host_changed if o.kept is not None]
                 cs_id = changesets.record(
-                    ws, old.generation, old.upper, old.work, to_keep, state, versioned
+                    ws, old.generation, old.upper, old.work, to_keep, state, versioned, actor
                 )
             result = ApplyResult() if review else apply(writer, ws, upper_fd, kept, actor)
             if changesets is not None and cs_id is not None:
                 row = changesets.keep_versions(cs_id, upper_fd, result.conflicts)
                 versions = row.versions
                 if not review:
-                    changesets.finish(cs_id, ws, old.generation, result, "changes.applied")
+                    changesets.finish(
+                        cs_id, ws, old.generation, result, "changes.applied", actor=actor
+                    )
         done = {o.path for o in (*result.applied, *result.unchanged)}
         landed = [c for c in kept.changes if c.path in done]
         layer.landed = {c.path: c.new_sha256 for c in landed if c.new_sha256 is not None}

@@ -132,8 +132,9 @@ class StartParams(Params):
     `stdin_b64`, is written to it, then EOF; neither: no stdin is attached."""
 
     workspace: WorkspaceId
-    profile: ProfileName
     argv: list[str]
+    #: the operator's profile to run under; absent: the daemon's `default_profile`
+    profile: ProfileName | None = None
     cwd: RelPath = "."
     stdin: str | None = None  # UTF-8 text fed to the command, then EOF; or "stream"
     stdin_b64: str | None = None  # or bytes, base64 (not both)
