@@ -179,6 +179,7 @@ KIND_OF: dict[str, str] = {
     "schema/document.py": "pure",
     "schema/reference.py": "pure",
     "schema/openrpc.py": "pure",
+    "schema/typescript.py": "pure",
     "schema/tree.py": "I/O",
     "schema/regions.py": "pure",
     "schema/__main__.py": "I/O",
