@@ -278,6 +278,7 @@ KIND_OF: dict[str, str] = {
     "egress/upstream.py": "pure",
     "egress/ledger.py": "pure",
     "egress/pipindex.py": "edge",
+    "egress/npmregistry.py": "edge",
     "egress/cabundle.py": "I/O",
     "egress/splice.py": "kernel",
     "egress/proxy.py": "edge",
