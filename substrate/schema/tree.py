@@ -278,7 +278,6 @@ KIND_OF: dict[str, str] = {
     "egress/upstream.py": "pure",
     "egress/ledger.py": "pure",
     "egress/pipindex.py": "edge",
-    "egress/npmregistry.py": "edge",
     "egress/cabundle.py": "I/O",
     "egress/splice.py": "kernel",
     "egress/proxy.py": "edge",

@@ -563,7 +563,7 @@ export interface Profile {
   passthrough?: string[];
   /** "none": lo only, no routes; "egress": the same, plus the daemon's allow-listing proxy on 127.0.0.1:3128 inside the sandbox (docs/egress.md; runc only). */
   network?: "egress" | "none";
-  /** "egress" only: host names the proxy lets through (ports 80 and 443): "host", "*.example" (any name beneath), "@pip-index" (this host's pip index) and "@npm-registry" (the registries this host's npm names), both resolved at load. */
+  /** "egress" only: host names the proxy lets through (ports 80 and 443): "host", "*.example" (any name beneath), "@pip-index" (this host's pip index, resolved at load). */
   egress_allow?: string[];
   /** "egress" only: a CA bundle mounted read-only in the sandbox (and named by SSL_CERT_FILE etc.): "" none, "host" the host's system bundle, or an absolute path. */
   ca_bundle?: string;
