@@ -115,6 +115,8 @@ class SubstrateSandboxEnvironment(SandboxEnvironment):
         self.workspace = workspace
         self.checkout = checkout
         self.identity: Identity | None = None
+        #: The profile's command timeout, seconds: a longer `exec` timeout is lowered to it.
+        self.max_timeout: float | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -171,6 +173,10 @@ class SubstrateSandboxEnvironment(SandboxEnvironment):
             shutil.rmtree(self.checkout, ignore_errors=True)
 
     async def _probe(self) -> None:
+        profile = await anyio.to_thread.run_sync(
+            lambda: self.daemon.call("profile.get", name=self.config.profile)
+        )
+        self.max_timeout = float(profile["timeout_s"])
         owner = self.checkout.stat()
         result = await self._run(["id"], cwd=".", stdin=None, timeout=None)
         stdout = result.get("stdout", {})
@@ -211,6 +217,9 @@ class SubstrateSandboxEnvironment(SandboxEnvironment):
         assert self.identity is not None, "sample_init probes the identity"
         argv, rel_cwd = exec_argv(cmd, cwd=cwd, env=env, user=user, identity=self.identity)
         stdin = input.encode("utf-8") if isinstance(input, str) else input
+        if timeout is not None and self.max_timeout is not None:
+            # A request may only lower the profile's limit; past it the operator's stands.
+            timeout = min(timeout, int(self.max_timeout))
         try:
             result = await self._run(argv, cwd=rel_cwd, stdin=stdin, timeout=timeout)
         except RpcError as exc:
