@@ -396,6 +396,7 @@ method(
     SubscribeParams,
     SubscribeResult,
     doc="Stream proc.output notifications from byte `since`, then one proc.exit.",
+    notifications=(("proc.output", OutputNotice), ("proc.exit", WaitResult)),
 )
 
 
