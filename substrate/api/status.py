@@ -13,7 +13,12 @@ from substrate import __version__
 from substrate.api.base import Caller, Handles
 from substrate.api.services import StatusServices
 from substrate.fs.state import StatePaths
-from substrate.schema.journal import InfoResult, StatusParams, StatusResult
+from substrate.schema.journal import (
+    InfoResult,
+    JournalExportStatus,
+    StatusParams,
+    StatusResult,
+)
 
 handles = Handles(StatusServices)
 
@@ -28,7 +33,9 @@ async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusRe
         epoch=s.journal.epoch,
         uptime_s=round(time.monotonic() - s.started, 3),
         engine=await s.execution.engine_status(),
+        journal_export=_export(s),
         listen=s.terminals.address(),
+        metrics_listen=s.metrics_address(),
         rss_bytes=_measured(lambda: me.memory_info().rss),
         open_fds=_measured(me.num_fds),
         threads=_measured(me.num_threads),
@@ -51,6 +58,19 @@ async def info(s: StatusServices, caller: Caller, p: StatusParams) -> InfoResult
         config=s.config.public(),
         profiles=s.profiles.listing(),
         engine=await s.execution.engine_status(),
+    )
+
+
+def _export(s: StatusServices) -> JournalExportStatus:
+    """The export's state now (no I/O: what its task last saw)."""
+    if s.shipper is None:
+        return JournalExportStatus()
+    now = s.shipper.status()
+    return JournalExportStatus(
+        state=now.state,
+        last_seq=now.last_seq,
+        lag_entries=now.lag_entries,
+        last_error=now.last_error,
     )
 
 
