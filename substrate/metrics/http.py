@@ -172,7 +172,7 @@ async def _answer(
     if status == 405:
         headers.append((b"allow", b"GET, HEAD"))
     out = conn.send(h11.Response(status_code=status, headers=headers))
-    if request.method == b"GET":
+    if request.method != b"HEAD":
         out = (out or b"") + (conn.send(h11.Data(data=body)) or b"")
     out = (out or b"") + (conn.send(h11.EndOfMessage()) or b"")
     await stream.send_all(out)

@@ -369,5 +369,6 @@ KIND_OF: dict[str, str] = {
     "cli/exec.py": "edge",
     "cli/doctor.py": "edge",
     "cli/secret.py": "edge",
+    "cli/journal_pg.py": "edge",
     "cli/common.py": "edge",
 }
