@@ -132,14 +132,20 @@ class Exporter:
         self.cursors.save(self.settings.target(), self.last_seq, time.time())
 
     def ship_all(self) -> int:
-        """Ship until caught up, saving the cursor; how many entries were shipped."""
+        """Ship until caught up, saving the cursor at most every `CURSOR_EVERY_S` and at
+        the end; how many entries were shipped."""
         shipped = 0
+        saved = time.monotonic()
         try:
             while n := self.step():
                 shipped += n
-                self.save()
+                if time.monotonic() - saved >= CURSOR_EVERY_S:
+                    self.save()
+                    saved = time.monotonic()
         finally:
             self.close()
+            if shipped:
+                self.save()
         return shipped
 
     def redacted(self, text: str) -> str:
