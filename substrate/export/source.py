@@ -1,8 +1,9 @@
 """The SQLite side of the journal export: committed entries in batches, and the cursor.
 
-Theory of operation. `JournalSource` reads the state database's `journal` table on a
-read-only connection of its own, never the daemon's: in WAL mode a reader takes no
-lock a writer waits for, so reading, however slow, never delays a request. It reads
+Theory of operation. `JournalSource` reads the state database's journal on a read-only
+connection of its own (`substrate.store.journal.JournalReader`), never the daemon's: in
+WAL mode a reader takes no lock a writer waits for, so reading, however slow, never
+delays a request. It reads
 only committed entries, in seq order, at most `max_entries` or about `max_bytes` of
 data per batch, so memory stays bounded whatever the journal's length.
 
@@ -15,12 +16,12 @@ again is inserted once (docs/fleet.md, "Exactly once").
 from __future__ import annotations
 
 import sqlite3
-import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 from substrate.export.postgres import Row
+from substrate.store.journal import JournalReader
 
 __all__ = ["CURSOR_SCHEMA", "Cursors", "JournalSource"]
 
@@ -31,48 +32,24 @@ CURSOR_SCHEMA = (
 
 
 class JournalSource:
-    """Committed journal entries of one state database, read on a connection of its
-    own. Blocking; one thread at a time."""
+    """Committed journal entries of one state database as rows of `node`, read on a
+    connection of their own (`JournalReader`). Blocking; safe from any thread."""
 
     def __init__(self, database: Path, node: str) -> None:
         self.node = node
-        uri = database.absolute().as_uri() + "?mode=ro"
-        self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._lock = threading.Lock()  # `head` (any thread) and `batch` (the shipper's)
+        self._reader = JournalReader(database)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._reader.close()
 
     def head(self) -> int:
         """The highest committed seq (0: an empty journal)."""
-        with self._lock:
-            row = self._db.execute("SELECT MAX(seq) FROM journal").fetchone()
-        return int(row[0]) if row and row[0] is not None else 0
+        return self._reader.head()
 
     def batch(self, after: int, max_entries: int, max_bytes: int = 4 << 20) -> list[Row]:
         """Entries with `seq > after`, in order: at most `max_entries`, and no more once
         their data passes `max_bytes` (at least one, whatever its size)."""
-        rows: list[Row] = []
-        size = 0
-        with self._lock:
-            cur = self._db.execute(
-                "SELECT epoch, seq, ts, kind, workspace, actor, data, prev, hash FROM journal"
-                " WHERE seq > ? ORDER BY seq LIMIT ?",
-                (after, max_entries),
-            )
-            try:
-                for epoch, seq, ts, kind, workspace, actor, data, prev, digest in cur:
-                    rows.append(
-                        (self.node, epoch, seq, ts, kind, workspace, actor, data, prev, digest)
-                    )
-                    size += len(data)
-                    if size >= max_bytes:
-                        break
-            finally:
-                cur.close()
-        return rows
+        return [(self.node, *row) for row in self._reader.rows(after, max_entries, max_bytes)]
 
 
 class Cursors:
