@@ -273,6 +273,8 @@ class Daemon:
                     nursery.cancel_scope.cancel()
                     break
         await trio.to_thread.run_sync(self.journal.append, "daemon.stopped", {"reason": "signal"})
+        if self.shipper is not None:  # the last entries too, if PostgreSQL answers at once
+            await self.shipper.drain()
 
     async def _serve_metrics(self, *, task_status: trio.TaskStatus[None]) -> None:
         """`/metrics` on `metrics_listen` (docs/fleet.md), with the scrape-time gauges of

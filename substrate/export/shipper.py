@@ -31,7 +31,16 @@ import trio
 from substrate.export.postgres import ExportError, Target, describe_dsn, open_target, redact
 from substrate.export.source import Cursors, JournalSource
 
-__all__ = ["CURSOR_EVERY_S", "ExportSettings", "ExportState", "Exporter", "Shipper", "backoff_s"]
+__all__ = [
+    "CURSOR_EVERY_S",
+    "DRAIN_S",
+    "ExportSettings",
+    "ExportState",
+    "Exporter",
+    "Shipper",
+    "Status",
+    "backoff_s",
+]
 
 log = logging.getLogger("substrate.export")
 
@@ -157,8 +166,14 @@ class Exporter:
             self.target = None
 
 
+#: A graceful stop ships what remains for at most this long, seconds (`Shipper.drain`).
+DRAIN_S = 5.0
+
+
 @dataclass(frozen=True)
 class Status:
+    """What `daemon.status` reports as `journal_export` (docs/fleet.md)."""
+
     state: ExportState
     last_seq: int
     lag_entries: int
@@ -217,6 +232,20 @@ class Shipper:
         finally:
             with trio.CancelScope(shield=True):
                 await self._save(force=True)
+
+    async def drain(self, grace_s: float = DRAIN_S) -> None:
+        """After `run` ended (a graceful stop, the last entries journaled): ship what
+        remains, for at most `grace_s`; whatever is left then (PostgreSQL away or slow)
+        is shipped at the next start, or by `substrate journal export`. Never raises."""
+        with trio.move_on_after(grace_s):
+            try:
+                await self._ship_while_lagging()
+            except ExportError as exc:
+                log.warning("journal export at stop: %s", self.exporter.redacted(str(exc)))
+            except Exception:
+                log.exception("journal export at stop: unexpected error")
+        with trio.CancelScope(shield=True):
+            await self._save(force=True)
 
     async def _wait(self, delay: float) -> None:
         """Sleep `delay`, keeping the head (so the lag reported) current meanwhile."""

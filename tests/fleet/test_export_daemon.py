@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from substrate.protocol.client import RpcError
 from substrate.secrets import SecretStore
+from substrate.store.journal import JournalReader
 from tests.harness import DaemonProcess, daemon_env, wait_until
 from tests.harness.postgres import PostgresServer
 
@@ -149,6 +150,25 @@ def test_every_entry_lands_once_in_order_across_a_server_restart_and_a_kill9(
         (node, local[7][0]),
     )
     assert verify_cli(postgres, node) == (1, {"ok": False, "checked": 7, "first_bad_seq": 8})
+
+
+def test_a_graceful_stop_ships_its_last_entries(
+    daemon_factory: Callable[..., DaemonProcess], postgres: PostgresServer
+) -> None:
+    node = "node-stops"
+    d = exporting(daemon_factory, postgres, node)
+    ws = d.adopt(d.make_workspace())
+    caught_up(d)
+    write_files(d, ws, [f"s{i}.txt" for i in range(3)])
+    assert d.stop() == 0
+    reader = JournalReader(d.state_dir / "substrate.db")
+    try:
+        local = [(row[1], row[8]) for row in reader.rows(0, 100_000, 1 << 30)]
+        last_kind = reader.rows(len(local) - 1, 1, 1 << 30)[0][3]
+    finally:
+        reader.close()
+    assert last_kind == "daemon.stopped"
+    assert shipped(postgres, node) == local
 
 
 def test_a_server_that_does_not_answer_shows_in_status_and_holds_no_request(
