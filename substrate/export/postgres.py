@@ -247,7 +247,7 @@ def open_target(
                 dsn,
                 connect_timeout=max(int(timeout_s), 1),
                 application_name=application,
-                options=f"-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}",
+                options=f"-c statement_timeout={timeout_ms}",  # lock waits included
                 keepalives=1,
                 keepalives_idle=30,
                 keepalives_interval=10,

@@ -187,6 +187,26 @@ def test_a_server_that_does_not_answer_shows_in_status_and_holds_no_request(
     assert d.verify_journal()["ok"] is True
 
 
+def test_a_server_too_slow_to_answer_times_out_and_is_caught_up_after(
+    daemon_factory: Callable[..., DaemonProcess], postgres: PostgresServer
+) -> None:
+    """A lock someone holds on the table: each batch waits `timeout_s`, then backs off."""
+    node = "node-slow"
+    d = exporting(daemon_factory, postgres, node)
+    ws = d.adopt(d.make_workspace())
+    caught_up(d)
+    with postgres.connect(autocommit=False) as blocker:
+        blocker.execute("LOCK TABLE substrate_journal IN ACCESS EXCLUSIVE MODE")
+        write_files(d, ws, [f"slow{i}.txt" for i in range(5)])  # answered meanwhile
+        wait_until(lambda: export_status(d)["state"] == "retrying", 30)
+        assert "due to statement timeout" in export_status(d)["last_error"]
+        with d.client() as c:
+            assert c.call("daemon.status")["journal_export"]["lag_entries"] > 0
+        blocker.rollback()
+    caught_up(d)
+    assert shipped(postgres, node) == [(e["seq"], e["hash"]) for e in d.journal()]
+
+
 def test_a_table_someone_altered_is_named_in_status(
     daemon_factory: Callable[..., DaemonProcess], postgres: PostgresServer
 ) -> None:
