@@ -126,3 +126,31 @@ def test_a_command_lands_as_its_summary_and_is_counted(
 
     wait_until(counted, 10)  # a page is cached up to 1 s
     assert token.encode() not in d.log_path.read_bytes()
+
+
+def test_a_working_layer_command_counts_its_changes_and_apply_time(
+    engine_daemons: Callable[..., DaemonProcess], sandbox_image: str
+) -> None:
+    d = engine_daemons(metrics_listen="127.0.0.1:0")
+    ws = d.adopt(d.make_workspace())
+    c = d.client()
+    port = int(c.call("daemon.status")["metrics_listen"].rpartition(":")[2])
+    result = c.call(
+        "proc.run",
+        workspace=ws,
+        profile="default",
+        argv=["sh", "-c", "echo one > new1.txt; echo two > new2.txt"],
+    )
+    assert result["exit_code"] == 0 and result["changes"]["counts"]["applied"] == 2, result
+    key = ("substrate_commands_total", (("outcome", "ok"), ("profile", "default"),
+                                        ("via", result["via"])))  # fmt: skip
+
+    def counted() -> bool:
+        now = page(port)
+        return (
+            now.get(("substrate_changes_total", (("outcome", "applied"),)), 0) == 2
+            and now.get(("substrate_layer_apply_seconds_count", ()), 0) >= 1
+            and now.get(key, 0) == 1
+        )
+
+    wait_until(counted, 10)  # a page is cached up to 1 s
