@@ -171,6 +171,36 @@ def test_a_graceful_stop_ships_its_last_entries(
     assert shipped(postgres, node) == local
 
 
+def export_cli(d: DaemonProcess, pg: PostgresServer, node: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "substrate", "--state-dir", str(d.state_dir), "journal", "export",
+         "--postgres", pg.dsn, "--node", node, "--password-secret", SECRET],
+        capture_output=True, env=daemon_env(), timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert pg.password.encode() not in done.stdout + done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_journal_export_ships_once_and_exits(
+    daemon_factory: Callable[..., DaemonProcess], postgres: PostgresServer
+) -> None:
+    node = "node-cli"
+    d = daemon_factory()  # no [journal_export]: the command line alone ships
+    SecretStore(d.state_dir).set(SECRET, postgres.password.encode())
+    ws = d.adopt(d.make_workspace())
+    write_files(d, ws, [f"cli{i}.txt" for i in range(4)])
+    local = [(e["seq"], e["hash"]) for e in d.journal()]
+    with d.client() as c:
+        assert c.call("daemon.status")["journal_export"]["state"] == "off"
+    first = export_cli(d, postgres, node)  # the daemon still running: fine
+    assert first["shipped"] >= len(local) and first["last_seq"] >= local[-1][0]
+    assert export_cli(d, postgres, node)["shipped"] == 0  # resumed from its cursor
+    assert shipped(postgres, node)[: len(local)] == local
+    assert verify_cli(postgres, node)[0] == 0
+
+
 def test_a_server_that_does_not_answer_shows_in_status_and_holds_no_request(
     daemon_factory: Callable[..., DaemonProcess], postgres: PostgresServer, tmp_path: Any
 ) -> None:
