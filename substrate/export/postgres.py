@@ -240,14 +240,22 @@ def open_target(
     queries."""
     secrets = (password, dsn_password(dsn))
     timeout_ms = max(int(timeout_s * 1000), 1)
+    try:
+        given = conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        raise ExportError("failed", "the DSN does not parse as a libpq DSN or URI") from None
     extra: dict[str, Any] = {} if password is None else {"password": password}
+    if "application_name" not in given:
+        extra["application_name"] = application
+    # The DSN's own `options` (a search_path, ...) are kept; the timeout is added after.
+    # A wait for a lock counts in the statement's time.
+    options = f"{given.get('options', '')} -c statement_timeout={timeout_ms}".strip()
     with _edge(secrets):
         try:
             conn = psycopg.connect(
                 dsn,
                 connect_timeout=max(int(timeout_s), 1),
-                application_name=application,
-                options=f"-c statement_timeout={timeout_ms}",  # lock waits included
+                options=options,
                 keepalives=1,
                 keepalives_idle=30,
                 keepalives_interval=10,
@@ -255,8 +263,8 @@ def open_target(
                 tcp_user_timeout=timeout_ms,
                 **extra,
             )
-        except psycopg.ProgrammingError:
-            raise ExportError("failed", "the DSN does not parse as a libpq DSN or URI") from None
+        except psycopg.ProgrammingError as exc:
+            raise ExportError("failed", redact(str(exc), secrets)) from None
     target = Target(conn, secrets)
     try:
         with _edge(secrets):

@@ -191,3 +191,18 @@ def test_a_wrong_password_is_unreachable_and_never_quoted(postgres: PostgresServ
     assert caught.value.kind == "unreachable"
     assert "not-the-password-4711" not in str(caught.value)
     assert "password authentication failed" in str(caught.value)
+
+
+def test_the_dsns_own_options_are_kept(postgres: PostgresServer, tmp_path: Path) -> None:
+    postgres.query("CREATE SCHEMA IF NOT EXISTS fleet_options")
+    dsn = postgres.dsn + " options='-c search_path=fleet_options'"
+    store = Store(tmp_path / "substrate.db")
+    Journal(store).append("k", {"i": 1})
+    source = JournalSource(tmp_path / "substrate.db", "node-options")
+    settings = ExportSettings(dsn=dsn, node="node-options", password=lambda: postgres.password)
+    try:
+        assert Exporter(settings, source, Cursors(store.transaction)).ship_all() == 1
+    finally:
+        source.close()
+        store.close()
+    assert postgres.query("SELECT node FROM fleet_options.substrate_journal") == [("node-options",)]
