@@ -206,3 +206,23 @@ def test_the_dsns_own_options_are_kept(postgres: PostgresServer, tmp_path: Path)
         source.close()
         store.close()
     assert postgres.query("SELECT node FROM fleet_options.substrate_journal") == [("node-options",)]
+
+
+def test_an_entry_postgres_cannot_hold_stops_the_export_there(
+    node: Node, postgres: PostgresServer
+) -> None:
+    node.fill(3)
+    node.journal.append("test.event", {"text": "a\x00b"})
+    node.fill(2)
+    with pytest.raises(ExportError) as caught:
+        node.exporter.ship_all()
+    assert caught.value.kind == "unstorable"
+    assert rows_of(postgres, node.settings.node) == []  # its batch: nothing skipped past it
+    node.settings = ExportSettings(
+        dsn=postgres.dsn, node=node.settings.node, password=lambda: postgres.password,
+        batch_entries=1,
+    )  # fmt: skip
+    exporter = Exporter(node.settings, node.source, Cursors(node.store.transaction))
+    with pytest.raises(ExportError):
+        exporter.ship_all()
+    assert [s for s, _ in rows_of(postgres, node.settings.node)] == [1, 2, 3]
