@@ -268,7 +268,9 @@ def open_target(
     target = Target(conn, secrets)
     try:
         with _edge(secrets):
-            if create:
+            if create and not _tables_exist(conn):
+                # Only then: a role granted SELECT and INSERT alone (no CREATE on the
+                # schema) works on tables an administrator made.
                 with conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
                     conn.execute(_DDL)
@@ -281,6 +283,15 @@ def open_target(
         target.close()
         raise
     return target
+
+
+def _tables_exist(conn: psycopg.Connection[Any]) -> bool:
+    with conn.transaction():
+        row = conn.execute(
+            f"SELECT to_regclass('substrate_schema') IS NOT NULL AND to_regclass('{TABLE}')"
+            " IS NOT NULL"
+        ).fetchone()
+    return bool(row and row[0])
 
 
 def check_schema(conn: psycopg.Connection[Any]) -> str | None:

@@ -226,3 +226,22 @@ def test_an_entry_postgres_cannot_hold_stops_the_export_there(
     with pytest.raises(ExportError):
         exporter.ship_all()
     assert [s for s, _ in rows_of(postgres, node.settings.node)] == [1, 2, 3]
+
+
+def test_a_role_with_select_and_insert_only_ships_to_tables_made_for_it(
+    node: Node, postgres: PostgresServer
+) -> None:
+    open_target(postgres.dsn, password=postgres.password).close()  # an administrator's
+    postgres.query("DROP ROLE IF EXISTS shipper_only")
+    postgres.query("CREATE ROLE shipper_only LOGIN PASSWORD 'pw-shipper-only'")
+    postgres.query("GRANT SELECT, INSERT ON substrate_journal TO shipper_only")
+    postgres.query("GRANT SELECT ON substrate_schema TO shipper_only")
+    node.settings = ExportSettings(
+        dsn=postgres.dsn.replace("user=postgres", "user=shipper_only"),
+        node=node.settings.node,
+        password=lambda: "pw-shipper-only",
+    )
+    exporter = Exporter(node.settings, node.source, Cursors(node.store.transaction))
+    node.fill(5)
+    assert exporter.ship_all() == 5
+    assert len(rows_of(postgres, node.settings.node)) == 5
