@@ -126,14 +126,17 @@ def redact(text: str, secrets: Sequence[str | None]) -> str:
     return text
 
 
-def describe_dsn(dsn: str) -> str:
-    """The DSN as a person may see it: its parameters without any password. Raises
-    ExportError("failed") for one that does not parse (the message never quotes it)."""
+def describe_dsn(dsn: str, only: Sequence[str] | None = None) -> str:
+    """The DSN as a person may see it: its parameters (those named in `only`, if given)
+    without any password. Raises ExportError("failed") for one that does not parse (the
+    message never quotes it)."""
     try:
         params = conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
         raise ExportError("failed", "the DSN does not parse as a libpq DSN or URI") from None
     params.pop("password", None)
+    if only is not None:
+        params = {k: v for k, v in params.items() if k in only}
     return " ".join(f"{k}={v}" for k, v in sorted(params.items()))
 
 

@@ -46,6 +46,8 @@ log = logging.getLogger("substrate.export")
 
 #: The cursor is written at most this often while shipping, seconds (and at shutdown).
 CURSOR_EVERY_S = 1.0
+#: The DSN parameters that say which database the rows land in (the cursor's key).
+WHERE = ("host", "hostaddr", "port", "dbname", "service")
 #: The first retry's delay, seconds; it doubles per failure up to `max_backoff_s`.
 FIRST_BACKOFF_S = 0.5
 
@@ -74,8 +76,11 @@ class ExportSettings:
     timeout_s: float = 10.0
 
     def target(self) -> str:
-        """The cursor's key: this node in that database (its parameters but the password)."""
-        return f"{self.node} {describe_dsn(self.dsn)}"
+        """The cursor's key: this node in that database (host, port, database name; not
+        the user, TLS or other settings, whose change moves no row). A key with no
+        cursor yet ships from seq 1: rows PostgreSQL already holds of this node are
+        compared, never assumed to be ours."""
+        return f"{self.node} {describe_dsn(self.dsn, only=WHERE)}"
 
 
 @dataclass(eq=False)

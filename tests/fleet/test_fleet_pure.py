@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from substrate.config import ConfigError, load_config
-from substrate.export import COLUMNS, backoff_s, verify_rows
+from substrate.export import COLUMNS, ExportSettings, backoff_s, verify_rows
 from substrate.export.postgres import describe_dsn, redact, schema_problem
 from substrate.metrics import command_outcome, parse_metrics_listen
 from substrate.store import Journal, Store
@@ -113,3 +113,14 @@ def test_the_outcome_label() -> None:
     assert command_outcome(**{**base, "timed_out": True, "signal": "SIGKILL"}) == "timeout"
     assert command_outcome(**{**base, "oom_killed": True}) == "oom"
     assert command_outcome(**{**base, "exit_code": None}) == "unknown"
+
+
+def test_the_cursor_is_kept_per_node_and_database_only() -> None:
+    def key(dsn: str, node: str = "n1") -> str:
+        return ExportSettings(dsn=dsn, node=node).target()
+
+    base = key("host=db port=5432 dbname=fleet user=a")
+    assert key("host=db port=5432 dbname=fleet user=b sslmode=require") == base
+    assert key("postgresql://c@db:5432/fleet?application_name=x") == base
+    assert key("host=db port=5432 dbname=other user=a") != base
+    assert key("host=db port=5432 dbname=fleet user=a", node="n2") != base
