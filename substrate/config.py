@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import grp
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import psycopg
+from psycopg import conninfo
 
 from substrate.errors import Refusal
+from substrate.metrics import parse_metrics_listen
 from substrate.protocol.client import default_state_dir
 from substrate.schema.workspace import Policy
 from substrate.workspace.policy import compile_policy
@@ -30,6 +34,25 @@ SECRET_WORDS = ("secret", "token", "password")
 
 class ConfigError(Exception):
     """The configuration file or a flag is wrong; the message names the key."""
+
+
+class JournalExport(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """`[journal_export]`: ship the journal to PostgreSQL (docs/fleet.md)."""
+
+    #: a libpq DSN or URI of the database (`host=db dbname=fleet user=substrate`), never
+    #: holding a password (refused: use `password_secret`); "": no export
+    postgres_dsn: str = ""
+    node: str = ""  # this node's name in substrate_journal; "": the host name
+    #: an operator secret (`substrate secret set NAME`) holding the password, read at
+    #: each connect; "": libpq's own ways (PGPASSFILE, ~/.pgpass of the daemon's user)
+    password_secret: str = ""
+    batch_entries: int = 1000  # entries per batch (one transaction), 1..10000
+    poll_s: float = 0.5  # caught up: how often the journal's head is looked at, seconds
+    max_backoff_s: float = 30.0  # the longest wait between failed attempts, seconds
+    timeout_s: float = 10.0  # connect and statement timeout, seconds
+
+    def node_name(self) -> str:
+        return self.node or socket.gethostname()
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -81,6 +104,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     egress_refuse_private: bool = False
     #: the daemon's log on stderr: "debug" adds one line per refusal (method and name only)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: where Prometheus scrapes `/metrics` (docs/fleet.md), HOST:PORT; "": not served.
+    #: Loopback only unless `metrics_allow_remote`
+    metrics_listen: str = ""
+    metrics_allow_remote: bool = False  # let `metrics_listen` be a non-loopback address
+    # `[journal_export]`: the journal shipped to PostgreSQL (docs/fleet.md).
+    journal_export: JournalExport = msgspec.field(default_factory=JournalExport)
     # `[policy]`: the operator's default policy of every checkout (docs/protocol.md §2); agents add to it.
     policy: Policy = msgspec.field(default_factory=Policy)
 
@@ -150,4 +179,32 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
     for key in ("max_unsent_bytes", "max_unsent_bytes_per_uid"):
         if getattr(config, key) < 1:
             raise ConfigError(f"{key}: must be at least 1")
+    _check_export(config.journal_export)
+    if config.metrics_listen:
+        try:
+            parse_metrics_listen(config.metrics_listen, allow_remote=config.metrics_allow_remote)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return config
+
+
+def _check_export(export: JournalExport) -> None:
+    """Refuse `[journal_export]` values that cannot work, naming the key."""
+    if not export.postgres_dsn:
+        return
+    try:
+        params = conninfo.conninfo_to_dict(export.postgres_dsn)
+    except psycopg.ProgrammingError:
+        raise ConfigError(
+            "journal_export.postgres_dsn: not a libpq DSN or URI (docs/fleet.md)"
+        ) from None
+    if "password" in params:
+        raise ConfigError(
+            "journal_export.postgres_dsn: holds a password; keep it in an operator secret"
+            " (`substrate secret set NAME`) named by journal_export.password_secret"
+        )
+    if not 1 <= export.batch_entries <= 10000:
+        raise ConfigError("journal_export.batch_entries: must be 1..10000")
+    for key in ("poll_s", "max_backoff_s", "timeout_s"):
+        if not getattr(export, key) > 0:
+            raise ConfigError(f"journal_export.{key}: must be positive")

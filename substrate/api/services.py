@@ -8,6 +8,7 @@ this package, never the other way round (pyproject.toml's import-linter contract
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import trio
 
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
+from substrate.export import Shipper
 from substrate.layer import Changesets
 from substrate.process.processes import Processes
 from substrate.process.profile_registry import ProfileRegistry
@@ -163,6 +165,10 @@ class StatusServices:
     execution: Execution
     terminals: TerminalService
     profiles: ProfileRegistry
+    #: The journal export's task; None when `[journal_export]` is not configured.
+    shipper: Shipper | None = None
+    #: What the metrics page is bound to, HOST:PORT (a callable: known once it listens).
+    metrics_address: Callable[[], str | None] = lambda: None
 
 
 @dataclass(frozen=True, kw_only=True)

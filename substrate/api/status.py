@@ -17,6 +17,7 @@ from substrate.schema.journal import (
     DrainParams,
     DrainResult,
     InfoResult,
+    JournalExportStatus,
     StatusParams,
     StatusResult,
 )
@@ -34,7 +35,9 @@ async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusRe
         epoch=s.journal.epoch,
         uptime_s=round(time.monotonic() - s.started, 3),
         engine=await s.execution.engine_status(),
+        journal_export=_export(s),
         listen=s.terminals.address(),
+        metrics_listen=s.metrics_address(),
         rss_bytes=_measured(lambda: me.memory_info().rss),
         open_fds=_measured(me.num_fds),
         threads=_measured(me.num_threads),
@@ -79,6 +82,19 @@ async def drain(s: StatusServices, caller: Caller, p: DrainParams) -> DrainResul
         draining=processes.draining,
         running=running,
         waited_s=round(time.monotonic() - started, 3),
+    )
+
+
+def _export(s: StatusServices) -> JournalExportStatus:
+    """The export's state now (no I/O: what its task last saw)."""
+    if s.shipper is None:
+        return JournalExportStatus()
+    now = s.shipper.status()
+    return JournalExportStatus(
+        state=now.state,
+        last_seq=now.last_seq,
+        lag_entries=now.lag_entries,
+        last_error=now.last_error,
     )
 
 

@@ -84,6 +84,7 @@ from substrate.layer.changes.blocked import drafts as blocked_drafts
 from substrate.layer.changes.versions import Versions
 from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
 from substrate.layer.mounts.plan import LayerPlan
+from substrate.metrics import METRICS
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
@@ -242,8 +243,19 @@ async def _conclude(
             await trio.to_thread.run_sync(remove_layer, old.upper, old.work, limiter=limiter)
             return ProcChanges(generation=old.generation, mode="discard", error=error)
         review = mode == "review"
+        t0 = trio.current_time()
         result, scanned, kept, changeset_id, versions = await trio.to_thread.run_sync(
             _scan_apply, writer, ws, old, actor, layer, review, changesets, limiter=limiter
+        )
+        METRICS.change_outcomes(
+            trio.current_time() - t0,
+            {
+                "applied": len(result.applied),
+                "unchanged": len(result.unchanged),
+                "blocked": len(result.blocked),
+                "pending": len(kept.changes) if review else len(result.pending),
+                "conflict": len(result.conflicts),
+            },
         )
     except (Refusal, OSError) as exc:
         name = exc.name if isinstance(exc, Refusal) else "layer_failed"

@@ -54,6 +54,7 @@ from substrate.config import Config
 from substrate.errors import Draining, LimitExceeded, RuntimeUnavailable
 from substrate.fs import paths
 from substrate.layer import Changesets, LayerClosed, LayerUsers, Use
+from substrate.metrics import METRICS, command_outcome
 from substrate.process.argv import (
     effective_timeout,
     exec_env,
@@ -502,6 +503,18 @@ class Processes:
             via=run.channel.via,
             exec_facts=run.channel.facts,
             usage=usage,
+        )
+        METRICS.command_finished(
+            run.sandbox.profile.name,
+            outcome.via or "none",
+            command_outcome(
+                exit_code=outcome.exit_code,
+                signal=outcome.signal,
+                timed_out=outcome.timed_out,
+                oom_killed=outcome.oom_killed,
+                cancelled=cancelled,
+            ),
+            duration_ms / 1000,
         )
         try:
             entry.result = await trio.to_thread.run_sync(

@@ -209,6 +209,10 @@ class Containers:
         """Every sandbox this daemon holds, retired ones included."""
         return [*self._live.values(), *self._retired]
 
+    def count(self) -> int:
+        """How many sandboxes `live` would list; safe from any thread (two `len`s)."""
+        return len(self._live) + len(self._retired)
+
     async def ensure(self, ws: Workspace, profile: Profile) -> Sandbox:
         """The verified sandbox for (ws, profile), created and verified on first use.
 

@@ -89,6 +89,21 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     runtimes: list[str] = msgspec.field(default_factory=list)
 
 
+class JournalExportStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The journal export to PostgreSQL (docs/fleet.md): where it stands."""
+
+    #: "off": not configured; "connecting"; "shipping": entries behind, being sent;
+    #: "caught_up": every committed entry is in PostgreSQL; "retrying": the last
+    #: attempt failed (`last_error`), waiting to try again.
+    state: Literal["off", "connecting", "shipping", "caught_up", "retrying"] = "off"
+    #: The highest seq of this node PostgreSQL is known to hold.
+    last_seq: int = 0
+    #: Committed entries not yet known to be in PostgreSQL.
+    lag_entries: int = 0
+    #: The last failure, `<kind>: <detail>` (never the password); None after a success.
+    last_error: str | None = None
+
+
 class StatusResult(Result):
     version: str
     epoch: int
@@ -98,6 +113,8 @@ class StatusResult(Result):
     draining: bool
     #: Commands running now (`proc.run` and `proc.start`, every workspace).
     running: int
+    #: The journal export to PostgreSQL (`[journal_export]`); state "off" when not configured.
+    journal_export: JournalExportStatus
     #: HOST:PORT the terminal endpoint is bound to (the real port, also for `:0`);
     #: absent when terminals could not listen.
     listen: str | None = None
@@ -107,6 +124,8 @@ class StatusResult(Result):
     open_fds: int | None = None
     #: Threads of the daemon process; absent when the system does not say.
     threads: int | None = None
+    #: HOST:PORT the metrics page (`metrics_listen`) is bound to; absent when not served.
+    metrics_listen: str | None = None
 
 
 method("journal.read", JournalReadParams, JournalReadResult)

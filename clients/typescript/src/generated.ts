@@ -343,6 +343,18 @@ export interface InfoResult {
   engine: EngineStatus;
 }
 
+/** The journal export to PostgreSQL (docs/fleet.md): where it stands. */
+export interface JournalExportStatus {
+  /** "off": not configured; "connecting"; "shipping": entries behind, being sent; "caught_up": every committed entry is in PostgreSQL; "retrying": the last attempt failed (`last_error`), waiting to try again. */
+  state?: "caught_up" | "connecting" | "off" | "retrying" | "shipping";
+  /** The highest seq of this node PostgreSQL is known to hold. */
+  last_seq?: number;
+  /** Committed entries not yet known to be in PostgreSQL. */
+  lag_entries?: number;
+  /** The last failure, `<kind>: <detail>` (never the password); None after a success. */
+  last_error?: string | null;
+}
+
 export interface JournalReadParams {
   since?: number;
   limit?: number;
@@ -872,6 +884,8 @@ export interface StatusResult {
   draining: boolean;
   /** Commands running now (`proc.run` and `proc.start`, every workspace). */
   running: number;
+  /** The journal export to PostgreSQL (`[journal_export]`); state "off" when not configured. */
+  journal_export: JournalExportStatus;
   /** HOST:PORT the terminal endpoint is bound to (the real port, also for `:0`); absent when terminals could not listen. */
   listen?: string | null;
   /** The daemon process's resident memory, bytes; absent when the system does not say. */
@@ -880,6 +894,8 @@ export interface StatusResult {
   open_fds?: number | null;
   /** Threads of the daemon process; absent when the system does not say. */
   threads?: number | null;
+  /** HOST:PORT the metrics page (`metrics_listen`) is bound to; absent when not served. */
+  metrics_listen?: string | null;
 }
 
 export interface SubscribeParams {
