@@ -1,0 +1,388 @@
+"""Objects copied from one git object store into another, each verified, none overwritten.
+
+Theory of operation (docs/git.md "Objects"): both stores are held as fds of their
+`objects` directories. Every loose object and every pack of the source that the
+destination lacks is checked — a loose object as it is copied (`loose`), a pack once
+copied (`packs`) — and only then given its name in the destination: loose objects are
+written under temp names, flushed together (one `syncfs`), then each renamed onto its
+name with `RENAME_NOREPLACE`; a pack's `.pack` is linked before its `.idx` (git sees a
+pack only through its index), both the same way. A name already taken is never
+replaced: the object there is the destination's, whatever it holds.
+
+What is refused is named in the report (`ObjectRefusal`: the source entry and the
+reason) and left out; the rest is imported. Nothing is followed: a symlink in the source
+store is refused `symlink`, a FIFO or device `not_a_file`. Names that are not objects
+(git's `tmp_obj_*` and `tmp_pack_*`, `info/`, `.keep`, `.bitmap`, `.rev`) are skipped.
+Everything here is blocking; callers run it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+
+import msgspec
+
+from substrate.errors import NotAFile, Refusal, SymlinkRefused
+from substrate.fs import fsops, paths
+from substrate.git import loose, packs
+from substrate.git.store import FANOUT, LOOSE_NAME, PACK_NAME, ObjectStore
+
+#: A directory of the destination store, as git makes one (its default umask).
+DIR_MODE = 0o755
+#: A pack's and its index's mode, as git leaves them.
+PACK_MODE = 0o444
+#: The index of a pack of n objects is at most this many bytes (v2: fan-out, id, CRC,
+#: offset and a large offset per object, two checksums).
+_IDX_FIXED, _IDX_PER_OBJECT = 8 + 1024 + 40, 20 + 4 + 4 + 8
+
+
+class ObjectRefusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A source entry left out: `name` is the object id (loose), `pack/<name>.pack`, or the
+    entry met (`ab`, a fan-out directory); `reason` says which check failed:
+    `hash_mismatch`, `unparsable`, `bad_pack_checksum`, `index_mismatch`, `delta_loop`,
+    `delta_too_deep`, `missing_base`, `too_large`, `too_many`, `symlink`, `not_a_file`,
+    `name_taken`."""
+
+    name: str
+    reason: str
+
+
+class ImportReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What `import_objects` did: objects new to the destination, objects it already
+    had, what was refused, and the bytes written."""
+
+    imported: int
+    present: int
+    refused: tuple[ObjectRefusal, ...]
+    bytes: int
+
+
+@dataclass
+class _Import:
+    """One import's running totals and bounds."""
+
+    dest: ObjectStore
+    owner: tuple[int, int]
+    max_bytes: int
+    max_objects: int
+    limits: packs.Limits
+    imported: int = 0
+    present: int = 0
+    written: int = 0
+    refused: list[ObjectRefusal] = field(default_factory=list)
+    # Checked loose copies waiting to be linked: (fan-out fd, temp, name, bytes).
+    links: list[tuple[int, str, str, int]] = field(default_factory=list)
+    fans: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def counted(self) -> int:
+        return self.imported + self.present + len(self.refused) + len(self.links)
+
+    def refuse(self, name: str, reason: str) -> None:
+        self.refused.append(ObjectRefusal(name, reason))
+
+    def dest_dir(self, name: str) -> int:
+        """The destination's directory `name` (a fan-out or `pack`), made as git makes
+        it when missing, held for the import."""
+        if name not in self.fans:
+            self.fans[name] = fsops.make_dirs(
+                self.dest.fd, (name,), f"objects/{name}", lambda _: (DIR_MODE, self.owner)
+            )
+        return self.fans[name]
+
+    def close(self) -> None:
+        for temp_fd, temp, _, _ in self.links:
+            fsops.unlink_quietly(temp_fd, temp)
+        self.links.clear()
+        for fd in self.fans.values():
+            os.close(fd)
+        self.fans.clear()
+
+
+def import_objects(
+    source_objects_fd: int,
+    dest_objects_fd: int,
+    *,
+    owner: tuple[int, int],
+    max_bytes: int,
+    max_objects: int,
+    max_delta_depth: int = 4095,
+    max_held_bytes: int = 1 << 30,
+) -> ImportReport:
+    """Copy every loose object and pack of the source store the destination lacks into
+    it, each verified first (module docstring; docs/git.md says what and why).
+
+    `owner` (uid, gid) owns every file and directory made (when the daemon is root);
+    `max_bytes` bounds the bytes written, `max_objects` the objects examined (over
+    either, the entry is refused `too_large` / `too_many` and the import goes on with
+    what fits); `max_delta_depth` and `max_held_bytes` bound a pack's delta chains and
+    the bytes held to resolve them. Never overwrites, never follows a symlink, never
+    reads the stores' configuration. Costs a read and a write of each new loose object,
+    a copy and three passes over each new pack (hash, headers, inflate), and two
+    `syncfs`.
+    """
+    with ObjectStore(dest_objects_fd) as dest:
+        run = _Import(
+            dest,
+            owner,
+            max_bytes,
+            max_objects,
+            packs.Limits(max_objects, max_delta_depth, max_held_bytes),
+        )
+        try:
+            _loose_objects(run, source_objects_fd)
+            _link_loose(run)
+            _packs(run, source_objects_fd)
+        finally:
+            run.close()
+        return ImportReport(run.imported, run.present, tuple(run.refused), run.written)
+
+
+def has_object(objects_fd: int, oid: str) -> bool:
+    """Whether the store beneath `objects_fd` holds `oid` (40 hex), loose or in a pack.
+    Costs an lstat, and a mapping and a bisection per pack index."""
+    with ObjectStore(objects_fd) as store:
+        return store.has(oid)
+
+
+# --- loose objects --------------------------------------------------------------------------
+
+
+def _loose_objects(run: _Import, source_fd: int) -> None:
+    with os.scandir(source_fd) as listing:
+        fans = sorted(e.name for e in listing if FANOUT.fullmatch(e.name))
+    for fan in fans:
+        if run.counted >= run.max_objects:
+            return
+        try:
+            fan_fd = paths.open_dir(source_fd, (fan,), f"objects/{fan}")
+        except SymlinkRefused:
+            run.refuse(fan, "symlink")
+            continue
+        except Refusal:
+            run.refuse(fan, "not_a_file")
+            continue
+        try:
+            with os.scandir(fan_fd) as listing:
+                names = sorted(e.name for e in listing if LOOSE_NAME.fullmatch(e.name))
+            for name in names:
+                if run.counted >= run.max_objects:
+                    run.refuse(fan + name, "too_many")
+                    return
+                _loose_object(run, fan_fd, fan, name)
+        finally:
+            os.close(fan_fd)
+
+
+def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
+    oid = fan + name
+    if run.dest.has(oid):
+        run.present += 1
+        return
+    try:
+        src = paths.open_regular(fan_fd, name, f"objects/{fan}/{name}")
+    except SymlinkRefused:
+        run.refuse(oid, "symlink")
+        return
+    except (NotAFile, Refusal):
+        run.refuse(oid, "not_a_file")
+        return
+    try:
+        copied = loose.copy_loose(
+            src,
+            run.dest_dir(fan),
+            oid,
+            owner=run.owner,
+            max_bytes=run.max_bytes - run.written,
+            max_held_bytes=run.limits.max_held_bytes,
+        )
+    except loose.LooseRefused as exc:
+        run.refuse(oid, exc.reason)
+        return
+    finally:
+        os.close(src)
+    run.written += copied.size
+    run.links.append((run.dest_dir(fan), copied.temp, name, copied.size))
+
+
+def _link_loose(run: _Import) -> None:
+    """Give every checked copy its name: one flush first, then one rename each that
+    never replaces (a name taken meanwhile keeps what holds it), then one more flush."""
+    if not run.links:
+        return
+    fsops.make_durable([run.dest.fd])
+    while run.links:
+        fan_fd, temp, name, size = run.links.pop()
+        try:
+            fsops.rename_new(fan_fd, temp, name)
+        except FileExistsError:
+            fsops.unlink_quietly(fan_fd, temp)
+            run.written -= size
+            run.present += 1
+            continue
+        run.imported += 1
+    fsops.make_durable([run.dest.fd])
+
+
+# --- packs ----------------------------------------------------------------------------------
+
+
+def _packs(run: _Import, source_fd: int) -> None:
+    try:
+        pack_dir = paths.open_dir(source_fd, ("pack",), "objects/pack")
+    except SymlinkRefused:
+        run.refuse("pack", "symlink")
+        return
+    except Refusal:
+        return
+    try:
+        with os.scandir(pack_dir) as listing:
+            stems = sorted(
+                e.name[:-5]
+                for e in listing
+                if PACK_NAME.fullmatch(e.name) and e.name.endswith(".pack")
+            )
+        for stem in stems:
+            _pack(run, pack_dir, stem)
+    finally:
+        os.close(pack_dir)
+    run.dest.refresh()
+
+
+def _pack(run: _Import, pack_dir: int, stem: str) -> None:
+    name = f"pack/{stem}.pack"
+    if paths.lstat_at(pack_dir, stem + ".idx") is None:
+        return  # a pack git is still writing, or gave up on: git does not see it either
+    opened: list[int] = []
+    try:
+        for suffix in (".pack", ".idx"):
+            opened.append(paths.open_regular(pack_dir, stem + suffix, f"objects/pack/{stem}"))
+    except SymlinkRefused:
+        run.refuse(name, "symlink")
+        return
+    except Refusal:
+        run.refuse(name, "not_a_file")
+        return
+    finally:
+        if len(opened) < 2:
+            for fd in opened:
+                os.close(fd)
+    pack_fd, idx_fd = opened
+    try:
+        reason = _pack_from(run, pack_fd, idx_fd)
+    finally:
+        os.close(pack_fd)
+        os.close(idx_fd)
+    if reason is not None:
+        run.refuse(name, reason)
+
+
+def _pack_from(run: _Import, pack_fd: int, idx_fd: int) -> str | None:
+    """Import the open pack and index; returns the refusal's reason, or None."""
+    room = run.max_objects - run.counted
+    idx_cap = _IDX_FIXED + _IDX_PER_OBJECT * max(room, 0)
+    idx_size = os.fstat(idx_fd).st_size
+    if idx_size > idx_cap:
+        return "too_many"
+    idx_bytes = fsops.read_fd(idx_fd, idx_cap, expected=idx_size)
+    if idx_bytes is None:
+        return "too_many"
+    try:
+        index = packs.read_index(idx_bytes)
+    except packs.PackRefused as exc:
+        return exc.reason
+    try:
+        ids = [raw for raw, _, _ in index.iterentries()]
+    except Exception:  # a truncated table: struct.error, IndexError
+        return "index_mismatch"
+    finally:
+        index.close()
+    if len(ids) > room:
+        return "too_many"
+    new = sum(1 for raw in ids if not run.dest.has(raw.hex()))
+    if new == 0:
+        run.present += len(ids)
+        return None
+    size = os.fstat(pack_fd).st_size
+    if size + len(idx_bytes) > run.max_bytes - run.written:
+        return "too_large"
+    pack_dir = run.dest_dir("pack")
+    temps = ["tmp_pack_" + secrets.token_hex(8), "tmp_idx_" + secrets.token_hex(8)]
+    try:
+        checksum = _copy_and_verify(run, pack_fd, size, idx_bytes, pack_dir, temps)
+        final = f"pack-{checksum.hex()}"
+        fsops.rename_new(pack_dir, temps[0], final + ".pack")
+        temps[0] = final + ".pack"  # ours now: unlinked if the index cannot follow
+        fsops.rename_new(pack_dir, temps[1], final + ".idx")
+        os.fsync(pack_dir)
+    except packs.PackRefused as exc:
+        return exc.reason
+    except FileExistsError:
+        # The destination has a pack of this name already: it is the destination's.
+        run.dest.refresh()
+        if all(run.dest.has(raw.hex()) for raw in ids):
+            run.present += len(ids)
+            return None
+        return "name_taken"
+    finally:
+        for temp in temps:
+            if temp.startswith("tmp_"):
+                fsops.unlink_quietly(pack_dir, temp)
+    temps.clear()
+    run.imported += new
+    run.present += len(ids) - new
+    run.written += size + len(idx_bytes)
+    return None
+
+
+def _copy_and_verify(
+    run: _Import, pack_fd: int, size: int, idx_bytes: bytes, pack_dir: int, temps: list[str]
+) -> bytes:
+    """Copy the pack and its index into temp files of the destination, then verify the
+    copies (nothing the source does meanwhile can change what was checked). Returns the
+    pack's checksum."""
+    out = fsops.create_exclusive(pack_dir, temps[0], read=True)
+    try:
+        _copy_range(pack_fd, out, size)
+        _finish(out, run.owner)
+        with mmap.mmap(out, 0, access=mmap.ACCESS_READ) as buf:
+            packs.verify_pack(buf, idx_bytes, run.limits, _ignore)
+            checksum = bytes(buf[-20:])
+    finally:
+        os.close(out)
+    fsops.write_new(pack_dir, temps[1], idx_bytes, mode=PACK_MODE, owner=run.owner)
+    return checksum
+
+
+def _ignore(raw: bytes, type_num: int, obj: object) -> None:
+    del raw, type_num, obj
+
+
+def _copy_range(src: int, dst: int, size: int) -> None:
+    """Copy the first `size` bytes of `src` to `dst`: in the kernel (`copy_file_range`),
+    or through a 1 MiB buffer where it cannot (another file system on an old kernel)."""
+    done = 0
+    in_kernel = True
+    while done < size:
+        if in_kernel:
+            try:
+                n = os.copy_file_range(src, dst, size - done, done, done)
+            except OSError:
+                in_kernel = False
+                continue
+        else:
+            block = os.pread(src, min(size - done, 1 << 20), done)
+            n = os.pwrite(dst, block, done)
+        if n == 0:
+            raise packs.PackRefused("unparsable", "the pack shrank while it was copied")
+        done += n
+
+
+def _finish(fd: int, owner: tuple[int, int]) -> None:
+    if os.geteuid() == 0:
+        os.fchown(fd, *owner)
+    os.fchmod(fd, PACK_MODE)
+    os.fsync(fd)
