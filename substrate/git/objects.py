@@ -155,8 +155,6 @@ def _loose_objects(run: _Import, source_fd: int) -> None:
     with os.scandir(source_fd) as listing:
         fans = sorted(e.name for e in listing if FANOUT.fullmatch(e.name))
     for fan in fans:
-        if run.counted >= run.max_objects:
-            return
         try:
             fan_fd = paths.open_dir(source_fd, (fan,), f"objects/{fan}")
         except SymlinkRefused:
@@ -170,7 +168,7 @@ def _loose_objects(run: _Import, source_fd: int) -> None:
                 names = sorted(e.name for e in listing if LOOSE_NAME.fullmatch(e.name))
             for name in names:
                 if run.counted >= run.max_objects:
-                    run.refuse(fan + name, "too_many")
+                    run.refuse(fan + name, "too_many")  # and the rest is not examined
                     return
                 _loose_object(run, fan_fd, fan, name)
         finally:

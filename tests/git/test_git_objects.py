@@ -1,0 +1,348 @@
+"""`substrate.git.objects`: what a store lacks is verified, copied, never overwriting.
+
+Repositories are real (made by the host's `git` in the test's own tmp dirs); the
+destination is then checked by `git fsck --full` and `git cat-file`, as a person would.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from substrate.git import ObjectRefusal, has_object, import_objects
+from tests.harness.gitrepos import Repo, blob_id, delta, dir_fd, hand_pack, history, loose_bytes
+
+OWNER = (1000, 1000)
+BIG = 1 << 30
+
+
+def run_import(src: Repo | Path, dest: Repo, **bounds: int):  # type: ignore[no-untyped-def]
+    source = src.objects if isinstance(src, Repo) else src
+    with dir_fd(source) as s, dir_fd(dest.objects) as d:
+        return import_objects(
+            s,
+            d,
+            owner=OWNER,
+            max_bytes=bounds.pop("max_bytes", BIG),
+            max_objects=bounds.pop("max_objects", 100_000),
+            **bounds,
+        )
+
+
+def assert_clean(repo: Repo) -> None:
+    done = repo.fsck()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "missing" not in done.stdout + done.stderr
+    assert "error" not in done.stdout + done.stderr
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Repo:
+    repo = Repo.init(tmp_path / "agent")
+    history(repo, 6)
+    return repo
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Repo:
+    return Repo.init(tmp_path / "host")
+
+
+def test_loose_objects_import_into_a_fresh_store_and_fsck_is_clean(agent: Repo, host: Repo) -> None:
+    wanted = agent.object_ids()
+    report = run_import(agent, host)
+    assert report.refused == ()
+    assert (report.imported, report.present) == (len(wanted), 0)
+    assert report.bytes == sum(agent.loose_path(oid).stat().st_size for oid in wanted)
+    assert host.object_ids() == wanted
+    assert_clean(host)
+    head = agent.rev("HEAD")
+    assert host.git("cat-file", "-t", head).strip() == "commit"
+    assert "commit 5" in host.git("cat-file", "-p", head)
+    # Again: all there, nothing written.
+    again = run_import(agent, host)
+    assert (again.imported, again.present, again.bytes) == (0, len(wanted), 0)
+
+
+def test_imported_files_are_the_owners_read_only_like_gits(agent: Repo, host: Repo) -> None:
+    run_import(agent, host)
+    head = agent.rev("HEAD")
+    st = host.loose_path(head).stat()
+    assert (st.st_uid, st.st_gid) == OWNER
+    assert stat.S_IMODE(st.st_mode) == 0o444
+    fan = host.loose_path(head).parent.stat()
+    assert (fan.st_uid, fan.st_gid) == OWNER
+    assert stat.S_IMODE(fan.st_mode) == 0o755
+    assert not [p for p in host.objects.rglob("tmp_*")]
+
+
+def test_an_agents_pack_made_by_git_gc_imports_with_its_deltas(
+    tmp_path: Path, agent: Repo, host: Repo
+) -> None:
+    scratch = Repo(tmp_path / "scratch")
+    shutil.copytree(agent.path, scratch.path, symlinks=True)
+    scratch.git("gc", "-q", "--aggressive", "--prune=now")
+    (pack,) = scratch.packs()
+    assert not list(scratch.objects.glob("??/*"))
+    chains = scratch.git("verify-pack", "-v", str(pack.with_suffix(".idx")))
+    assert "chain length = 2" in chains  # a real delta chain to resolve
+    report = run_import(scratch, host)
+    assert report.refused == ()
+    assert report.imported == len(agent.object_ids())
+    (copied,) = host.packs()
+    assert copied.read_bytes() == pack.read_bytes()
+    st = copied.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (1000, 0o444)
+    assert host.object_ids() == agent.object_ids()
+    assert_clean(host)
+    assert "commit 5" in host.git("log", "--format=%s", agent.rev("HEAD"))
+
+
+def test_a_pack_whose_objects_the_store_has_counts_present_and_is_not_copied(
+    tmp_path: Path, agent: Repo, host: Repo
+) -> None:
+    run_import(agent, host)
+    scratch = Repo(tmp_path / "scratch")
+    shutil.copytree(agent.path, scratch.path, symlinks=True)
+    scratch.git("repack", "-adq")
+    report = run_import(scratch, host)
+    assert (report.imported, report.present, report.bytes) == (0, len(agent.object_ids()), 0)
+    assert host.packs() == []
+
+
+def test_a_pack_with_some_new_objects_is_copied_whole(
+    tmp_path: Path, agent: Repo, host: Repo
+) -> None:
+    run_import(agent, host)
+    before = len(agent.object_ids())
+    scratch = Repo(tmp_path / "scratch")
+    shutil.copytree(agent.path, scratch.path, symlinks=True)
+    scratch.commit({"new.txt": "new\n"}, "one more")
+    scratch.git("repack", "-adq")
+    report = run_import(scratch, host)
+    assert report.refused == ()
+    assert report.present == before
+    assert report.imported == len(scratch.object_ids()) - before
+    assert_clean(host)
+
+
+def test_an_existing_object_is_never_overwritten(agent: Repo, host: Repo) -> None:
+    head = agent.rev("HEAD")
+    placed = host.loose_path(head)
+    placed.parent.mkdir()
+    placed.write_bytes(b"the host's own bytes, whatever they are")
+    report = run_import(agent, host)
+    assert placed.read_bytes() == b"the host's own bytes, whatever they are"
+    assert report.present == 1
+    assert report.imported == len(agent.object_ids()) - 1
+
+
+def test_a_name_taken_between_the_check_and_the_link_is_kept(
+    agent: Repo, host: Repo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from substrate.git import objects
+
+    head = agent.rev("HEAD")
+    real = objects._link_loose
+
+    def host_writes_first(run: objects._Import) -> None:
+        placed = host.loose_path(head)
+        placed.parent.mkdir(exist_ok=True)
+        placed.write_bytes(b"made by the host meanwhile")
+        real(run)
+
+    monkeypatch.setattr(objects, "_link_loose", host_writes_first)
+    report = run_import(agent, host)
+    assert host.loose_path(head).read_bytes() == b"made by the host meanwhile"
+    assert report.present == 1
+    assert not list(host.objects.rglob("tmp_obj_*"))
+
+
+def test_a_forged_loose_object_is_refused_hash_mismatch(tmp_path: Path, host: Repo) -> None:
+    source = tmp_path / "forged"
+    real_id, _ = loose_bytes(b"blob", b"what the name promises\n")
+    _, other = loose_bytes(b"blob", b"something else entirely\n")
+    (source / real_id[:2]).mkdir(parents=True)
+    (source / real_id[:2] / real_id[2:]).write_bytes(other)
+    report = run_import(source, host)
+    assert report.refused == (ObjectRefusal(real_id, "hash_mismatch"),)
+    assert report.imported == 0
+    assert not host.loose_path(real_id).exists()
+    assert not list(host.objects.rglob("tmp_obj_*"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "content"),
+    [
+        (b"commit", b"not a commit at all"),
+        (b"tree", b"100644 name-without-nul"),
+        (b"tree", b"100644 .git\0" + bytes(20)),
+        (b"tree", b"100644 .GIT\0" + bytes(20)),
+    ],
+)
+def test_a_loose_object_that_does_not_parse_as_its_type_is_refused(
+    tmp_path: Path, host: Repo, kind: bytes, content: bytes
+) -> None:
+    source = tmp_path / "odd"
+    oid, data = loose_bytes(kind, content)
+    (source / oid[:2]).mkdir(parents=True)
+    (source / oid[:2] / oid[2:]).write_bytes(data)
+    report = run_import(source, host)
+    assert report.refused == (ObjectRefusal(oid, "unparsable"),)
+    assert not host.loose_path(oid).exists()
+
+
+def test_a_loose_object_with_bytes_after_its_zlib_stream_is_refused(
+    tmp_path: Path, host: Repo
+) -> None:
+    source = tmp_path / "trailing"
+    oid, data = loose_bytes(b"blob", b"content\n")
+    (source / oid[:2]).mkdir(parents=True)
+    (source / oid[:2] / oid[2:]).write_bytes(data + b"junk")
+    report = run_import(source, host)
+    assert report.refused == (ObjectRefusal(oid, "unparsable"),)
+
+
+def test_a_pack_with_a_bad_checksum_is_refused(tmp_path: Path, agent: Repo, host: Repo) -> None:
+    scratch = Repo(tmp_path / "scratch")
+    shutil.copytree(agent.path, scratch.path, symlinks=True)
+    scratch.git("repack", "-adq")
+    (pack,) = scratch.packs()
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pack.chmod(0o644)
+    pack.write_bytes(bytes(data))
+    report = run_import(scratch, host)
+    assert report.refused == (ObjectRefusal(f"pack/{pack.name}", "bad_pack_checksum"),)
+    assert report.imported == 0
+    assert os.listdir(host.objects / "pack") == []
+
+
+def test_an_index_that_does_not_match_its_pack_is_refused(
+    tmp_path: Path, agent: Repo, host: Repo
+) -> None:
+    scratch = Repo(tmp_path / "scratch")
+    shutil.copytree(agent.path, scratch.path, symlinks=True)
+    scratch.git("repack", "-adq")
+    (pack,) = scratch.packs()
+    idx = pack.with_suffix(".idx")
+    data = bytearray(idx.read_bytes())
+    data[8 + 1024 + 3] ^= 0x01  # the first object's id
+    idx.chmod(0o644)
+    idx.write_bytes(bytes(data))
+    report = run_import(scratch, host)
+    assert report.refused == (ObjectRefusal(f"pack/{pack.name}", "index_mismatch"),)
+    assert os.listdir(host.objects / "pack") == []
+
+
+def test_a_hand_made_pack_with_a_delta_chain_imports_and_fsck_is_clean(
+    tmp_path: Path, host: Repo
+) -> None:
+    source = tmp_path / "hand"
+    versions = [b"".join(b"version %d line %d\n" % (v, i) for i in range(v + 40)) for v in range(4)]
+    entries: list[bytes | tuple[bytes, bytes, bytes]] = [versions[0]]
+    for before, after in itertools.pairwise(versions):
+        entries.append((blob_id(after), blob_id(before), delta(before, after)))
+    hand_pack(source / "pack", entries)
+    report = run_import(source, host)
+    assert report.refused == ()
+    assert report.imported == 4
+    assert host.git("cat-file", "-p", blob_id(versions[3]).hex()).encode() == versions[3]
+    assert_clean(host)
+
+
+def test_a_delta_chain_deeper_than_the_bound_is_refused(tmp_path: Path, host: Repo) -> None:
+    source = tmp_path / "deep"
+    versions = [b"v%d\n" % v * 30 for v in range(4)]
+    entries: list[bytes | tuple[bytes, bytes, bytes]] = [versions[0]]
+    for before, after in itertools.pairwise(versions):
+        entries.append((blob_id(after), blob_id(before), delta(before, after)))
+    name = hand_pack(source / "pack", entries)
+    report = run_import(source, host, max_delta_depth=2)
+    assert report.refused == (ObjectRefusal(f"pack/{name}.pack", "delta_too_deep"),)
+    assert os.listdir(host.objects / "pack") == []
+    assert run_import(source, host, max_delta_depth=3).imported == 4
+
+
+def test_a_delta_loop_is_refused(tmp_path: Path, host: Repo) -> None:
+    source = tmp_path / "loop"
+    a, b = b"the first text\n" * 10, b"the second text\n" * 10
+    name = hand_pack(
+        source / "pack",
+        [(blob_id(a), blob_id(b), delta(b, a)), (blob_id(b), blob_id(a), delta(a, b))],
+    )
+    report = run_import(source, host)
+    assert report.refused == (ObjectRefusal(f"pack/{name}.pack", "delta_loop"),)
+    assert os.listdir(host.objects / "pack") == []
+
+
+def test_a_thin_pack_is_refused_missing_base(tmp_path: Path, host: Repo) -> None:
+    source = tmp_path / "thin"
+    a, b = b"a base the pack does not hold\n" * 10, b"what the delta makes\n" * 10
+    name = hand_pack(source / "pack", [(blob_id(b), blob_id(a), delta(a, b))])
+    report = run_import(source, host)
+    assert report.refused == (ObjectRefusal(f"pack/{name}.pack", "missing_base"),)
+
+
+def test_symlinks_in_the_source_store_are_refused_never_followed(
+    tmp_path: Path, host: Repo
+) -> None:
+    outside = tmp_path / "outside"
+    oid, data = loose_bytes(b"blob", b"reached through a symlink\n")
+    (outside / oid[:2]).mkdir(parents=True)
+    (outside / oid[:2] / oid[2:]).write_bytes(data)
+    source = tmp_path / "links"
+    source.mkdir()
+    (source / oid[:2]).symlink_to(outside / oid[:2])
+    other, other_data = loose_bytes(b"blob", b"a file the link names\n")
+    (outside / "target").write_bytes(other_data)
+    (source / other[:2]).mkdir()
+    (source / other[:2] / other[2:]).symlink_to(outside / "target")
+    (source / "pack").mkdir()
+    (source / "pack" / f"pack-{'a' * 40}.pack").symlink_to(outside / "target")
+    (source / "pack" / f"pack-{'a' * 40}.idx").write_bytes(b"")
+    report = run_import(source, host)
+    assert set(report.refused) == {
+        ObjectRefusal(oid[:2], "symlink"),
+        ObjectRefusal(other, "symlink"),
+        ObjectRefusal(f"pack/pack-{'a' * 40}.pack", "symlink"),
+    }
+    assert report.imported == 0
+    assert not host.loose_path(oid).exists() and not host.loose_path(other).exists()
+
+
+def test_a_fifo_in_the_source_store_is_refused_not_a_file(tmp_path: Path, host: Repo) -> None:
+    source = tmp_path / "fifo"
+    oid, _ = loose_bytes(b"blob", b"x\n")
+    (source / oid[:2]).mkdir(parents=True)
+    os.mkfifo(source / oid[:2] / oid[2:])
+    report = run_import(source, host)
+    assert report.refused == (ObjectRefusal(oid, "not_a_file"),)
+
+
+def test_the_bounds_refuse_by_name(agent: Repo, host: Repo) -> None:
+    count = len(agent.object_ids())
+    few = run_import(agent, host, max_objects=3)
+    assert few.imported == 3
+    assert [r.reason for r in few.refused] == ["too_many"]
+    small = run_import(agent, host, max_bytes=1)
+    assert small.imported == 0
+    assert {r.reason for r in small.refused} == {"too_large"}
+    assert len(small.refused) == count - 3
+
+
+def test_has_object_finds_loose_and_packed(tmp_path: Path, agent: Repo) -> None:
+    head = agent.rev("HEAD")
+    with dir_fd(agent.objects) as fd:
+        assert has_object(fd, head)
+        assert not has_object(fd, "0" * 40)
+        assert not has_object(fd, "not an id")
+    agent.git("repack", "-adq")
+    assert not agent.loose_path(head).exists()
+    with dir_fd(agent.objects) as fd:
+        assert has_object(fd, head)
