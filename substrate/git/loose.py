@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from substrate.fs import fsops
-from substrate.git.packs import check_parsed
+from substrate.git.packs import check_parsed, references
 from substrate.git.store import BLOB, TYPE_NUMS
 
 #: The read size of a loose object's copy.
@@ -46,11 +46,12 @@ class LooseRefused(Exception):
 @dataclass(frozen=True)
 class Copied:
     """A checked copy waiting to be linked: its temp name in the destination's fan-out
-    directory, its size in bytes, and its type."""
+    directory, its size in bytes, its type, and the raw ids it names."""
 
     temp: str
     size: int
     type_num: int
+    names: tuple[bytes, ...]
 
 
 def copy_loose(
@@ -72,7 +73,7 @@ def copy_loose(
     temp = "tmp_obj_" + secrets.token_hex(8)
     out = fsops.create_exclusive(dest_fan_fd, temp)
     try:
-        type_num = _stream(src_fd, out, oid, max_bytes, max_held_bytes)
+        type_num, names = _stream(src_fd, out, oid, max_bytes, max_held_bytes)
         size = os.fstat(out).st_size
         if os.geteuid() == 0:
             os.fchown(out, *owner)
@@ -82,7 +83,7 @@ def copy_loose(
         fsops.unlink_quietly(dest_fan_fd, temp)
         raise
     os.close(out)
-    return Copied(temp, size, type_num)
+    return Copied(temp, size, type_num, names)
 
 
 def _pieces(inflater: zlib._Decompress, chunk: bytes) -> Iterator[bytes]:
@@ -135,7 +136,9 @@ class _Content:
             self.held.append(piece)
 
 
-def _stream(src_fd: int, out: int, oid: str, max_bytes: int, max_held: int) -> int:
+def _stream(
+    src_fd: int, out: int, oid: str, max_bytes: int, max_held: int
+) -> tuple[int, tuple[bytes, ...]]:
     inflater = zlib.decompressobj()
     content = _Content(max_held)
     copied = 0
@@ -154,12 +157,13 @@ def _stream(src_fd: int, out: int, oid: str, max_bytes: int, max_held: int) -> i
         raise LooseRefused("unparsable", "less content than its header gives")
     if content.digest.hexdigest() != oid:
         raise LooseRefused("hash_mismatch", "its bytes do not hash to its name")
-    if content.held is not None:
-        try:
-            check_parsed(content.type_num, b"".join(content.held))
-        except Exception as exc:  # dulwich's ObjectFormatException, ValueError, ...
-            raise LooseRefused("unparsable", f"does not parse: {exc}") from None
-    return content.type_num
+    if content.held is None:
+        return content.type_num, ()
+    try:
+        obj = check_parsed(content.type_num, b"".join(content.held))
+        return content.type_num, tuple(references(obj))
+    except Exception as exc:  # dulwich's ObjectFormatException, ValueError, ...
+        raise LooseRefused("unparsable", f"does not parse: {exc}") from None
 
 
 def _header(head: bytes) -> tuple[int, int]:

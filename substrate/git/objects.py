@@ -24,6 +24,7 @@ import secrets
 from dataclasses import dataclass, field
 
 import msgspec
+from dulwich.objects import ShaFile
 
 from substrate.errors import NotAFile, Refusal, SymlinkRefused
 from substrate.fs import fsops, paths
@@ -61,6 +62,25 @@ class ImportReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 @dataclass
+class _Pending:
+    """A checked entry waiting for its name: a loose object (`files`: its temp and final
+    name) or a pack (its `.pack`'s, then its `.idx`'s), in the directory `dir_fd`.
+
+    `provides`: the raw ids it brings that the destination lacks; `needs`: the raw ids
+    its objects name that neither it nor the destination holds; `present`: its objects
+    the destination has; `size`: its bytes."""
+
+    name: str
+    dir_fd: int
+    files: list[tuple[str, str]]
+    provides: set[bytes]
+    needs: set[bytes]
+    present: int
+    size: int
+    refused: bool = False
+
+
+@dataclass
 class _Import:
     """One import's running totals and bounds."""
 
@@ -72,14 +92,10 @@ class _Import:
     imported: int = 0
     present: int = 0
     written: int = 0
+    examined: int = 0
     refused: list[ObjectRefusal] = field(default_factory=list)
-    # Checked loose copies waiting to be linked: (fan-out fd, temp, name, bytes).
-    links: list[tuple[int, str, str, int]] = field(default_factory=list)
-    fans: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def counted(self) -> int:
-        return self.imported + self.present + len(self.refused) + len(self.links)
+    pending: list[_Pending] = field(default_factory=list)
+    dirs: dict[str, int] = field(default_factory=dict)
 
     def refuse(self, name: str, reason: str) -> None:
         self.refused.append(ObjectRefusal(name, reason))
@@ -87,19 +103,24 @@ class _Import:
     def dest_dir(self, name: str) -> int:
         """The destination's directory `name` (a fan-out or `pack`), made as git makes
         it when missing, held for the import."""
-        if name not in self.fans:
-            self.fans[name] = fsops.make_dirs(
+        if name not in self.dirs:
+            self.dirs[name] = fsops.make_dirs(
                 self.dest.fd, (name,), f"objects/{name}", lambda _: (DIR_MODE, self.owner)
             )
-        return self.fans[name]
+        return self.dirs[name]
+
+    def missing(self, raw: bytes, own: set[bytes] | frozenset[bytes] = frozenset()) -> bool:
+        """Whether `raw` is neither in `own` nor in the destination."""
+        return raw not in own and not self.dest.has_raw(raw)
 
     def close(self) -> None:
-        for temp_fd, temp, _, _ in self.links:
-            fsops.unlink_quietly(temp_fd, temp)
-        self.links.clear()
-        for fd in self.fans.values():
+        for unit in self.pending:
+            for temp, _ in unit.files:
+                fsops.unlink_quietly(unit.dir_fd, temp)
+        self.pending.clear()
+        for fd in self.dirs.values():
             os.close(fd)
-        self.fans.clear()
+        self.dirs.clear()
 
 
 def import_objects(
@@ -121,8 +142,8 @@ def import_objects(
     what fits); `max_delta_depth` and `max_held_bytes` bound a pack's delta chains and
     the bytes held to resolve them. Never overwrites, never follows a symlink, never
     reads the stores' configuration. Costs a read and a write of each new loose object,
-    a copy and three passes over each new pack (hash, headers, inflate), and two
-    `syncfs`.
+    a copy and three passes over each new pack (hash, headers, inflate), a lookup per
+    id a new object names, and two `syncfs`.
     """
     with ObjectStore(dest_objects_fd) as dest:
         run = _Import(
@@ -134,11 +155,83 @@ def import_objects(
         )
         try:
             _loose_objects(run, source_objects_fd)
-            _link_loose(run)
             _packs(run, source_objects_fd)
+            if not _partial_clone(run.dest):
+                _connect(run)
+            _link(run)
         finally:
             run.close()
         return ImportReport(run.imported, run.present, tuple(run.refused), run.written)
+
+
+def _partial_clone(dest: ObjectStore) -> bool:
+    """Whether the destination is a partial clone (a `.promisor` pack): objects it lacks
+    on purpose may be named by new ones, as git's own connectivity check allows."""
+    try:
+        with (
+            paths.opened_dir(dest.fd, ("pack",), "objects/pack") as pack_dir,
+            os.scandir(pack_dir) as listing,
+        ):
+            return any(e.name.endswith(".promisor") for e in listing)
+    except Refusal:
+        return False
+
+
+def _connect(run: _Import) -> None:
+    """Refuse (`missing_reference`) every pending entry naming an id that neither the
+    destination nor a pending entry not refused brings, until none is left: a ref moved
+    onto an imported commit then has its whole history in the store."""
+    providers: dict[bytes, int] = {}
+    for unit in run.pending:
+        for raw in unit.provides:
+            providers[raw] = providers.get(raw, 0) + 1
+    changed = True
+    while changed:
+        changed = False
+        for unit in run.pending:
+            if unit.refused or all(raw in providers for raw in unit.needs):
+                continue
+            unit.refused = changed = True
+            for raw in unit.provides:
+                providers[raw] -= 1
+                if not providers[raw]:
+                    del providers[raw]
+    for unit in [u for u in run.pending if u.refused]:
+        run.pending.remove(unit)
+        for temp, _ in unit.files:
+            fsops.unlink_quietly(unit.dir_fd, temp)
+        run.written -= unit.size
+        run.refuse(unit.name, "missing_reference")
+
+
+def _link(run: _Import) -> None:
+    """Give every pending entry its names: one flush first, then one rename each that
+    never replaces (a name taken meanwhile keeps what holds it), then one more flush."""
+    if not run.pending:
+        return
+    fsops.make_durable([run.dest.fd])
+    while run.pending:
+        unit = run.pending.pop(0)
+        done = 0
+        try:
+            for temp, final in unit.files:
+                fsops.rename_new(unit.dir_fd, temp, final)
+                done += 1
+        except FileExistsError:
+            for temp, _ in unit.files[done:]:
+                fsops.unlink_quietly(unit.dir_fd, temp)
+            if done:  # a pack's .pack linked, its .idx name taken: the .pack is ours
+                fsops.unlink_quietly(unit.dir_fd, unit.files[0][1])
+            run.written -= unit.size
+            run.dest.refresh()
+            if all(run.dest.has_raw(raw) for raw in unit.provides):
+                run.present += unit.present + len(unit.provides)
+            else:
+                run.refuse(unit.name, "name_taken")
+            continue
+        run.imported += len(unit.provides)
+        run.present += unit.present
+    fsops.make_durable([run.dest.fd])
 
 
 def has_object(objects_fd: int, oid: str) -> bool:
@@ -167,7 +260,7 @@ def _loose_objects(run: _Import, source_fd: int) -> None:
             with os.scandir(fan_fd) as listing:
                 names = sorted(e.name for e in listing if LOOSE_NAME.fullmatch(e.name))
             for name in names:
-                if run.counted >= run.max_objects:
+                if run.examined >= run.max_objects:
                     run.refuse(fan + name, "too_many")  # and the rest is not examined
                     return
                 _loose_object(run, fan_fd, fan, name)
@@ -177,6 +270,7 @@ def _loose_objects(run: _Import, source_fd: int) -> None:
 
 def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
     oid = fan + name
+    run.examined += 1
     if run.dest.has(oid):
         run.present += 1
         return
@@ -203,26 +297,18 @@ def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
     finally:
         os.close(src)
     run.written += copied.size
-    run.links.append((run.dest_dir(fan), copied.temp, name, copied.size))
-
-
-def _link_loose(run: _Import) -> None:
-    """Give every checked copy its name: one flush first, then one rename each that
-    never replaces (a name taken meanwhile keeps what holds it), then one more flush."""
-    if not run.links:
-        return
-    fsops.make_durable([run.dest.fd])
-    while run.links:
-        fan_fd, temp, name, size = run.links.pop()
-        try:
-            fsops.rename_new(fan_fd, temp, name)
-        except FileExistsError:
-            fsops.unlink_quietly(fan_fd, temp)
-            run.written -= size
-            run.present += 1
-            continue
-        run.imported += 1
-    fsops.make_durable([run.dest.fd])
+    needs = {raw for raw in copied.names if run.missing(raw)}
+    run.pending.append(
+        _Pending(
+            oid,
+            run.dest_dir(fan),
+            [(copied.temp, name)],
+            {bytes.fromhex(oid)},
+            needs,
+            0,
+            copied.size,
+        )
+    )
 
 
 # --- packs ----------------------------------------------------------------------------------
@@ -247,7 +333,6 @@ def _packs(run: _Import, source_fd: int) -> None:
             _pack(run, pack_dir, stem)
     finally:
         os.close(pack_dir)
-    run.dest.refresh()
 
 
 def _pack(run: _Import, pack_dir: int, stem: str) -> None:
@@ -270,7 +355,9 @@ def _pack(run: _Import, pack_dir: int, stem: str) -> None:
                 os.close(fd)
     pack_fd, idx_fd = opened
     try:
-        reason = _pack_from(run, pack_fd, idx_fd)
+        reason = _pack_from(run, name, pack_fd, idx_fd)
+    except packs.PackRefused as exc:
+        reason = exc.reason
     finally:
         os.close(pack_fd)
         os.close(idx_fd)
@@ -278,14 +365,13 @@ def _pack(run: _Import, pack_dir: int, stem: str) -> None:
         run.refuse(name, reason)
 
 
-def _pack_from(run: _Import, pack_fd: int, idx_fd: int) -> str | None:
-    """Import the open pack and index; returns the refusal's reason, or None."""
-    room = run.max_objects - run.counted
+def _pack_from(run: _Import, name: str, pack_fd: int, idx_fd: int) -> str | None:
+    """Copy and check the open pack and index, pending their names; returns the
+    refusal's reason, or None."""
+    room = run.max_objects - run.examined
     idx_cap = _IDX_FIXED + _IDX_PER_OBJECT * max(room, 0)
     idx_size = os.fstat(idx_fd).st_size
-    if idx_size > idx_cap:
-        return "too_many"
-    idx_bytes = fsops.read_fd(idx_fd, idx_cap, expected=idx_size)
+    idx_bytes = None if idx_size > idx_cap else fsops.read_fd(idx_fd, idx_cap, expected=idx_size)
     if idx_bytes is None:
         return "too_many"
     try:
@@ -293,70 +379,65 @@ def _pack_from(run: _Import, pack_fd: int, idx_fd: int) -> str | None:
     except packs.PackRefused as exc:
         return exc.reason
     try:
-        ids = [raw for raw, _, _ in index.iterentries()]
+        ids = {bytes(raw) for raw, _, _ in index.iterentries()}
     except Exception:  # a truncated table: struct.error, IndexError
         return "index_mismatch"
     finally:
         index.close()
     if len(ids) > room:
         return "too_many"
-    new = sum(1 for raw in ids if not run.dest.has(raw.hex()))
-    if new == 0:
+    run.examined += len(ids)
+    new = {raw for raw in ids if not run.dest.has_raw(raw)}
+    if not new:
         run.present += len(ids)
         return None
     size = os.fstat(pack_fd).st_size
     if size + len(idx_bytes) > run.max_bytes - run.written:
         return "too_large"
     pack_dir = run.dest_dir("pack")
+    unit = _Pending(name, pack_dir, [], new, set(), len(ids) - len(new), size + len(idx_bytes))
     temps = ["tmp_pack_" + secrets.token_hex(8), "tmp_idx_" + secrets.token_hex(8)]
+
+    def visit(raw: bytes, type_num: int, obj: ShaFile | None) -> None:
+        for named in packs.references(obj):
+            if named not in unit.needs and run.missing(named, ids):
+                unit.needs.add(named)
+
     try:
-        checksum = _copy_and_verify(run, pack_fd, size, idx_bytes, pack_dir, temps)
-        final = f"pack-{checksum.hex()}"
-        fsops.rename_new(pack_dir, temps[0], final + ".pack")
-        temps[0] = final + ".pack"  # ours now: unlinked if the index cannot follow
-        fsops.rename_new(pack_dir, temps[1], final + ".idx")
-        os.fsync(pack_dir)
-    except packs.PackRefused as exc:
-        return exc.reason
-    except FileExistsError:
-        # The destination has a pack of this name already: it is the destination's.
-        run.dest.refresh()
-        if all(run.dest.has(raw.hex()) for raw in ids):
-            run.present += len(ids)
-            return None
-        return "name_taken"
-    finally:
+        checksum = _copy_and_verify(run, pack_fd, size, idx_bytes, pack_dir, temps[0], visit)
+        fsops.write_new(pack_dir, temps[1], idx_bytes, mode=PACK_MODE, owner=run.owner)
+    except BaseException:
         for temp in temps:
-            if temp.startswith("tmp_"):
-                fsops.unlink_quietly(pack_dir, temp)
-    temps.clear()
-    run.imported += new
-    run.present += len(ids) - new
-    run.written += size + len(idx_bytes)
+            fsops.unlink_quietly(pack_dir, temp)
+        raise
+    final = f"pack-{checksum.hex()}"
+    unit.files = [(temps[0], final + ".pack"), (temps[1], final + ".idx")]
+    run.pending.append(unit)
+    run.written += unit.size
     return None
 
 
 def _copy_and_verify(
-    run: _Import, pack_fd: int, size: int, idx_bytes: bytes, pack_dir: int, temps: list[str]
+    run: _Import,
+    pack_fd: int,
+    size: int,
+    idx_bytes: bytes,
+    pack_dir: int,
+    temp: str,
+    visit: packs.Visit,
 ) -> bytes:
-    """Copy the pack and its index into temp files of the destination, then verify the
-    copies (nothing the source does meanwhile can change what was checked). Returns the
-    pack's checksum."""
-    out = fsops.create_exclusive(pack_dir, temps[0], read=True)
+    """Copy the pack into a temp file of the destination, then verify the copy against
+    `idx_bytes` (nothing the source does meanwhile can change what was checked).
+    Returns the pack's checksum; raises PackRefused."""
+    out = fsops.create_exclusive(pack_dir, temp, read=True)
     try:
         _copy_range(pack_fd, out, size)
         _finish(out, run.owner)
         with mmap.mmap(out, 0, access=mmap.ACCESS_READ) as buf:
-            packs.verify_pack(buf, idx_bytes, run.limits, _ignore)
-            checksum = bytes(buf[-20:])
+            packs.verify_pack(buf, idx_bytes, run.limits, visit)
+            return bytes(buf[-20:])
     finally:
         os.close(out)
-    fsops.write_new(pack_dir, temps[1], idx_bytes, mode=PACK_MODE, owner=run.owner)
-    return checksum
-
-
-def _ignore(raw: bytes, type_num: int, obj: object) -> None:
-    del raw, type_num, obj
 
 
 def _copy_range(src: int, dst: int, size: int) -> None:

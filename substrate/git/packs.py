@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from dulwich.object_format import SHA1
-from dulwich.objects import ShaFile
+from dulwich.objects import S_IFGITLINK, Commit, ShaFile, Tag, Tree
 from dulwich.pack import PackIndex2, load_pack_index_file
 
 from substrate.git.store import (
@@ -144,6 +144,21 @@ def check_parsed(type_num: int, content: bytes) -> ShaFile:
             if entry.path.lower() == b".git":
                 raise ValueError("a tree entry is named .git")
     return obj
+
+
+def references(obj: ShaFile | None) -> Iterator[bytes]:
+    """The raw ids `obj` names: a commit's tree and parents, a tree's entries (but a
+    submodule's commit: another repository's), a tag's object; a blob names none."""
+    if isinstance(obj, Commit):
+        yield bytes.fromhex(obj.tree.decode("ascii"))
+        for parent in obj.parents:
+            yield bytes.fromhex(parent.decode("ascii"))
+    elif isinstance(obj, Tree):
+        for entry in obj.iteritems():
+            if entry.mode != S_IFGITLINK:
+                yield bytes.fromhex(entry.sha.decode("ascii"))
+    elif isinstance(obj, Tag):
+        yield bytes.fromhex(obj.object[1].decode("ascii"))
 
 
 @dataclass

@@ -283,6 +283,10 @@ class ObjectStore:
                 return True
         return False
 
+    def has_raw(self, raw: bytes) -> bool:
+        """`has` for a raw (20-byte) id."""
+        return len(raw) == 20 and (self.has_loose(raw.hex()) or self.has_packed(raw))
+
     def has(self, oid: str) -> bool:
         """Whether the store holds `oid` (40 hex), loose or packed. Costs an lstat and a
         bisection per pack; reads no object."""

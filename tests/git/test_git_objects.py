@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from substrate.git import ObjectRefusal, has_object, import_objects
+from substrate.git import ObjectRefusal, has_object, import_objects, objects, update_ref
 from tests.harness.gitrepos import Repo, blob_id, delta, dir_fd, hand_pack, history, loose_bytes
 
 OWNER = (1000, 1000)
@@ -148,7 +148,7 @@ def test_a_name_taken_between_the_check_and_the_link_is_kept(
     from substrate.git import objects
 
     head = agent.rev("HEAD")
-    real = objects._link_loose
+    real = objects._link
 
     def host_writes_first(run: objects._Import) -> None:
         placed = host.loose_path(head)
@@ -156,7 +156,7 @@ def test_a_name_taken_between_the_check_and_the_link_is_kept(
         placed.write_bytes(b"made by the host meanwhile")
         real(run)
 
-    monkeypatch.setattr(objects, "_link_loose", host_writes_first)
+    monkeypatch.setattr(objects, "_link", host_writes_first)
     report = run_import(agent, host)
     assert host.loose_path(head).read_bytes() == b"made by the host meanwhile"
     assert report.present == 1
@@ -328,12 +328,81 @@ def test_a_fifo_in_the_source_store_is_refused_not_a_file(tmp_path: Path, host: 
 def test_the_bounds_refuse_by_name(agent: Repo, host: Repo) -> None:
     count = len(agent.object_ids())
     few = run_import(agent, host, max_objects=3)
-    assert few.imported == 3
-    assert [r.reason for r in few.refused] == ["too_many"]
+    reasons = [r.reason for r in few.refused]
+    assert reasons.count("too_many") == 1  # and the rest is not examined
+    # Of the three examined, those naming what is not there yet wait for a later import.
+    assert few.imported + reasons.count("missing_reference") == 3
+    assert_clean(host)
     small = run_import(agent, host, max_bytes=1)
     assert small.imported == 0
     assert {r.reason for r in small.refused} == {"too_large"}
-    assert len(small.refused) == count - 3
+    assert len(small.refused) == count - few.imported
+    assert (run_import(agent, host).imported, small.present) == (count - few.imported, few.imported)
+
+
+def test_a_commit_whose_tree_is_missing_is_refused_and_so_are_its_children(
+    tmp_path: Path, agent: Repo, host: Repo
+) -> None:
+    scratch = Repo(tmp_path / "scratch")
+    shutil.copytree(agent.path, scratch.path, symlinks=True)
+    middle = scratch.rev("HEAD~2")
+    tree = scratch.rev("HEAD~2^{tree}")
+    scratch.loose_path(tree).unlink()
+    report = run_import(scratch, host)
+    refused = {r.name for r in report.refused if r.reason == "missing_reference"}
+    after = {scratch.rev(f"HEAD~{i}") for i in range(3)}  # the middle one and its children
+    assert refused == after
+    assert middle in refused and not host.loose_path(middle).exists()
+    assert_clean(host)
+    with dir_fd(host.git_dir) as fd:
+        moved = update_ref(
+            fd,
+            "refs/heads/agent/x",
+            None,
+            scratch.rev("HEAD"),
+            committer=b"A <a@b>",
+            message=b"m",
+            owner=OWNER,
+        )
+    assert moved.outcome == "missing_object"
+
+
+def test_a_pack_naming_an_object_nowhere_is_refused_and_taken_with_it(
+    tmp_path: Path, agent: Repo, host: Repo
+) -> None:
+    scratch = Repo(tmp_path / "scratch")
+    scratch.path.mkdir()
+    (scratch.objects / "pack").mkdir(parents=True)
+    head = agent.rev("HEAD")
+    agent.git(
+        "pack-objects", "-q", str(scratch.objects / "pack" / "pack"), stdin=f"{head}\n".encode()
+    )
+    (pack,) = scratch.packs()
+    report = run_import(scratch, host)
+    assert report.refused == (ObjectRefusal(f"pack/{pack.name}", "missing_reference"),)
+    assert os.listdir(host.objects / "pack") == []
+    # With the tree and the parent there too (loose, from the agent's store), it is whole.
+    for oid in agent.object_ids() - {head}:
+        target = scratch.loose_path(oid)
+        target.parent.mkdir(exist_ok=True)
+        shutil.copyfile(agent.loose_path(oid), target)
+    report = run_import(scratch, host)
+    assert report.refused == ()
+    assert report.imported == len(agent.object_ids())
+    assert_clean(host)
+
+
+def test_a_partial_clone_takes_objects_naming_what_it_lacks_on_purpose(
+    tmp_path: Path, agent: Repo, host: Repo
+) -> None:
+    head = agent.rev("HEAD")
+    tree = agent.rev("HEAD^{tree}")
+    source = tmp_path / "only-the-commit"
+    shutil.copytree(agent.loose_path(head).parent, source / head[:2])
+    (host.objects / "pack" / f"pack-{'b' * 40}.promisor").write_bytes(b"")
+    report = run_import(source, host)
+    assert report.refused == ()
+    assert host.loose_path(head).exists() and not host.loose_path(tree).exists()
 
 
 def test_has_object_finds_loose_and_packed(tmp_path: Path, agent: Repo) -> None:
