@@ -9,6 +9,7 @@ path (docs/git.md).
                        and read with bounds; the entry, delta and zlib helpers
     loose.py     I/O   a loose object copied as it is checked (hash, header, parse)
     packs.py     I/O   a pack and its index checked whole in bounded memory
+    packing.py   I/O   many loose objects written as one pack, each checked
     objects.py   I/O   `import_objects`: what a store lacks, verified, copied, never
                        overwriting; `has_object`
     refnames.py  pure  `valid_ref_name`: git's check-ref-format rules, under refs/

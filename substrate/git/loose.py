@@ -20,7 +20,7 @@ import hashlib
 import os
 import secrets
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from substrate.fs import fsops
@@ -73,7 +73,13 @@ def copy_loose(
     temp = "tmp_obj_" + secrets.token_hex(8)
     out = fsops.create_exclusive(dest_fan_fd, temp)
     try:
-        type_num, names = _stream(src_fd, out, oid, max_bytes, max_held_bytes)
+        type_num, names = stream_checked(
+            src_fd,
+            oid,
+            max_bytes,
+            max_held_bytes,
+            Sink(raw=lambda chunk: fsops.write_all(out, chunk)),
+        )
         size = os.fstat(out).st_size
         if os.geteuid() == 0:
             os.fchown(out, *owner)
@@ -105,7 +111,8 @@ class _Content:
     """The inflated bytes of one object: its header parsed, its content hashed (and
     held, for a commit, tree or tag)."""
 
-    def __init__(self, max_held: int) -> None:
+    def __init__(self, max_held: int, sink: Sink) -> None:
+        self.sink = sink
         self.digest = hashlib.sha1()
         self.head = b""
         self.type_num = 0
@@ -128,25 +135,42 @@ class _Content:
             self.held = None if self.type_num == BLOB else []
             self.digest.update(self.head[: nul + 1])
             piece = self.head[nul + 1 :]
+            if self.sink.header is not None:
+                self.sink.header(self.type_num, self.declared)
         self.seen += len(piece)
         if self.seen > self.declared:
             raise LooseRefused("unparsable", "more content than its header gives")
         self.digest.update(piece)
         if self.held is not None:
             self.held.append(piece)
+        if self.sink.content is not None and piece:
+            self.sink.content(piece)
 
 
-def _stream(
-    src_fd: int, out: int, oid: str, max_bytes: int, max_held: int
+@dataclass(frozen=True)
+class Sink:
+    """Where a checked stream goes as it is read: the file's bytes (`raw`), and its
+    object's header (`header`: type, size) and content (`content`), inflated."""
+
+    raw: Callable[[bytes], None] | None = None
+    header: Callable[[int, int], None] | None = None
+    content: Callable[[bytes], None] | None = None
+
+
+def stream_checked(
+    src_fd: int, oid: str, max_bytes: int, max_held: int, sink: Sink
 ) -> tuple[int, tuple[bytes, ...]]:
+    """Read the loose object `oid` from `src_fd` once, feeding `sink`, and check it
+    (module docstring): (its type, the raw ids it names). Raises LooseRefused."""
     inflater = zlib.decompressobj()
-    content = _Content(max_held)
+    content = _Content(max_held, sink)
     copied = 0
     while chunk := os.read(src_fd, CHUNK):
         copied += len(chunk)
         if copied > max_bytes:
             raise LooseRefused("too_large", f"over {max_bytes} bytes")
-        fsops.write_all(out, chunk)
+        if sink.raw is not None:
+            sink.raw(chunk)
         if inflater.eof:
             raise LooseRefused("unparsable", "bytes follow the zlib stream")
         for piece in _pieces(inflater, chunk):

@@ -18,6 +18,7 @@ Everything here is blocking; callers run it in a worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -28,7 +29,7 @@ from dulwich.objects import ShaFile
 
 from substrate.errors import NotAFile, Refusal, SymlinkRefused
 from substrate.fs import fsops, paths
-from substrate.git import loose, packs
+from substrate.git import loose, packing, packs
 from substrate.git.store import FANOUT, LOOSE_NAME, PACK_NAME, ObjectStore
 
 #: A directory of the destination store, as git makes one (its default umask).
@@ -96,6 +97,8 @@ class _Import:
     refused: list[ObjectRefusal] = field(default_factory=list)
     pending: list[_Pending] = field(default_factory=list)
     dirs: dict[str, int] = field(default_factory=dict)
+    # The pack new loose objects are written into, when there are many.
+    writer: packing.PackWriter | None = None
 
     def refuse(self, name: str, reason: str) -> None:
         self.refused.append(ObjectRefusal(name, reason))
@@ -114,6 +117,8 @@ class _Import:
         return raw not in own and not self.dest.has_raw(raw)
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close(unlink=True)
         for unit in self.pending:
             for temp, _ in unit.files:
                 fsops.unlink_quietly(unit.dir_fd, temp)
@@ -158,6 +163,7 @@ def import_objects(
             _packs(run, source_objects_fd)
             if not _partial_clone(run.dest):
                 _connect(run)
+            _seal_loose_pack(run)
             _link(run)
         finally:
             run.close()
@@ -245,8 +251,35 @@ def has_object(objects_fd: int, oid: str) -> bool:
 
 
 def _loose_objects(run: _Import, source_fd: int) -> None:
+    """Check every loose object of the source the destination lacks, copying each
+    (fewer than `UNPACK_LIMIT`) or writing them all into one pack (more)."""
+    new = _new_loose(run, source_fd)
+    if len(new) >= packing.UNPACK_LIMIT:
+        run.writer = packing.PackWriter(run.dest_dir("pack"), run.owner)
+    at = ""
+    fan_fd = -1
+    try:
+        for fan, name in new:
+            if fan != at:
+                if fan_fd >= 0:
+                    os.close(fan_fd)
+                    fan_fd = -1
+                at = fan
+                # Replaced since it was listed: its objects are refused below.
+                with contextlib.suppress(Refusal):
+                    fan_fd = paths.open_dir(source_fd, (fan,), f"objects/{fan}")
+            _loose_object(run, fan_fd, fan, name)
+    finally:
+        if fan_fd >= 0:
+            os.close(fan_fd)
+
+
+def _new_loose(run: _Import, source_fd: int) -> list[tuple[str, str]]:
+    """(fan-out, name) of each loose object of the source the destination lacks, at
+    most `max_objects` examined; the ones it has are counted present."""
     with os.scandir(source_fd) as listing:
         fans = sorted(e.name for e in listing if FANOUT.fullmatch(e.name))
+    new: list[tuple[str, str]] = []
     for fan in fans:
         try:
             fan_fd = paths.open_dir(source_fd, (fan,), f"objects/{fan}")
@@ -259,22 +292,25 @@ def _loose_objects(run: _Import, source_fd: int) -> None:
         try:
             with os.scandir(fan_fd) as listing:
                 names = sorted(e.name for e in listing if LOOSE_NAME.fullmatch(e.name))
-            for name in names:
-                if run.examined >= run.max_objects:
-                    run.refuse(fan + name, "too_many")  # and the rest is not examined
-                    return
-                _loose_object(run, fan_fd, fan, name)
         finally:
             os.close(fan_fd)
+        for name in names:
+            if run.examined >= run.max_objects:
+                run.refuse(fan + name, "too_many")  # and the rest is not examined
+                return new
+            run.examined += 1
+            if run.dest.has(fan + name):
+                run.present += 1
+            else:
+                new.append((fan, name))
+    return new
 
 
 def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
     oid = fan + name
-    run.examined += 1
-    if run.dest.has(oid):
-        run.present += 1
-        return
     try:
+        if fan_fd < 0:
+            raise SymlinkRefused(f"objects/{fan}: replaced")
         src = paths.open_regular(fan_fd, name, f"objects/{fan}/{name}")
     except SymlinkRefused:
         run.refuse(oid, "symlink")
@@ -282,33 +318,60 @@ def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
     except (NotAFile, Refusal):
         run.refuse(oid, "not_a_file")
         return
+    room = run.max_bytes - run.written
     try:
-        copied = loose.copy_loose(
-            src,
-            run.dest_dir(fan),
-            oid,
-            owner=run.owner,
-            max_bytes=run.max_bytes - run.written,
-            max_held_bytes=run.limits.max_held_bytes,
-        )
+        if run.writer is not None:
+            before = run.writer.pos
+            _, names = run.writer.add_loose(
+                src, oid, max_bytes=room, max_held=run.limits.max_held_bytes
+            )
+            unit = _Pending(oid, -1, [], {bytes.fromhex(oid)}, set(), 0, run.writer.pos - before)
+        else:
+            copied = loose.copy_loose(
+                src,
+                run.dest_dir(fan),
+                oid,
+                owner=run.owner,
+                max_bytes=room,
+                max_held_bytes=run.limits.max_held_bytes,
+            )
+            names = copied.names
+            files = [(copied.temp, name)]
+            unit = _Pending(
+                oid, run.dest_dir(fan), files, {bytes.fromhex(oid)}, set(), 0, copied.size
+            )
     except loose.LooseRefused as exc:
         run.refuse(oid, exc.reason)
         return
     finally:
         os.close(src)
-    run.written += copied.size
-    needs = {raw for raw in copied.names if run.missing(raw)}
-    run.pending.append(
-        _Pending(
-            oid,
-            run.dest_dir(fan),
-            [(copied.temp, name)],
-            {bytes.fromhex(oid)},
-            needs,
-            0,
-            copied.size,
-        )
-    )
+    unit.needs = {raw for raw in names if run.missing(raw)}
+    run.written += unit.size
+    run.pending.append(unit)
+
+
+def _seal_loose_pack(run: _Import) -> None:
+    """Finish the pack the new loose objects were written into, with those left after
+    `_connect`, as one pending entry in their stead."""
+    writer = run.writer
+    if writer is None:
+        return
+    units = [u for u in run.pending if not u.files]
+    run.pending = [u for u in run.pending if u.files]
+    keep = {raw for u in units for raw in u.provides}
+    run.written -= sum(u.size for u in units)
+    if not keep:
+        return
+    try:
+        temp, idx_temp, checksum, size = writer.finish(keep, run.limits)
+    except packs.PackRefused as exc:  # never, unless the disk gives back other bytes
+        for unit in units:
+            run.refuse(unit.name, exc.reason)
+        return
+    final = f"pack-{checksum.hex()}"
+    files = [(temp, final + ".pack"), (idx_temp, final + ".idx")]
+    run.pending.append(_Pending(f"pack/{final}.pack", writer.dir_fd, files, keep, set(), 0, size))
+    run.written += size
 
 
 # --- packs ----------------------------------------------------------------------------------

@@ -305,6 +305,7 @@ KIND_OF: dict[str, str] = {
     "git/store.py": "I/O",
     "git/loose.py": "I/O",
     "git/packs.py": "I/O",
+    "git/packing.py": "I/O",
     "git/objects.py": "I/O",
     "git/refnames.py": "pure",
     "git/refs.py": "I/O",

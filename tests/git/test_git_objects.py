@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from substrate.git import ObjectRefusal, has_object, import_objects, objects, update_ref
+from substrate.git import ObjectRefusal, has_object, import_objects, objects, packing, update_ref
 from tests.harness.gitrepos import Repo, blob_id, delta, dir_fd, hand_pack, history, loose_bytes
 
 OWNER = (1000, 1000)
@@ -145,8 +145,6 @@ def test_an_existing_object_is_never_overwritten(agent: Repo, host: Repo) -> Non
 def test_a_name_taken_between_the_check_and_the_link_is_kept(
     agent: Repo, host: Repo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from substrate.git import objects
-
     head = agent.rev("HEAD")
     real = objects._link
 
@@ -415,3 +413,55 @@ def test_has_object_finds_loose_and_packed(tmp_path: Path, agent: Repo) -> None:
     assert not agent.loose_path(head).exists()
     with dir_fd(agent.objects) as fd:
         assert has_object(fd, head)
+
+
+@pytest.fixture
+def many(tmp_path: Path) -> Repo:
+    """A repository of more loose objects than `packing.UNPACK_LIMIT`."""
+    repo = Repo.init(tmp_path / "many")
+    repo.commit({f"d/{i:03d}.txt": f"file {i}\n" * 20 for i in range(150)}, "150 files")
+    repo.commit({"d/000.txt": "changed\n"}, "one more")
+    return repo
+
+
+def test_many_loose_objects_are_written_as_one_pack_and_fsck_is_clean(
+    many: Repo, host: Repo
+) -> None:
+    wanted = many.object_ids()
+    assert len(wanted) >= packing.UNPACK_LIMIT
+    report = run_import(many, host)
+    assert report.refused == ()
+    assert report.imported == len(wanted)
+    (pack,) = host.packs()
+    assert report.bytes == pack.stat().st_size + pack.with_suffix(".idx").stat().st_size
+    assert not [p for p in host.objects.glob("??") if p.is_dir()]
+    st = pack.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1000, 0o444)
+    assert host.object_ids() == wanted
+    assert_clean(host)
+    assert host.git("log", "--format=%s", many.rev("HEAD")).split("\n")[:2] == [
+        "one more",
+        "150 files",
+    ]
+    assert not list(host.objects.rglob("tmp_*"))
+
+
+def test_among_many_a_forged_and_a_disconnected_object_are_left_out(many: Repo, host: Repo) -> None:
+    forged = many.rev("HEAD:d/001.txt")
+    path = many.loose_path(forged)
+    path.chmod(0o644)
+    _, other = loose_bytes(b"blob", b"not what the name promises\n")
+    path.write_bytes(other)
+    gone = many.rev("HEAD^{tree}")  # the last commit's tree, missing: that commit is refused
+    many.loose_path(gone).unlink()
+    report = run_import(many, host)
+    assert set(report.refused) >= {ObjectRefusal(forged, "hash_mismatch")}
+    missing = {r.name for r in report.refused if r.reason == "missing_reference"}
+    # The first commit's tree names the forged blob: it, and both commits, are left out.
+    assert many.rev("HEAD") in missing and many.rev("HEAD~1") in missing
+    assert {many.rev("HEAD~1:d"), many.rev("HEAD~1^{tree}")} <= missing
+    assert len(host.packs()) == 1  # the rest, imported
+    assert_clean(host)
+    assert host.git("cat-file", "-t", many.rev("HEAD~1:d/002.txt")).strip() == "blob"
+    assert not {many.rev("HEAD"), many.rev("HEAD~1"), forged} & host.object_ids()
+    assert not list(host.objects.rglob("tmp_*"))
