@@ -60,6 +60,8 @@ Visit = Callable[[bytes, int, ShaFile | None], None]
 
 _HEADER = 12
 _TRAILER = 20
+#: The most one inflate step makes.
+PIECE = 1 << 20
 
 
 class PackRefused(Exception):
@@ -108,28 +110,36 @@ def _inflate_at(
     view: memoryview, pos: int, size: int, digest: hashlib._Hash | None
 ) -> tuple[bytes | None, int]:
     """Inflate the zlib stream at `pos` of exactly `size` bytes: (content, end offset);
-    with `digest`, the content is fed to it instead of kept (returns None)."""
+    with `digest`, the content is fed to it instead of kept (returns None), at most
+    `PIECE` bytes at a time however well it compressed."""
     inflater = zlib.decompressobj()
     kept: list[bytes] = []
     done = 0
+    tail = b""
     while not inflater.eof:
-        chunk = view[pos : pos + WINDOW]
-        if not chunk:
-            raise StoreDamaged("a zlib stream runs past the pack")
-        pos += len(chunk)
+        if not tail:
+            tail = view[pos : pos + WINDOW]
+            if not tail:
+                raise StoreDamaged("a zlib stream runs past the pack")
+            pos += len(tail)
         try:
-            piece = inflater.decompress(chunk, size + 1 - done)
+            piece = inflater.decompress(tail, min(PIECE, size + 1 - done))
         except zlib.error as exc:
             raise StoreDamaged(f"not a zlib stream: {exc}") from None
+        tail = inflater.unconsumed_tail
         done += len(piece)
-        if done > size or inflater.unconsumed_tail:
+        if done > size:
             raise StoreDamaged("an entry inflates past the size its header gives")
         if digest is None:
             kept.append(piece)
         else:
             digest.update(piece)
+        if not piece and tail and not inflater.eof:
+            raise StoreDamaged("a zlib stream makes no progress")
     if done != size:
         raise StoreDamaged("an entry inflates short of the size its header gives")
+    # Past the stream's end zlib leaves the rest of the last input in `unused_data`
+    # (and, with a length limit, in `unconsumed_tail` too): that input ended at `pos`.
     end = pos - len(inflater.unused_data)
     return (b"".join(kept) if digest is None else None), end
 

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from substrate.git import ObjectRefusal, has_object, import_objects, objects, packing, update_ref
+from substrate.git import (
+    ObjectRefusal,
+    commit_subjects,
+    has_object,
+    import_objects,
+    objects,
+    packing,
+    update_ref,
+)
 from tests.harness.gitrepos import Repo, blob_id, delta, dir_fd, hand_pack, history, loose_bytes
 
 OWNER = (1000, 1000)
@@ -465,3 +473,81 @@ def test_among_many_a_forged_and_a_disconnected_object_are_left_out(many: Repo, 
     assert host.git("cat-file", "-t", many.rev("HEAD~1:d/002.txt")).strip() == "blob"
     assert not {many.rev("HEAD"), many.rev("HEAD~1"), forged} & host.object_ids()
     assert not list(host.objects.rglob("tmp_*"))
+
+
+def test_nothing_is_opened_by_path(
+    tmp_path: Path, many: Repo, host: Repo, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dulwich and substrate.git open every file beneath a held fd: with `open` and
+    dulwich's `GitFile` made to fail, and `os.open` to fail without a `dir_fd`, an import
+    of loose objects and of a pack, a ref update and a commit walk all still work."""
+    import builtins
+
+    import dulwich.file
+    import dulwich.pack
+
+    scratch = Repo(tmp_path / "scratch")
+    shutil.copytree(many.path, scratch.path, symlinks=True)
+    scratch.git("repack", "-adq")
+    other = Repo.init(tmp_path / "other")
+    real_open = os.open
+
+    def no_path(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"opened by path: {args}")
+
+    def beneath_only(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if dir_fd is None:
+            raise AssertionError(f"os.open without a dir fd: {path}")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    with (
+        dir_fd(many.objects) as src,
+        dir_fd(scratch.objects) as packed,
+        dir_fd(host.objects) as dst,
+        dir_fd(other.objects) as dst2,
+        dir_fd(host.git_dir) as git,
+    ):
+        assert not has_object(dst, "0" * 40)  # (the kernel's openat2 probed once, by "/")
+        monkeypatch.setattr(builtins, "open", no_path)
+        monkeypatch.setattr(dulwich.file, "GitFile", no_path)
+        monkeypatch.setattr(dulwich.pack, "GitFile", no_path)
+        monkeypatch.setattr(os, "open", beneath_only)
+        loose_report = import_objects(src, dst, owner=OWNER, max_bytes=BIG, max_objects=10_000)
+        pack_report = import_objects(packed, dst2, owner=OWNER, max_bytes=BIG, max_objects=10_000)
+        head = many.rev("HEAD")
+        moved = update_ref(
+            git,
+            "refs/heads/agent/x",
+            None,
+            head,
+            committer=b"A <a@b>",
+            message=b"m",
+            owner=OWNER,
+        )
+        found = commit_subjects(dst, head, None, limit=5)
+        monkeypatch.undo()
+    assert loose_report.refused == () and loose_report.imported == len(many.object_ids())
+    assert pack_report.refused == () and pack_report.imported == len(many.object_ids())
+    assert moved.outcome == "applied"
+    assert found == ("one more", "150 files")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_large_blob_is_streamed_not_held(tmp_path: Path, host: Repo, packed: bool) -> None:
+    """48 MiB that compress to almost nothing (the worst case for an inflate step):
+    the import's Python allocations stay far below the blob's size."""
+    import tracemalloc
+
+    repo = Repo.init(tmp_path / "big")
+    repo.commit({"big.bin": "substrate " * ((48 << 20) // 10)}, "big")
+    if packed:
+        repo.git("repack", "-adq")
+    tracemalloc.start()
+    try:
+        report = run_import(repo, host)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.refused == () and report.imported == 3
+    assert peak < 8 << 20
+    assert_clean(host)
