@@ -115,7 +115,7 @@ def _inflate_at(
     inflater = zlib.decompressobj()
     kept: list[bytes] = []
     done = 0
-    tail = b""
+    tail: bytes | memoryview = b""
     while not inflater.eof:
         if not tail:
             tail = view[pos : pos + WINDOW]
