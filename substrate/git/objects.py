@@ -2,11 +2,12 @@
 
 Theory of operation (docs/git.md "Objects"): both stores are held as fds of their
 `objects` directories. Every loose object and every pack of the source that the
-destination lacks is checked — a loose object as it is copied (`loose`), a pack once
-copied (`packs`) — and only then given its name in the destination: loose objects are
-written under temp names, flushed together (one `syncfs`), then each renamed onto its
-name with `RENAME_NOREPLACE`; a pack's `.pack` is linked before its `.idx` (git sees a
-pack only through its index), both the same way. A name already taken is never
+destination lacks is checked — a loose object as it is copied (`loose`; 100 or more go
+into one new pack instead, `packing`), a pack once copied (`packs`) — and waits under a
+temp name. Then the new objects must be connected (`_connect`: what each names is in
+the destination or arrives with it), and only then is each given its name: one flush
+(`syncfs`) first, then a rename with `RENAME_NOREPLACE` each, a pack's `.pack` before its
+`.idx` (git sees a pack only through its index). A name already taken is never
 replaced: the object there is the destination's, whatever it holds.
 
 What is refused is named in the report (`ObjectRefusal`: the source entry and the
@@ -45,8 +46,9 @@ class ObjectRefusal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A source entry left out: `name` is the object id (loose), `pack/<name>.pack`, or the
     entry met (`ab`, a fan-out directory); `reason` says which check failed:
     `hash_mismatch`, `unparsable`, `bad_pack_checksum`, `index_mismatch`, `delta_loop`,
-    `delta_too_deep`, `missing_base`, `too_large`, `too_many`, `symlink`, `not_a_file`,
-    `name_taken`."""
+    `delta_too_deep`, `missing_base`, `missing_reference` (it names an object neither
+    the destination nor the import brings), `too_large`, `too_many`, `symlink`,
+    `not_a_file`, `name_taken`."""
 
     name: str
     reason: str
@@ -69,7 +71,8 @@ class _Pending:
 
     `provides`: the raw ids it brings that the destination lacks; `needs`: the raw ids
     its objects name that neither it nor the destination holds; `present`: its objects
-    the destination has; `size`: its bytes."""
+    the destination has; `size`: its bytes; `in_pack`: a loose object written into the
+    import's own pack (`_Import.writer`), which has no files of its own."""
 
     name: str
     dir_fd: int
@@ -78,6 +81,7 @@ class _Pending:
     needs: set[bytes]
     present: int
     size: int
+    in_pack: bool = False
     refused: bool = False
 
 
@@ -325,7 +329,8 @@ def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
             _, names = run.writer.add_loose(
                 src, oid, max_bytes=room, max_held=run.limits.max_held_bytes
             )
-            unit = _Pending(oid, -1, [], {bytes.fromhex(oid)}, set(), 0, run.writer.pos - before)
+            size = run.writer.pos - before
+            unit = _Pending(oid, -1, [], {bytes.fromhex(oid)}, set(), 0, size, in_pack=True)
         else:
             copied = loose.copy_loose(
                 src,
@@ -356,8 +361,8 @@ def _seal_loose_pack(run: _Import) -> None:
     writer = run.writer
     if writer is None:
         return
-    units = [u for u in run.pending if not u.files]
-    run.pending = [u for u in run.pending if u.files]
+    units = [u for u in run.pending if u.in_pack]
+    run.pending = [u for u in run.pending if not u.in_pack]
     keep = {raw for u in units for raw in u.provides}
     run.written -= sum(u.size for u in units)
     if not keep:

@@ -309,7 +309,7 @@ def _locked_update(
         fsops.fill(lock_fd, f"{new_oid}\n".encode(), mode=FILE_MODE, owner=owner)
         fsops.rename_into(ref_dir, lock, leaf)
         renamed = True
-        return RefOutcome("applied", None if new_oid is None else new_oid)
+        return RefOutcome("applied", new_oid)
     finally:
         os.close(lock_fd)
         if not renamed:
