@@ -20,9 +20,11 @@ Everything here is blocking; callers run it in a worker thread.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -294,8 +296,10 @@ def _new_loose(run: _Import, source_fd: int) -> list[tuple[str, str]]:
             run.refuse(fan, "not_a_file")
             continue
         try:
-            with os.scandir(fan_fd) as listing:
-                names = sorted(e.name for e in listing if LOOSE_NAME.fullmatch(e.name))
+            # At most one name more than may still be examined is held.
+            names = sorted(
+                itertools.islice(_object_names(fan_fd), run.max_objects - run.examined + 1)
+            )
         finally:
             os.close(fan_fd)
         for name in names:
@@ -308,6 +312,13 @@ def _new_loose(run: _Import, source_fd: int) -> list[tuple[str, str]]:
             else:
                 new.append((fan, name))
     return new
+
+
+def _object_names(fan_fd: int) -> Iterator[str]:
+    with os.scandir(fan_fd) as listing:
+        for entry in listing:
+            if LOOSE_NAME.fullmatch(entry.name):
+                yield entry.name
 
 
 def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:

@@ -17,6 +17,7 @@ the index, `config`, hooks or `info/`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import stat
 import time
@@ -103,7 +104,7 @@ def scan_refs(git_dir_fd: int, *, max_refs: int) -> RefScan:
             raise TooLarge(f"packed-refs holds more than {max_refs} refs", limit=max_refs)
         refs[name] = oid
     met = 0
-    for name, value in _loose(git_dir_fd, skipped):
+    for name, value in _loose(git_dir_fd, skipped, max_refs):
         met += 1
         if met > max_refs:
             raise TooLarge(f"refs/ holds more than {max_refs} entries", limit=max_refs)
@@ -148,7 +149,9 @@ def _packed_lines(file: IO[bytes]) -> Iterator[tuple[str, str]]:
             yield name, text
 
 
-def _loose(git_dir_fd: int, skipped: list[tuple[str, str]]) -> Iterator[tuple[str, str | None]]:
+def _loose(
+    git_dir_fd: int, skipped: list[tuple[str, str]], max_entries: int
+) -> Iterator[tuple[str, str | None]]:
     """(name, content) of each file under `refs/` (None for a directory), depth first,
     holding one fd per level; `.lock` files are skipped, symlinks and others named."""
     try:
@@ -157,7 +160,7 @@ def _loose(git_dir_fd: int, skipped: list[tuple[str, str]]) -> Iterator[tuple[st
         return
     stack: list[tuple[int, str, Iterator[os.DirEntry[str]]]] = []
     try:
-        stack.append((top, "refs", iter(sorted(_listing(top), key=lambda e: e.name))))
+        stack.append((top, "refs", _listing(top, max_entries)))
         while stack:
             fd, prefix, entries = stack[-1]
             entry = next(entries, None)
@@ -174,13 +177,16 @@ def _loose(git_dir_fd: int, skipped: list[tuple[str, str]]) -> Iterator[tuple[st
             if stat.S_ISLNK(st.st_mode):
                 skipped.append((name, "symlink"))
             elif stat.S_ISDIR(st.st_mode):
+                if len(name.encode("utf-8", "surrogateescape")) >= MAX_REF_BYTES:
+                    skipped.append((name, "invalid_name"))  # and a bound on the fds held
+                    continue
                 yield name, None
                 try:
                     sub = paths.open_dir(fd, (entry.name,), name)
                 except Refusal:
                     skipped.append((name, "symlink"))
                     continue
-                stack.append((sub, name, iter(sorted(_listing(sub), key=lambda e: e.name))))
+                stack.append((sub, name, _listing(sub, max_entries)))
             elif not stat.S_ISREG(st.st_mode):
                 skipped.append((name, "not_a_file"))
             else:
@@ -191,9 +197,14 @@ def _loose(git_dir_fd: int, skipped: list[tuple[str, str]]) -> Iterator[tuple[st
             os.close(fd)
 
 
-def _listing(fd: int) -> list[os.DirEntry[str]]:
+def _listing(fd: int, cap: int) -> Iterator[os.DirEntry[str]]:
+    """The entries of the directory `fd` by name; more than `cap` is TooLarge (a
+    directory's listing is held to be sorted)."""
     with os.scandir(fd) as entries:
-        return list(entries)
+        held = list(itertools.islice(entries, cap + 1))
+    if len(held) > cap:
+        raise TooLarge(f"refs/ holds more than {cap} entries", limit=cap)
+    return iter(sorted(held, key=lambda e: e.name))
 
 
 def _read_loose(dir_fd: int, leaf: str, where: str) -> str | None:

@@ -241,3 +241,15 @@ def test_a_reflog_line_is_one_line_whatever_the_message() -> None:
     line = reflog_line(None, "a" * 40, b"A\nB <x@y>", 5, b"one\ntwo\0three" + b"x" * 5000)
     assert line.count(b"\n") == 1 and line.endswith(b"\n")
     assert line.startswith(b"0" * 40 + b" " + b"a" * 40 + b" A B <x@y> 5 +0000\tone two three")
+
+
+def test_loose_refs_past_max_refs_are_too_large(repo: Repo) -> None:
+    head = repo.rev("HEAD")
+    many = repo.git_dir / "refs" / "heads" / "agent"
+    many.mkdir()
+    for i in range(50):
+        (many / f"r{i}").write_text(f"{head}\n")
+    with dir_fd(repo.git_dir) as fd:
+        with pytest.raises(TooLarge):
+            read_refs(fd, max_refs=10)
+        assert len(read_refs(fd, max_refs=100)) == 51
