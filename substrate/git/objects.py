@@ -13,7 +13,9 @@ replaced: the object there is the destination's, whatever it holds.
 What is refused is named in the report (`ObjectRefusal`: the source entry and the
 reason) and left out; the rest is imported. Nothing is followed: a symlink in the source
 store is refused `symlink`, a FIFO or device `not_a_file`. Names that are not objects
-(git's `tmp_obj_*` and `tmp_pack_*`, `info/`, `.keep`, `.bitmap`, `.rev`) are skipped.
+(git's `tmp_obj_*` and `tmp_pack_*`, `info/`, `.keep`, `.bitmap`, `.rev`) are skipped, and
+so are overlay whiteouts: the source may be an overlay's upper directory, where a name
+the agent deleted (a `git gc` pruning loose objects) is a 0/0 character device.
 Everything here is blocking; callers run it in a worker thread.
 """
 
@@ -24,6 +26,7 @@ import itertools
 import mmap
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -317,8 +320,17 @@ def _new_loose(run: _Import, source_fd: int) -> list[tuple[str, str]]:
 def _object_names(fan_fd: int) -> Iterator[str]:
     with os.scandir(fan_fd) as listing:
         for entry in listing:
-            if LOOSE_NAME.fullmatch(entry.name):
+            if LOOSE_NAME.fullmatch(entry.name) and not _whiteout(entry):
                 yield entry.name
+
+
+def _whiteout(entry: os.DirEntry[str]) -> bool:
+    """Whether `entry` is an overlay whiteout (a 0/0 character device): in an overlay's
+    upper directory, the mark of a name deleted — no object, and nothing to refuse."""
+    if entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False):
+        return False
+    st = entry.stat(follow_symlinks=False)
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
 def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
@@ -406,7 +418,7 @@ def _packs(run: _Import, source_fd: int) -> None:
             stems = sorted(
                 e.name[:-5]
                 for e in listing
-                if PACK_NAME.fullmatch(e.name) and e.name.endswith(".pack")
+                if PACK_NAME.fullmatch(e.name) and e.name.endswith(".pack") and not _whiteout(e)
             )
         for stem in stems:
             _pack(run, pack_dir, stem)
@@ -416,7 +428,8 @@ def _packs(run: _Import, source_fd: int) -> None:
 
 def _pack(run: _Import, pack_dir: int, stem: str) -> None:
     name = f"pack/{stem}.pack"
-    if paths.lstat_at(pack_dir, stem + ".idx") is None:
+    idx = paths.lstat_at(pack_dir, stem + ".idx")
+    if idx is None or (stat.S_ISCHR(idx.st_mode) and idx.st_rdev == 0):
         return  # a pack git is still writing, or gave up on: git does not see it either
     opened: list[int] = []
     try:

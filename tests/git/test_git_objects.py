@@ -551,3 +551,24 @@ def test_a_large_blob_is_streamed_not_held(tmp_path: Path, host: Repo, packed: b
     assert report.refused == () and report.imported == 3
     assert peak < 8 << 20
     assert_clean(host)
+
+
+def test_overlay_whiteouts_in_the_source_are_no_objects_and_no_refusals(
+    tmp_path: Path, agent: Repo, host: Repo
+) -> None:
+    """The source may be an overlay's upper directory: after a `git gc` in the sandbox,
+    the loose objects it pruned are whiteouts (0/0 character devices) there."""
+    upper = tmp_path / "upper"
+    head = agent.rev("HEAD")
+    pruned = agent.rev("HEAD~1")
+    (upper / head[:2]).mkdir(parents=True)
+    shutil.copyfile(agent.loose_path(head), upper / head[:2] / head[2:])
+    (upper / pruned[:2]).mkdir(exist_ok=True)
+    os.mknod(upper / pruned[:2] / pruned[2:], stat.S_IFCHR | 0o600, os.makedev(0, 0))
+    (upper / "pack").mkdir()
+    os.mknod(upper / "pack" / f"pack-{'c' * 40}.pack", stat.S_IFCHR | 0o600, os.makedev(0, 0))
+    os.mknod(upper / "pack" / f"pack-{'c' * 40}.idx", stat.S_IFCHR | 0o600, os.makedev(0, 0))
+    run_import(agent, host)  # the host has everything but what the upper dir brings
+    report = run_import(upper, host)
+    assert report.refused == ()
+    assert (report.imported, report.present) == (0, 1)
