@@ -252,6 +252,9 @@ def update_ref(
         if oid is not None and not valid_oid(oid):
             raise InvalidParams("an object id is 40 lowercase hex digits")
     parts = name.split("/")
+    if new_oid is not None and not _has(git_dir_fd, new_oid):
+        # Before any directory is made for it (checked again under the lock).
+        return RefOutcome("missing_object", _current_unlocked(git_dir_fd, parts))
     try:
         if new_oid is not None:
             ref_dir = fsops.make_dirs(git_dir_fd, parts[:-1], name, lambda _: (DIR_MODE, owner))
@@ -325,6 +328,18 @@ def _locked_update(
         os.close(lock_fd)
         if not renamed:
             fsops.unlink_quietly(ref_dir, lock)
+
+
+def _current_unlocked(git_dir_fd: int, parts: list[str]) -> str | None:
+    """What the ref holds now, read without its lock (for a refusal's `current` only)."""
+    try:
+        with paths.opened_dir(git_dir_fd, parts[:-1], "/".join(parts)) as ref_dir:
+            loose = _read_loose(ref_dir, parts[-1], "/".join(parts))
+    except Refusal:
+        loose = None
+    if loose is not None:
+        return loose if valid_oid(loose) else None
+    return packed_lookup(git_dir_fd, "/".join(parts))[0]
 
 
 def _delete_packed_only(

@@ -122,7 +122,12 @@ def test_a_packed_ref_is_compared_and_overridden_by_the_loose_one(repo: Repo) ->
 def test_a_new_id_not_in_the_store_is_missing_object(repo: Repo) -> None:
     absent = hashlib.sha1(b"nothing").hexdigest()
     assert update(repo, "refs/heads/agent/work", None, absent) == RefOutcome("missing_object", None)
-    assert not (repo.git_dir / "refs/heads/agent/work").exists()
+    assert not (repo.git_dir / "refs/heads/agent").exists()  # not even its directory
+    assert not (repo.git_dir / "logs/refs/heads/agent").exists()
+    head = repo.rev("HEAD")
+    update(repo, "refs/heads/agent/work", None, head)
+    assert update(repo, "refs/heads/agent/work", head, absent) == RefOutcome("missing_object", head)
+    assert repo.rev("refs/heads/agent/work") == head
     assert not (repo.git_dir / "refs/heads/agent/work.lock").exists()
 
 
