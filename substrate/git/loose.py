@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from substrate.fs import fsops
-from substrate.git.packs import check_parsed, references
+from substrate.git.packs import PackRefused, Work, check_parsed, references
 from substrate.git.store import BLOB, TYPE_NUMS
 
 #: The read size of a loose object's copy.
@@ -62,6 +62,7 @@ def copy_loose(
     owner: tuple[int, int],
     max_bytes: int,
     max_held_bytes: int,
+    work: Work | None = None,
 ) -> Copied:
     """Copy the open source file `src_fd` (the loose object `oid`) into a temp file in
     `dest_fan_fd`, checking it as it streams (module docstring).
@@ -79,6 +80,7 @@ def copy_loose(
             max_bytes,
             max_held_bytes,
             Sink(raw=lambda chunk: fsops.write_all(out, chunk)),
+            work,
         )
         size = os.fstat(out).st_size
         if os.geteuid() == 0:
@@ -111,8 +113,9 @@ class _Content:
     """The inflated bytes of one object: its header parsed, its content hashed (and
     held, for a commit, tree or tag)."""
 
-    def __init__(self, max_held: int, sink: Sink) -> None:
+    def __init__(self, max_held: int, sink: Sink, work: Work | None) -> None:
         self.sink = sink
+        self.work = work
         self.digest = hashlib.sha1()
         self.head = b""
         self.type_num = 0
@@ -138,6 +141,13 @@ class _Content:
             if self.sink.header is not None:
                 self.sink.header(self.type_num, self.declared)
         self.seen += len(piece)
+        if self.work is not None:
+            try:
+                self.work.spend(len(piece))
+            except PackRefused:
+                raise LooseRefused(
+                    "too_large", "the import would inflate more than its bound"
+                ) from None
         if self.seen > self.declared:
             raise LooseRefused("unparsable", "more content than its header gives")
         self.digest.update(piece)
@@ -158,12 +168,12 @@ class Sink:
 
 
 def stream_checked(
-    src_fd: int, oid: str, max_bytes: int, max_held: int, sink: Sink
+    src_fd: int, oid: str, max_bytes: int, max_held: int, sink: Sink, work: Work | None = None
 ) -> tuple[int, tuple[bytes, ...]]:
     """Read the loose object `oid` from `src_fd` once, feeding `sink`, and check it
     (module docstring): (its type, the raw ids it names). Raises LooseRefused."""
     inflater = zlib.decompressobj()
-    content = _Content(max_held, sink)
+    content = _Content(max_held, sink, work)
     copied = 0
     while chunk := os.read(src_fd, CHUNK):
         copied += len(chunk)

@@ -40,6 +40,9 @@ from substrate.git.store import FANOUT, LOOSE_NAME, PACK_NAME, ObjectStore
 
 #: A directory of the destination store, as git makes one (its default umask).
 DIR_MODE = 0o755
+#: What an import may inflate by default, per byte it may write: real repositories'
+#: objects compress 2-10 times; zlib can make ~1,000 bytes of one, a delta ~8,000.
+INFLATE_RATIO = 32
 #: A pack's and its index's mode, as git leaves them.
 PACK_MODE = 0o444
 #: The index of a pack of n objects is at most this many bytes (v2: fan-out, id, CRC,
@@ -146,6 +149,7 @@ def import_objects(
     max_objects: int,
     max_delta_depth: int = 4095,
     max_held_bytes: int = 1 << 30,
+    max_inflated_bytes: int | None = None,
 ) -> ImportReport:
     """Copy every loose object and pack of the source store the destination lacks into
     it, each verified first (module docstring; docs/git.md says what and why).
@@ -154,7 +158,9 @@ def import_objects(
     `max_bytes` bounds the bytes written, `max_objects` the objects examined (over
     either, the entry is refused `too_large` / `too_many` and the import goes on with
     what fits); `max_delta_depth` and `max_held_bytes` bound a pack's delta chains and
-    the bytes held to resolve them. Never overwrites, never follows a symlink, never
+    the bytes held to resolve them; `max_inflated_bytes` (default `INFLATE_RATIO` times
+    `max_bytes`) the bytes made by inflating and applying deltas, over the import (the
+    time it takes: an entry past it is `too_large`). Never overwrites, never follows a symlink, never
     reads the stores' configuration. Costs a read and a write of each new loose object,
     a copy and three passes over each new pack (hash, headers, inflate), a lookup per
     id a new object names, and two `syncfs`.
@@ -165,7 +171,14 @@ def import_objects(
             owner,
             max_bytes,
             max_objects,
-            packs.Limits(max_objects, max_delta_depth, max_held_bytes),
+            packs.Limits(
+                max_objects,
+                max_delta_depth,
+                max_held_bytes,
+                packs.Work(
+                    INFLATE_RATIO * max_bytes if max_inflated_bytes is None else max_inflated_bytes
+                ),
+            ),
         )
         try:
             _loose_objects(run, source_objects_fd)
@@ -350,7 +363,7 @@ def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
         if run.writer is not None:
             before = run.writer.pos
             _, names = run.writer.add_loose(
-                src, oid, max_bytes=room, max_held=run.limits.max_held_bytes
+                src, oid, max_bytes=room, max_held=run.limits.max_held_bytes, work=run.limits.work
             )
             size = run.writer.pos - before
             unit = _Pending(oid, -1, [], {bytes.fromhex(oid)}, set(), 0, size, in_pack=True)
@@ -362,6 +375,7 @@ def _loose_object(run: _Import, fan_fd: int, fan: str, name: str) -> None:
                 owner=run.owner,
                 max_bytes=room,
                 max_held_bytes=run.limits.max_held_bytes,
+                work=run.limits.work,
             )
             names = copied.names
             files = [(copied.temp, name)]

@@ -73,7 +73,7 @@ class PackWriter:
         crc[0] = binascii.crc32(data, crc[0])
 
     def add_loose(
-        self, src_fd: int, oid: str, *, max_bytes: int, max_held: int
+        self, src_fd: int, oid: str, *, max_bytes: int, max_held: int, work: packs.Work
     ) -> tuple[int, tuple[bytes, ...]]:
         """Check the loose object `oid` (open as `src_fd`) and append it as an entry:
         (its type, the raw ids it names). Raises LooseRefused, the pack as it was."""
@@ -88,9 +88,8 @@ class PackWriter:
             self._write(deflater.compress(piece), crc)
 
         try:
-            found = loose.stream_checked(
-                src_fd, oid, max_bytes, max_held, loose.Sink(header=header, content=content)
-            )
+            sink = loose.Sink(header=header, content=content)
+            found = loose.stream_checked(src_fd, oid, max_bytes, max_held, sink, work)
             self._write(deflater.flush(), crc)
         except BaseException:
             os.ftruncate(self.fd, start)

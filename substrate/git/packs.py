@@ -50,6 +50,7 @@ from substrate.git.store import (
     TYPE_NAMES,
     WINDOW,
     StoreDamaged,
+    delta_sizes,
     entry_header,
     object_header,
     patch,
@@ -72,6 +73,21 @@ class PackRefused(Exception):
         self.reason = reason
 
 
+class Work:
+    """Bytes an import may still make by inflating and applying deltas (shared by every
+    entry of one import): zlib makes up to ~1,000 bytes of one, a delta's copy
+    instructions ~8,000, so what is read alone does not bound the time spent."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+    def spend(self, n: int) -> None:
+        """Take `n` bytes; raises PackRefused `too_large` when there are not as many."""
+        if n > self.left:
+            raise PackRefused("too_large", "the import would inflate more than its bound")
+        self.left -= n
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one pack may cost."""
@@ -82,6 +98,8 @@ class Limits:
     max_delta_depth: int = 4095
     #: Bytes of objects held at once while deltas are resolved.
     max_held_bytes: int = 1 << 30
+    #: Bytes inflated and made by deltas, at most, over the whole import.
+    work: Work = field(default_factory=lambda: Work(1 << 40))
 
 
 def read_index(idx_bytes: bytes) -> PackIndex2:
@@ -327,7 +345,7 @@ def _walk(
             children = ofs_children.pop(i, []) + ref_children.pop(entries.ids[i], [])
             base = path[-1][:2] if path else None
             room = limits.max_held_bytes - held
-            type_num, content = _resolve(view, entries, i, base, bool(children), room)
+            type_num, content = _resolve(view, entries, i, base, bool(children), room, limits.work)
             visit(entries.ids[i], type_num, _parsed(type_num, content))
             done += 1
             if children:
@@ -356,6 +374,7 @@ def _resolve(
     base: tuple[int, bytes] | None,
     keep: bool,
     room: int,
+    work: Work,
 ) -> tuple[int, bytes | None]:
     """Entry `i` inflated (and applied to `base` when it is a delta), its place, CRC
     and id checked: (type, content); the content is None for a whole blob streamed into
@@ -367,14 +386,17 @@ def _resolve(
     try:
         if base is None and type_num == BLOB and not keep:
             digest = hashlib.sha1(object_header(BLOB, declared))
+            work.spend(declared)
             content, end = _inflate_at(view, start, declared, digest)
         else:
             if declared > room:
                 raise PackRefused("too_large", f"an entry of {declared} bytes is over {room}")
+            work.spend(declared)
             content, end = _inflate_at(view, start, declared, None)
             assert content is not None
             if base is not None:
                 type_num = base[0]
+                work.spend(delta_sizes(content)[1])
                 content = patch(base[1], content, room)
     except StoreDamaged as exc:
         raise PackRefused("unparsable", str(exc)) from None

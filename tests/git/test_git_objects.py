@@ -572,3 +572,23 @@ def test_overlay_whiteouts_in_the_source_are_no_objects_and_no_refusals(
     report = run_import(upper, host)
     assert report.refused == ()
     assert (report.imported, report.present) == (0, 1)
+
+
+def test_what_an_import_may_inflate_is_bounded(tmp_path: Path, agent: Repo, host: Repo) -> None:
+    """A small zlib stream can make a large object, a small delta a larger one: the
+    bytes made, not only those read, are bounded (`max_inflated_bytes`)."""
+    report = run_import(agent, host, max_inflated_bytes=1000)
+    assert report.refused and {r.reason for r in report.refused} <= {
+        "too_large",
+        "missing_reference",
+    }
+    assert "too_large" in {r.reason for r in report.refused}
+    assert_clean(host)
+    scratch = Repo(tmp_path / "scratch")
+    shutil.copytree(agent.path, scratch.path, symlinks=True)
+    scratch.git("repack", "-adq")
+    (pack,) = scratch.packs()
+    fresh = Repo.init(tmp_path / "fresh")
+    packed = run_import(scratch, fresh, max_inflated_bytes=1000)
+    assert packed.refused == (ObjectRefusal(f"pack/{pack.name}", "too_large"),)
+    assert run_import(scratch, fresh).refused == ()
