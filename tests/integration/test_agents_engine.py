@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +28,18 @@ import pytest
 
 from substrate.config import PROJECT_ROOT
 from tests.harness import DaemonProcess, daemon_env
+from tests.harness.engine import TEST_LABELS
 
 SHIPPED = PROJECT_ROOT / "profiles"
 SCRIPTED = Path(__file__).parent.parent / "agents" / "scripted_model.py"
 CLAUDE = "@anthropic-ai/claude-code@2.1.332"
 CODEX = "@openai/codex@0.171.0"
 PORT = 18091
+IMAGE = f"substrate-agents-test:{TEST_LABELS['substrate.test.session'][:12]}"
 POLICY = {"write_deny": [".env"]}
 MARK = "prompt-marker-" + secrets.token_hex(6)
+#: The test profiles' model key (the shipped profiles have the proxy inject the real one).
+KEY = "sk-test-" + secrets.token_hex(16)
 
 
 def test_profile(shipped: str, **changes: str) -> str:
@@ -49,16 +52,31 @@ def test_profile(shipped: str, **changes: str) -> str:
     return text
 
 
+@pytest.fixture(scope="module")
+def agents_image(docker_client: Any, sandbox_image: str) -> Iterator[str]:
+    """The sandbox image (node and npm in it), under a tag of this module's own: the
+    shipped tag may be rebuilt by another test session meanwhile."""
+    image = docker_client.images.get(sandbox_image)
+    image.tag(IMAGE.split(":")[0], IMAGE.split(":")[1])
+    try:
+        yield IMAGE
+    finally:
+        docker_client.images.remove(IMAGE)
+
+
 @pytest.fixture
 def make_daemon(
-    engine_daemons: Callable[..., DaemonProcess], tmp_path: Path
+    engine_daemons: Callable[..., DaemonProcess], agents_image: str, tmp_path: Path
 ) -> Callable[[], DaemonProcess]:
     def make() -> DaemonProcess:
         profiles = tmp_path / "profiles"
         profiles.mkdir()
+        image = 'image = "substrate-sandbox:bookworm"'
         for name in ("default", "setup"):
-            shutil.copy(SHIPPED / f"{name}.toml", profiles / f"{name}.toml")
+            text = (SHIPPED / f"{name}.toml").read_text()
+            (profiles / f"{name}.toml").write_text(text.replace(image, f'image = "{agents_image}"'))
         offline = {
+            image: f'image = "{agents_image}"',
             'network = "egress"': 'network = "none"',
             'ca_bundle = "host"': 'ca_bundle = ""',
             "timeout_s = 1800": "timeout_s = 300",
@@ -69,8 +87,9 @@ def make_daemon(
                 **offline,
                 **{
                     'egress_allow = ["api.anthropic.com"]': "egress_allow = []",
+                    'egress_inject = { "api.anthropic.com" = { header = "x-api-key", secret = "anthropic" } }': "egress_inject = {}",
                     'argv_allow = ["claude"]': 'argv_allow = ["claude", "python3"]',
-                    'HOME = "/home/agent",': f'HOME = "/home/agent", ANTHROPIC_BASE_URL = "http://127.0.0.1:{PORT}",',
+                    'ANTHROPIC_API_KEY = "set-by-the-egress-proxy"': f'ANTHROPIC_API_KEY = "{KEY}", ANTHROPIC_BASE_URL = "http://127.0.0.1:{PORT}"',
                 },
             )
         )
@@ -80,26 +99,15 @@ def make_daemon(
                 **offline,
                 **{
                     'egress_allow = ["api.openai.com"]': "egress_allow = []",
+                    'egress_inject = { "api.openai.com" = { header = "authorization", secret = "openai" } }': "egress_inject = {}",
                     'argv_allow = ["codex"]': 'argv_allow = ["codex", "python3"]',
-                    'HOME = "/home/agent" }': f'HOME = "/home/agent", OPENAI_BASE_URL = "http://127.0.0.1:{PORT}/v1" }}',
+                    'OPENAI_API_KEY = "set-by-the-egress-proxy"': f'OPENAI_API_KEY = "{KEY}", OPENAI_BASE_URL = "http://127.0.0.1:{PORT}/v1"',
                 },
             )
         )
         return engine_daemons(start=False, profiles_dir=str(profiles))
 
     return make
-
-
-def set_secret(d: DaemonProcess, name: str, value: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "substrate", "--state-dir", str(d.state_dir), "secret", "set", name],
-        input=value.encode(),
-        capture_output=True,
-        env=daemon_env(),
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
 
 
 def install(d: DaemonProcess, ws: str, package: str, program: str, profile: str) -> None:
@@ -164,10 +172,14 @@ def journal_entries(d: DaemonProcess, kind: str) -> list[dict[str, Any]]:
     return [e for e in out["entries"] if e["kind"] == kind]
 
 
-def check_journal(d: DaemonProcess, key: str, secret_bytes: bytes) -> None:
+def check_journal(d: DaemonProcess, key: str, file_bytes: bytes) -> None:
+    """The journal holds neither the key, the prompt nor a file's bytes; the state
+    database (whose kept sets hold review previews of the files) neither key nor prompt."""
+    entries = json.dumps(d.operator().call("journal.read", since=0, limit=10000)["entries"])
+    for needle in (key, MARK, file_bytes.decode()):
+        assert needle not in entries
     raw = b"".join(p.read_bytes() for p in d.state_dir.glob("substrate.db*"))
-    for needle in (key.encode(), MARK.encode(), secret_bytes):
-        assert needle not in raw
+    assert key.encode() not in raw and MARK.encode() not in raw
 
 
 def workspace(d: DaemonProcess, steps: dict[str, list[dict[str, Any]]]) -> tuple[Any, str]:
@@ -186,8 +198,6 @@ def workspace(d: DaemonProcess, steps: dict[str, list[dict[str, Any]]]) -> tuple
 
 def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProcess]) -> None:
     d = make_daemon()
-    key = "sk-ant-test-" + secrets.token_hex(16)
-    set_secret(d, "anthropic", key)
     d.start()
     secret_bytes = b"TOKEN=" + secrets.token_hex(8).encode()
     turn1 = [
@@ -219,7 +229,7 @@ def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProces
     assert record["session"] and record["tool_calls"] == 4
     # The gate: the allowed path applied; the rest waits for a person, none in the checkout.
     assert record["applied"] == ["src/greeting.py"]
-    assert sorted(record["left"]) == [".env", "docs/notes.md"]
+    assert sorted(record["left"]) == [".env", "docs", "docs/notes.md"]  # the dir, too
     assert (path / "src/greeting.py").read_text() == "GREETING = 'hi'\n"
     assert not (path / ".env").exists() and not (path / "docs").exists()
     # The CLI's Bash tool really ran in the sandbox: the model got its result back.
@@ -229,7 +239,7 @@ def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProces
     assert [(t["data"]["tool"], t["data"]["paths"]) for t in tools] == calls
     (turn_entry,) = journal_entries(d, "agent.turn")
     assert turn_entry["data"]["session"] == record["session"]
-    check_journal(d, key, secret_bytes)
+    check_journal(d, KEY, secret_bytes)
 
     # Turn 2, after a restart: the session is in the home, and the CLI resumes it.
     d.stop()
@@ -242,13 +252,11 @@ def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProces
     assert record2["applied"] == ["src/farewell.py"]
     first = next(r for r in model_log(d, ws, "claude-test") if r["tools"])
     assert len(first["tool_results"]) == 4  # turn 1's history came back with the session
-    check_journal(d, key, secret_bytes)
+    check_journal(d, KEY, secret_bytes)
 
 
 def test_codex_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProcess]) -> None:
     d = make_daemon()
-    key = "sk-openai-test-" + secrets.token_hex(16)
-    set_secret(d, "openai", key)
     d.start()
 
     def patch(path: str, body: str) -> dict[str, Any]:
@@ -272,12 +280,12 @@ def test_codex_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProcess]) ->
     assert code == 0, envelopes
     calls = [(e["tool"], e.get("paths", [])) for e in envelopes if e["kind"] == "tool_call"]
     assert calls == [("apply_patch", ["src/y.py"]), ("apply_patch", ["docs/x.md"]), ("shell", [])]
-    assert record["applied"] == ["src/y.py"] and record["left"] == ["docs/x.md"]
+    assert record["applied"] == ["src/y.py"] and sorted(record["left"]) == ["docs", "docs/x.md"]
     assert (path / "src/y.py").read_text() == "y = 2\n"
     assert not (path / "docs").exists()
     tools = journal_entries(d, "agent.tool")
     assert [(t["data"]["tool"], t["data"]["paths"]) for t in tools] == calls
-    check_journal(d, key, b"y = 2")
+    check_journal(d, KEY, b"y = 2")
 
     d.stop()
     d.start()
