@@ -27,6 +27,7 @@ from pathlib import Path
 import trio
 
 from substrate import __version__, api
+from substrate.agents.turns import Turns
 from substrate.config import Config, ConfigError
 from substrate.egress import EgressProxy, from_environ
 from substrate.errors import Refusal, StartupError
@@ -214,6 +215,17 @@ class Daemon:
             ),
             api.ProfileServices(
                 workspaces=self.workspaces, profiles=profiles, containers=execution.containers
+            ),
+            api.AgentServices(
+                workspaces=self.workspaces,
+                turns=Turns(
+                    processes=execution.processes,
+                    profiles=profiles,
+                    changesets=execution.changesets,
+                    writer=self.writer,
+                    journal=self.journal,
+                    max_kept_changesets=self.config.max_kept_changesets,
+                ),
             ),
             api.GrantServices(
                 workspaces=self.workspaces,

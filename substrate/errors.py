@@ -204,6 +204,13 @@ class ProcessUnknown(Refusal):
     name = "process_unknown"
 
 
+class TurnUnknown(Refusal):
+    """No agent turn of this daemon run has this id (`agent.wait`; turns are kept in
+    memory: after a restart, the journal's `agent.turn` entry is the record)."""
+
+    name = "turn_unknown"
+
+
 class StdinClosed(Refusal):
     """`proc.write` to a command whose stdin takes no more bytes; `data.reason`: `eof`
     (an earlier write sent EOF), `closed` (the command closed its stdin or the pipe

@@ -6,6 +6,8 @@ the grace period."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,12 @@ def manifests() -> list[tuple[str, dict[str, Any]]]:
     return found
 
 
-def one(kind: str) -> dict[str, Any]:
-    (doc,) = [d for _, d in manifests() if d["kind"] == kind]
+def one(kind: str, name: str | None = None) -> dict[str, Any]:
+    (doc,) = [
+        d
+        for _, d in manifests()
+        if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
     return doc
 
 
@@ -118,31 +124,41 @@ def test_the_image_is_the_package_version() -> None:
     assert images == {f"substrate:{version}"}
 
 
-def test_config_and_profiles_in_the_configmap_load(tmp_path: Path) -> None:
-    data = one("ConfigMap")["data"]
-    # The items of the config volume place every key where substrate.toml says.
-    (volume,) = [v for v in pod_spec()["volumes"] if v["name"] == "config"]
-    placed = {item["key"]: item["path"] for item in volume["configMap"]["items"]}
-    assert set(placed) == set(data)
-    etc = tmp_path / "etc-substrate"
-    for key, path in placed.items():
-        (etc / path).parent.mkdir(parents=True, exist_ok=True)
-        (etc / path).write_text(data[key])
-    config = load_config(etc / "substrate.toml", {})
-    (mount,) = [m for m in daemon_container()["volumeMounts"] if m["name"] == "config"]
-    assert config.profiles_dir == f"{mount['mountPath']}/profiles"
+def test_the_configmap_is_current() -> None:
+    done = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "scripts" / "kubernetes-configmap"), "--check"],
+        capture_output=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+
+
+def test_config_and_profiles_in_the_configmaps_load(tmp_path: Path) -> None:
+    mounts = {m["name"]: m["mountPath"] for m in daemon_container()["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == "substrate-config"
+    assert volumes["profiles"]["configMap"]["name"] == "substrate-profiles"
+    config_text = one("ConfigMap", "substrate-config")["data"]["substrate.toml"]
+    (tmp_path / "substrate.toml").write_text(config_text)
+    config = load_config(tmp_path / "substrate.toml", {})
+    assert config.profiles_dir == mounts["profiles"]
+    profiles = one("ConfigMap", "substrate-profiles")["data"]
     # The shipped profiles, unedited: a change to profiles/ must reach the ConfigMap too.
-    for shipped in sorted((PROJECT_ROOT / "profiles").glob("*.toml")):
-        assert data[f"profile-{shipped.stem}.toml"] == shipped.read_text(), shipped.name
-    loaded = load_profile_set(etc / "profiles", PROJECT_ROOT / "seccomp")
-    assert {p.stem for p in (PROJECT_ROOT / "profiles").glob("*.toml")} <= set(loaded.profiles)
+    shipped = {p.name: p.read_text() for p in (PROJECT_ROOT / "profiles").glob("*.toml")}
+    assert profiles == shipped
+    placed = tmp_path / "profiles"
+    placed.mkdir()
+    for name, text in profiles.items():
+        (placed / name).write_text(text)
+    loaded = load_profile_set(placed, PROJECT_ROOT / "seccomp")
+    assert {Path(n).stem for n in shipped} == set(loaded.profiles)
 
 
 def test_host_paths_are_the_same_on_both_sides_and_layers_propagate() -> None:
     spec = pod_spec()
     volumes = {v["name"]: v for v in spec["volumes"]}
     mounts = {m["name"]: m for m in daemon_container()["volumeMounts"]}
-    config = tomllib.loads(one("ConfigMap")["data"]["substrate.toml"])
+    config = tomllib.loads(one("ConfigMap", "substrate-config")["data"]["substrate.toml"])
     # The engine resolves bind sources on the node: the checkouts and the state dir (where
     # the working layers are mounted) must have the node's paths inside the pod too.
     for name in ("state", "checkouts", "engine-socket", "cgroup"):

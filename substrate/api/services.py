@@ -14,6 +14,7 @@ from pathlib import Path
 
 import trio
 
+from substrate.agents.turns import Turns
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
 from substrate.export import Shipper
@@ -117,6 +118,14 @@ class ProcServices:
     profiles: ProfileRegistry
     processes: Processes
     changesets: Changesets
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentServices:
+    """`agent.*` (`api.agents`): agent CLI turns, run by `substrate.agents.turns.Turns`."""
+
+    workspaces: WorkspaceRegistry
+    turns: Turns
 
 
 @dataclass(frozen=True, kw_only=True)

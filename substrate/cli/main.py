@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from substrate.cli import agent as cli_agent
 from substrate.cli import exec as cli_exec
 from substrate.cli import journal_pg as cli_journal_pg
 from substrate.cli import node as cli_node
@@ -388,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_exec.add_commands(sub)
     cli_secret.add_commands(sub)
+    cli_agent.add_commands(sub)
     cli_node.add_commands(sub)
     return parser
 

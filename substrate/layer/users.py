@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol
 
@@ -54,6 +55,8 @@ log = logging.getLogger("substrate.layer.users")
 
 #: Terminal session ids start so (`pty.terminals`); every other user is a process.
 SESSION_PREFIX = "t-"
+#: Conclusions remembered by user, at most (`conclusion_of`: a deferred user's set).
+MAX_REMEMBERED = 1024
 #: `changes.error` of a user whose generation the daemon stopped before it concluded:
 #: its set is kept pending (`keep_left`), nothing applied.
 STOPPED = "daemon_stopped"
@@ -113,6 +116,9 @@ class LayerUsers(Generic[S]):
         self._layers: dict[str, tuple[S, Request]] = {}
         #: sandbox id → the set `keep_left` kept for it (a late user's result names it).
         self._kept: dict[str, ProcChanges] = {}
+        #: user id → the conclusion that held its changes (the last `MAX_REMEMBERED`).
+        self._by_user: OrderedDict[str, ProcChanges] = OrderedDict()
+        self._remembered = trio.Event()  # set (and replaced) when one is remembered
 
     async def join(self, sandbox: S, user_id: str, asked: Asked) -> Use[S]:
         """Count `user_id` (a process id, or a terminal session id), asking `asked`, on the
@@ -144,6 +150,24 @@ class LayerUsers(Generic[S]):
         (no writer). Call it shielded; costs what `conclusion.conclude` costs when it
         concludes, nothing otherwise."""
         return await self._leave(use, ran=True)
+
+    async def conclusion_of(self, user_id: str) -> ProcChanges:
+        """The conclusion that held `user_id`'s changes: at once when it happened already
+        (among the last `MAX_REMEMBERED`), else when it does — for a user whose `end`
+        was deferred (an agent turn's gate, `substrate.agents.turns`). Unbounded: the
+        caller bounds the wait."""
+        while user_id not in self._by_user:
+            await self._remembered.wait()
+        return self._by_user[user_id]
+
+    def _remember(self, users: tuple[str, ...], changes: ProcChanges) -> None:
+        for user_id in users:
+            self._by_user[user_id] = changes
+            self._by_user.move_to_end(user_id)
+        while len(self._by_user) > MAX_REMEMBERED:
+            self._by_user.popitem(last=False)
+        self._remembered.set()
+        self._remembered = trio.Event()
 
     async def abandon(self, use: Use[S]) -> None:
         """`use` is over without `end` (its process never ran, or its conclusion failed
@@ -298,6 +322,8 @@ class LayerUsers(Generic[S]):
         changes = await conclusion.conclude(
             self._containers, self._writer, use.sandbox, req, self._changesets, self._limiter
         )
+        if changes is not None and changes.error != "layer_busy":
+            self._remember(step.users, changes)
         if changes is not None and len(step.users) > 1 and changes.error != "layer_busy":
             data = {
                 "generation": changes.generation,

@@ -16,6 +16,60 @@ export interface AdoptParams {
   policy?: Policy | null;
 }
 
+export interface AgentStartParams {
+  workspace: string;
+  provider: "claude-code" | "codex";
+  prompt: string;
+  /** The CLI's tool names the turn may use (each provider translates them to its flags). */
+  allowed_tools?: string[];
+  /** Globs (the policy's syntax) whose changes apply when the turn ends; the rest of what it changed waits for a person (`changes.apply`). Only with `changes: "review"`. */
+  allowed_paths?: string[];
+  resume?: string | null;
+  changes?: "apply" | "review";
+  /** The operator's profile for the turn; default: the one named like the provider. */
+  profile?: string | null;
+  timeout_s?: number | null;
+}
+
+export interface AgentStartResult {
+  turn: string;
+  /** The command running the CLI: `proc.subscribe` streams its JSON lines. */
+  proc: string;
+}
+
+export interface AgentTool {
+  name: string;
+  paths?: string[];
+}
+
+export interface AgentTurn {
+  turn: string;
+  proc: string;
+  provider: string;
+  state: "finished" | "running";
+  exit_code?: number | null;
+  timed_out?: boolean;
+  /** The CLI's session id (for `resume`), when it named a valid one. */
+  session?: string | null;
+  tool_calls?: number;
+  tool_failures?: number;
+  /** The first 256 tool calls: names and the workspace paths they named. */
+  tools?: AgentTool[];
+  /** Error envelopes by reason (`malformed_line`, `exited_mid_stream`, the CLI's, ...). */
+  errors?: Record<string, number>;
+  input_tokens?: number;
+  output_tokens?: number;
+  /** The turn's change set, and what the gate did with it: paths applied (allowed and let through by the policy), and paths left for a person. */
+  changeset?: string | null;
+  applied?: string[];
+  left?: string[];
+}
+
+export interface AgentWaitParams {
+  turn: string;
+  timeout_s?: number | null;
+}
+
 export interface ApprovalGrantParams {
   workspace: string;
   plan_digest: string;
@@ -1189,6 +1243,23 @@ export interface ProcWriteParams {
 
 /** Every method: its params and result (`client.call(name, params)`). */
 export interface Methods {
+  /** Run one turn of an agent CLI in the workspace's sandbox; its stream via proc.subscribe. */
+  "agent.start": { params: {
+    workspace: string;
+    provider: "claude-code" | "codex";
+    prompt: string;
+    allowed_tools?: string[];
+    allowed_paths?: string[];
+    resume?: string | null;
+    changes?: "apply" | "review";
+    profile?: string | null;
+    timeout_s?: number | null;
+  }; result: AgentStartResult };
+  /** A turn's record: its session, tools, errors and what its gate applied. */
+  "agent.wait": { params: {
+    turn: string;
+    timeout_s?: number | null;
+  }; result: AgentTurn };
   /** Approve one apply of exactly this plan digest. */
   "approval.grant": { params: {
     workspace: string;
@@ -1490,6 +1561,8 @@ export interface MethodInfo {
 }
 
 export const METHODS: { readonly [M in MethodName]: MethodInfo } = {
+  "agent.start": { sockets: ["agent", "operator"], mutating: true, section: "§14", paramsRequired: true, notifications: [] },
+  "agent.wait": { sockets: ["agent", "operator"], mutating: false, section: "§14", paramsRequired: true, notifications: [] },
   "approval.grant": { sockets: ["operator"], mutating: false, section: "§4", paramsRequired: true, notifications: [] },
   "artifact.grep": { sockets: ["agent", "operator"], mutating: false, section: "§6", paramsRequired: true, notifications: [] },
   "artifact.lines": { sockets: ["agent", "operator"], mutating: false, section: "§6", paramsRequired: true, notifications: [] },
@@ -1569,6 +1642,12 @@ export type CallOf<M extends MethodName, Required extends boolean> = Required ex
 
 /** Every method as a function, by its dotted name: `api.fs.upload.begin(params)`. */
 export type Api = {
+  readonly agent: {
+    /** Run one turn of an agent CLI in the workspace's sandbox; its stream via proc.subscribe. */
+    readonly start: CallOf<"agent.start", true>;
+    /** A turn's record: its session, tools, errors and what its gate applied. */
+    readonly wait: CallOf<"agent.wait", true>;
+  };
   readonly approval: {
     /** Approve one apply of exactly this plan digest. */
     readonly grant: CallOf<"approval.grant", true>;
@@ -1695,6 +1774,10 @@ export type Api = {
 export function bindApi(call: CallFn): Api {
   // The table is typed by `Api`; each entry passes its params on as they are.
   const api = {
+    agent: {
+      start: (params?: any, options?: CallOptions) => call("agent.start", params, options),
+      wait: (params?: any, options?: CallOptions) => call("agent.wait", params, options),
+    },
     approval: {
       grant: (params?: any, options?: CallOptions) => call("approval.grant", params, options),
     },
@@ -2050,6 +2133,13 @@ export class TooLargeError extends Refusal {
   override readonly name = "TooLargeError";
 }
 
+/** No agent turn of this daemon run has this id (`agent.wait`; turns are kept in memory: after a restart, the journal's `agent.turn` entry is the record). */
+export class TurnUnknownError extends Refusal {
+  static readonly refusal = "turn_unknown";
+  static readonly code = -32001;
+  override readonly name = "TurnUnknownError";
+}
+
 /** The peer may not call this: uid not allowed, or an operator method on the agent socket. */
 export class UnauthorizedError extends Refusal {
   static readonly refusal = "unauthorized";
@@ -2138,6 +2228,7 @@ export const REFUSAL_CLASSES: { readonly [refusal: string]: RefusalClass } = {
   stdin_closed: StdinClosedError,
   symlink_refused: SymlinkRefusedError,
   too_large: TooLargeError,
+  turn_unknown: TurnUnknownError,
   unauthorized: UnauthorizedError,
   unknown_workspace: UnknownWorkspaceError,
   upload_conflict: UploadConflictError,
@@ -2147,5 +2238,5 @@ export const REFUSAL_CLASSES: { readonly [refusal: string]: RefusalClass } = {
 };
 
 /** Every refusal name the daemon declares. */
-export type RefusalName = "already_exists" | "approval_required" | "argv_denied" | "artifact_unknown" | "changeset_unknown" | "checkpoint_unknown" | "confinement_unmet" | "controller_busy" | "draining" | "egress_denied" | "grant_consumed" | "grant_expired" | "grant_invalid" | "image_missing" | "internal" | "invalid_params" | "limit_exceeded" | "not_a_directory" | "not_a_file" | "not_found" | "origin_denied" | "patch_conflict" | "path_denied" | "path_escape" | "path_invalid" | "plan_mismatch" | "policy_locked" | "process_unknown" | "profile_invalid" | "profile_unknown" | "request_too_deep" | "request_too_large" | "runtime_unavailable" | "secret_unknown" | "stale_base" | "stdin_closed" | "symlink_refused" | "too_large" | "unauthorized" | "unknown_workspace" | "upload_conflict" | "upload_incomplete" | "upload_mismatch" | "upload_unknown";
+export type RefusalName = "already_exists" | "approval_required" | "argv_denied" | "artifact_unknown" | "changeset_unknown" | "checkpoint_unknown" | "confinement_unmet" | "controller_busy" | "draining" | "egress_denied" | "grant_consumed" | "grant_expired" | "grant_invalid" | "image_missing" | "internal" | "invalid_params" | "limit_exceeded" | "not_a_directory" | "not_a_file" | "not_found" | "origin_denied" | "patch_conflict" | "path_denied" | "path_escape" | "path_invalid" | "plan_mismatch" | "policy_locked" | "process_unknown" | "profile_invalid" | "profile_unknown" | "request_too_deep" | "request_too_large" | "runtime_unavailable" | "secret_unknown" | "stale_base" | "stdin_closed" | "symlink_refused" | "too_large" | "turn_unknown" | "unauthorized" | "unknown_workspace" | "upload_conflict" | "upload_incomplete" | "upload_mismatch" | "upload_unknown";
 
