@@ -42,7 +42,7 @@ MARK = "prompt-marker-" + secrets.token_hex(6)
 KEY = "sk-test-" + secrets.token_hex(16)
 
 
-def test_profile(shipped: str, **changes: str) -> str:
+def offline_profile(shipped: str, **changes: str) -> str:
     """A shipped agent profile made the test's: no network (the model server is on the
     sandbox's loopback), the scripted server's interpreter allowed too."""
     text = (SHIPPED / f"{shipped}.toml").read_text()
@@ -61,7 +61,7 @@ def agents_image(docker_client: Any, sandbox_image: str) -> Iterator[str]:
     try:
         yield IMAGE
     finally:
-        docker_client.images.remove(IMAGE)
+        docker_client.images.remove(IMAGE, force=True)  # the tag only: the image stays
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def make_daemon(
             "timeout_s = 1800": "timeout_s = 300",
         }
         (profiles / "claude-test.toml").write_text(
-            test_profile(
+            offline_profile(
                 "claude-code",
                 **offline,
                 **{
@@ -94,7 +94,7 @@ def make_daemon(
             )
         )
         (profiles / "codex-test.toml").write_text(
-            test_profile(
+            offline_profile(
                 "codex",
                 **offline,
                 **{
@@ -122,11 +122,15 @@ def install(d: DaemonProcess, ws: str, package: str, program: str, profile: str)
     assert version["exit_code"] == 0, version["stderr"]
 
 
-def start_model(d: DaemonProcess, ws: str, profile: str, script: str) -> str:
+def start_model(d: DaemonProcess, ws: str, profile: str, script: str, exit_after: float = 3) -> str:
     """The scripted server, in the turn's sandbox; returns its proc once it listens."""
     c = d.client(timeout=120)
+    gone = "import os; p = '/tmp/model.port'; os.path.exists(p) and os.remove(p)"
+    c.call(
+        "proc.run", workspace=ws, profile=profile, changes="discard", argv=["python3", "-c", gone]
+    )
     argv = ["python3", "tools/scripted_model.py", "--port", str(PORT), "--script", script,
-            "--log", "/tmp/model.jsonl", "--port-file", "/tmp/model.port", "--exit-after", "3"]  # fmt: skip
+            "--log", "/tmp/model.jsonl", "--port-file", "/tmp/model.port", "--exit-after", str(exit_after)]  # fmt: skip
     proc = str(c.call("proc.start", workspace=ws, profile=profile, argv=argv)["proc"])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -211,7 +215,8 @@ def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProces
         {"tool": "Write", "input": {"file_path": "/workspace/src/farewell.py", "content": "BYE = 1\n"}},
         {"text": "Added a farewell."},
     ]  # fmt: skip
-    path, ws = workspace(d, {"turn1.json": turn1, "turn2.json": turn2})
+    hang = [{"hang": True}]
+    path, ws = workspace(d, {"turn1.json": turn1, "turn2.json": turn2, "hang.json": hang})
     install(d, ws, CLAUDE, "claude", "claude-test")
 
     start_model(d, ws, "claude-test", "tools/turn1.json")
@@ -252,6 +257,21 @@ def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProces
     assert record2["applied"] == ["src/farewell.py"]
     first = next(r for r in model_log(d, ws, "claude-test") if r["tools"])
     assert len(first["tool_results"]) == 4  # turn 1's history came back with the session
+    check_journal(d, KEY, secret_bytes)
+
+    # A model that never answers, and a prompt of 1 MB: the turn's timeout kills the
+    # CLI, its record finishes with the reason, nothing of the prompt is kept.
+    start_model(d, ws, "claude-test", "tools/hang.json", exit_after=60)
+    c = d.client(timeout=300)
+    big = MARK + " " + "p" * 1_000_000
+    turn = c.call(
+        "agent.start", workspace=ws, provider="claude-code", profile="claude-test",
+        prompt=big, timeout_s=20,
+    )  # fmt: skip
+    hung = c.call("agent.wait", turn=turn["turn"], timeout_s=240)
+    assert hung["state"] == "finished" and hung["timed_out"] is True
+    assert hung["errors"].get("timed_out") == 1
+    assert hung["errors"].get("exited_mid_stream") == 1
     check_journal(d, KEY, secret_bytes)
 
 
