@@ -189,6 +189,7 @@ def check_journal(d: DaemonProcess, key: str, file_bytes: bytes) -> None:
 def workspace(d: DaemonProcess, steps: dict[str, list[dict[str, Any]]]) -> tuple[Any, str]:
     files: dict[str, str | bytes] = {
         "README.md": "# demo\n",
+        "src/app.py": "VALUE = 0\n",
         "src/__init__.py": "",
         "tools/scripted_model.py": SCRIPTED.read_bytes(),
     }
@@ -209,6 +210,8 @@ def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProces
         {"tool": "Write", "input": {"file_path": "/workspace/.env", "content": secret_bytes.decode()}},
         {"tool": "Write", "input": {"file_path": "/workspace/docs/notes.md", "content": "# notes\n"}},
         {"tool": "Bash", "input": {"command": "cat src/greeting.py", "description": "show it"}},
+        {"tool": "Read", "input": {"file_path": "/workspace/src/app.py"}},
+        {"tool": "Edit", "input": {"file_path": "/workspace/src/app.py", "old_string": "VALUE = 0", "new_string": "VALUE = 1"}},
         {"text": "Added a greeting."},
     ]  # fmt: skip
     turn2 = [
@@ -228,18 +231,19 @@ def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProces
     calls = [(e["tool"], e.get("paths", [])) for e in envelopes if e["kind"] == "tool_call"]
     assert calls == [
         ("Write", ["src/greeting.py"]), ("Write", [".env"]), ("Write", ["docs/notes.md"]),
-        ("Bash", []),
+        ("Bash", []), ("Read", ["src/app.py"]), ("Edit", ["src/app.py"]),
     ]  # fmt: skip
     assert [e["text"] for e in envelopes if e["kind"] == "text"] == ["Added a greeting."]
-    assert record["session"] and record["tool_calls"] == 4
+    assert record["session"] and record["tool_calls"] == 6
     # The gate: the allowed path applied; the rest waits for a person, none in the checkout.
-    assert record["applied"] == ["src/greeting.py"]
+    assert sorted(record["applied"]) == ["src/app.py", "src/greeting.py"]
     assert sorted(record["left"]) == [".env", "docs", "docs/notes.md"]  # the dir, too
     assert (path / "src/greeting.py").read_text() == "GREETING = 'hi'\n"
+    assert (path / "src/app.py").read_text() == "VALUE = 1\n"  # the CLI's Edit tool
     assert not (path / ".env").exists() and not (path / "docs").exists()
     # The CLI's Bash tool really ran in the sandbox: the model got its result back.
     log = model_log(d, ws, "claude-test")
-    assert [len(r["tool_results"]) for r in log if r["tools"]][:5] == [0, 1, 2, 3, 4]
+    assert [len(r["tool_results"]) for r in log if r["tools"]][:7] == [0, 1, 2, 3, 4, 5, 6]
     tools = journal_entries(d, "agent.tool")
     assert [(t["data"]["tool"], t["data"]["paths"]) for t in tools] == calls
     (turn_entry,) = journal_entries(d, "agent.turn")
@@ -256,7 +260,7 @@ def test_claude_code_turns_in_the_sandbox(make_daemon: Callable[[], DaemonProces
     assert code == 0, envelopes
     assert record2["applied"] == ["src/farewell.py"]
     first = next(r for r in model_log(d, ws, "claude-test") if r["tools"])
-    assert len(first["tool_results"]) == 4  # turn 1's history came back with the session
+    assert len(first["tool_results"]) == 6  # turn 1's history came back with the session
     check_journal(d, KEY, secret_bytes)
 
     # A model that never answers, and a prompt of 1 MB: the turn's timeout kills the
