@@ -32,6 +32,7 @@ async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusRe
         rss_bytes=_measured(lambda: me.memory_info().rss),
         open_fds=_measured(me.num_fds),
         threads=_measured(me.num_threads),
+        fresh_view=s.execution.fresh_view(),
     )
 
 

@@ -31,6 +31,7 @@ swept: a conclusion holds fds beneath it.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from typing import Any, Generic, Protocol
 import msgspec
 import trio
 
-from substrate.errors import RuntimeUnavailable
+from substrate.errors import ConfinementUnmet, RuntimeUnavailable
 from substrate.layer import conclusion
 from substrate.layer.changes import Changesets, upper_holds_changes
 from substrate.layer.conclusion import Request, S, Sandboxes
@@ -129,13 +130,65 @@ class LayerUsers(Generic[S]):
             raise RuntimeUnavailable("the daemon is stopping")
         if layer.closed:
             raise LayerClosed(sandbox.id)
-        # No await from the wait to here: nothing concludes in between.
+        if not layer.users.active and layer.stale():
+            # The first user of the generation: it sees the checkout as it is now.
+            await self._refresh(sandbox, req.ws)
+        # No await from the wait (or the refresh) to here: nothing concludes in between.
         layer.users.join(user, layer.plan.generation)
         working_layer.begin(layer)
         self._joined += 1
         self._prune()
         self._layers[sandbox.id] = (sandbox, req)
         return Use(sandbox, user, req)
+
+    async def _refresh(self, sandbox: S, ws: Workspace) -> None:
+        """Mount the generation again when its checkout changed (`working_layer.refresh`),
+        then re-verify the container's view (docs/working-layer.md, "The fresh view").
+        Newcomers wait meanwhile. A generation still busy (EBUSY) while changes of earlier
+        users wait in it (carried) is joined as it is: those changes must conclude with
+        it; with nothing waiting, the sandbox is dropped instead (`LayerClosed`: the
+        caller retries with a fresh one, whose mount is fresh). Any other failure drops
+        the sandbox too. Cost when the checkout did not change: one drain; when it did: a
+        swap's mount calls and one observation of the container's mounts."""
+        layer = sandbox.layer
+        assert layer is not None
+        layer.users.refreshing_begins()
+        try:
+            with trio.CancelScope(shield=True):
+                reason = await self._remount(sandbox, layer, ws)
+                if reason is not None:
+                    await self._containers.forget(sandbox, reason)
+                    raise LayerClosed(sandbox.id)
+        finally:
+            layer.users.refreshed()
+
+    async def _remount(
+        self, sandbox: S, layer: working_layer.WorkingLayer, ws: Workspace
+    ) -> str | None:
+        """`_refresh`'s mount and re-verification; the reason to drop the sandbox, if any."""
+        try:
+            if not await trio.to_thread.run_sync(_refresh, layer, ws, limiter=self._limiter):
+                return None
+        except OSError as exc:
+            waiting = bool(layer.users.carried or layer.users.ended)
+            if exc.errno == errno.EBUSY and waiting:
+                log.warning(
+                    "the layer of %s is busy: its changed checkout is not mounted again "
+                    "while changes wait in it",
+                    sandbox.id[:12],
+                )
+                return None
+            log.error("mounting the layer of %s again failed: %s", sandbox.id[:12], exc)
+            return "layer_busy" if exc.errno == errno.EBUSY else "layer_failed"
+        except ConfinementUnmet as exc:
+            log.error("the layer of %s did not verify when mounted again: %s", sandbox.id[:12], exc)
+            return "layer_unverified"
+        try:
+            await self._containers.reverify_layer(sandbox, ws)
+        except Exception as exc:  # any failure to verify it: nothing runs there again
+            log.error("the layer of %s did not verify after a remount: %s", sandbox.id[:12], exc)
+            return "layer_unverified"
+        return None
 
     async def end(self, use: Use[S]) -> ProcChanges | None:
         """`use`'s process ran and ended: deferred while others share its generation, else
@@ -319,6 +372,18 @@ class LayerUsers(Generic[S]):
             )
         except Exception:  # the set is applied (or kept) and journaled already
             log.exception("journaling %s failed", kind)
+
+
+def _refresh(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
+    """`working_layer.refresh` (in a worker thread); when it mounted the generation again
+    with nothing waiting in its upper dir, the generation's start is forgotten, so the
+    next user's start is the time since which a checkout change is the host's
+    (`working_layer.begin`): it sees everything before it."""
+    with ws.use():
+        done = working_layer.refresh(layer, ws.root_fd)
+    if done and upper_holds_changes(layer.plan.upper) is False:
+        layer.began = (-1, 0)
+    return done
 
 
 def journal_summary(changes: ProcChanges) -> dict[str, Any]:
