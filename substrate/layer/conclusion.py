@@ -194,7 +194,7 @@ async def _conclude(
     layer = sandbox.layer
     if layer is None:
         return None
-    ws, actor, mode = req.ws, req.actor, req.changes
+    ws, mode = req.ws, req.changes
     error: str | None = None
     await _sweep(sandbox, limiter)
     try:
@@ -208,7 +208,7 @@ async def _conclude(
             return ProcChanges(generation=layer.plan.generation, error="layer_failed")
         return ProcChanges(generation=layer.plan.generation, error="layer_busy")
     except ConfinementUnmet:
-        # The new generation did not verify and was undone: nothing runs here again.
+        # The busy generation put back did not verify: nothing runs here again.
         old = layer.plan
         error = "layer_unverified"
         await containers.forget(sandbox, "layer_unverified")
@@ -216,13 +216,59 @@ async def _conclude(
         return ProcChanges(generation=layer.plan.generation, error=exc.name)
     if old is None:  # the sandbox was torn down meanwhile: its last layer is still whole
         old = layer.plan
-    elif error is None:
-        try:
-            await containers.reverify_layer(sandbox, ws)
-        except Exception as exc:  # any failure to verify it: nothing runs there again
-            log.error("the layer of %s did not verify after a swap: %s", sandbox.id[:12], exc)
-            error = "layer_unverified"
-            await containers.forget(sandbox, "layer_unverified")
+    try:
+        changes = await _settle(writer, ws, old, req, layer, changesets, error, limiter)
+    finally:
+        if layer.awaiting_mount:
+            error = await _mount_next(containers, sandbox, layer, ws, limiter)
+    if error is not None and changes.error is None:
+        changes = msgspec.structs.replace(changes, error=error)
+    return changes
+
+
+async def _mount_next(
+    containers: Sandboxes[S],
+    sandbox: S,
+    layer: working_layer.WorkingLayer,
+    ws: Workspace,
+    limiter: trio.CapacityLimiter | None,
+) -> str | None:
+    """Mount the next generation (`working_layer.mount_next`, after the apply) and
+    observe the sandbox again; on any failure the sandbox is dropped and the reason
+    returned (`layer_failed`, `layer_unverified`)."""
+    try:
+        mounted = await trio.to_thread.run_sync(_mount, layer, ws, limiter=limiter)
+    except ConfinementUnmet as exc:
+        log.error("the next layer of %s did not verify: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_unverified")
+        return "layer_unverified"
+    except (Refusal, OSError) as exc:
+        log.error("mounting the next layer of %s failed: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_failed")
+        return "layer_failed"
+    if not mounted:
+        return None
+    try:
+        await containers.reverify_layer(sandbox, ws)
+    except Exception as exc:  # any failure to verify it: nothing runs there again
+        log.error("the layer of %s did not verify after a swap: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_unverified")
+        return "layer_unverified"
+    return None
+
+
+async def _settle(
+    writer: Writer,
+    ws: Workspace,
+    old: LayerPlan,
+    req: Request,
+    layer: working_layer.WorkingLayer,
+    changesets: Changesets | None,
+    error: str | None,
+    limiter: trio.CapacityLimiter | None,
+) -> ProcChanges:
+    """Discard, keep or apply the unmounted generation `old` (see the module doc)."""
+    actor, mode = req.actor, req.changes
     try:
         if mode == "discard":
             await trio.to_thread.run_sync(remove_layer, old.upper, old.work, limiter=limiter)
@@ -233,7 +279,7 @@ async def _conclude(
         )
     except (Refusal, OSError) as exc:
         name = exc.name if isinstance(exc, Refusal) else "layer_failed"
-        log.error("concluding the layer of %s failed: %s", sandbox.id[:12], exc)
+        log.error("concluding generation %d failed: %s", old.generation, exc)
         return ProcChanges(generation=old.generation, mode=mode, error=error or name)
     return summary(
         old.generation,
@@ -326,9 +372,14 @@ def _upper_changed(layer: working_layer.WorkingLayer) -> bool:
     return layer.closed or upper_holds_changes(layer.plan.upper) is not False
 
 
+def _mount(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
+    with ws.use():
+        return working_layer.mount_next(layer, ws.root_fd)
+
+
 def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:
     with ws.use():
-        return working_layer.swap(layer, ws.root_fd)
+        return working_layer.unmount_current(layer, ws.root_fd)
 
 
 def _scan_apply(

@@ -128,7 +128,7 @@ class LayerUsers(Generic[S]):
         await layer.users.wait_joinable()
         if self._stopping:
             raise RuntimeUnavailable("the daemon is stopping")
-        if layer.closed:
+        if layer.closed or layer.awaiting_mount:  # awaiting: its conclusion failed to mount
             raise LayerClosed(sandbox.id)
         if not layer.users.active and layer.stale():
             # The first user of the generation: it sees the checkout as it is now.

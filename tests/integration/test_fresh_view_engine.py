@@ -218,3 +218,15 @@ async def test_an_unchanged_checkout_keeps_its_generation_mounted(env: Env) -> N
     assert (await env.client.call("daemon.status"))["fresh_view"]["remounts"] == (
         before["remounts"] + 1
     )
+
+
+async def test_a_change_set_applied_costs_the_next_command_no_remount(env: Env) -> None:
+    # The next generation is mounted after the apply: it shows the set already, so the
+    # apply's own writes to the checkout do not make the next command mount it again.
+    await env.look()
+    remounts = (await env.client.call("daemon.status"))["fresh_view"]["remounts"]
+    wrote = await env.sh("echo made > made.txt; echo more >> a.txt; rm b.txt")
+    assert sorted(e["path"] for e in wrote["changes"]["applied"]) == ["a.txt", "b.txt", "made.txt"]
+    seen = await env.out("cat made.txt a.txt; test -e b.txt || echo no-b")
+    assert seen == "made\na1\nmore\nno-b\n"
+    assert (await env.client.call("daemon.status"))["fresh_view"]["remounts"] == remounts

@@ -199,11 +199,11 @@ def swap(old: LayerPlan, new: LayerPlan, root_fd: int) -> None:
     """
     if (old.base, old.sandbox_dir) != (new.base, new.sandbox_dir):
         raise ValueError("swap between two sandboxes' layers")
-    _unmount_or_restore(old, root_fd)
+    unmount_or_restore(old, root_fd)
     mount_generation(new, root_fd)
 
 
-def _unmount_or_restore(old: LayerPlan, root_fd: int) -> None:
+def unmount_or_restore(old: LayerPlan, root_fd: int) -> None:
     """Unmount generation `old`; when it is busy, mount back what went (its passthrough
     binds and read-only parts), re-verify it and raise the OSError(EBUSY)."""
     try:
@@ -248,7 +248,7 @@ def remount(old: LayerPlan, new: LayerPlan, root_fd: int) -> None:
                 required={"layer_upper": "directory"},
                 observed={"layer_upper": "other"},
             )
-    _unmount_or_restore(old, root_fd)
+    unmount_or_restore(old, root_fd)
     _mount_on_base(new, root_fd)
 
 

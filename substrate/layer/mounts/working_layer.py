@@ -76,6 +76,8 @@ class WorkingLayer:
     watch: LowerWatch | None = None
     #: How many times a generation was mounted again because its checkout changed.
     remounts: int = 0
+    #: Between `unmount_current` and `mount_next`: nothing is mounted on the base.
+    awaiting_mount: bool = False
 
     def stale(self) -> bool:
         """Might the checkout have changed since the generation was mounted? One `poll(2)`
@@ -150,24 +152,42 @@ def _with_passthrough(p: LayerPlan, found: Sequence[tuple[str, tuple[int, int]]]
     return plan(state_dir, sandbox_id, p.generation, readonly, found)
 
 
-def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
-    """Swap the layer to its next generation; return the old plan (its upper dir holds
-    the ended command's changes), or None when the layer was closed meanwhile (nothing
-    mounted again). Raises OSError(EBUSY) when the generation is in use (it stays, see
-    `overlay.swap`) and `confinement_unmet` when the new one does not verify (then
-    nothing is mounted on the base: the caller drops the sandbox)."""
+def unmount_current(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
+    """The first half of a swap: unmount the generation that concludes and plan the next
+    (`layer.plan`, not mounted yet: `mount_next` mounts it once the change set is
+    applied, so it shows the checkout with it). Returns the old plan (its upper dir holds
+    the users' changes), or None when the layer was closed meanwhile. Raises OSError
+    (EBUSY) when the generation is in use: it stays mounted and verified
+    (`overlay.unmount_or_restore`)."""
     with layer.mounting:
         if layer.closed:
             return None
         old = layer.plan
+        overlay.unmount_or_restore(old, root_fd)
+        layer.plan = next_plan(old)
+        layer.awaiting_mount = True
+        return old
+
+
+def mount_next(layer: WorkingLayer, root_fd: int) -> bool:
+    """The second half of a swap: mount the planned generation, binding the passthrough
+    dirs that exist now, after draining the checkout's watch (the apply's own changes
+    are in the drain: the new mount shows them, so they cost the next command nothing).
+    False when there is nothing to mount (the layer closed). Refuses as
+    `overlay.mount_generation` does (then nothing is mounted: the caller drops the
+    sandbox)."""
+    with layer.mounting:
+        if layer.closed or not layer.awaiting_mount:
+            return False
         if layer.watch is not None:
             layer.watch.drain(root_fd)
-        new = next_plan(old, passthrough.existing(root_fd, layer.passthrough))
-        overlay.swap(old, new, root_fd)
+        new = _with_passthrough(layer.plan, passthrough.existing(root_fd, layer.passthrough))
+        overlay.mount_generation(new, root_fd)
         layer.plan = new
+        layer.awaiting_mount = False
         if layer.watch is not None:
             layer.watch.mounted()
-        return old
+        return True
 
 
 def refresh(layer: WorkingLayer, root_fd: int) -> bool:
