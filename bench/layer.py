@@ -296,8 +296,9 @@ def fresh_view_cost(runs: int) -> list[str]:
     """Warm `proc.run ["true"]` p50 on the shipped `default` profile (`workspace =
     "layer"`) over a checkout of `FRESH_DIRS` directories: with nothing changed on the
     host (the watch's one `poll(2)`), and with a host change before each command (the
-    generation mounted again and re-verified), against `docker exec <ctr> true` (CLI) and
-    the SDK's `exec_run` on the same container, interleaved; then, in this process, the
+    generation mounted again and re-verified), against `docker exec <ctr> true` (CLI)
+    and the SDK's `exec_run` on the same container, interleaved (the same profile as
+    "rw" is no baseline here: the rw write gate walks the checkout each command); then, in this process, the
     watch's own costs on the same checkout: its walk and a `pending` check."""
     import docker
 

@@ -1,5 +1,5 @@
-"""The end of a command on a `workspace = "layer"` sandbox: swap, scan, apply
-(docs/working-layer.md).
+"""The end of a command on a `workspace = "layer"` sandbox: unmount, scan, apply, mount
+the next (docs/working-layer.md).
 
 Theory of operation. Commands and terminals on one layer sandbox that overlap share its
 generation (`layer.users`, `layer.generation`): none waits for another, and the
@@ -13,15 +13,14 @@ request with the users' combined mode and the actor of the last that ran:
    holds nothing (a `true`, a read-only `grep`, a test run writing only under /tmp)
    and whose passthrough dirs are still the checkout's stays mounted as it is, with no
    swap, re-verification, scan or change set (`changes {generation, mode}` and zero
-   counts); its next user joins it as it is, since-time and all (its overlay may still
-   show a file the host replaced or removed since: `layer.changes.host_edits`). That
-   is most commands, and it saves the swap's mount calls and the observation (about
-   10 ms of a warm command);
-1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
-   stays on disk, untouched, until the set settles (step 3) or is discarded;
-2. observes the sandbox's facts again against the new generation
-   (`Sandboxes.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
-3. scans the old upper dir against the checkout and, by the request's `changes` mode:
+   counts); its next user joins it as it is, since-time and all — unless the checkout
+   changed meanwhile: then `layer.users` mounts it again first (docs/working-layer.md,
+   "The fresh view"). That is most commands, and it saves the swap's mount calls and
+   the observation (about 10 ms of a warm command);
+1. unmounts the generation (`working_layer.unmount_current`, the first half of a swap);
+   its upper dir stays on disk, untouched, until the set settles (step 2) or is
+   discarded;
+2. scans the old upper dir against the checkout and, by the request's `changes` mode:
    "apply" applies the change set through the guarded path (`layer.changes.scan` /
    `apply`), as the command's actor; "review" applies nothing; both keep the set by id
    (`layer.changes.Changesets`, `applied` or `pending`) for `changes.get/apply/
@@ -33,6 +32,10 @@ request with the users' combined mode and the actor of the last that ran:
    (the command's bytes) is kept as an artifact (`Changesets.keep_versions`,
    `layer.keep`); an applied set with nothing pending and every version kept
    is settled: its upper and work dirs are removed (`Changesets.finish`);
+3. mounts the next generation (`working_layer.mount_next`: after the apply, so it shows
+   the set, and the apply's own changes to the checkout are in the watch's drain before
+   it) and observes the sandbox's facts again (`Sandboxes.reverify_layer`): a failure
+   or a mismatch drops the sandbox (`layer_failed`, `layer_unverified`);
 4. returns a bounded summary (`schema.proc.ProcChanges`), each conflict naming the
    artifact of its version.
 

@@ -19,6 +19,10 @@ not carry them again: `layer.conclusion`).
 
 A user that never ran (its exec never started) changes nothing: it concludes the
 generation only when others' changes wait in it (`leave(ran=False)`).
+
+A generation nobody uses may be mounted again for a newcomer, its checkout having
+changed (docs/working-layer.md, "The fresh view"): between `refreshing_begins` and
+`refreshed` nobody joins, as during a conclusion.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ one user is journaled `changes.shared {generation, changeset, mode, procs, sessi
 A conclusion that finds the generation busy (`layer_busy`) keeps its users: their
 changes go with the generation's next conclusion (`Users.concluded(kept=True)`).
 
+The fresh view: the first user to join a generation nobody uses, when its checkout
+changed since it was mounted (`WorkingLayer.stale`: one `poll(2)` of the checkout's
+watch), mounts it again (`working_layer.refresh`) and has the container re-verified
+before it joins, so it sees the checkout as it is (docs/working-layer.md, "The fresh
+view"). A user beside others shares the generation as it is.
+
 Shutdown (`process.service.Execution.shutdown`), in this order: `quiet` waits (bounded
 by the caller) until every user has ended and every conclusion is over — terminals and
 cut-off commands end concurrently and conclude normally, against their still-running

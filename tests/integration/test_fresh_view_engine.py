@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from substrate.daemon import Daemon
+from substrate.layer.mounts import lower_watch
 from substrate.layer.mounts.working_layer import CTIME_SLACK_NS
 from substrate.protocol.client import AsyncClient, open_client
 from tests.harness.inprocess import (
@@ -230,3 +231,25 @@ async def test_a_change_set_applied_costs_the_next_command_no_remount(env: Env) 
     seen = await env.out("cat made.txt a.txt; test -e b.txt || echo no-b")
     assert seen == "made\na1\nmore\nno-b\n"
     assert (await env.client.call("daemon.status"))["fresh_view"]["remounts"] == remounts
+
+
+async def test_a_watch_past_its_bound_remounts_every_command(
+    tiny_image: str, engine_state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lower_watch, "MAX_WATCHED_DIRS", 1)
+    profiles = profiles_dir(tmp_path / "profiles", ["tiny"], layer=as_layer("tiny"))
+    project = owned_project(tmp_path / "roots" / "p", {"a.txt": "a1\n", "d/x.txt": "x\n"})
+    config = in_process_config(engine_state, project.parent, profiles)
+    async with serving(config) as daemon, open_client(engine_state / "substrate.sock") as client:
+        ws = await client.call("workspace.adopt", path=str(project))
+        env = Env(daemon, client, ws["workspace"], project)
+        assert await env.out("cat a.txt") == "a1\n"
+        status = (await client.call("daemon.status"))["fresh_view"]
+        assert (status["degraded"], status["reasons"]) == (1, ["too_many_dirs"])
+        before = status["remounts"]
+        as_owner_write(project / ".a.swp", "a2\n")
+        os.rename(project / ".a.swp", project / "a.txt")
+        assert await env.out("cat a.txt") == "a2\n"
+        assert await env.out("cat a.txt") == "a2\n"
+        after = (await client.call("daemon.status"))["fresh_view"]["remounts"]
+        assert after == before + 2  # every command, changed or not
