@@ -6,8 +6,9 @@ A daemon runs in-process with a `layer` profile (the tiny one with `workspace =
 test runs a first command that looks every name up (so its generation's overlay has
 seen them, and stays mounted: that command changed nothing), then changes the checkout
 on the host as a person would — in place, by an editor's rename, create, delete, chmod,
-a directory rename, `git checkout` of another branch, `git stash` (host git as uid 1000,
-hooks off, in the repository the test made) — and a second command must see the change.
+a directory rename, `git checkout` of another branch, `git pull`, `git stash` (host git
+with hooks off and no global config, in the repository the test made, its files then
+owned by uid 1000) — and a second command must see the change.
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ def git(path: Path, *args: str) -> str:
     """Host git as the person would run it: no hooks, no global or system config; what it
     leaves is then owned by uid 1000 as the person's would be (it runs as root here: the
     test's temporary directories are not uid 1000's to enter)."""
+    config = path.parent / ".person.gitconfig"  # a clone's helpers read no `-c`
+    config.write_text("[safe]\n\tdirectory = *\n")
     env = {
         "PATH": os.environ["PATH"],
-        "HOME": str(path),
-        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "HOME": str(path.parent),
+        "GIT_CONFIG_GLOBAL": str(config),
         "GIT_CONFIG_NOSYSTEM": "1",
     }
     done = subprocess.run(
@@ -202,6 +205,19 @@ async def test_a_host_git_stash_is_seen(env: Env) -> None:
     assert await env.out("cat a.txt") == "a1\n"
     git(env.path, "stash", "pop", "-q")
     assert await env.out("cat a.txt") == "work in progress\n"
+
+
+async def test_a_host_git_pull_is_seen(env: Env, tmp_path: Path) -> None:
+    upstream = tmp_path / "upstream"
+    git(env.path, "clone", "-q", "--no-hardlinks", ".", str(upstream))
+    git(upstream, "checkout", "-q", "-b", "side")
+    (upstream / "a.txt").write_text("a-pulled\n")
+    (upstream / "d" / "pulled.txt").write_text("p\n")
+    git(upstream, "add", "-A")
+    git(upstream, "commit", "-q", "-m", "upstream")
+    await env.look()
+    git(env.path, "pull", "-q", "--ff-only", str(upstream), "side")
+    assert await env.out("cat a.txt d/pulled.txt") == "a-pulled\np\n"
 
 
 async def test_an_unchanged_checkout_keeps_its_generation_mounted(env: Env) -> None:

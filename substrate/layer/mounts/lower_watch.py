@@ -184,7 +184,7 @@ class LowerWatch:
     def open(cls, root_fd: int, skip: Iterable[str] = ()) -> LowerWatch:
         """Watch every directory beneath `root_fd` but the `skip` paths (relative, each
         not descended into). Never raises for a watch it cannot keep: the result is then
-        `degraded`. Cost: an open, a watch and a listing per directory (25–130 ms per
+        `degraded`. Cost: an open, a watch and a listing per directory (25 to 130 ms per
         1,000 directories on the loaded 2-CPU development VM; bench/layer.py)."""
         watch = cls(skip)
         fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
