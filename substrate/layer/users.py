@@ -139,6 +139,8 @@ class LayerUsers(Generic[S]):
         if not layer.users.active and layer.stale():
             # The first user of the generation: it sees the checkout as it is now.
             await self._refresh(sandbox, req.ws)
+            if layer.closed:  # torn down meanwhile (its container is going)
+                raise LayerClosed(sandbox.id)
         # No await from the wait (or the refresh) to here: nothing concludes in between.
         layer.users.join(user, layer.plan.generation)
         working_layer.begin(layer)
