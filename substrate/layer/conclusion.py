@@ -219,13 +219,14 @@ async def _conclude(
         return ProcChanges(generation=layer.plan.generation, error=exc.name)
     if old is None:  # the sandbox was torn down meanwhile: its last layer is still whole
         old = layer.plan
+    unmounted: str | None = None
     try:
         changes = await _settle(writer, ws, old, req, layer, changesets, error, limiter)
-    finally:
+    finally:  # mounted after the apply (it shows the set), whatever became of it
         if layer.awaiting_mount:
-            error = await _mount_next(containers, sandbox, layer, ws, limiter)
-    if error is not None and changes.error is None:
-        changes = msgspec.structs.replace(changes, error=error)
+            unmounted = await _mount_next(containers, sandbox, layer, ws, limiter)
+    if unmounted is not None and changes.error is None:
+        changes = msgspec.structs.replace(changes, error=unmounted)
     return changes
 
 
