@@ -408,8 +408,16 @@ def _scan_apply(
     try:
         with ws.use():
             changeset = scan(upper_fd, ws.root_fd)
+            # After the scan: a host change made while it read the checkout is named too.
+            names = working_layer.host_names(layer, ws.root_fd)
             kept, host_changed = host_edits.overtaken(
-                ws.root_fd, upper_fd, changeset, layer.began[1], layer.landed, layer.landed_dirs
+                ws.root_fd,
+                upper_fd,
+                changeset,
+                layer.began[1],
+                layer.landed,
+                layer.landed_dirs,
+                names=names,
             )
             held = (
                 *kept.blocked,

@@ -391,6 +391,8 @@ def _refresh(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
         done = working_layer.refresh(layer, ws.root_fd)
     if done and upper_holds_changes(layer.plan.upper) is False:
         layer.began = (-1, 0)
+    elif done and layer.watch is not None:
+        layer.watch.forget_names()  # the since-time is older than this mount
     return done
 
 

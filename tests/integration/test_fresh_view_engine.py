@@ -269,3 +269,37 @@ async def test_a_watch_past_its_bound_remounts_every_command(
         assert await env.out("cat a.txt") == "a2\n"
         after = (await client.call("daemon.status"))["fresh_view"]["remounts"]
         assert after == before + 2  # every command, changed or not
+
+
+def _in_a_layer(state_dir: str, name: str) -> bool:
+    return bool(sorted(Path(state_dir).glob(f"layers/*/upper/*/{name}")))
+
+
+async def test_a_create_beside_a_host_save_during_the_command_applies(env: Env) -> None:
+    # The watch names what the host changed: a create beside an unrelated save in the
+    # same directory is no conflict; a create of a name the host removed still is.
+    started = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile="layer",
+        argv=["sh", "-c", "echo n > d/new.txt && echo b > d/b2.txt && touch m && sleep 60"],
+    )
+    with trio.fail_after(30):
+        while True:  # the command made `m` in its layer: it wrote the rest before
+            if _in_a_layer(env.daemon.config.state_dir, "m"):
+                break
+            await trio.sleep(0.02)
+    as_owner_write(env.path / "d" / ".x.swp", "saved\n")
+    os.rename(env.path / "d" / ".x.swp", env.path / "d" / "x.txt")
+    as_owner_write(env.path / "d" / "b2.txt", "person's\n")
+    (env.path / "d" / "b2.txt").unlink()
+    await env.client.call("proc.signal", proc=started["proc"], signal="TERM")
+    result = await env.client.call("proc.wait", proc=started["proc"])
+    changes = result["changes"]
+    assert sorted(e["path"] for e in changes["applied"]) == ["d/new.txt", "m"]
+    assert [(e["path"], e["reason"]) for e in changes["conflicts"]] == [
+        ("d/b2.txt", "host_changed")
+    ]
+    assert (env.path / "d" / "new.txt").read_text() == "n\n"
+    assert (env.path / "d" / "x.txt").read_text() == "saved\n"
+    assert not (env.path / "d" / "b2.txt").exists()

@@ -20,6 +20,11 @@ says a generation was just mounted after a `drain`: the mark is cleared. A chang
 before that drain is in the queue (inotify queues an event before the system call that
 made the change returns), so the mount sees it; one made after it is in the next drain.
 
+The names changed since the last mount (`host_names`) tell, for a command's create,
+whether the host touched that very name while the generation was mounted: the
+conflict rule of `layer.changes.host_edits` uses them instead of the directory's ctime
+when they are known, and the ctime when not (an overflow, a directory moved).
+
 When the watch cannot be kept — no inotify instance left, the per-user watch limit
 (ENOSPC), more than `MAX_WATCHED_DIRS` directories or deeper than `MAX_WATCH_DEPTH` —
 it is `degraded` for good: `changed` is always true, so every command gets a fresh
@@ -79,6 +84,9 @@ WATCH_MASK = (
 MAX_WATCHED_DIRS = 100_000
 #: Past this depth the watch is degraded: a directory not watched could change unseen.
 MAX_WATCH_DEPTH = 256
+#: Past this many names changed since a mount, which names changed is forgotten (the
+#: ctime rule decides alone: `host_names`).
+MAX_TOUCHED_NAMES = 100_000
 #: One `read(2)` of the queue: any number of whole events (each 16 bytes + its name).
 _READ_BYTES = 256 * 1024
 _EVENT = struct.Struct("iIII")
@@ -118,12 +126,15 @@ class Reading:
     """What a batch of events means (`read_events`, pure): whether the checkout changed,
     the new directories to watch (paths relative to the root), whether the whole
     checkout must be walked again (a directory moved: watched paths may be stale; the
-    queue overflowed: events were lost), and the watches the kernel dropped."""
+    queue overflowed: events were lost), the watches the kernel dropped, and the names
+    changed, as (directory, name) — "" for the directory itself — or None when that is
+    not known (an overflow, an unknown watch)."""
 
     changed: bool
     new_dirs: tuple[str, ...]
     rewalk: bool
     gone: tuple[int, ...]
+    names: tuple[tuple[str, str], ...] | None = ()
 
 
 def read_events(events: Iterable[Event], paths: dict[int, str]) -> Reading:
@@ -135,14 +146,21 @@ def read_events(events: Iterable[Event], paths: dict[int, str]) -> Reading:
     changed = rewalk = False
     new_dirs: list[str] = []
     gone: list[int] = []
+    names: list[tuple[str, str]] | None = []
     for ev in events:
         if ev.mask & IN_Q_OVERFLOW:
             changed = rewalk = True
+            names = None
             continue
         if ev.mask & IN_IGNORED:
             gone.append(ev.wd)
             continue
         changed = True
+        where = paths.get(ev.wd)
+        if where is None:
+            names = None
+        elif names is not None:
+            names.append((where, ev.name))
         if ev.mask & IN_UNMOUNT:
             rewalk = True
         if ev.mask & IN_MOVE_SELF or (ev.mask & IN_ISDIR and ev.mask & IN_MOVED_FROM):
@@ -153,7 +171,9 @@ def read_events(events: Iterable[Event], paths: dict[int, str]) -> Reading:
                 rewalk = True
             else:
                 new_dirs.append(f"{parent}/{ev.name}" if parent else ev.name)
-    return Reading(changed, tuple(new_dirs), rewalk, tuple(gone))
+    return Reading(
+        changed, tuple(new_dirs), rewalk, tuple(gone), None if names is None else tuple(names)
+    )
 
 
 class WatchLost(Exception):
@@ -179,6 +199,10 @@ class LowerWatch:
         self.degraded: str | None = None
         #: How many times the checkout was walked whole (the first walk included).
         self.walks = 0
+        #: directory → the names in it changed since the last `mounted` ("" for the
+        #: directory itself), or None when that is not known (`host_names`).
+        self._touched: dict[str, set[str]] | None = {}
+        self._touched_count = 0
 
     @classmethod
     def open(cls, root_fd: int, skip: Iterable[str] = ()) -> LowerWatch:
@@ -221,8 +245,26 @@ class LowerWatch:
 
     def mounted(self) -> None:
         """A generation was mounted after the last `drain`: it shows everything drained.
-        A degraded watch stays changed."""
+        A degraded watch stays changed. Which names changed is counted from here."""
         self.changed = self.degraded is not None
+        self._touched = None if self._fd < 0 else {}
+        self._touched_count = 0
+
+    def host_names(self) -> dict[str, frozenset[str]] | None:
+        """Every watched directory → the names in it changed since the last `mounted`
+        (as drained so far; "" for the directory itself), or None when that is not known:
+        events were lost or paths went stale since (an overflow, a directory moved, a
+        watch unknown), more than `MAX_TOUCHED_NAMES` changed, `forget_names` was called,
+        or the watch is degraded or closed. A directory not in the map is not watched."""
+        if self._touched is None or self._fd < 0:
+            return None
+        touched = self._touched
+        return {path: frozenset(touched.get(path, ())) for path in self._paths.values()}
+
+    def forget_names(self) -> None:
+        """Which names changed is not known until the next `mounted` (a generation
+        mounted again while its since-time is kept: events before this mount count)."""
+        self._touched = None
 
     def close(self) -> None:
         """Drop every watch (idempotent)."""
@@ -230,6 +272,7 @@ class LowerWatch:
             os.close(self._fd)
             self._fd = -1
         self._paths.clear()
+        self._touched = None
 
     # -- internals ---------------------------------------------------------------------
 
@@ -254,11 +297,27 @@ class LowerWatch:
             self._paths.pop(wd, None)
         if reading.changed:
             self.changed = True
+        self._note(reading)
         if reading.rewalk:
             self._walk_all(root_fd)
             return
         for rel in reading.new_dirs:
             self._walk_new(root_fd, rel)
+
+    def _note(self, reading: Reading) -> None:
+        """Keep the names `reading` says changed (`host_names`)."""
+        if self._touched is None:
+            return
+        if reading.names is None or reading.rewalk:
+            self._touched = None
+            return
+        for where, name in reading.names:
+            found = self._touched.setdefault(where, set())
+            if name not in found:
+                found.add(name)
+                self._touched_count += 1
+        if self._touched_count > MAX_TOUCHED_NAMES:
+            self._touched = None
 
     def _read(self) -> Iterator[Event]:
         while True:

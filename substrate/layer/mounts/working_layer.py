@@ -190,6 +190,17 @@ def mount_next(layer: WorkingLayer, root_fd: int) -> bool:
         return True
 
 
+def host_names(layer: WorkingLayer, root_fd: int) -> dict[str, frozenset[str]] | None:
+    """At a conclusion, with the generation unmounted: drain the checkout's watch and
+    return the names the host changed in each watched directory since the generation
+    was mounted (`LowerWatch.host_names`), or None when that is not known."""
+    with layer.mounting:
+        if layer.watch is None:
+            return None
+        layer.watch.drain(root_fd)
+        return layer.watch.host_names()
+
+
 def refresh(layer: WorkingLayer, root_fd: int) -> bool:
     """Before a command starts a generation (no other user on it): when the checkout
     changed since the generation was mounted (`LowerWatch.drain`), mount it again

@@ -17,6 +17,7 @@ import pytest
 from substrate.layer.mounts import lower_watch
 from substrate.layer.mounts.lower_watch import (
     IN_CREATE,
+    IN_DELETE,
     IN_IGNORED,
     IN_ISDIR,
     IN_MODIFY,
@@ -65,6 +66,11 @@ def test_read_events() -> None:
         assert reading.changed and reading.rewalk, ev
     # A file moved is a change, not a re-walk.
     assert read_events([Event(2, IN_MOVED_FROM, "f")], paths).rewalk is False
+    # The names changed, by directory ("" the directory itself); unknown after a loss.
+    named = read_events([Event(2, IN_MODIFY, "a.py"), Event(1, IN_DELETE, "x")], paths)
+    assert named.names == (("src", "a.py"), ("", "x"))
+    assert read_events([Event(-1, IN_Q_OVERFLOW, "")], paths).names is None
+    assert read_events([Event(9, IN_MODIFY, "a")], paths).names is None
 
 
 # -- the real watch -----------------------------------------------------------------------
@@ -124,6 +130,31 @@ def test_every_host_change_is_seen_once(checkout: Checkout) -> None:
         step()
         assert checkout.changed(), i
         assert not checkout.changed(), i  # seen once: the next mount shows it
+
+
+def test_the_names_changed_since_a_mount(checkout: Checkout) -> None:
+    root = checkout.root
+    names = checkout.watch.host_names()
+    assert names is not None and names["src"] == frozenset() and "node_modules" not in names
+    (root / "src/a.py").write_text("edited\n")
+    (root / "src/new.py").write_text("made\n")
+    os.chmod(root / "docs", 0o700)
+    checkout.watch.drain(checkout.fd)
+    names = checkout.watch.host_names()
+    assert names is not None
+    assert (names["src"], names["docs"], names[""]) == (
+        frozenset({"a.py", "new.py"}),
+        frozenset({""}),
+        frozenset({"docs"}),
+    )
+    checkout.mounted()  # a new mount: counted from here
+    assert checkout.watch.host_names() == dict.fromkeys(names, frozenset())
+    os.rename(root / "src/deep", root / "docs/deep")  # paths go stale: not known
+    checkout.watch.drain(checkout.fd)
+    assert checkout.watch.host_names() is None
+    checkout.mounted()
+    checkout.watch.forget_names()
+    assert checkout.watch.host_names() is None
 
 
 def test_what_a_new_directory_holds_is_watched_before_the_next_mount(checkout: Checkout) -> None:
