@@ -2,6 +2,7 @@
 in the same run (medians).
 
     python3 bench/layer.py [--suite-runs 5] [--many-runs 5] [--true-runs 30]
+    python3 bench/layer.py --fresh-view [--fresh-runs 60]   (section 4 alone)
 
 Starts a real daemon (`python -m substrate serve --profiles D`) whose profiles dir holds
 the shipped `agent` profile (`workspace = "layer"`) and `agent-rw`, the same profile with
@@ -274,5 +275,134 @@ def main() -> None:
     print("\n".join(report))
 
 
+# -- the fresh view (`--fresh-view`): its own daemon, checkout and figures ---------------
+
+FRESH_DIRS = 10_000
+
+
+def make_wide_checkout(path: Path, dirs: int) -> Path:
+    """A checkout of `dirs` directories (100 per parent), one small file in each tenth."""
+    (path / ".git").mkdir(parents=True)
+    for i in range(dirs):
+        d = path / f"d{i // 100:03d}" / f"e{i % 100:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        if i % 10 == 0:
+            (d / "f.txt").write_text("x\n")
+    chown_tree(path)
+    return path
+
+
+def fresh_view_cost(runs: int) -> list[str]:
+    """Warm `proc.run ["true"]` p50 on the shipped `default` profile (`workspace =
+    "layer"`) over a checkout of `FRESH_DIRS` directories: with nothing changed on the
+    host (the watch's one `poll(2)`), and with a host change before each command (the
+    generation mounted again and re-verified), against `docker exec <ctr> true` (CLI)
+    and the SDK's `exec_run` on the same container, interleaved (the same profile as
+    "rw" is no baseline here: the rw write gate walks the checkout each command); then, in this process, the
+    watch's own costs on the same checkout: its walk and a `pending` check."""
+    import docker
+
+    from substrate.layer.mounts.lower_watch import LowerWatch
+
+    base = Path(tempfile.mkdtemp(prefix="substrate-bench-fresh-"))
+    profiles = base / "profiles"
+    profiles.mkdir()
+    shutil.copy(REPO / "profiles" / "default.toml", profiles / "default.toml")
+    daemon = BenchDaemon(base, ["--profiles", str(profiles)])
+    client = Client(daemon.socket, timeout=600)
+    try:
+        project = make_wide_checkout(daemon.roots / "wide", FRESH_DIRS)
+        ws = client.call("workspace.adopt", path=str(project))["workspace"]
+        bench = Bench(client)
+        t = time.perf_counter()
+        bench.run(ws, "default", ["true"])  # the sandbox: container, layer, the watch's walk
+        first_ms = (time.perf_counter() - t) * 1000
+        container = client.call("facts.probe", workspace=ws, profile="default")["container"]
+        ctr = docker.from_env().containers.get(container)
+        touched = project / "d000" / "e00" / "f.txt"
+
+        def unchanged() -> None:
+            bench.run(ws, "default", ["true"])
+
+        def changed() -> None:
+            touched.write_text(f"{time.time_ns()}\n")  # in place: an event, a remount
+            bench.run(ws, "default", ["true"])
+
+        sides: list[tuple[str, Callable[[], object]]] = [
+            ("default, checkout unchanged", unchanged),
+            ("default, a host edit before each", changed),
+            ("docker exec CLI", lambda: subprocess.run(["docker", "exec", container, "true"])),
+            ("SDK exec_run", lambda: ctr.exec_run(["true"])),
+        ]
+        for _, fn in sides:
+            fn()
+        times: list[list[float]] = [[] for _ in sides]
+        for i in range(runs):
+            for k in range(len(sides)):
+                j = (i + k) % len(sides)
+                t = time.perf_counter()
+                sides[j][1]()
+                times[j].append((time.perf_counter() - t) * 1000)
+        status = client.call("daemon.status")["fresh_view"]
+        p50 = [med(t) for t in times]
+        cli, sdk = p50[2], p50[3]
+        report = [
+            f"4. the fresh view: warm proc.run ['true'] over {FRESH_DIRS:,} directories"
+            f" (ms, p50 of {runs})",
+        ]
+        report += [f"  {name:36s} {v:8.2f}" for (name, _), v in zip(sides, p50, strict=True)]
+        report += [
+            f"  ratio unchanged/docker exec: {p50[0] / cli:.2f}, /exec_run: {p50[0] / sdk:.2f}",
+            f"  a host edit before a command costs {p50[1] - p50[0]:.2f} ms more"
+            f" (remount + re-verify; remounts so far: {status['remounts']})",
+            f"  first command (sandbox made, the watch's walk included): {first_ms:.0f} ms;"
+            f" watched dirs {status['watched_dirs']:,}, degraded {status['degraded']}",
+        ]
+    finally:
+        client.close()
+        daemon.stop()
+    # The watch's own costs, in this process, on the same checkout.
+    root = os.open(project, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        walks = []
+        for _ in range(3):
+            t = time.perf_counter()
+            watch = LowerWatch.open(root)
+            walks.append((time.perf_counter() - t) * 1000)
+            watch.drain(root)
+            watch.mounted()
+            if _ != 2:
+                watch.close()
+        checks = []
+        for _ in range(1000):
+            t = time.perf_counter()
+            watch.pending()
+            checks.append((time.perf_counter() - t) * 1e6)
+        touched.write_text("y\n")
+        drains = []
+        for _ in range(200):
+            touched.write_text(f"{time.time_ns()}\n")
+            t = time.perf_counter()
+            watch.drain(root)
+            drains.append((time.perf_counter() - t) * 1e6)
+            watch.mounted()
+        watch.close()
+    finally:
+        os.close(root)
+        shutil.rmtree(base, ignore_errors=True)
+    report += [
+        f"  detection per command: pending() {med(checks):.1f} us (p50 of 1000),"
+        f" drain of one event {med(drains):.1f} us; the walk of {watch.walks} x"
+        f" {FRESH_DIRS:,} dirs {med(walks):.0f} ms (once per sandbox)",
+    ]
+    return report
+
+
 if __name__ == "__main__":
-    main()
+    if "--fresh-view" in sys.argv[1:]:
+        fresh = argparse.ArgumentParser()
+        fresh.add_argument("--fresh-view", action="store_true")
+        fresh.add_argument("--fresh-runs", type=int, default=60)
+        print("\n".join(fresh_view_cost(fresh.parse_args().fresh_runs)))
+    else:
+        main()

@@ -43,6 +43,7 @@ async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusRe
         threads=_measured(me.num_threads),
         draining=s.execution.processes.draining,
         running=s.execution.processes.running,
+        fresh_view=s.execution.fresh_view(),
     )
 
 

@@ -29,6 +29,7 @@ below (import-linter contract in pyproject.toml); the sandbox reaches `mounts` o
 from substrate.layer.changes import Changesets, Kept
 from substrate.layer.conclusion import MAX_CHANGE_ENTRIES, entries
 from substrate.layer.keep import ArtifactKeeper, check_room
+from substrate.layer.mounts.working_layer import fresh_view
 from substrate.layer.recovery import drop_unconcluded, finish_applying, sandbox_dirs
 from substrate.layer.users import LayerClosed, LayerUsers, Use, journal_summary
 
@@ -44,6 +45,7 @@ __all__ = [
     "drop_unconcluded",
     "entries",
     "finish_applying",
+    "fresh_view",
     "journal_summary",
     "sandbox_dirs",
 ]

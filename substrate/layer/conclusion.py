@@ -1,5 +1,5 @@
-"""The end of a command on a `workspace = "layer"` sandbox: swap, scan, apply
-(docs/working-layer.md).
+"""The end of a command on a `workspace = "layer"` sandbox: unmount, scan, apply, mount
+the next (docs/working-layer.md).
 
 Theory of operation. Commands and terminals on one layer sandbox that overlap share its
 generation (`layer.users`, `layer.generation`): none waits for another, and the
@@ -13,15 +13,14 @@ request with the users' combined mode and the actor of the last that ran:
    holds nothing (a `true`, a read-only `grep`, a test run writing only under /tmp)
    and whose passthrough dirs are still the checkout's stays mounted as it is, with no
    swap, re-verification, scan or change set (`changes {generation, mode}` and zero
-   counts); its next user joins it as it is, since-time and all (its overlay may still
-   show a file the host replaced or removed since: `layer.changes.host_edits`). That
-   is most commands, and it saves the swap's mount calls and the observation (about
-   10 ms of a warm command);
-1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
-   stays on disk, untouched, until the set settles (step 3) or is discarded;
-2. observes the sandbox's facts again against the new generation
-   (`Sandboxes.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
-3. scans the old upper dir against the checkout and, by the request's `changes` mode:
+   counts); its next user joins it as it is, since-time and all — unless the checkout
+   changed meanwhile: then `layer.users` mounts it again first (docs/working-layer.md,
+   "The fresh view"). That is most commands, and it saves the swap's mount calls and
+   the observation (about 10 ms of a warm command);
+1. unmounts the generation (`working_layer.unmount_current`, the first half of a swap);
+   its upper dir stays on disk, untouched, until the set settles (step 2) or is
+   discarded;
+2. scans the old upper dir against the checkout and, by the request's `changes` mode:
    "apply" applies the change set through the guarded path (`layer.changes.scan` /
    `apply`), as the command's actor; "review" applies nothing; both keep the set by id
    (`layer.changes.Changesets`, `applied` or `pending`) for `changes.get/apply/
@@ -33,6 +32,10 @@ request with the users' combined mode and the actor of the last that ran:
    (the command's bytes) is kept as an artifact (`Changesets.keep_versions`,
    `layer.keep`); an applied set with nothing pending and every version kept
    is settled: its upper and work dirs are removed (`Changesets.finish`);
+3. mounts the next generation (`working_layer.mount_next`: after the apply, so it shows
+   the set, and the apply's own changes to the checkout are in the watch's drain before
+   it) and observes the sandbox's facts again (`Sandboxes.reverify_layer`): a failure
+   or a mismatch drops the sandbox (`layer_failed`, `layer_unverified`);
 4. returns a bounded summary (`schema.proc.ProcChanges`), each conflict naming the
    artifact of its version.
 
@@ -209,7 +212,7 @@ async def _conclude(
     layer = sandbox.layer
     if layer is None:
         return None
-    ws, actor, mode = req.ws, req.actor, req.changes
+    ws, mode = req.ws, req.changes
     error: str | None = None
     await _sweep(sandbox, limiter)
     try:
@@ -223,7 +226,7 @@ async def _conclude(
             return ProcChanges(generation=layer.plan.generation, error="layer_failed")
         return ProcChanges(generation=layer.plan.generation, error="layer_busy")
     except ConfinementUnmet:
-        # The new generation did not verify and was undone: nothing runs here again.
+        # The busy generation put back did not verify: nothing runs here again.
         old = layer.plan
         error = "layer_unverified"
         await containers.forget(sandbox, "layer_unverified")
@@ -231,13 +234,60 @@ async def _conclude(
         return ProcChanges(generation=layer.plan.generation, error=exc.name)
     if old is None:  # the sandbox was torn down meanwhile: its last layer is still whole
         old = layer.plan
-    elif error is None:
-        try:
-            await containers.reverify_layer(sandbox, ws)
-        except Exception as exc:  # any failure to verify it: nothing runs there again
-            log.error("the layer of %s did not verify after a swap: %s", sandbox.id[:12], exc)
-            error = "layer_unverified"
-            await containers.forget(sandbox, "layer_unverified")
+    unmounted: str | None = None
+    try:
+        changes = await _settle(writer, ws, old, req, layer, changesets, error, limiter)
+    finally:  # mounted after the apply (it shows the set), whatever became of it
+        if layer.awaiting_mount:
+            unmounted = await _mount_next(containers, sandbox, layer, ws, limiter)
+    if unmounted is not None and changes.error is None:
+        changes = msgspec.structs.replace(changes, error=unmounted)
+    return changes
+
+
+async def _mount_next(
+    containers: Sandboxes[S],
+    sandbox: S,
+    layer: working_layer.WorkingLayer,
+    ws: Workspace,
+    limiter: trio.CapacityLimiter | None,
+) -> str | None:
+    """Mount the next generation (`working_layer.mount_next`, after the apply) and
+    observe the sandbox again; on any failure the sandbox is dropped and the reason
+    returned (`layer_failed`, `layer_unverified`)."""
+    try:
+        mounted = await trio.to_thread.run_sync(_mount, layer, ws, limiter=limiter)
+    except ConfinementUnmet as exc:
+        log.error("the next layer of %s did not verify: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_unverified")
+        return "layer_unverified"
+    except (Refusal, OSError) as exc:
+        log.error("mounting the next layer of %s failed: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_failed")
+        return "layer_failed"
+    if not mounted:
+        return None
+    try:
+        await containers.reverify_layer(sandbox, ws)
+    except Exception as exc:  # any failure to verify it: nothing runs there again
+        log.error("the layer of %s did not verify after a swap: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_unverified")
+        return "layer_unverified"
+    return None
+
+
+async def _settle(
+    writer: Writer,
+    ws: Workspace,
+    old: LayerPlan,
+    req: Request,
+    layer: working_layer.WorkingLayer,
+    changesets: Changesets | None,
+    error: str | None,
+    limiter: trio.CapacityLimiter | None,
+) -> ProcChanges:
+    """Discard, keep or apply the unmounted generation `old` (see the module doc)."""
+    actor, mode = req.actor, req.changes
     try:
         if mode == "discard":
             await trio.to_thread.run_sync(remove_layer, old.upper, old.work, limiter=limiter)
@@ -259,7 +309,7 @@ async def _conclude(
         )
     except (Refusal, OSError) as exc:
         name = exc.name if isinstance(exc, Refusal) else "layer_failed"
-        log.error("concluding the layer of %s failed: %s", sandbox.id[:12], exc)
+        log.error("concluding generation %d failed: %s", old.generation, exc)
         return ProcChanges(generation=old.generation, mode=mode, error=error or name)
     return summary(
         old.generation,
@@ -352,9 +402,14 @@ def _upper_changed(layer: working_layer.WorkingLayer) -> bool:
     return layer.closed or upper_holds_changes(layer.plan.upper) is not False
 
 
+def _mount(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
+    with ws.use():
+        return working_layer.mount_next(layer, ws.root_fd)
+
+
 def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:
     with ws.use():
-        return working_layer.swap(layer, ws.root_fd)
+        return working_layer.unmount_current(layer, ws.root_fd)
 
 
 def _scan_apply(
@@ -379,8 +434,16 @@ def _scan_apply(
     try:
         with ws.use():
             changeset = scan(upper_fd, ws.root_fd, symlinks=layer.symlinks)
+            # After the scan: a host change made while it read the checkout is named too.
+            names = working_layer.host_names(layer, ws.root_fd)
             kept, host_changed = host_edits.overtaken(
-                ws.root_fd, upper_fd, changeset, layer.began[1], layer.landed, layer.landed_dirs
+                ws.root_fd,
+                upper_fd,
+                changeset,
+                layer.began[1],
+                layer.landed,
+                layer.landed_dirs,
+                names=names,
             )
             held = (
                 *kept.blocked,

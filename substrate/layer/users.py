@@ -16,6 +16,12 @@ one user is journaled `changes.shared {generation, changeset, mode, procs, sessi
 A conclusion that finds the generation busy (`layer_busy`) keeps its users: their
 changes go with the generation's next conclusion (`Users.concluded(kept=True)`).
 
+The fresh view: the first user to join a generation nobody uses, when its checkout
+changed since it was mounted (`WorkingLayer.stale`: one `poll(2)` of the checkout's
+watch), mounts it again (`working_layer.refresh`) and has the container re-verified
+before it joins, so it sees the checkout as it is (docs/working-layer.md, "The fresh
+view"). A user beside others shares the generation as it is.
+
 Shutdown (`process.service.Execution.shutdown`), in this order: `quiet` waits (bounded
 by the caller) until every user has ended and every conclusion is over — terminals and
 cut-off commands end concurrently and conclude normally, against their still-running
@@ -31,6 +37,7 @@ swept: a conclusion holds fds beneath it.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 from collections import OrderedDict
@@ -40,7 +47,7 @@ from typing import Any, Generic, Protocol
 import msgspec
 import trio
 
-from substrate.errors import RuntimeUnavailable
+from substrate.errors import ConfinementUnmet, RuntimeUnavailable
 from substrate.layer import conclusion
 from substrate.layer.changes import Changesets, upper_holds_changes
 from substrate.layer.conclusion import Request, S, Sandboxes
@@ -133,15 +140,69 @@ class LayerUsers(Generic[S]):
         await layer.users.wait_joinable()
         if self._stopping:
             raise RuntimeUnavailable("the daemon is stopping")
-        if layer.closed:
+        if layer.closed or layer.awaiting_mount:  # awaiting: its conclusion failed to mount
             raise LayerClosed(sandbox.id)
-        # No await from the wait to here: nothing concludes in between.
+        if not layer.users.active and layer.stale():
+            # The first user of the generation: it sees the checkout as it is now.
+            await self._refresh(sandbox, req.ws)
+            if layer.closed:  # torn down meanwhile (its container is going)
+                raise LayerClosed(sandbox.id)
+        # No await from the wait (or the refresh) to here: nothing concludes in between.
         layer.users.join(user, layer.plan.generation)
         working_layer.begin(layer)
         self._joined += 1
         self._prune()
         self._layers[sandbox.id] = (sandbox, req)
         return Use(sandbox, user, req)
+
+    async def _refresh(self, sandbox: S, ws: Workspace) -> None:
+        """Mount the generation again when its checkout changed (`working_layer.refresh`),
+        then re-verify the container's view (docs/working-layer.md, "The fresh view").
+        Newcomers wait meanwhile. A generation still busy (EBUSY) while changes of earlier
+        users wait in it (carried) is joined as it is: those changes must conclude with
+        it; with nothing waiting, the sandbox is dropped instead (`LayerClosed`: the
+        caller retries with a fresh one, whose mount is fresh). Any other failure drops
+        the sandbox too. Cost when the checkout did not change: one drain; when it did: a
+        swap's mount calls and one observation of the container's mounts."""
+        layer = sandbox.layer
+        assert layer is not None
+        layer.users.refreshing_begins()
+        try:
+            with trio.CancelScope(shield=True):
+                reason = await self._remount(sandbox, layer, ws)
+                if reason is not None:
+                    await self._containers.forget(sandbox, reason)
+                    raise LayerClosed(sandbox.id)
+        finally:
+            layer.users.refreshed()
+
+    async def _remount(
+        self, sandbox: S, layer: working_layer.WorkingLayer, ws: Workspace
+    ) -> str | None:
+        """`_refresh`'s mount and re-verification; the reason to drop the sandbox, if any."""
+        try:
+            if not await trio.to_thread.run_sync(_refresh, layer, ws, limiter=self._limiter):
+                return None
+        except OSError as exc:
+            waiting = bool(layer.users.carried or layer.users.ended)
+            if exc.errno == errno.EBUSY and waiting:
+                log.warning(
+                    "the layer of %s is busy: its changed checkout is not mounted again "
+                    "while changes wait in it",
+                    sandbox.id[:12],
+                )
+                return None
+            log.error("mounting the layer of %s again failed: %s", sandbox.id[:12], exc)
+            return "layer_busy" if exc.errno == errno.EBUSY else "layer_failed"
+        except ConfinementUnmet as exc:
+            log.error("the layer of %s did not verify when mounted again: %s", sandbox.id[:12], exc)
+            return "layer_unverified"
+        try:
+            await self._containers.reverify_layer(sandbox, ws)
+        except Exception as exc:  # any failure to verify it: nothing runs there again
+            log.error("the layer of %s did not verify after a remount: %s", sandbox.id[:12], exc)
+            return "layer_unverified"
+        return None
 
     async def end(self, use: Use[S]) -> ProcChanges | None:
         """`use`'s process ran and ended: deferred while others share its generation, else
@@ -345,6 +406,20 @@ class LayerUsers(Generic[S]):
             )
         except Exception:  # the set is applied (or kept) and journaled already
             log.exception("journaling %s failed", kind)
+
+
+def _refresh(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
+    """`working_layer.refresh` (in a worker thread); when it mounted the generation again
+    with nothing waiting in its upper dir, the generation's start is forgotten, so the
+    next user's start is the time since which a checkout change is the host's
+    (`working_layer.begin`): it sees everything before it."""
+    with ws.use():
+        done = working_layer.refresh(layer, ws.root_fd)
+    if done and upper_holds_changes(layer.plan.upper) is False:
+        layer.began = (-1, 0)
+    elif done and layer.watch is not None:
+        layer.watch.forget_names()  # the since-time is older than this mount
+    return done
 
 
 def journal_summary(changes: ProcChanges) -> dict[str, Any]:

@@ -104,6 +104,23 @@ class JournalExportStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str | None = None
 
 
+class FreshViewStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The working layers' fresh view (docs/working-layer.md, "The fresh view"), over the
+    layer sandboxes live now."""
+
+    #: Layer sandboxes live.
+    layers: int = 0
+    #: Checkout directories watched for host changes, over them all.
+    watched_dirs: int = 0
+    #: Generations mounted again before a command because their checkout changed.
+    remounts: int = 0
+    #: Layers whose watch was given up: each of their commands gets a fresh mount.
+    degraded: int = 0
+    #: Why (distinct, sorted): "watch_limit", "too_many_dirs", "too_deep", "no_inotify
+    #: (...)", "walk_failed (...)".
+    reasons: list[str] = msgspec.field(default_factory=list)
+
+
 class StatusResult(Result):
     version: str
     epoch: int
@@ -126,6 +143,8 @@ class StatusResult(Result):
     threads: int | None = None
     #: HOST:PORT the metrics page (`metrics_listen`) is bound to; absent when not served.
     metrics_listen: str | None = None
+    #: How the working layers keep a command's view of the checkout fresh.
+    fresh_view: FreshViewStatus = msgspec.field(default_factory=FreshViewStatus)
 
 
 method("journal.read", JournalReadParams, JournalReadResult)

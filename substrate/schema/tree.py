@@ -302,6 +302,7 @@ KIND_OF: dict[str, str] = {
     "layer/mounts/passthrough.py": "I/O",
     "layer/mounts/passthrough_scan.py": "I/O",
     "layer/mounts/working_layer.py": "kernel",
+    "layer/mounts/lower_watch.py": "kernel",
     "layer/mounts/layer_mounts.py": "I/O",
     "layer/changes/": "",
     "layer/changes/changeset.py": "pure",

@@ -301,6 +301,20 @@ export interface FactsSummary {
   exec_checked?: boolean;
 }
 
+/** The working layers' fresh view (docs/working-layer.md, "The fresh view"), over the layer sandboxes live now. */
+export interface FreshViewStatus {
+  /** Layer sandboxes live. */
+  layers?: number;
+  /** Checkout directories watched for host changes, over them all. */
+  watched_dirs?: number;
+  /** Generations mounted again before a command because their checkout changed. */
+  remounts?: number;
+  /** Layers whose watch was given up: each of their commands gets a fresh mount. */
+  degraded?: number;
+  /** Why (distinct, sorted): "watch_limit", "too_many_dirs", "too_deep", "no_inotify (...)", "walk_failed (...)". */
+  reasons?: string[];
+}
+
 /** A grant as listed: never its token. */
 export interface GrantInfo {
   grant: string;
@@ -950,6 +964,8 @@ export interface StatusResult {
   threads?: number | null;
   /** HOST:PORT the metrics page (`metrics_listen`) is bound to; absent when not served. */
   metrics_listen?: string | null;
+  /** How the working layers keep a command's view of the checkout fresh. */
+  fresh_view?: FreshViewStatus;
 }
 
 export interface SubscribeParams {
