@@ -34,6 +34,7 @@ from substrate.workspace.uploads import Uploads
 from substrate.workspace.writes import UploadWriter, Writer
 
 __all__ = [
+    "AgentServices",
     "ArtifactServices",
     "ChangesServices",
     "FsServices",
