@@ -352,7 +352,12 @@ def _scan_apply(
     upper_fd = os.open(old.upper, _DIR_FLAGS)
     try:
         with ws.use():
-            changeset = scan(upper_fd, ws.root_fd)
+            changeset = scan(
+                upper_fd,
+                ws.root_fd,
+                max_bytes=writer.max_changeset_bytes,
+                max_file_bytes=writer.batch.max_file_bytes,
+            )
             kept, host_changed = host_edits.overtaken(
                 ws.root_fd, upper_fd, changeset, layer.began[1], layer.landed, layer.landed_dirs
             )

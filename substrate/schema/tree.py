@@ -216,6 +216,7 @@ KIND_OF: dict[str, str] = {
     "workspace/writes/writer.py": "I/O",
     "workspace/writes/batch.py": "I/O",
     "workspace/writes/batch_files.py": "I/O",
+    "workspace/writes/streamed.py": "I/O",
     "workspace/writes/batch_dirs.py": "I/O",
     "workspace/writes/upload.py": "I/O",
     "workspace/writes/drift.py": "I/O",

@@ -63,16 +63,24 @@ consults it (step 4), as it consults the policy (step 2).
 from substrate.workspace.writes.base import Current
 from substrate.workspace.writes.batch import Landing
 from substrate.workspace.writes.batch_dirs import DirChange
-from substrate.workspace.writes.batch_files import FileChange
+from substrate.workspace.writes.batch_files import (
+    MAX_CHANGE_FILE_BYTES,
+    MAX_CHANGESET_BYTES,
+    FileChange,
+)
 from substrate.workspace.writes.drift import WRITE_KINDS, drift_report
 from substrate.workspace.writes.intents import Intent, Intents
 from substrate.workspace.writes.plan import MAX_PATCH_FILE, DirOp, Op, plan_digest
+from substrate.workspace.writes.streamed import STREAM_BYTES, Streamed, hash_fd_bounded
 from substrate.workspace.writes.temp_files import TEMP_PREFIX, TempFiles
 from substrate.workspace.writes.upload import UploadWriter
 from substrate.workspace.writes.writer import BatchWriter, Writer
 
 __all__ = [
+    "MAX_CHANGESET_BYTES",
+    "MAX_CHANGE_FILE_BYTES",
     "MAX_PATCH_FILE",
+    "STREAM_BYTES",
     "TEMP_PREFIX",
     "WRITE_KINDS",
     "BatchWriter",
@@ -84,9 +92,11 @@ __all__ = [
     "Intents",
     "Landing",
     "Op",
+    "Streamed",
     "TempFiles",
     "UploadWriter",
     "Writer",
     "drift_report",
+    "hash_fd_bounded",
     "plan_digest",
 ]
