@@ -298,6 +298,7 @@ KIND_OF: dict[str, str] = {
     "layer/changes/apply.py": "I/O",
     "layer/changes/store.py": "I/O",
     "layer/changes/versions.py": "I/O",
+    "layer/changes/reclaim.py": "I/O",
     "layer/keep.py": "glue",
     "layer/recovery.py": "I/O",
     "layer/conclusion.py": "glue",
