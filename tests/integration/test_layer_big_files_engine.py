@@ -10,6 +10,7 @@ path longer than the guarded path takes is blocked `too_long` (docs/working-laye
 from __future__ import annotations
 
 import hashlib
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -123,3 +124,27 @@ async def test_a_path_of_4096_bytes_is_too_long(opened: Opener) -> None:
         [path] = deep
         assert len(path.encode()) > 4096 and path.count("/") == 17
         assert len(changes["applied"]) == 17  # the directories above it land
+
+
+@pytest.mark.slow  # a million files made in the sandbox: minutes on a busy disk
+async def test_a_million_files_are_blocked_by_the_entry_bound_in_bounded_memory(
+    opened: Opener,
+) -> None:
+    async with opened() as env:
+        make = "import os\nos.mkdir('many')\nfor i in range(1000000):\n os.close(os.open('many/%d' % i, os.O_CREAT | os.O_WRONLY))"
+        script = f'python3 -c "{make}" && echo x > small.txt'
+        tracemalloc.start()
+        try:
+            changes = await env.sh(script)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        # The directory is listed up to the scan's 200,000 names, never past: what it
+        # holds is blocked whole by its name (the directory itself is made); the rest of
+        # the set lands.
+        assert _reasons(changes) == {"many": "too_many"}
+        assert [e["path"] for e in changes["applied"]] == ["many", "small.txt"]
+        assert list((env.path / "many").iterdir()) == []
+        # What the daemon held meanwhile (this process is the daemon): the bounded
+        # listing, not a million names.
+        assert peak < 96 << 20, peak
