@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from substrate.layer.changes import ApplyResult, ChangeSet, apply, scan
+from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import TEMP_PREFIX, Writer, streamed
 from tests.harness.state import DaemonState
@@ -154,3 +155,26 @@ def test_copy_hashed_refuses_a_source_of_another_size(tmp_path: Path) -> None:
             got = streamed.copy_hashed(s.fileno(), d.fileno(), size)
         assert got == (digest_of(src) if size == 3 * MIB else None)
     assert digest_of(tmp_path / f"dst{3 * MIB}") == digest_of(src)
+
+
+def test_under_a_live_checkpoint_a_file_over_64_mib_is_not_replaced(
+    env: Env, daemon_state: DaemonState
+) -> None:
+    checkpoints = Checkpoints(daemon_state.store, daemon_state.journal, daemon_state.path, 1 << 30)
+    try:
+        writer = Writer(daemon_state.store, daemon_state.journal, checkpoints)
+        old = write_pattern(env.root / "old.bin", 65, seed=5)
+        checkpoints.create(env.ws, ACTOR)
+        write_pattern(env.upper / "old.bin", 2)
+        ufd = os.open(env.upper, DIR)
+        try:
+            result = apply(writer, env.ws, ufd, env.scan(), ACTOR)
+        finally:
+            os.close(ufd)
+        # A restore could not put it back: a conflict by name, the file whole.
+        [conflict] = result.conflicts
+        assert (conflict.path, conflict.reason) == ("old.bin", "too_large")
+        assert digest_of(env.root / "old.bin") == old
+        assert env.temps() == []
+    finally:
+        checkpoints.close()
