@@ -173,7 +173,12 @@ def main() -> None:
     ap.add_argument("--true-runs", type=int, default=30)
     ap.add_argument("--venv-runs", type=int, default=3)
     ap.add_argument("--big-runs", type=int, default=3)
+    ap.add_argument("--big-mib", type=int, default=BIG_MIB)
+    ap.add_argument("--big-only", action="store_true", help="only section 5")
     args = ap.parse_args()
+    if args.big_only:
+        big_only(args.big_runs, args.big_mib)
+        return
     base = Path(tempfile.mkdtemp(prefix="substrate-bench-layer-"))
     profiles = make_profiles(base)
     daemon = BenchDaemon(base, ["--profiles", str(profiles)])
@@ -277,7 +282,7 @@ def main() -> None:
             f"  per-command cost of the layer: {tl - tr:.1f} ms ({tl / tr:.2f}x)",
         ]
         report += venv_cost(bench, daemon, args.venv_runs)
-        report += big_file_cost(bench, daemon, base, args.big_runs)
+        report += big_file_cost(bench, daemon, base, args.big_runs, args.big_mib)
     finally:
         client.close()
         daemon.stop()
@@ -355,8 +360,24 @@ class RssPeak:
         return (self.peak - self.start) / 1024
 
 
-def big_file_cost(bench: Bench, daemon: BenchDaemon, base: Path, runs: int) -> list[str]:
-    """Section 5: a 1 GiB file applied (streamed) vs `cp` of it, and the RSS growth."""
+def big_only(runs: int, mib: int) -> None:
+    """Section 5 alone, on a daemon of its own (`--big-only`, `--big-mib 2048`)."""
+    base = Path(tempfile.mkdtemp(prefix="substrate-bench-layer-"))
+    daemon = BenchDaemon(base, ["--profiles", str(make_profiles(base))])
+    client = Client(daemon.socket, timeout=600)
+    try:
+        report = big_file_cost(Bench(client), daemon, base, runs, mib)
+    finally:
+        client.close()
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    print("\n".join(report))
+
+
+def big_file_cost(
+    bench: Bench, daemon: BenchDaemon, base: Path, runs: int, mib: int = BIG_MIB
+) -> list[str]:
+    """Section 5: a `mib` MiB file applied (streamed) vs `cp` of it, and the RSS growth."""
     ws = {p: bench.adopt(make_workspace(daemon.roots, f"big-{p}", False)) for p in (LAYER, RW)}
     after: dict[str, list[float]] = {LAYER: [], RW: []}
     growth: list[float] = []
@@ -365,7 +386,7 @@ def big_file_cost(bench: Bench, daemon: BenchDaemon, base: Path, runs: int) -> l
 
     def big_on(profile: str) -> Callable[[int], object]:
         def go(i: int) -> None:
-            argv = ["python3", "-c", BIG_SCRIPT, f"big{i}.bin", str(BIG_MIB)]
+            argv = ["python3", "-c", BIG_SCRIPT, f"big{i}.bin", str(mib)]
             rss = RssPeak(daemon.proc.pid) if profile == LAYER else None
             _w, a, r = bench.run(ws[profile], profile, argv)
             if rss is not None:
@@ -391,7 +412,7 @@ def big_file_cost(bench: Bench, daemon: BenchDaemon, base: Path, runs: int) -> l
     interleaved([big_on(LAYER), big_on(RW), copy], runs)
     apply_ms = med(after[LAYER]) - med(after[RW])
     return [
-        f"5. a {BIG_MIB} MiB file (ms, median of {runs})",
+        f"5. a {mib} MiB file (ms, median of {runs})",
         f"  layer after the command  {med(after[LAYER]):8.1f}",
         f"  rw after the command     {med(after[RW]):8.1f}",
         f"  apply (layer - rw)       {apply_ms:8.1f}",
