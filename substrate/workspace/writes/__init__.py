@@ -40,7 +40,9 @@ frame (`batch`): plan each change, record all temp files and intents in one
 transaction, write the temp files and make them durable with one `syncfs`, then under
 the lock re-check and rename each (a new file never over one made since:
 `fsops.rename_new`), make the parents durable once and journal the chunk in one
-transaction.
+transaction. A change set's file over 1 MiB is never held in memory: copied from its
+source fd into the temp file and hashed from what the temp file holds (`streamed`),
+its base hashed as a stream, up to `Writer`'s `max_change_file_bytes`.
 
 Recovery at start, before anything writes: `WorkspaceRegistry.clean_stale_temp_files`
 removes the temp files earlier runs recorded (`temp_files.remove_recorded`, only
