@@ -96,6 +96,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     preimage_quota_bytes: int = 1 << 30
     #: change sets a workspace keeps for review or approval; past it "apply"/"review" runs are refused (§11)
     max_kept_changesets: int = 64
+    #: a change set's largest file, bytes (applied streamed); larger: blocked too_large
+    max_change_file_bytes: int = 8 << 30
+    #: the bytes one change set's scan hashes in all (the command's files and the
+    #: checkout files they replace or delete); past it: blocked too_large
+    max_changeset_bytes: int = 32 << 30
     max_upload_bytes: int = 1 << 30  # one chunked upload's declared size (§14); more: too_large
     max_uploads: int = 8  # open uploads per caller (socket and uid); more: limit_exceeded
     upload_idle_s: float = 600.0  # an upload with no call for this long expires, spool removed
@@ -166,6 +171,9 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         compile_policy(config.policy)
     except Refusal as exc:
         raise ConfigError(f"{path or 'flags'}: [policy]: {exc.message}") from exc
+    for key in ("max_change_file_bytes", "max_changeset_bytes"):
+        if getattr(config, key) < 0:
+            raise ConfigError(f"{key}: must not be negative")
     if config.max_upload_bytes < 0:
         raise ConfigError("max_upload_bytes: must not be negative")
     if config.max_uploads < 1:

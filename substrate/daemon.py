@@ -416,7 +416,13 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     )
     closing.callback(uploads.close)
     # One writer for fs.* and the working layers' change sets, keeping pre-images for both.
-    writer = Writer(store, journal, checkpoints)
+    writer = Writer(
+        store,
+        journal,
+        checkpoints,
+        max_change_file_bytes=config.max_change_file_bytes,
+        max_changeset_bytes=config.max_changeset_bytes,
+    )
     # Chained to the upstream proxy the daemon's own environment names, if any.
     egress = EgressProxy(
         upstream=from_environ(os.environ), refuse_private=config.egress_refuse_private

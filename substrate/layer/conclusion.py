@@ -433,7 +433,13 @@ def _scan_apply(
     upper_fd = os.open(old.upper, _DIR_FLAGS)
     try:
         with ws.use():
-            changeset = scan(upper_fd, ws.root_fd, symlinks=layer.symlinks)
+            changeset = scan(
+                upper_fd,
+                ws.root_fd,
+                max_bytes=writer.max_changeset_bytes,
+                max_file_bytes=writer.batch.max_file_bytes,
+                symlinks=layer.symlinks,
+            )
             # After the scan: a host change made while it read the checkout is named too.
             names = working_layer.host_names(layer, ws.root_fd)
             kept, host_changed = host_edits.overtaken(

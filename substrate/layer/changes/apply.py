@@ -29,7 +29,6 @@ call it from a worker thread.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from typing import Literal
@@ -37,15 +36,24 @@ from typing import Literal
 import msgspec
 
 from substrate.errors import ApprovalRequired, PathDenied, Refusal
-from substrate.fs import fsops, paths
+from substrate.fs import paths
 from substrate.layer.changes import links
 from substrate.layer.changes.changeset import Change, ChangeSet, Op
 from substrate.layer.changes.links import apply_links
-from substrate.layer.changes.scan import MAX_FILE_BYTES
 from substrate.workspace import discoverable
 from substrate.workspace.policy import denying_rule
 from substrate.workspace.registry import Workspace
-from substrate.workspace.writes import TEMP_PREFIX, DirChange, DirOp, FileChange, Landing, Writer
+from substrate.workspace.writes import (
+    STREAM_BYTES,
+    TEMP_PREFIX,
+    DirChange,
+    DirOp,
+    FileChange,
+    Landing,
+    Streamed,
+    Writer,
+    hash_fd_bounded,
+)
 
 Outcome = Literal["applied", "unchanged", "blocked", "pending", "conflict"]
 
@@ -79,18 +87,23 @@ class ApplyResult(msgspec.Struct, frozen=True, kw_only=True):
     conflicts: tuple[Outcomes, ...] = ()
 
 
-def _current(ws: Workspace, parts: tuple[str, ...]) -> str | None:
-    """A conflict's checkout digest now: None when absent or not a regular file or a
-    symlink (whose digest is its target's: read, never followed)."""
+def _current(ws: Workspace, parts: tuple[str, ...], limit: int) -> str | None:
+    """A conflict's checkout digest now: None when absent, neither a regular file nor a
+    symlink (whose digest is its target's: read, never followed), or over `limit` bytes
+    (a file is hashed as a stream)."""
     try:
         with paths.opened_dir(ws.root_fd, parts[:-1], "/".join(parts)) as parent:
             st = paths.lstat_at(parent, parts[-1])
             if st is not None and stat.S_ISLNK(st.st_mode):
                 return links.digest(links.read_target(parent, parts[-1]))
-            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 return None
-            _, data = fsops.read_regular(parent, parts[-1], MAX_FILE_BYTES, parts[-1])
-            return hashlib.sha256(data).hexdigest()
+            fd = paths.open_regular(parent, parts[-1], parts[-1])
+            try:
+                hashed = hash_fd_bounded(fd, limit)
+            finally:
+                os.close(fd)
+            return None if hashed is None else hashed[0]
     except (Refusal, OSError):
         return None
 
@@ -102,14 +115,16 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class _Upper:
     """The command's bytes of a change, read from the upper layer through dir fds (never
-    following a symlink); None when not a regular file. Holds the last
+    following a symlink): whole, or past `STREAM_BYTES` as an open fd to stream from
+    (`Streamed`); None when not a regular file or over `limit` bytes. Holds the last
     directory it read from (files come sorted by path) until `close`."""
 
-    def __init__(self, upper_fd: int) -> None:
+    def __init__(self, upper_fd: int, limit: int) -> None:
         self._fd = upper_fd
+        self._limit = limit
         self._held: tuple[tuple[str, ...], int] | None = None
 
-    def __call__(self, path: str) -> bytes | None:
+    def __call__(self, path: str) -> bytes | Streamed | None:
         parts = tuple(path.split("/"))
         try:
             if self._held is None or self._held[0] != parts[:-1]:
@@ -122,15 +137,19 @@ class _Upper:
             st = os.fstat(fd)
             # Several links are fine (hard links made in the sandbox: each name becomes
             # a separate file); the bytes are checked against the digest scanned.
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+            if not stat.S_ISREG(st.st_mode) or st.st_size > self._limit:
+                os.close(fd)
                 return None
+            if st.st_size > STREAM_BYTES:
+                return Streamed(fd, st.st_size)  # the batch copies, checks and closes it
             # One read of a byte more than its size: the batch checks the digest, so
             # bytes that grew or shrank since are refused there (`layer_changed`).
-            return os.pread(fd, st.st_size + 1, 0)
+            data = os.pread(fd, st.st_size + 1, 0)
         except OSError:
-            return None
-        finally:
             os.close(fd)
+            return None
+        os.close(fd)
+        return data
 
     def close(self) -> None:
         if self._held is not None:
@@ -159,7 +178,7 @@ def _phase(change: Change) -> int:
     return _PHASES.index((op, change.kind))
 
 
-def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
+def _outcome(ws: Workspace, change: Change, landing: Landing, limit: int) -> Outcomes:
     def out(outcome: Outcome, **kw: str | None) -> Outcomes:
         return Outcomes(path=change.path, op=change.op, kind=change.kind, outcome=outcome, **kw)
 
@@ -177,7 +196,7 @@ def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
                 if code == errno.ENOTEMPTY
                 else errno.errorcode.get(code or 0, "os_error").lower()
             )
-            return _conflict(ws, change, reason)
+            return _conflict(ws, change, reason, limit)
     refusal = landing.refusal
     why = discoverable.blocked_reason(refusal)  # git_dir, control_character, bidi_control
     if why is not None:
@@ -188,17 +207,17 @@ def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
     if isinstance(refusal, ApprovalRequired):
         return out("pending", reason=refusal.name, plan_digest=refusal.data.get("plan_digest"))
     # stale_base, already_exists, not_found, symlink_refused, ...
-    return _conflict(ws, change, refusal.name if refusal is not None else "internal")
+    return _conflict(ws, change, refusal.name if refusal is not None else "internal", limit)
 
 
-def _conflict(ws: Workspace, change: Change, reason: str) -> Outcomes:
+def _conflict(ws: Workspace, change: Change, reason: str, limit: int) -> Outcomes:
     return Outcomes(
         path=change.path,
         op=change.op,
         kind=change.kind,
         outcome="conflict",
         reason=reason,
-        current_sha256=_current(ws, tuple(change.path.split("/"))),
+        current_sha256=_current(ws, tuple(change.path.split("/")), limit),
         # A link's version is its target, in the entry: nothing to keep in the layer.
         kept=change.path
         if change.kind == "file" and change.op in ("create", "replace", "chmod")
@@ -241,7 +260,7 @@ def apply(
                     FileChange(c.path, c.base_sha256, c.new_sha256, c.size, c.mode)
                     for c in (changes[i] for i in indices)
                 ]
-                upper = _Upper(upper_fd)
+                upper = _Upper(upper_fd, writer.batch.max_file_bytes)
                 try:
                     landings = writer.batch.apply_files(ws, files, upper, actor, dry_run=dry_run)
                 finally:
@@ -250,7 +269,7 @@ def apply(
                 dirs = [DirChange(changes[i].path, _DIR_OPS[op], changes[i].mode) for i in indices]
                 landings = writer.batch.apply_dirs(ws, dirs, actor, dry_run=dry_run)
             for i, landing in zip(indices, landings, strict=True):
-                results[i] = _outcome(ws, changes[i], landing)
+                results[i] = _outcome(ws, changes[i], landing, writer.batch.max_file_bytes)
     lists: dict[Outcome, list[Outcomes]] = {
         "applied": [],
         "unchanged": [],

@@ -22,8 +22,9 @@ holds: a path deeper than `max_depth` directories (`too_deep`) or longer than th
 guarded path takes (`max_path_bytes`, `too_long`); a directory holding more names than
 the entries left (`max_entries` counts every name listed, upper and lower) or whose
 paths would pass the path text left (`MAX_PATH_TEXT`) is blocked whole (`too_many`)
-and never listed past that; a file past the bytes left to hash (`max_bytes`) or larger
-than the guarded write path takes (`MAX_FILE_BYTES`) is blocked `too_large`. A lower
+and never listed past that; a file past the bytes left to hash (`max_bytes`, the
+`max_changeset_bytes` config key: upper and lower files counted) or larger than
+`max_file_bytes` (`max_change_file_bytes`) is blocked `too_large`. A lower
 tree to delete that passes a bound is blocked whole at its root (a half-deleted tree
 would be worse than none). What a bound blocked stays in the layer, which a settled
 set then keeps (`BOUND_REASONS`, `store.Changesets`).
@@ -60,12 +61,13 @@ from substrate.schema.profile import SymlinkMode
 from substrate.workspace import discoverable
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.gate.diff import display_rel
-from substrate.workspace.patching import MAX_RESULT_BYTES
 from substrate.workspace.preview import PREVIEW_DIFF_LIMIT, unified_preview
+from substrate.workspace.writes import MAX_CHANGE_FILE_BYTES, MAX_CHANGESET_BYTES
 
 MAX_ENTRIES = 200_000
 MAX_DEPTH = 256
-MAX_BYTES = 4 << 30
+#: The bytes the scan hashes in all (upper and lower files): `max_changeset_bytes`.
+MAX_BYTES = MAX_CHANGESET_BYTES
 #: The longest path a change carries: what the guarded path takes.
 MAX_PATH_BYTES = paths.MAX_PATH_BYTES
 #: The path text (bytes) of all names listed: with `MAX_ENTRIES`, what bounds the set.
@@ -73,8 +75,9 @@ MAX_PATH_TEXT = 64 << 20
 #: `Blocked.reason`s of what a scan bound left in the layer, not in the set: a set with
 #: any keeps its layer (the command's files are only there).
 BOUND_REASONS = frozenset({"too_deep", "too_long", "too_many", "too_large"})
-#: The largest file a change set carries: what the guarded write path takes.
-MAX_FILE_BYTES = MAX_RESULT_BYTES
+#: The largest file a change set carries (`max_change_file_bytes`): what the guarded
+#: path's batches take, streamed (`substrate.workspace.writes.streamed`).
+MAX_FILE_BYTES = MAX_CHANGE_FILE_BYTES
 #: Changes given a `diff` preview: the first ones in apply order, as many as
 #: `changes.get` shows (`layer.conclusion.MAX_CHANGE_ENTRIES`); the others never are.
 MAX_PREVIEWS = 1000
@@ -95,6 +98,7 @@ class _Budget:
     max_bytes: int
     max_path_bytes: int
     symlinks: SymlinkMode = "any"
+    max_file_bytes: int = MAX_FILE_BYTES
     max_text: int = MAX_PATH_TEXT
     entries: int = 0
     text: int = 0
@@ -202,7 +206,7 @@ def _seen(dir_fd: int, name: str, budget: _Budget, *, upper: bool) -> Seen | Non
             feature = _feature(fd)
             if feature is not None:
                 return Seen(kind="file", mode=mode, overlay_feature=feature)
-        if fst.st_size > MAX_FILE_BYTES or not budget.bytes(fst.st_size):
+        if fst.st_size > budget.max_file_bytes or not budget.bytes(fst.st_size):
             return Seen(kind="file", mode=mode, nlink=fst.st_nlink, size=fst.st_size)
         return Seen(
             kind="file",
@@ -355,6 +359,7 @@ def scan(
     max_bytes: int = MAX_BYTES,
     max_path_bytes: int = MAX_PATH_BYTES,
     symlinks: SymlinkMode = "any",
+    max_file_bytes: int = MAX_FILE_BYTES,
 ) -> ChangeSet:
     """The change set the upper layer `upper_fd` makes of the checkout `lower_fd`.
 
@@ -369,7 +374,7 @@ def scan(
     lower file it shadows, and a listing and hash of every lower tree it deletes; holds
     at most `max_entries` names and `MAX_PATH_TEXT` bytes of paths.
     """
-    budget = _Budget(max_entries, max_depth, max_bytes, max_path_bytes, symlinks)
+    budget = _Budget(max_entries, max_depth, max_bytes, max_path_bytes, symlinks, max_file_bytes)
     out = _Out()
     stack: list[tuple[str, ...]] = [()]
     while stack:

@@ -56,6 +56,7 @@ from substrate.layer.changes import blocked
 from substrate.layer.changes import versions as kept_versions
 from substrate.layer.changes.apply import ApplyResult, Outcomes, apply
 from substrate.layer.changes.changeset import ChangeSet
+from substrate.layer.changes.reclaim import RECLAIMER
 from substrate.layer.changes.scan import BOUND_REASONS
 from substrate.layer.changes.versions import FileKeeper, Versions
 from substrate.schema.changes import ChangesetState, LayerState
@@ -358,7 +359,7 @@ class Changesets:
             return kept
         if any(b.reason in BOUND_REASONS for b in kept.changeset.blocked):
             return kept  # what a scan bound blocked is only in the layer
-        remove_layer(kept.upper, kept.work)
+        RECLAIMER.remove(kept.upper, kept.work)  # gone now, its files removed off this path
         kept = self._mark(kept, kept.state, "removed")
         self._prune(kept.workspace)
         return kept

@@ -81,7 +81,12 @@ from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.preview import unified_preview
 from substrate.workspace.writes.base import Current, open_parent, read_current
 from substrate.workspace.writes.batch_dirs import DirBatches
-from substrate.workspace.writes.batch_files import FileBatches, FileChange
+from substrate.workspace.writes.batch_files import (
+    MAX_CHANGE_FILE_BYTES,
+    MAX_CHANGESET_BYTES,
+    FileBatches,
+    FileChange,
+)
 from substrate.workspace.writes.batch_links import LinkBatches
 from substrate.workspace.writes.intents import Intent, Pending
 from substrate.workspace.writes.plan import (
@@ -215,8 +220,17 @@ class Writer:
     """Plans and applies guarded writes for every workspace."""
 
     def __init__(
-        self, store: Store, journal: Journal, preimages: Checkpoints | None = None
+        self,
+        store: Store,
+        journal: Journal,
+        preimages: Checkpoints | None = None,
+        *,
+        max_change_file_bytes: int = MAX_CHANGE_FILE_BYTES,
+        max_changeset_bytes: int = MAX_CHANGESET_BYTES,
     ) -> None:
+        """`max_change_file_bytes`: the largest file a change set's batch reads or writes
+        (streamed past `streamed.STREAM_BYTES`); `max_changeset_bytes`: what a change set
+        scanned for this writer may hash in all (the layer's scan reads both here)."""
         self._store = store
         self._journal = journal
         self._preimages = preimages
@@ -226,6 +240,8 @@ class Writer:
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
+        self.batch.max_file_bytes = max_change_file_bytes
+        self.max_changeset_bytes = max_changeset_bytes
         #: Every write's journal entry-to-be, durable before its rename (`intents`).
         self._intents = self.batch.intents
 
