@@ -303,3 +303,19 @@ async def test_a_create_beside_a_host_save_during_the_command_applies(env: Env) 
     assert (env.path / "d" / "new.txt").read_text() == "n\n"
     assert (env.path / "d" / "x.txt").read_text() == "saved\n"
     assert not (env.path / "d" / "b2.txt").exists()
+
+
+async def test_a_guarded_write_then_a_chmod_in_the_sandbox_applies(env: Env) -> None:
+    # A file substrate itself wrote into the checkout (fs.write) while the sandbox lived
+    # is the checkout as the next command starts: its chmod there is a change of the
+    # command's, applied, never a `host_changed` conflict.
+    await env.look()
+    await env.client.call(
+        "fs.write", workspace=env.ws, path="f.txt", base_sha256=None, content="made\n"
+    )
+    result = await env.sh("chmod a-w f.txt")
+    assert result["exit_code"] == 0
+    changes = result["changes"]
+    assert changes["counts"]["conflicts"] == 0, changes
+    assert [c["path"] for c in changes["applied"]] == ["f.txt"]
+    assert (env.path / "f.txt").stat().st_mode & 0o222 == 0
