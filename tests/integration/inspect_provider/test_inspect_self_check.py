@@ -114,6 +114,8 @@ async def test_a_large_argv_is_staged_with_the_commands_semantics(
 
     assert environment(staged.stdout) == environment(direct.stdout)
 
+    nowhere = await sample.exec(["true", *big], cwd="/no/such/dir")  # deleted before `cd`
+    assert not nowhere.success and "/no/such/dir" in nowhere.stderr
     many = await sample.exec(["printf", "%s", *(["y"] * 5000)])  # past 4096 items
     assert many.stdout == "y" * 5000
     missing = await sample.exec(["no-such=program", *big])
