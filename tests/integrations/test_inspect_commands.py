@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 from inspect_ai.util import SandboxUserUnsupportedError
 
+from substrate.integrations.inspect.calls import MAX_ARGV_ITEMS, Daemon
 from substrate.integrations.inspect.commands import (
     CD_SCRIPT,
+    EXEC_SCRIPT,
+    EXEC_STAGED_SCRIPT,
+    MAX_STAGED_ARGV_BYTES,
     Identity,
     exec_argv,
+    exec_parts,
     exec_permission_error,
     file_error,
     parse_id,
+    run_staged_argv,
+    stage_argv,
+    staged_argv,
+    staged_path,
     workspace_path,
 )
 
@@ -109,3 +119,55 @@ def test_exit_126_permission_denied_is_a_permission_error() -> None:
     )
     assert exec_permission_error(126, "other", ["x"]) is None
     assert exec_permission_error(1, "Permission denied", ["x"]) is None
+
+
+def test_exec_parts_keep_the_user_wrapper_apart() -> None:
+    parts = exec_parts(["ls"], cwd="/etc", env={"A": "1"}, user=None, identity=ROOT)
+    assert parts.user == [
+        "/usr/bin/setpriv",
+        "--reuid=1000",
+        "--regid=1000",
+        "--clear-groups",
+        "--",
+    ]
+    assert parts.rest == ["/usr/bin/env", "A=1", "/bin/sh", "-c", CD_SCRIPT, "sh", "/etc", "ls"]
+    assert parts.argv == exec_argv(["ls"], cwd="/etc", env={"A": "1"}, user=None, identity=ROOT)[0]
+    assert run_staged_argv(parts.user, "/tmp/substrate-argv.Ab12")[-4:] == [
+        "-c",
+        EXEC_STAGED_SCRIPT,
+        "bash",
+        "/tmp/substrate-argv.Ab12",
+    ]
+    assert stage_argv([])[:2] == ["/bin/sh", "-c"]
+
+
+def test_a_staged_argv_is_nul_terminated_and_capped() -> None:
+    assert staged_argv(["printf", "%s", "", "a b"]) == b"printf\0%s\0\0a b\0"
+    # A first word holding "=" is not taken by `env -i` for an assignment.
+    assert staged_argv(["a=b"]) == b"/bin/sh\0-c\0" + EXEC_SCRIPT.encode() + b"\0sh\0a=b\0"
+    assert len(staged_argv(["x" * (MAX_STAGED_ARGV_BYTES - 1)])) == MAX_STAGED_ARGV_BYTES
+    with pytest.raises(OSError) as over:
+        staged_argv(["x" * MAX_STAGED_ARGV_BYTES])
+    assert over.value.errno == errno.E2BIG
+    with pytest.raises(ValueError, match="NUL"):
+        staged_argv(["echo", "a\0b"])
+    with pytest.raises(ValueError, match="needs a command"):
+        staged_argv([])
+
+
+def test_staged_path_is_only_the_stage_scripts_output() -> None:
+    assert staged_path("/tmp/substrate-argv.Ab12XyZ") == "/tmp/substrate-argv.Ab12XyZ"
+    for other in ("", "/tmp/substrate-argv.", "/etc/passwd", "/tmp/substrate-argv.a/../b"):
+        with pytest.raises(ValueError, match="not a staged"):
+            staged_path(other)
+
+
+def test_one_request_carries_an_argv_within_the_daemons_caps() -> None:
+    daemon = Daemon(socket=Path("/nonexistent"), max_request_bytes=1 << 20, adopt_roots=())
+    ok = ["printf", "%s", *(["x" * (64 << 10)] * 15)]
+    assert daemon.carries("w", "eval", ok, cwd=".", timeout=None)
+    assert not daemon.carries("w", "eval", [*ok, "x" * (64 << 10)], cwd=".", timeout=None)
+    assert not daemon.carries("w", "eval", ["y"] * (MAX_ARGV_ITEMS + 1), cwd=".", timeout=None)
+    small = Daemon(socket=Path("/nonexistent"), max_request_bytes=4096, adopt_roots=())
+    assert not small.carries("w", "eval", ["echo", "z" * 4096], cwd=".", timeout=None)
+    assert small.carries("w", "eval", ["echo", "z"], cwd=".", timeout=5)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from inspect_ai.util import OutputLimitExceededError
 from inspect_ai.util._sandbox.environment import SandboxUnavailableError
 
@@ -33,6 +34,13 @@ READ_BYTES = 1 << 20
 STDIN_CHUNK = 192 << 10
 #: stdin at most this big goes with `proc.run`; more is streamed (`proc.write`).
 INLINE_STDIN_BYTES = 256 << 10
+#: The daemon's argv caps (docs/protocol.md §1, named refusals: `argv_denied`), items and
+#: bytes (each argument's UTF-8 and its NUL). An argv past either, or a request line past
+#: `max_request_bytes`, is not sent: the provider stages it (commands.py).
+MAX_ARGV_ITEMS = 4096
+MAX_ARGV_BYTES = 1 << 20
+#: What a request line holds besides its params (`jsonrpc`, `id`, `method`), at most.
+ENVELOPE_BYTES = 96
 #: Refusals that say the sandbox cannot run at all (Inspect's `SandboxUnavailableError`).
 UNAVAILABLE = frozenset(
     {"runtime_unavailable", "image_missing", "confinement_unmet", "unknown_workspace"}
@@ -105,6 +113,21 @@ class Daemon:
 
     # -- commands ----------------------------------------------------------------------
 
+    def fits(self, params: dict[str, Any]) -> bool:
+        """Whether one request line of the daemon carries `params`."""
+        return len(msgspec.json.encode(params)) + ENVELOPE_BYTES <= self.max_request_bytes
+
+    def carries(
+        self, workspace: str, profile: str, argv: list[str], *, cwd: str, timeout: int | None
+    ) -> bool:
+        """Whether one `proc.start` carries `argv` (stdin streamed): within the daemon's
+        argv caps and its request line limit. Cost: one pass over the argv."""
+        if len(argv) > MAX_ARGV_ITEMS:
+            return False
+        if sum(len(arg.encode("utf-8", "surrogatepass")) + 1 for arg in argv) > MAX_ARGV_BYTES:
+            return False
+        return self.fits(_params(workspace, profile, argv, cwd, timeout) | {"stdin": "stream"})
+
     def run(
         self,
         workspace: str,
@@ -115,16 +138,17 @@ class Daemon:
         stdin: bytes | None,
         timeout: int | None,
     ) -> dict[str, Any]:
-        """Run `argv` to its end; the `proc.run` result. Big stdin is streamed."""
-        params: dict[str, Any] = {"workspace": workspace, "profile": profile, "argv": argv}
-        params["cwd"] = cwd
-        if timeout is not None:
-            params["timeout_s"] = timeout
-        if stdin is None or len(stdin) <= INLINE_STDIN_BYTES:
-            if stdin is not None:
-                params["stdin_b64"] = base64.b64encode(stdin).decode("ascii")
+        """Run `argv` to its end; the `proc.run` result. Stdin is streamed when big, or
+        when it would not fit the request line with `argv`."""
+        params = _params(workspace, profile, argv, cwd, timeout)
+        if stdin is None:
             result: dict[str, Any] = self.call("proc.run", **params)
             return result
+        if len(stdin) <= INLINE_STDIN_BYTES:
+            inline = params | {"stdin_b64": base64.b64encode(stdin).decode("ascii")}
+            if self.fits(inline):
+                result = self.call("proc.run", **inline)
+                return result
         proc = self.call("proc.start", stdin="stream", **params)["proc"]
         view = memoryview(stdin)
         try:
@@ -181,6 +205,16 @@ class Daemon:
                     return out.getvalue()
         except RpcError as exc:
             raise map_refusal(exc, file) from exc
+
+
+def _params(
+    workspace: str, profile: str, argv: list[str], cwd: str, timeout: int | None
+) -> dict[str, Any]:
+    params: dict[str, Any] = {"workspace": workspace, "profile": profile, "argv": argv}
+    params["cwd"] = cwd
+    if timeout is not None:
+        params["timeout_s"] = timeout
+    return params
 
 
 def _decoded(data: str, encoding: Any) -> bytes:

@@ -15,6 +15,13 @@ caller's values as arguments, never as text of a script:
   elsewhere is entered by a constant `/bin/sh` script (`cd -- "$1"`, then `exec "$@"`).
 - files outside the workspace are read and written by constant `/bin/sh` scripts whose
   exit codes name the failure (`READ_SCRIPT`, `WRITE_SCRIPT`).
+- an argv bigger than one request carries (the daemon's argv caps, or its request line
+  limit) is staged: `STAGE_SCRIPT`, as the command's user, writes the argv after the user
+  wrapper (the env and cwd wrappers and the command), NUL-terminated, from its stdin to
+  a private file in the sandbox's `/tmp`; then the user wrapper runs `EXEC_STAGED_SCRIPT`,
+  which reads that file, deletes it and execs the argv with the environment it was given.
+  Over `MAX_STAGED_ARGV_BYTES` (Linux's usual `ARG_MAX`) is `OSError(E2BIG)`, as the
+  kernel's own "argument list too long".
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ SETPRIV = "/usr/bin/setpriv"
 RUNUSER = "/usr/sbin/runuser"
 ENV = "/usr/bin/env"
 SH = "/bin/sh"
+BASH = "/bin/bash"
 CD_SCRIPT = 'cd -- "$1" || exit 1; shift; exec "$@"'
 #: `sh -c READ_SCRIPT sh PATH`: the file's bytes on stdout, or an exit code of `errno`'s.
 READ_SCRIPT = (
@@ -48,6 +56,30 @@ WRITE_SCRIPT = (
     'if [ -e "$1" ] && [ ! -w "$1" ]; then echo "$1: Permission denied" >&2; exit 13; fi; '
     'cat > "$1" || exit 13'
 )
+#: The most argv a staged command carries, bytes (each argument's UTF-8 and its NUL, the
+#: env and cwd wrappers included): Linux's usual `ARG_MAX` (a quarter of an 8 MiB stack).
+MAX_STAGED_ARGV_BYTES = 2 << 20
+#: Where a staged argv waits for its command: private (mode 0600) files in the sandbox's /tmp.
+STAGED_PREFIX = "/tmp/substrate-argv."
+#: `sh -c STAGE_SCRIPT sh` with the NUL-terminated argv on stdin: the file's path on stdout.
+STAGE_SCRIPT = (
+    f"umask 077 && f=$(mktemp {STAGED_PREFIX}XXXXXXXXXX) || exit 1; "
+    'cat > "$f" || { rm -f -- "$f"; exit 1; }; '
+    'printf %s "$f"'
+)
+#: `bash -c EXEC_STAGED_SCRIPT bash FILE`: FILE's argv read and FILE deleted, then that
+#: argv exec'd by `env -i` with this process's environment as it was given (bash's own
+#: additions, `PWD` and `SHLVL`, dropped). The command's stdin is untouched.
+EXEC_STAGED_SCRIPT = (
+    'mapfile -d "" -t argv < "$1"; status=$?; /bin/rm -f -- "$1"; '
+    'if [ "$status" != 0 ] || [ "${#argv[@]}" = 0 ]; then '
+    'echo "substrate: the staged argv could not be read" >&2; exit 126; fi; '
+    'mapfile -d "" -t environ < /proc/$$/environ; '
+    f'exec {ENV} -i -- "${{environ[@]}}" "${{argv[@]}}"'
+)
+#: Runs its arguments as they are: in front of a staged argv whose first word `env` would
+#: take for an assignment (it holds `=`).
+EXEC_SCRIPT = 'exec "$@"'
 _ID = re.compile(r"uid=(\d+)(?:\(([^)]*)\))? gid=(\d+)")
 
 
@@ -120,6 +152,37 @@ def env_prefix(env: dict[str, str] | None) -> list[str]:
     return [ENV, *(f"{name}={value}" for name, value in env.items())]
 
 
+@dataclass(frozen=True)
+class ExecArgv:
+    """Inspect's `exec` as argv: the user wrapper, then the rest (the env and cwd wrappers
+    and the command), and the command's checkout-relative cwd."""
+
+    user: list[str]
+    rest: list[str]
+    cwd: str
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.user, *self.rest]
+
+
+def exec_parts(
+    cmd: list[str],
+    *,
+    cwd: str | None,
+    env: dict[str, str] | None,
+    user: str | None,
+    identity: Identity,
+) -> ExecArgv:
+    """`ExecArgv` for Inspect's `exec` (see the module docstring)."""
+    if not cmd:
+        raise ValueError("exec needs a command")
+    inside = "." if cwd is None else workspace_path(cwd)
+    outside = [] if inside is not None else [SH, "-c", CD_SCRIPT, "sh", str(cwd)]
+    rest = [*env_prefix(env), *outside, *cmd]
+    return ExecArgv(user_prefix(user, identity), rest, inside if inside is not None else ".")
+
+
 def exec_argv(
     cmd: list[str],
     *,
@@ -129,12 +192,50 @@ def exec_argv(
     identity: Identity,
 ) -> tuple[list[str], str]:
     """(argv, the command's checkout-relative cwd) for Inspect's `exec`."""
-    if not cmd:
+    parts = exec_parts(cmd, cwd=cwd, env=env, user=user, identity=identity)
+    return parts.argv, parts.cwd
+
+
+def staged_argv(rest: list[str]) -> bytes:
+    """The bytes `STAGE_SCRIPT` writes for `rest`: each argument NUL-terminated.
+
+    ValueError for a NUL in an argument (no argv can hold one); `OSError(E2BIG)` past
+    `MAX_STAGED_ARGV_BYTES`, before a byte is sent. Cost: one pass over the argv."""
+    if not rest:
         raise ValueError("exec needs a command")
-    inside = "." if cwd is None else workspace_path(cwd)
-    outside = [] if inside is not None else [SH, "-c", CD_SCRIPT, "sh", str(cwd)]
-    argv = [*user_prefix(user, identity), *env_prefix(env), *outside, *cmd]
-    return argv, inside if inside is not None else "."
+    # `env` would take a first word holding "=" for an assignment: `sh` runs it instead.
+    words = [SH, "-c", EXEC_SCRIPT, "sh", *rest] if "=" in rest[0] else rest
+    out = bytearray()
+    for i, arg in enumerate(words):
+        if "\0" in arg:
+            raise ValueError(f"argv[{i}] contains a NUL byte")
+        out += arg.encode("utf-8")
+        out += b"\0"
+        if len(out) > MAX_STAGED_ARGV_BYTES:
+            raise OSError(
+                errno.E2BIG,
+                f"Argument list too long (over {MAX_STAGED_ARGV_BYTES} bytes of argv)",
+                rest[0],
+            )
+    return bytes(out)
+
+
+def stage_argv(user: list[str]) -> list[str]:
+    """The command that stages an argv (given on its stdin) as the command's user."""
+    return [*user, SH, "-c", STAGE_SCRIPT, "sh"]
+
+
+def run_staged_argv(user: list[str], path: str) -> list[str]:
+    """The command that runs the argv staged at `path` as the command's user."""
+    return [*user, BASH, "-c", EXEC_STAGED_SCRIPT, "bash", path]
+
+
+def staged_path(stdout: str) -> str:
+    """The staged file's path from `STAGE_SCRIPT`'s stdout; ValueError for anything else."""
+    name = stdout.removeprefix(STAGED_PREFIX)
+    if name == stdout or not name.isalnum():
+        raise ValueError(f"not a staged argv's path: {stdout[:200]!r}")
+    return stdout
 
 
 def file_error(code: int, file: str, stderr: str) -> OSError | None:

@@ -13,6 +13,7 @@ the workspace is released (its persistent home removed) and the checkout deleted
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -38,11 +39,17 @@ from substrate.integrations.inspect.commands import (
     READ_SCRIPT,
     SH,
     WRITE_SCRIPT,
+    ExecArgv,
     Identity,
     exec_argv,
+    exec_parts,
     exec_permission_error,
     file_error,
     parse_id,
+    run_staged_argv,
+    stage_argv,
+    staged_argv,
+    staged_path,
     workspace_path,
 )
 from substrate.integrations.inspect.config import SubstrateSandboxConfig
@@ -213,15 +220,21 @@ class SubstrateSandboxEnvironment(SandboxEnvironment):
     ) -> ExecResult[str]:
         """Run `cmd` in the sample's sandbox (docs/integrations.md "exec"). A timeout is the
         daemon's (`timeout_s`: it kills every process of the command) and raises
-        `TimeoutError`; it is not retried, since a retry would run the command again."""
+        `TimeoutError`; it is not retried, since a retry would run the command again. An
+        argv bigger than one request carries is staged in the sandbox first (`_staged`)."""
         assert self.identity is not None, "sample_init probes the identity"
-        argv, rel_cwd = exec_argv(cmd, cwd=cwd, env=env, user=user, identity=self.identity)
+        parts = exec_parts(cmd, cwd=cwd, env=env, user=user, identity=self.identity)
         stdin = input.encode("utf-8") if isinstance(input, str) else input
         if timeout is not None and self.max_timeout is not None:
             # A request may only lower the profile's limit; past it the operator's stands.
             timeout = min(timeout, int(self.max_timeout))
         try:
-            result = await self._run(argv, cwd=rel_cwd, stdin=stdin, timeout=timeout)
+            if self.daemon.carries(
+                self.workspace, self.config.profile, parts.argv, cwd=parts.cwd, timeout=timeout
+            ):
+                result = await self._run(parts.argv, cwd=parts.cwd, stdin=stdin, timeout=timeout)
+            else:
+                result = await self._staged(parts, stdin=stdin, timeout=timeout)
         except RpcError as exc:
             big = exc.refusal == "argv_denied" and "larger" in str(exc)
             if big or exc.refusal == "request_too_large":
@@ -250,6 +263,36 @@ class SubstrateSandboxEnvironment(SandboxEnvironment):
             stdout=stdout.decode("utf-8", "replace"),
             stderr=err,
         )
+
+    async def _staged(
+        self,
+        parts: ExecArgv,
+        *,
+        stdin: bytes | None,
+        timeout: int | None,  # noqa: ASYNC109 - the daemon's timeout_s
+    ) -> dict[str, Any]:
+        """Run an argv too big for one request (docs/integrations.md "exec"): staged in a
+        private file of the sandbox's /tmp as the command's user, then run by a fixed
+        wrapper that reads it, deletes it and execs it, with the command's stdin, cwd and
+        timeout. The result of a failed staging (a user that does not exist, a full
+        /tmp) is the command's."""
+        payload = staged_argv(parts.rest)  # E2BIG past the cap, before anything runs
+        staged = await self._run(stage_argv(parts.user), cwd=".", stdin=payload, timeout=None)
+        if staged.get("exit_code") != 0:
+            return staged
+        out = await anyio.to_thread.run_sync(
+            lambda: self.daemon.output(staged.get("stdout", {}), 1 << 12, "4 KiB")
+        )
+        path = staged_path(out.decode("utf-8", "replace"))
+        argv = run_staged_argv(parts.user, path)
+        try:
+            return await self._run(argv, cwd=parts.cwd, stdin=stdin, timeout=timeout)
+        except RpcError:
+            # Refused before it ran (the wrapper deletes the file as its first act).
+            rm = [*parts.user, "/bin/rm", "-f", "--", path]
+            with contextlib.suppress(RpcError, RuntimeError):  # the refusal is what tells
+                await self._run(rm, cwd=".", stdin=None, timeout=None)
+            raise
 
     # -- files -----------------------------------------------------------------------------
 
