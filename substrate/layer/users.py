@@ -50,6 +50,7 @@ import trio
 from substrate.errors import ConfinementUnmet, RuntimeUnavailable
 from substrate.layer import conclusion
 from substrate.layer.changes import Changesets, upper_holds_changes
+from substrate.layer.changes.reclaim import RECLAIMER
 from substrate.layer.conclusion import Request, S, Sandboxes
 from substrate.layer.generation import Conclusion, Deferred, User, combined
 from substrate.layer.mounts import working_layer
@@ -62,6 +63,8 @@ log = logging.getLogger("substrate.layer.users")
 
 #: Terminal session ids start so (`pty.terminals`); every other user is a process.
 SESSION_PREFIX = "t-"
+#: The longest a shutdown waits for settled layers' background removal, seconds.
+RECLAIM_WAIT_S = 30.0
 #: Conclusions remembered by user, at most (`conclusion_of`: a deferred user's set).
 MAX_REMEMBERED = 1024
 #: `changes.error` of a user whose generation the daemon stopped before it concluded:
@@ -111,6 +114,8 @@ class LayerUsers(Generic[S]):
     ) -> None:
         self._containers = containers
         self._writer = writer
+        if writer is not None:
+            writer.on_landed = self.note_landed
         self._changesets = changesets
         self._journal = journal
         self._limiter = limiter
@@ -212,6 +217,22 @@ class LayerUsers(Generic[S]):
         concludes, nothing otherwise."""
         return await self._leave(use, ran=True)
 
+    def note_landed(self, workspace: str, path: str, sha256: str | None) -> None:
+        """A guarded write (`fs.write`, `fs.patch`, `fs.delete`) landed `path` in
+        `workspace`'s checkout: each live layer sandbox of it takes the file as
+        substrate's, as it takes what its last change set applied (`landed`), so a
+        command's change to it right after is no `host_changed` conflict (the ctime
+        rule's slack would count it as the host's). A host edit after it still is: the
+        checkout's digest then differs. Called from the writing thread (`Writer.on_landed`)."""
+        for sandbox, req in list(self._layers.values()):
+            layer = sandbox.layer
+            if layer is None or layer.closed or req.ws.id != workspace:
+                continue
+            if sha256 is None:
+                layer.landed.pop(path, None)
+            else:
+                layer.landed[path] = sha256
+
     async def conclusion_of(self, user_id: str) -> ProcChanges:
         """The conclusion that held `user_id`'s changes: at once when it happened already
         (among the last `MAX_REMEMBERED`), else when it does — for a user whose `end`
@@ -298,7 +319,8 @@ class LayerUsers(Generic[S]):
         {generation, changeset, mode, procs, sessions}` (the mode its users asked, ids
         only) as the last user's actor. A layer not unmounted (its container could not
         be removed: something may still write it) is left for the next start's
-        recovery, logged. Returns the summaries. Costs a scan per generation kept."""
+        recovery, logged. Then waits (at most `RECLAIM_WAIT_S`) for the background removal of
+        settled layers. Returns the summaries. Costs a scan per generation kept."""
         kept: list[ProcChanges] = []
         for sandbox_id, (sandbox, req) in list(self._layers.items()):
             layer = sandbox.layer
@@ -323,6 +345,12 @@ class LayerUsers(Generic[S]):
             if changes is not None:
                 self._kept[sandbox_id] = changes
                 kept.append(changes)
+        # The settled layers' background removal holds fds beneath the layers' directory:
+        # done (bounded; what is left, the next start sweeps) before its bind is swept.
+        if not await trio.to_thread.run_sync(RECLAIMER.wait_idle, RECLAIM_WAIT_S):
+            log.warning(
+                "settled layers still being removed at shutdown: the next start sweeps them"
+            )
         return kept
 
     async def _keep(self, sandbox: S, req: Request, holders: list[User]) -> ProcChanges | None:

@@ -319,3 +319,20 @@ async def test_a_guarded_write_then_a_chmod_in_the_sandbox_applies(env: Env) -> 
     assert changes["counts"]["conflicts"] == 0, changes
     assert [c["path"] for c in changes["applied"]] == ["f.txt"]
     assert (env.path / "f.txt").stat().st_mode & 0o222 == 0
+
+
+async def test_a_host_edit_after_a_guarded_write_is_still_a_conflict(env: Env) -> None:
+    await env.look()
+    await env.client.call(
+        "fs.write", workspace=env.ws, path="f.txt", base_sha256=None, content="made\n"
+    )
+    started = await env.client.call(
+        "proc.start", workspace=env.ws, profile="layer",
+        argv=["sh", "-c", "cat f.txt >/dev/null; sleep 2; chmod a-w f.txt"],
+    )  # fmt: skip
+    await trio.sleep(0.5)
+    as_owner_write(env.path / "f.txt", "the person's\n")  # while the command sleeps
+    result = await env.client.call("proc.wait", proc=started["proc"])
+    changes = result["changes"]
+    assert [c["path"] for c in changes["conflicts"]] == ["f.txt"], changes
+    assert (env.path / "f.txt").read_text() == "the person's\n"

@@ -244,6 +244,10 @@ class Writer:
         self.max_changeset_bytes = max_changeset_bytes
         #: Every write's journal entry-to-be, durable before its rename (`intents`).
         self._intents = self.batch.intents
+        #: Told (workspace id, path, new sha256 or None) of each plain write that landed,
+        #: from the thread that made it: the working layers take those files as
+        #: substrate's own, not a host edit (`LayerUsers.note_landed`).
+        self.on_landed: Callable[[str, str, str | None], None] | None = None
 
     def recover(self, workspace: Callable[[str], Workspace]) -> int:
         """At start, before anything writes: journal (`recovered: true`) every guarded
@@ -385,6 +389,8 @@ class Writer:
                 if not staged.landed:
                     self._abandon(ws, parent_fd, prep, staged)
                 raise
+            if self.on_landed is not None:
+                self.on_landed(ws.id, prep.rel, prep.plan.new_sha256)
             return msgspec.structs.replace(prep.plan, applied=True)
         finally:
             if parent_fd is not None:
