@@ -114,8 +114,6 @@ class LayerUsers(Generic[S]):
     ) -> None:
         self._containers = containers
         self._writer = writer
-        if writer is not None:
-            writer.on_landed = self.note_landed
         self._changesets = changesets
         self._journal = journal
         self._limiter = limiter

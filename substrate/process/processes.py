@@ -139,6 +139,8 @@ class Processes:
         self.layer_users: LayerUsers[Sandbox] = LayerUsers(
             containers, writer, changesets, journal, fs_limiter
         )
+        if writer is not None:  # its plain writes are substrate's own to the layers
+            writer.on_landed = self.layer_users.note_landed
         # Starts each command, through the sandbox's supervisor or the engine (fastexec).
         self.launcher = (
             launcher if launcher is not None else Launcher(engine, fs_limiter=fs_limiter)

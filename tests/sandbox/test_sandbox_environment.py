@@ -124,7 +124,8 @@ async def test_a_terminal_shell_gets_the_secret_too(layer: Layer) -> None:
         containers=layer.containers,
         engine=layer.engine,
         profile={"term": TERM}.__getitem__,
-        processes=SimpleNamespace(layer_users=None),  # an rw profile joins no generation
+        # An rw profile joins no generation; the daemon is not draining.
+        processes=SimpleNamespace(layer_users=None, refuse_if_draining=lambda: None),
     )
     pty = await DockerPtys(execution, lambda _: layer.ws)(
         workspace=layer.ws.id, profile="term", cols=80, rows=24, session="s1", actor="agent"
