@@ -46,6 +46,7 @@ re-observed per command: that needs engine access, root-equivalent anyway
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -59,6 +60,7 @@ import trio
 
 from substrate.errors import RuntimeUnavailable
 from substrate.layer.mounts import LayerMounts, WorkingLayer, passthrough, working_layer
+from substrate.layer.mounts.git_plan import GIT_REL
 from substrate.sandbox import facts as factlib
 from substrate.sandbox import mounts, profiles, proxy_link, reaper
 from substrate.sandbox.engine import ContainerGone, Engine
@@ -111,6 +113,13 @@ class Resolved:
     @property
     def readonly_rels(self) -> list[str]:
         return [rel for rel, _ in self.readonly]
+
+
+def layer_readonly(
+    readonly: list[tuple[str, tuple[int, int]]],
+) -> list[tuple[str, tuple[int, int]]]:
+    """The read-only parts of a sandbox whose layer mounts the git layer on `.git`."""
+    return [(rel, ident) for rel, ident in readonly if rel != GIT_REL]
 
 
 def requirements(run: Resolved, home: Home | None, *, layered: bool) -> dict[str, FactValue]:
@@ -300,6 +309,8 @@ class Containers:
             layer = await self._layer(ws, run)
             if layer is not None:
                 undo.push_async_callback(self.layer_mounts.close, layer)
+                if layer.plan.git is not None:  # `.git` is the git layer, not read-only
+                    run = dataclasses.replace(run, readonly=layer_readonly(run.readonly))
             required = requirements(run, home, layered=layer is not None)  # 3. require
             await self._labelled.remove_foreign(
                 ws.id, profile, required, run.readonly_rels, mine={s.id for s in self.live()}
@@ -379,7 +390,11 @@ class Containers:
         if profile.workspace != "layer":
             return None
         passthrough.check_policy(ws.policy, profile.passthrough)
-        return await self.layer_mounts.open(run.readonly, profile.passthrough)
+        layer = await self.layer_mounts.open(
+            run.readonly, profile.passthrough, (ws.checkout, ws.root_fd)
+        )
+        layer.git_refs_allow = tuple(profile.git_refs_allow)
+        return layer
 
     async def _request(
         self,

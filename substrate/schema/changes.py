@@ -28,8 +28,9 @@ class ChangesetParams(Params):
     changeset: ChangesetId
 
 
-#: A change's operation.
-Op = Literal["create", "replace", "delete", "chmod", "mkdir"]
+#: A change's operation; `ref`: a git ref the sandbox created, moved or deleted in its
+#: git layer (docs/working-layer.md, "The git layer").
+Op = Literal["create", "replace", "delete", "chmod", "mkdir", "ref"]
 
 
 class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -37,7 +38,10 @@ class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     `base_sha256` is the checkout's file the command saw (None: there was none, or a
     directory); `new_sha256`, `size` and `mode` what the command left (None / 0 for a
-    delete). `diff` is a bounded unified preview.
+    delete). `diff` is a bounded unified preview. A `ref` entry (`op: "ref"`): `path`
+    is the ref's name, `old_oid` what the sandbox started from and `new_oid` where it
+    left it (None: absent), `subjects` the subjects of its new commits, newest first (at
+    most 20).
     """
 
     path: str
@@ -49,6 +53,9 @@ class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     mode: int | None = None
     diff: str = ""
     diff_truncated: bool = False
+    old_oid: str | None = None
+    new_oid: str | None = None
+    subjects: tuple[str, ...] = ()
 
 
 class Blocked(msgspec.Struct, frozen=True, kw_only=True):

@@ -57,7 +57,9 @@ class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     checkout's digest now; the command's version is the artifact `artifact` (read it
     with `artifact.read`), or, when it could not be kept as one (`artifact_reason`:
     `too_large`, `set_full`, `failed`; `empty` for a file of no bytes), `kept` names it
-    in the set's layer, which then stays until `changes.discard`."""
+    in the set's layer, which then stays until `changes.discard`. A `ref` entry (`op:
+    "ref"`, `path` the ref's name) carries `old_oid`/`new_oid` (None: absent), and
+    `current_oid`, the checkout's value, when it conflicted (`host_changed`)."""
 
     path: str
     op: str | None = None
@@ -70,6 +72,9 @@ class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     artifact: str | None = None
     artifact_reason: str | None = None
     kept: str | None = None
+    old_oid: str | None = None
+    new_oid: str | None = None
+    current_oid: str | None = None
 
 
 #: What becomes of a layer command's change set (docs/working-layer.md).

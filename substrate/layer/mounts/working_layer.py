@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from substrate.fs.paths import open_dir
 from substrate.layer.generation import Users
 from substrate.layer.mounts import overlay, passthrough
+from substrate.layer.mounts.git_plan import GitLayerPart
 from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
 from substrate.schema.facts import FactValue
 
@@ -69,6 +70,8 @@ class WorkingLayer:
     landed_dirs: dict[str, int] = field(default_factory=dict)
     users: Users = field(default_factory=Users)
     mounting: threading.Lock = field(default_factory=threading.Lock)
+    #: The profile's `git_refs_allow`: the refs a conclusion applies from the git layer.
+    git_refs_allow: tuple[str, ...] = ()
 
 
 #: File ctimes come from a coarse clock that lags the real one by up to a tick; a host
@@ -91,10 +94,12 @@ def open_layer(
     state_dir: str,
     readonly: Sequence[tuple[str, tuple[int, int]]],
     passthrough_dirs: Sequence[str] = (),
+    git: GitLayerPart | None = None,
 ) -> WorkingLayer:
     """Plan generation 0 of a new layer (a fresh random id) and `overlay.prepare` it: the
-    base exists, shared, with nothing mounted on it. Refuses as `plan.plan` does."""
-    p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly)
+    base exists, shared, with nothing mounted on it. `git`: the checkout's git layer,
+    mounted on `.git` by every generation (`git_plan`). Refuses as `plan.plan` does."""
+    p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly, (), git)
     overlay.prepare(p)
     return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs))
 
@@ -116,14 +121,14 @@ def next_plan(
     readonly = [(part.rel, part.identity) for part in p.readonly]
     sandbox_id = p.sandbox_dir.rsplit("/", 1)[1]
     state_dir = p.layers_dir.rsplit("/", 1)[0]
-    return plan(state_dir, sandbox_id, p.generation + 1, readonly, passthrough_dirs)
+    return plan(state_dir, sandbox_id, p.generation + 1, readonly, passthrough_dirs, p.git)
 
 
 def _with_passthrough(p: LayerPlan, found: Sequence[tuple[str, tuple[int, int]]]) -> LayerPlan:
     readonly = [(part.rel, part.identity) for part in p.readonly]
     sandbox_id = p.sandbox_dir.rsplit("/", 1)[1]
     state_dir = p.layers_dir.rsplit("/", 1)[0]
-    return plan(state_dir, sandbox_id, p.generation, readonly, found)
+    return plan(state_dir, sandbox_id, p.generation, readonly, found, p.git)
 
 
 def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:

@@ -1,0 +1,172 @@
+"""The git layer against the real engine (docs/working-layer.md, "The git layer").
+
+A daemon runs in-process with the shipped `default` profile (a working layer; `.git`
+writable through the checkout's git layer, `git_refs_allow = ["refs/heads/agent/**"]`,
+`git_identity`) on a uid-1000 checkout holding a real repository the test made with the
+host's git (hooks off: `-c core.hooksPath=/dev/null`, run by the test, never by
+substrate). Inside the sandbox the agent branches, commits, stashes; what leaves the
+git layer is new objects (verified) and ref moves, as `ref` entries of the change set.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from substrate.protocol.client import AsyncClient, open_client
+from tests.harness.inprocess import in_process_config, profiles_dir, serving
+from tests.harness.workspaces import chown_tree
+
+HOST_GIT = ["git", "-c", "core.hooksPath=/dev/null", "-c", "safe.directory=*"]
+
+
+def host_git(path: Path, *args: str) -> str:
+    """The host's git on the test's own repository (hooks off), its stdout."""
+    done = subprocess.run(
+        [*HOST_GIT, "-C", str(path), *args], check=True, capture_output=True, text=True
+    )
+    return done.stdout
+
+
+def make_repo(path: Path) -> None:
+    path.mkdir(parents=True)
+    host_git(path, "init", "-q", "-b", "main")
+    (path / "app.py").write_text("print('hi')\n")
+    host_git(path, "add", "app.py")
+    host_git(
+        path, "-c", "user.name=Person", "-c", "user.email=p@example.com", "commit", "-qm", "first"
+    )
+    chown_tree(path)
+
+
+@dataclass
+class Env:
+    client: AsyncClient
+    operator: AsyncClient
+    ws: str
+    path: Path
+
+    async def sh(self, script: str, **params: Any) -> Any:
+        return await self.client.call(
+            "proc.run", workspace=self.ws, profile="default", argv=["sh", "-c", script], **params
+        )
+
+    def head_of(self, ref: str) -> str:
+        return host_git(self.path, "rev-parse", ref).strip()
+
+
+@pytest.fixture
+async def env(sandbox_image: str, engine_state: Path, tmp_path: Path) -> AsyncIterator[Env]:
+    profiles = profiles_dir(tmp_path / "profiles", ["default"])
+    project = tmp_path / "roots" / "project"
+    make_repo(project)
+    config = in_process_config(engine_state, project.parent, profiles)
+    async with (
+        serving(config),
+        open_client(engine_state / "substrate.sock") as client,
+        open_client(engine_state / "operator.sock") as operator,
+    ):
+        ws = await client.call("workspace.adopt", path=str(project))
+        made = Env(client, operator, ws["workspace"], project)
+        yield made
+        await client.call("workspace.release", workspace=made.ws)
+
+
+def _out(result: Any) -> str:
+    return str(result["stdout"]["inline"])
+
+
+async def test_an_agent_branch_commit_lands_on_the_host(env: Env) -> None:
+    main_before = env.head_of("main")
+    head_before = (env.path / ".git" / "HEAD").read_text()
+    result = await env.sh(
+        "git checkout -q -b agent/fix && echo fixed > app.py && git add app.py"
+        " && git commit -qm 'fix the app' && git log --format=%s -1"
+    )
+    assert result["exit_code"] == 0, result["stderr"]
+    assert _out(result) == "fix the app\n"
+    applied = [e for e in result["changes"]["applied"] if e["op"] == "ref"]
+    assert [e["path"] for e in applied] == ["refs/heads/agent/fix"]
+    assert "old_oid" not in applied[0]  # created
+    assert host_git(env.path, "log", "--format=%s", "-1", "agent/fix") == "fix the app\n"
+    host_git(env.path, "fsck", "--strict", "--no-dangling")
+    assert env.head_of("main") == main_before
+    assert (env.path / ".git" / "HEAD").read_text() == head_before
+    # The working tree's edit lands as a file change, as any command's does.
+    assert [e["path"] for e in result["changes"]["applied"] if e["op"] != "ref"] == ["app.py"]
+    # The agent's own view lasts: the next command is still on its branch.
+    again = await env.sh("git rev-parse --abbrev-ref HEAD && git log --format=%s -1")
+    assert _out(again) == "agent/fix\nfix the app\n"
+    author = await env.sh("git log --format=%an/%cn -1")
+    assert _out(author) == "substrate agent/substrate agent\n"
+
+
+async def test_a_commit_on_the_persons_branch_waits_for_changes_apply(env: Env) -> None:
+    before = env.head_of("main")
+    result = await env.sh("echo more >> app.py && git commit -qam 'on main'")
+    assert result["exit_code"] == 0, result["stderr"]
+    changes = result["changes"]
+    blocked = [e for e in changes["blocked"] if e.get("op") == "ref"]
+    assert [(e["path"], e["reason"]) for e in blocked] == [("refs/heads/main", "ref_denied")]
+    assert env.head_of("main") == before
+    kept = await env.client.call("changes.get", changeset=changes["changeset"])
+    refs = [c for c in kept["changes"] if c["op"] == "ref"]
+    assert refs[0]["subjects"] == ["on main"] and refs[0]["old_oid"] == before
+    # The agent cannot apply a denied ref; the operator can.
+    denied = await env.client.call("changes.apply", changeset=changes["changeset"])
+    assert [e["reason"] for e in denied["blocked"] if e.get("op") == "ref"] == ["ref_denied"]
+    assert env.head_of("main") == before
+    done = await env.operator.call("changes.apply", changeset=changes["changeset"])
+    assert [e["path"] for e in done["applied"] if e.get("op") == "ref"] == ["refs/heads/main"]
+    assert host_git(env.path, "log", "--format=%s", "-1", "main") == "on main\n"
+    host_git(env.path, "fsck", "--strict", "--no-dangling")
+
+
+async def test_a_host_commit_on_the_same_ref_meanwhile_is_a_conflict(env: Env) -> None:
+    first = await env.sh("git checkout -q -b agent/x && git commit -q --allow-empty -m one")
+    assert first["exit_code"] == 0, first["stderr"]
+    host_git(env.path, "branch", "-f", "agent/x", "main")  # the person moves it back
+    second = await env.sh("git commit -q --allow-empty -m two")
+    conflicts = [e for e in second["changes"]["conflicts"] if e.get("op") == "ref"]
+    assert [(e["path"], e["reason"]) for e in conflicts] == [("refs/heads/agent/x", "host_changed")]
+    assert env.head_of("agent/x") == env.head_of("main")
+
+
+async def test_a_hook_written_in_the_sandbox_never_reaches_the_host(env: Env) -> None:
+    result = await env.sh(
+        "printf '#!/bin/sh\\ntouch /tmp/x\\n' > .git/hooks/pre-commit"
+        " && chmod +x .git/hooks/pre-commit && git config core.fsmonitor 'touch MARKER'"
+        " && ls .git/hooks/pre-commit"
+    )
+    assert result["exit_code"] == 0, result["stderr"]
+    assert not (env.path / ".git" / "hooks" / "pre-commit").exists()
+    assert "fsmonitor" not in (env.path / ".git" / "config").read_text()
+    assert result["changes"]["counts"]["applied"] == 0
+
+
+async def test_stash_and_pop_work_across_commands(env: Env) -> None:
+    stashed = await env.sh("echo wip >> app.py && git stash -q && cat app.py")
+    assert stashed["exit_code"] == 0, stashed["stderr"]
+    assert _out(stashed) == "print('hi')\n"
+    popped = await env.sh("git stash pop -q && cat app.py")
+    assert popped["exit_code"] == 0, popped["stderr"]
+    assert _out(popped) == "print('hi')\nwip\n"
+    # The stash ref moved in the layer only (refs/stash is not an agent branch).
+    assert "refs/stash" not in host_git(env.path, "for-each-ref", "--format=%(refname)")
+
+
+async def test_release_without_keep_git_drops_the_layer(env: Env) -> None:
+    await env.sh("git checkout -q -b agent/gone")
+    info = await env.client.call("workspace.info", workspace=env.ws)
+    assert info["git_layer"]["bytes"] > 0
+    released = await env.client.call("workspace.release", workspace=env.ws, keep_git=False)
+    assert released["git"] == "removed"
+    again = await env.client.call("workspace.adopt", path=str(env.path))
+    env.ws = again["workspace"]
+    result = await env.sh("git rev-parse --abbrev-ref HEAD")
+    assert _out(result) == "main\n"
