@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from substrate.config import Config
 from substrate.protocol.client import AsyncClient, open_client
 from tests.harness.inprocess import in_process_config, profiles_dir, serving
 from tests.harness.workspaces import chown_tree
@@ -31,6 +32,12 @@ def host_git(path: Path, *args: str) -> str:
         [*HOST_GIT, "-C", str(path), *args], check=True, capture_output=True, text=True
     )
     return done.stdout
+
+
+def host_has(path: Path, oid: str) -> bool:
+    """Does the host's object store hold `oid`?"""
+    done = subprocess.run([*HOST_GIT, "-C", str(path), "cat-file", "-e", oid], capture_output=True)
+    return done.returncode == 0
 
 
 def make_repo(path: Path) -> None:
@@ -50,6 +57,7 @@ class Env:
     operator: AsyncClient
     ws: str
     path: Path
+    state: Path
 
     async def sh(self, script: str, **params: Any) -> Any:
         return await self.client.call(
@@ -60,19 +68,25 @@ class Env:
         return host_git(self.path, "rev-parse", ref).strip()
 
 
+def _config(state: Path, tmp_path: Path) -> Config:
+    profiles = tmp_path / "profiles"
+    if not profiles.exists():
+        profiles_dir(profiles, ["default"])
+    return in_process_config(state, tmp_path / "roots", profiles)
+
+
 @pytest.fixture
 async def env(sandbox_image: str, engine_state: Path, tmp_path: Path) -> AsyncIterator[Env]:
-    profiles = profiles_dir(tmp_path / "profiles", ["default"])
     project = tmp_path / "roots" / "project"
     make_repo(project)
-    config = in_process_config(engine_state, project.parent, profiles)
+    config = _config(engine_state, tmp_path)
     async with (
         serving(config),
         open_client(engine_state / "substrate.sock") as client,
         open_client(engine_state / "operator.sock") as operator,
     ):
         ws = await client.call("workspace.adopt", path=str(project))
-        made = Env(client, operator, ws["workspace"], project)
+        made = Env(client, operator, ws["workspace"], project, engine_state)
         yield made
         await client.call("workspace.release", workspace=made.ws)
 
@@ -170,3 +184,65 @@ async def test_release_without_keep_git_drops_the_layer(env: Env) -> None:
     env.ws = again["workspace"]
     result = await env.sh("git rev-parse --abbrev-ref HEAD")
     assert _out(result) == "main\n"
+
+
+async def test_a_forged_object_is_refused_and_its_ref_never_moves(env: Env) -> None:
+    # The commit's loose object is replaced by another object's bytes: its name no
+    # longer hashes from its content.
+    script = (
+        "git checkout -q -b agent/forge && git commit -q --allow-empty -m forged"
+        " && c=$(git rev-parse HEAD) && t=$(git rev-parse HEAD^{tree})"
+        " && o=.git/objects && cp -f $o/$(echo $t | cut -c1-2)/$(echo $t | cut -c3-)"
+        " $o/$(echo $c | cut -c1-2)/$(echo $c | cut -c3-) && echo $c"
+    )
+    result = await env.sh(script)
+    assert result["exit_code"] == 0, result["stderr"]
+    forged = _out(result).strip()
+    blocked = [e for e in result["changes"]["blocked"] if e.get("op") == "ref"]
+    assert [(e["path"], e["reason"]) for e in blocked] == [
+        ("refs/heads/agent/forge", "missing_object")
+    ]
+    assert not host_has(env.path, forged)
+    assert "agent/forge" not in host_git(env.path, "branch", "--list")
+    host_git(env.path, "fsck", "--strict", "--no-dangling")
+
+
+async def test_review_keeps_ref_entries_pending_and_discard_drops_them(env: Env) -> None:
+    reviewed = await env.sh(
+        "git checkout -q -b agent/r && git commit -q --allow-empty -m r", changes="review"
+    )
+    pending = [e for e in reviewed["changes"]["pending"] if e.get("op") == "ref"]
+    assert [e["path"] for e in pending] == ["refs/heads/agent/r"]
+    assert "agent/r" not in host_git(env.path, "branch", "--list")
+    done = await env.client.call("changes.apply", changeset=reviewed["changes"]["changeset"])
+    assert [e["path"] for e in done["applied"] if e.get("op") == "ref"] == ["refs/heads/agent/r"]
+    assert host_git(env.path, "log", "--format=%s", "-1", "agent/r") == "r\n"
+    dropped = await env.sh("git commit -q --allow-empty -m d", changes="discard")
+    assert dropped["changes"]["counts"]["applied"] == 0
+    assert host_git(env.path, "log", "--format=%s", "-1", "agent/r") == "r\n"
+    # The sandbox's own view keeps its commit; it is not offered again unless moved.
+    view = await env.sh("git log --format=%s -1")
+    assert _out(view) == "d\n" and view["changes"].get("changeset") is None
+
+
+async def test_the_git_layer_lasts_across_a_daemon_restart(
+    sandbox_image: str, engine_state: Path, tmp_path: Path
+) -> None:
+    project = tmp_path / "roots" / "project"
+    make_repo(project)
+    config = _config(engine_state, tmp_path)
+    scripts = [
+        "git checkout -q -b agent/keep && git commit -q --allow-empty -m kept",
+        "git rev-parse --abbrev-ref HEAD && git log --format=%s -1",
+    ]
+    outputs = []
+    for script in scripts:  # one daemon each, on the same state dir
+        async with serving(config), open_client(engine_state / "substrate.sock") as client:
+            ws = (await client.call("workspace.adopt", path=str(project)))["workspace"]
+            result = await client.call(
+                "proc.run", workspace=ws, profile="default", argv=["sh", "-c", script]
+            )
+            assert result["exit_code"] == 0, result["stderr"]
+            outputs.append(_out(result))
+            await client.call("workspace.release", workspace=ws)
+    assert outputs[1] == "agent/keep\nkept\n"
