@@ -125,7 +125,12 @@ def main() -> None:
         chown_tree(checkout)
         ws = client.call("workspace.adopt", path=str(checkout))["workspace"]
         after_s(client, ws, ["true"])  # warm: the container, the git layer
-        inside, host, conclusion, idle = [], [], [], []
+        plain = daemon.roots / "plain"
+        shutil.copytree(checkout / "src", plain / "src")
+        chown_tree(plain)
+        plain_ws = client.call("workspace.adopt", path=str(plain))["workspace"]
+        after_s(client, plain_ws, ["true"])
+        inside, host, conclusion, idle, steady, no_git = [], [], [], [], [], []
         for i in range(args.runs):
             tag = f"b{i}"
             script = SANDBOX_COMMIT.format(tag=tag)
@@ -137,6 +142,8 @@ def main() -> None:
             conclusion.append(spent)
             host.append(host_commit(host_copy, tag))
             idle.append(after_s(client, ws, ["true"])[0])
+            steady.append(after_s(client, ws, ["true"])[0])
+            no_git.append(after_s(client, plain_ws, ["true"])[0])
         print(f"git commit of a {args.files}-file change, median of {args.runs}:")
         print(f"  in the sandbox (git layer): {med(inside) * 1000:8.1f} ms")
         print(f"  on the host:                {med(host) * 1000:8.1f} ms")
@@ -145,6 +152,10 @@ def main() -> None:
         print(f"  with the commit:            {med(conclusion) * 1000:8.1f} ms")
         print(f"  after `true` (baseline):    {med(idle) * 1000:8.1f} ms")
         print(f"  import + refs cost:         {(med(conclusion) - med(idle)) * 1000:8.1f} ms")
+        print("a warm `true` past its duration:")
+        print(f"  right after the commit:     {med(idle) * 1000:8.1f} ms")
+        print(f"  with a git layer (steady):  {med(steady) * 1000:8.1f} ms")
+        print(f"  without .git (baseline):    {med(no_git) * 1000:8.1f} ms")
         client.call("workspace.release", workspace=ws, keep_git=False)
     finally:
         client.close()

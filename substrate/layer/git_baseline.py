@@ -1,10 +1,11 @@
-"""A git layer's baseline: the refs its sandbox's view showed at the last conclusion
-(docs/working-layer.md, "The git layer").
+"""A git layer's baseline: the refs its sandbox's view showed at the last conclusion,
+and when that conclusion imported its objects (docs/working-layer.md, "The git layer").
 
 Written when the git layer is made (`mounts.git_layer`: the checkout's refs then) and
 after each conclusion (`changes.git_refs`), read by the next: a ref the sandbox moved
-since is one whose view differs from it. One msgpack file `baseline` in the git layer's
-directory, replaced atomically. Blocking: callers use worker threads.
+since is one whose view differs from it, and an object file made since (ctime) is one
+to import. One msgpack file `baseline` in the git layer's directory, replaced
+atomically. Blocking: callers use worker threads.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ MAX_REFS = 100_000
 BASELINE = "baseline"
 #: Largest baseline read (a ref name and id are well under 1 KiB each).
 MAX_BASELINE_BYTES = 64 << 20
-_decoder = msgspec.msgpack.Decoder(dict[str, str])
+
+
+class Baseline(msgspec.Struct, frozen=True, kw_only=True):
+    """The refs the sandbox's view showed, and the time (ns) objects were imported up to."""
+
+    refs: dict[str, str] = msgspec.field(default_factory=dict)
+    imported_ns: int = 0
+
+
+_decoder = msgspec.msgpack.Decoder(Baseline)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -34,28 +44,29 @@ def exists(layer_dir: str) -> bool:
         return False
 
 
-def load(layer_dir: str) -> dict[str, str]:
-    """The baseline ({} when it is missing or unreadable)."""
+def load(layer_dir: str) -> Baseline:
+    """The baseline (empty when it is missing or unreadable: every object is then
+    imported again, and a ref the sandbox moved reads as made)."""
     try:
         fd = os.open(f"{layer_dir}/{BASELINE}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return {}
+        return Baseline()
     try:
         data = fsops.read_fd(fd, MAX_BASELINE_BYTES)
     finally:
         os.close(fd)
     if data is None:
-        return {}
+        return Baseline()
     try:
         return _decoder.decode(data)
     except msgspec.DecodeError:
-        return {}
+        return Baseline()
 
 
-def save(layer_dir: str, refs: dict[str, str]) -> None:
-    """Replace the baseline with `refs`, atomically and durably."""
+def save(layer_dir: str, baseline: Baseline) -> None:
+    """Replace the baseline, atomically and durably."""
     fd = os.open(layer_dir, fsops.DIR_FLAGS)
     try:
-        fsops.atomic_write(fd, BASELINE, _encoder.encode(refs), mode=0o600)
+        fsops.atomic_write(fd, BASELINE, _encoder.encode(baseline), mode=0o600)
     finally:
         os.close(fd)

@@ -11,10 +11,11 @@ the checkout's git layer (`substrate.layer.mounts.git_layer`). At each conclusio
    moved and the sandbox never touched shows the host's value in the sandbox's view:
    not a change; both at the same value: nothing to do). Each is one `ref` entry
    `{path: <ref name>, old_oid: baseline's, new_oid: the view's}` (None: absent);
-2. unless the mode is "discard", every object the sandbox wrote (the layer's upper
-   `objects/`) is verified — its bytes hash to its id and it parses — and copied into
-   the checkout's object store, never overwriting (`substrate.git.objects`); nothing
-   else of the layer (HEAD, index, config, hooks, info/, logs) is ever copied;
+2. unless the mode is "discard", every object the sandbox wrote since the last import
+   (the layer's upper `objects/`: files made since, staged as hard links) is verified —
+   its bytes hash to its id and it parses — and copied into the checkout's object
+   store, never overwriting (`substrate.git.objects`); nothing else of the layer (HEAD,
+   index, config, hooks, info/, logs) is ever copied;
 3. in mode "apply", each entry whose ref matches the profile's `git_refs_allow` is
    applied by compare-and-swap on `old_oid` (`substrate.git.refs.update_ref`: a ref
    the host moved meanwhile is a conflict, `host_changed`); any other is blocked
@@ -33,9 +34,13 @@ Blocking I/O and SQLite: call from worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import stat
 import threading
+import time
 from collections.abc import Iterable
 from typing import Literal
 
@@ -63,6 +68,14 @@ MAX_REF_ENTRIES = 1000
 #: Bounds of one conclusion's object import (past either the rest is refused by name).
 MAX_IMPORT_BYTES = 4 << 30
 MAX_IMPORT_OBJECTS = 1_000_000
+#: Where a conclusion stages the objects to import, in the git layer's directory.
+STAGING = "import"
+#: An object file made within this much before the last import began is staged again:
+#: file times come from a coarse clock that lags the real one by up to a tick (a
+#: second check of an object present costs one lookup; a missed object is never
+#: imported).
+CTIME_SLACK_NS = 50_000_000
+_FANOUT = re.compile(r"[0-9a-f]{2}")
 #: The reflog identity of a ref substrate moves in the checkout.
 COMMITTER = b"substrate <substrate@localhost>"
 #: What became of a ref entry.
@@ -164,10 +177,12 @@ def conclude(
         try:
             merged = read_refs(merged_fd, max_refs=git_baseline.MAX_REFS)
             host = read_refs(host_fd, max_refs=git_baseline.MAX_REFS)
-            baseline = git_baseline.load(layer_dir)
+            loaded = git_baseline.load(layer_dir)
+            baseline = loaded.refs
             found = compare(baseline, merged, host)
             taken, left = found[:MAX_REF_ENTRIES], found[MAX_REF_ENTRIES:]
             refs: list[RefChange] = []
+            imported = loaded.imported_ns
             if mode != "discard":
                 objects_fd = os.open("objects", _DIR_FLAGS, dir_fd=merged_fd)
                 try:
@@ -186,7 +201,7 @@ def conclude(
                         )
                 finally:
                     os.close(objects_fd)
-                import_from(upper, host_fd)
+                imported = import_from(layer_dir, upper, host_fd, loaded.imported_ns)
             if mode == "apply":
                 refs = list(apply(host_fd, refs, operator=False))
             # An entry past the bound keeps its old value: the next conclusion has it.
@@ -195,7 +210,10 @@ def conclude(
                     merged.pop(name, None)
                 else:
                     merged[name] = old
-            git_baseline.save(layer_dir, merged)
+            if merged != baseline or imported != loaded.imported_ns:
+                git_baseline.save(
+                    layer_dir, git_baseline.Baseline(refs=merged, imported_ns=imported)
+                )
             return tuple(refs)
         finally:
             os.close(merged_fd)
@@ -203,30 +221,117 @@ def conclude(
         os.close(host_fd)
 
 
-def import_from(upper: str, host_fd: int) -> None:
-    """Copy the objects the sandbox wrote (the layer's upper `objects/`) into the
-    checkout's store, verified (`import_objects`); a refused one is logged by name."""
+def import_from(layer_dir: str, upper: str, host_fd: int, since_ns: int) -> int:
+    """Copy the objects the sandbox wrote since `since_ns` (the layer's upper
+    `objects/`: loose objects and packs whose file was made since, less `CTIME_SLACK_NS`)
+    into the checkout's store, verified (`import_objects`); a refused one is logged by
+    name. Returns the time to import from next time (`since_ns` again when nothing was
+    new: nothing was made since then). Those files are staged as hard links in
+    `<layer>/import/` first, so an object imported once is not read again at every
+    later conclusion. Costs a stat per fan-out directory of the layer and per file in
+    those changed since, and the import of what is new."""
+    started = time.time_ns()
     try:
         source = os.open(f"{upper}/objects", _DIR_FLAGS)
     except FileNotFoundError:
-        return  # the sandbox wrote no object
+        return since_ns  # the sandbox wrote no object
     try:
-        dest = os.open("objects", _DIR_FLAGS, dir_fd=host_fd)
+        found = _new_files(source, since_ns - CTIME_SLACK_NS)
+        if not found:
+            return since_ns
+        _remove(layer_dir, STAGING)  # a crash's leftover
+        os.mkdir(f"{layer_dir}/{STAGING}", 0o700)
         try:
-            st = os.fstat(dest)
-            report = import_objects(
-                source,
-                dest,
-                owner=(st.st_uid, st.st_gid),
-                max_bytes=MAX_IMPORT_BYTES,
-                max_objects=MAX_IMPORT_OBJECTS,
-            )
+            stage_fd = os.open(f"{layer_dir}/{STAGING}", _DIR_FLAGS)
+            try:
+                _stage(source, stage_fd, found)
+                dest = os.open("objects", _DIR_FLAGS, dir_fd=host_fd)
+                try:
+                    st = os.fstat(dest)
+                    report = import_objects(
+                        stage_fd,
+                        dest,
+                        owner=(st.st_uid, st.st_gid),
+                        max_bytes=MAX_IMPORT_BYTES,
+                        max_objects=MAX_IMPORT_OBJECTS,
+                    )
+                finally:
+                    os.close(dest)
+            finally:
+                os.close(stage_fd)
         finally:
-            os.close(dest)
+            _remove(layer_dir, STAGING)
     finally:
         os.close(source)
     for refusal in report.refused[:16]:
         log.warning("git layer object %s refused: %s", refusal.name, refusal.reason)
+    if any(r.reason in ("too_large", "too_many") for r in report.refused):
+        return since_ns  # what the bounds left waits for the next conclusion
+    return started
+
+
+def _new_files(source_fd: int, since_ns: int) -> list[tuple[str, list[str]]]:
+    """(directory, names) of the regular files of the store `source_fd` (`xx/<38
+    hex>`, `pack/<name>`) made at or after `since_ns`; a fan-out directory not changed
+    since is not read. Never follows a symlink."""
+    with os.scandir(source_fd) as top:
+        dirs = [
+            e.name
+            for e in top
+            if (_FANOUT.fullmatch(e.name) or e.name == "pack")
+            # A directory not changed since holds nothing made since (the open below
+            # checks again that it is one, no symlink followed).
+            and e.stat(follow_symlinks=False).st_mtime_ns >= since_ns
+        ]
+    found = []
+    for name in sorted(dirs):
+        try:
+            sub = os.open(name, _DIR_FLAGS, dir_fd=source_fd)
+        except OSError:
+            continue  # a symlink or gone: never followed
+        try:
+            with os.scandir(sub) as listing:
+                names = [
+                    e.name
+                    for e in listing
+                    if stat.S_ISREG((st := e.stat(follow_symlinks=False)).st_mode)
+                    and st.st_ctime_ns >= since_ns
+                ]
+        finally:
+            os.close(sub)
+        if names:
+            found.append((name, sorted(names)))
+    return found
+
+
+def _stage(source_fd: int, stage_fd: int, found: list[tuple[str, list[str]]]) -> None:
+    """Hard-link each of `found` (`_new_files`) into `stage_fd` in the same place,
+    never following a symlink (one that replaced a file since is not linked)."""
+    for name, names in found:
+        sub = os.open(name, _DIR_FLAGS, dir_fd=source_fd)
+        try:
+            os.mkdir(name, 0o700, dir_fd=stage_fd)
+            for leaf in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.link(
+                        leaf,
+                        f"{name}/{leaf}",
+                        src_dir_fd=sub,
+                        dst_dir_fd=stage_fd,
+                        follow_symlinks=False,
+                    )
+        finally:
+            os.close(sub)
+
+
+def _remove(parent: str, name: str) -> None:
+    fd = os.open(parent, _DIR_FLAGS)
+    try:
+        fsops.remove_tree(fd, name)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def apply(
