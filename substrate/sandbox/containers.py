@@ -46,7 +46,6 @@ re-observed per command: that needs engine access, root-equivalent anyway
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import secrets
@@ -115,25 +114,22 @@ class Resolved:
         return [rel for rel, _ in self.readonly]
 
 
-def layer_readonly(
-    readonly: list[tuple[str, tuple[int, int]]],
-) -> list[tuple[str, tuple[int, int]]]:
-    """The read-only parts of a sandbox whose layer mounts the git layer on `.git`."""
-    return [(rel, ident) for rel, ident in readonly if rel != GIT_REL]
-
-
-def requirements(run: Resolved, home: Home | None, *, layered: bool) -> dict[str, FactValue]:
+def requirements(
+    run: Resolved, home: Home | None, *, layered: bool, git_layer: bool = False
+) -> dict[str, FactValue]:
     """Step 3 (pure): every fact a sandbox of `run` must show before an egress link's:
     the profile's (`facts.required_facts`), the home's identity, and, without a working
     layer, the identities of the workspace and its read-only paths (a layer's are its
-    own: `LayerMounts.identities`, once it is mounted)."""
+    own: `LayerMounts.identities`, once it is mounted). With a `git_layer`, `.git` is
+    not read-only: it is the git layer's overlay (its identity is the layer's too)."""
     profile = run.declared
+    readonly_dirs = [rel for rel in run.readonly_rels if not (git_layer and rel == GIT_REL)]
     required = factlib.required_facts(
         profile,
         run_uid=run.who.uid,
         run_gid=run.who.gid,
         workspace_mode=profile.workspace,
-        readonly_dirs=run.readonly_rels,
+        readonly_dirs=readonly_dirs,
         seccomp_expected=profile.seccomp != "engine-default",
         image_id=run.image_id,
         security_opt=run.security_opt,
@@ -309,9 +305,8 @@ class Containers:
             layer = await self._layer(ws, run)
             if layer is not None:
                 undo.push_async_callback(self.layer_mounts.close, layer)
-                if layer.plan.git is not None:  # `.git` is the git layer, not read-only
-                    run = dataclasses.replace(run, readonly=layer_readonly(run.readonly))
-            required = requirements(run, home, layered=layer is not None)  # 3. require
+            git_layer = layer is not None and layer.plan.git is not None
+            required = requirements(run, home, layered=layer is not None, git_layer=git_layer)
             await self._labelled.remove_foreign(
                 ws.id, profile, required, run.readonly_rels, mine={s.id for s in self.live()}
             )

@@ -152,6 +152,11 @@ async def test_a_host_commit_on_the_same_ref_meanwhile_is_a_conflict(env: Env) -
 
 
 async def test_a_hook_written_in_the_sandbox_never_reaches_the_host(env: Env) -> None:
+    probe = await env.client.call("facts.probe", workspace=env.ws, profile="default")
+    facts = {f["name"]: f["value"] for f in probe["facts"]}
+    # `.git` is the git layer's overlay, observed from inside: not a read-only part.
+    assert ".git" not in facts["readonly_dirs"]
+    assert facts["workspace_identity:.git"] != facts["workspace_identity"]
     result = await env.sh(
         "printf '#!/bin/sh\\ntouch /tmp/x\\n' > .git/hooks/pre-commit"
         " && chmod +x .git/hooks/pre-commit && git config core.fsmonitor 'touch MARKER'"

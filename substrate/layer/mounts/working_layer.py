@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from substrate.fs.paths import open_dir
 from substrate.layer.generation import Users
 from substrate.layer.mounts import overlay, passthrough
-from substrate.layer.mounts.git_plan import GitLayerPart
+from substrate.layer.mounts.git_plan import GIT_REL, GitLayerPart
 from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
 from substrate.schema.facts import FactValue
 
@@ -149,8 +149,8 @@ def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
 
 def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
     """`workspace_identity` facts of the generation mounted now, read on the host: the
-    overlay on the base, each read-only part over it (opened beneath the base without
-    following a symlink); and `passthrough`, the dirs this generation binds read-write
+    overlay on the base, the git layer's on `.git`, each read-only part over it (opened
+    beneath the base without following a symlink); and `passthrough`, the dirs this generation binds read-write
     (the container's mountinfo must show exactly those as writable non-overlay mounts)."""
     p = layer.plan
     base_fd = os.open(p.base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -163,6 +163,9 @@ def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
                 f"{part.rel}: {','.join(PASSTHROUGH_OPTIONS)}" for part in p.passthrough
             ),
         }
+        if p.git is not None:  # the git layer's overlay, seen through the base
+            gst = os.lstat(GIT_REL, dir_fd=base_fd)
+            found[f"workspace_identity:{GIT_REL}"] = f"{gst.st_dev}:{gst.st_ino}"
         for part in p.readonly:
             *parents, name = part.rel.split("/")
             parent = open_dir(base_fd, parents, where=part.rel)
