@@ -1,5 +1,7 @@
-"""A git layer's baseline: the refs its sandbox's view showed at the last conclusion,
-and when that conclusion imported its objects (docs/working-layer.md, "The git layer").
+"""A git layer's baseline: its sandbox's refs at the last conclusion, and its last import.
+
+The refs the sandbox's view showed at the last conclusion, and when that conclusion
+imported its objects (docs/working-layer.md, "The git layer").
 
 Written when the git layer is made (`mounts.git_layer`: the checkout's refs then) and
 after each conclusion (`changes.git_refs`), read by the next: a ref the sandbox moved
