@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import msgspec
 
@@ -32,6 +33,9 @@ class Baseline(msgspec.Struct, frozen=True, kw_only=True):
 
     refs: dict[str, str] = msgspec.field(default_factory=dict)
     imported_ns: int = 0
+    #: When the last conclusion began (`stamp`): what the sandbox wrote since is its
+    #: evidence (`changes.git_evidence`).
+    concluded_ns: int = 0
 
 
 _decoder = msgspec.msgpack.Decoder(Baseline)
@@ -65,10 +69,50 @@ def load(layer_dir: str) -> Baseline:
         return Baseline()
 
 
-def save(layer_dir: str, baseline: Baseline) -> None:
-    """Replace the baseline, atomically and durably."""
+def save(layer_dir: str, baseline: Baseline, *, durable: bool = True) -> None:
+    """Replace the baseline atomically; with `durable`, fsynced (without: a crash may
+    lose it, and an older or empty baseline only makes more refs look moved, each
+    still checked against the checkout by its compare-and-swap)."""
     fd = os.open(layer_dir, fsops.DIR_FLAGS)
     try:
-        fsops.atomic_write(fd, BASELINE, _encoder.encode(baseline), mode=0o600)
+        fsops.atomic_write(fd, BASELINE, _encoder.encode(baseline), mode=0o600, fsync=durable)
+    finally:
+        os.close(fd)
+
+
+#: The file whose ctime `stamp` takes, in the git layer's directory.
+STAMP = "stamp"
+
+
+#: `mark` waits at most this long for the file-system clock to tick (it ticks every
+#: 1-10 ms: one jiffy).
+MAX_MARK_WAIT_S = 0.1
+
+
+def mark(layer_dir: str) -> int:
+    """A file-system time (ns) after every file written so far and at or before every
+    file written from now on: `stamp`s until the clock ticked past the first one. Files
+    are stamped by the kernel's coarse clock, so without the wait a file written in the
+    same tick before the mark would count as written after it (a ref move reported
+    twice; an object staged again), and with a strict comparison one written in the
+    same tick after it would be missed. Costs up to one tick (1-10 ms)."""
+    first = stamp(layer_dir)
+    deadline = time.monotonic() + MAX_MARK_WAIT_S
+    now = first
+    while now <= first and time.monotonic() < deadline:
+        time.sleep(0.0005)
+        now = stamp(layer_dir)
+    return now
+
+
+def stamp(layer_dir: str) -> int:
+    """The file-system clock now (ns): the ctime `stamp` gets when touched (the clock
+    the upper dir's files are stamped by)."""
+    fd = os.open(
+        f"{layer_dir}/{STAMP}", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
+    try:
+        os.utime(fd)
+        return os.fstat(fd).st_ctime_ns
     finally:
         os.close(fd)

@@ -301,6 +301,7 @@ KIND_OF: dict[str, str] = {
     "layer/changes/store.py": "I/O",
     "layer/changes/versions.py": "I/O",
     "layer/changes/git_refs.py": "I/O",
+    "layer/changes/git_evidence.py": "I/O",
     "layer/keep.py": "glue",
     "layer/recovery.py": "I/O",
     "layer/conclusion.py": "glue",

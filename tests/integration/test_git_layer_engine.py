@@ -251,3 +251,22 @@ async def test_the_git_layer_lasts_across_a_daemon_restart(
             outputs.append(_out(result))
             await client.call("workspace.release", workspace=ws)
     assert outputs[1] == "agent/keep\nkept\n"
+
+
+async def test_refs_the_host_packs_later_are_not_read_as_the_sandboxs_moves(env: Env) -> None:
+    host_git(env.path, "branch", "agent/old", "main")
+    host_git(env.path, "pack-refs", "--all")
+    host_git(env.path, "branch", "agent/keep", "main")  # loose: its directory stays
+    # Deleting a packed branch makes the sandbox's own copy of packed-refs.
+    gone = await env.sh("git branch -D agent/old")
+    assert [(e["path"], e.get("new_oid")) for e in gone["changes"]["applied"]] == [
+        ("refs/heads/agent/old", None)
+    ]
+    host_git(env.path, "branch", "agent/new", "main")
+    seen = await env.sh("git branch --list 'agent/*'")
+    assert _out(seen).split() == ["agent/keep", "agent/new"]  # the host's loose refs
+    # Packed by the host now: the sandbox's older packed-refs hides them in its view.
+    host_git(env.path, "pack-refs", "--all")
+    after = await env.sh("git branch --list 'agent/*'")
+    assert after["changes"].get("changeset") is None, after["changes"]
+    assert env.head_of("agent/new") == env.head_of("agent/keep") == env.head_of("main")

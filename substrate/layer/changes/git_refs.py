@@ -9,8 +9,10 @@ the checkout's git layer (`substrate.layer.mounts.git_layer`). At each conclusio
    the last conclusion (the layer's `baseline`). A ref is the sandbox's change when its
    view differs from both the baseline (it moved since) and the host (a ref the host
    moved and the sandbox never touched shows the host's value in the sandbox's view:
-   not a change; both at the same value: nothing to do). Each is one `ref` entry
-   `{path: <ref name>, old_oid: baseline's, new_oid: the view's}` (None: absent);
+   not a change; both at the same value: nothing to do), and the sandbox wrote
+   evidence of it since the last conclusion (`git_evidence`: else its view is only
+   stale). Each is one `ref` entry `{path: <ref name>, old_oid: baseline's, new_oid:
+   the view's}` (None: absent);
 2. unless the mode is "discard", every object the sandbox wrote since the last import
    (the layer's upper `objects/`: files made since, staged as hard links) is verified —
    its bytes hash to its id and it parses — and copied into the checkout's object
@@ -40,7 +42,6 @@ import os
 import re
 import stat
 import threading
-import time
 from collections.abc import Iterable
 from typing import Literal
 
@@ -51,6 +52,7 @@ from substrate.fs import fsops
 from substrate.git.objects import import_objects
 from substrate.git.refs import commit_subjects, read_refs, update_ref, valid_ref_name
 from substrate.layer import git_baseline
+from substrate.layer.changes import git_evidence
 from substrate.schema.changes import Change
 from substrate.schema.proc import ChangeEntry, ChangesMode
 from substrate.store.db import Store
@@ -70,11 +72,6 @@ MAX_IMPORT_BYTES = 4 << 30
 MAX_IMPORT_OBJECTS = 1_000_000
 #: Where a conclusion stages the objects to import, in the git layer's directory.
 STAGING = "import"
-#: An object file made within this much before the last import began is staged again:
-#: file times come from a coarse clock that lags the real one by up to a tick (a
-#: second check of an object present costs one lookup; a missed object is never
-#: imported).
-CTIME_SLACK_NS = 50_000_000
 _FANOUT = re.compile(r"[0-9a-f]{2}")
 #: The reflog identity of a ref substrate moves in the checkout.
 COMMITTER = b"substrate <substrate@localhost>"
@@ -179,10 +176,16 @@ def conclude(
             host = read_refs(host_fd, max_refs=git_baseline.MAX_REFS)
             loaded = git_baseline.load(layer_dir)
             baseline = loaded.refs
-            found = compare(baseline, merged, host)
+            evidence = git_evidence.read(upper, loaded.concluded_ns)
+            found = [
+                (name, old, new)
+                for name, old, new in compare(baseline, merged, host)
+                if evidence.covers(name, git_evidence.loose_in(host_fd, name))
+            ]
             taken, left = found[:MAX_REF_ENTRIES], found[MAX_REF_ENTRIES:]
             refs: list[RefChange] = []
-            imported = loaded.imported_ns
+            # "discard": what the generation wrote never lands, objects included.
+            imported: int | None = None if mode == "discard" else loaded.imported_ns
             if mode != "discard":
                 objects_fd = os.open("objects", _DIR_FLAGS, dir_fd=merged_fd)
                 try:
@@ -210,10 +213,18 @@ def conclude(
                     merged.pop(name, None)
                 else:
                     merged[name] = old
-            if merged != baseline or imported != loaded.imported_ns:
-                git_baseline.save(
-                    layer_dir, git_baseline.Baseline(refs=merged, imported_ns=imported)
-                )
+            # After everything the sandbox wrote and this conclusion linked; before what
+            # the next command writes.
+            now = git_baseline.mark(layer_dir)
+            if imported is None:
+                imported = now
+            # What the bound left keeps its evidence for the next conclusion.
+            concluded = loaded.concluded_ns if left else now
+            git_baseline.save(
+                layer_dir,
+                git_baseline.Baseline(refs=merged, imported_ns=imported, concluded_ns=concluded),
+                durable=merged != baseline or imported != loaded.imported_ns,
+            )
             return tuple(refs)
         finally:
             os.close(merged_fd)
@@ -221,22 +232,22 @@ def conclude(
         os.close(host_fd)
 
 
-def import_from(layer_dir: str, upper: str, host_fd: int, since_ns: int) -> int:
+def import_from(layer_dir: str, upper: str, host_fd: int, since_ns: int) -> int | None:
     """Copy the objects the sandbox wrote since `since_ns` (the layer's upper
-    `objects/`: loose objects and packs whose file was made since, less `CTIME_SLACK_NS`)
-    into the checkout's store, verified (`import_objects`); a refused one is logged by
-    name. Returns the time to import from next time (`since_ns` again when nothing was
-    new: nothing was made since then). Those files are staged as hard links in
+    `objects/`: loose objects and packs whose file's ctime is at or after it) into the
+    checkout's store, verified (`import_objects`); a refused one is logged by name.
+    Returns the time to import from next time: None for "now" (`git_baseline.mark`,
+    after the links made here), or `since_ns` again when nothing was new or the
+    import's bounds left some for the next conclusion. Those files are staged as hard links in
     `<layer>/import/` first, so an object imported once is not read again at every
     later conclusion. Costs a stat per fan-out directory of the layer and per file in
     those changed since, and the import of what is new."""
-    started = time.time_ns()
     try:
         source = os.open(f"{upper}/objects", _DIR_FLAGS)
     except FileNotFoundError:
         return since_ns  # the sandbox wrote no object
     try:
-        found = _new_files(source, since_ns - CTIME_SLACK_NS)
+        found = _new_files(source, since_ns)
         if not found:
             return since_ns
         _remove(layer_dir, STAGING)  # a crash's leftover
@@ -267,7 +278,7 @@ def import_from(layer_dir: str, upper: str, host_fd: int, since_ns: int) -> int:
         log.warning("git layer object %s refused: %s", refusal.name, refusal.reason)
     if any(r.reason in ("too_large", "too_many") for r in report.refused):
         return since_ns  # what the bounds left waits for the next conclusion
-    return started
+    return None
 
 
 def _new_files(source_fd: int, since_ns: int) -> list[tuple[str, list[str]]]:

@@ -103,7 +103,9 @@ class GitLayers:
                 git_fd = os.open(GIT_REL, fsops.DIR_FLAGS, dir_fd=root_fd)
                 try:
                     refs = read_refs(git_fd, max_refs=git_baseline.MAX_REFS)
-                    git_baseline.save(layer_dir, git_baseline.Baseline(refs=refs))
+                    now = git_baseline.stamp(layer_dir)
+                    made_at = git_baseline.Baseline(refs=refs, concluded_ns=now)
+                    git_baseline.save(layer_dir, made_at)
                 finally:
                     os.close(git_fd)
             self._held.add(key)
