@@ -270,3 +270,24 @@ async def test_refs_the_host_packs_later_are_not_read_as_the_sandboxs_moves(env:
     after = await env.sh("git branch --list 'agent/*'")
     assert after["changes"].get("changeset") is None, after["changes"]
     assert env.head_of("agent/new") == env.head_of("agent/keep") == env.head_of("main")
+
+
+async def test_a_git_file_gets_no_git_layer_and_stays_read_only(env: Env) -> None:
+    worktree = env.path.parent / "worktree"
+    worktree.mkdir()
+    (worktree / ".git").write_text("gitdir: ../project/.git\n")
+    (worktree / "a.txt").write_text("a\n")
+    chown_tree(worktree)
+    ws = (await env.client.call("workspace.adopt", path=str(worktree)))["workspace"]
+    result = await env.client.call(
+        "proc.run",
+        workspace=ws,
+        profile="default",
+        argv=["sh", "-c", "echo x >> .git; echo $?"],
+    )
+    assert _out(result).strip() != "0"
+    assert (worktree / ".git").read_text() == "gitdir: ../project/.git\n"
+    entries = (await env.client.call("journal.read", limit=10000))["entries"]
+    outcomes = [e["data"]["outcome"] for e in entries if e["kind"] == "layer.git"]
+    assert outcomes == ["gitfile"]
+    await env.client.call("workspace.release", workspace=ws)
