@@ -135,7 +135,7 @@ def _apply_refs(
         if not refs or p.dry_run:
             return refs if p.paths is None else tuple(r for r in refs if r.name in set(p.paths))
         only = None if p.paths is None else set(p.paths)
-        done = apply_kept(ws, refs, operator=operator, only=only)
+        done = apply_kept(ws, refs, operator=operator, only=only, gate=refs_store.gate(ws))
         refs_store.record(p.changeset, ws.id, done)
         changed = [d for d, r in zip(done, refs, strict=True) if d != r]
         refs_store.journal(p.changeset, ws.id, changed, actor)

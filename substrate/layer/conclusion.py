@@ -233,7 +233,8 @@ def _git_refs(
     of their own (recorded, and marked applied at once in mode "apply": it has no
     layer to keep). None: no ref moved."""
     ws, mode = req.ws, req.changes
-    found = git_refs.conclude(ws, part.target, part.upper, mode, allow)
+    gate = changesets.refs.gate(ws)
+    found = git_refs.conclude(ws, part.target, part.upper, mode, allow, gate)
     if not found:
         return None
     cs_id = changes.changeset

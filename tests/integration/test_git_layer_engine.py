@@ -291,3 +291,28 @@ async def test_a_git_file_gets_no_git_layer_and_stays_read_only(env: Env) -> Non
     outcomes = [e["data"]["outcome"] for e in entries if e["kind"] == "layer.git"]
     assert outcomes == ["gitfile"]
     await env.client.call("workspace.release", workspace=ws)
+
+
+async def test_a_ref_under_require_approval_waits_for_the_operators_grant(env: Env) -> None:
+    await env.operator.call(
+        "workspace.set_policy",
+        workspace=env.ws,
+        policy={"require_approval": [".git/refs/heads/agent/gated"]},
+    )
+    result = await env.sh("git checkout -q -b agent/gated && git commit -q --allow-empty -m g")
+    pending = [e for e in result["changes"]["pending"] if e.get("op") == "ref"]
+    assert [(e["path"], e["reason"]) for e in pending] == [
+        ("refs/heads/agent/gated", "approval_required")
+    ]
+    cs = result["changes"]["changeset"]
+    again = await env.client.call("changes.apply", changeset=cs)  # not granted yet
+    assert [e["path"] for e in again["pending"]] == ["refs/heads/agent/gated"]
+    assert "agent/gated" not in host_git(env.path, "branch", "--list")
+    await env.operator.call(
+        "approval.grant", workspace=env.ws, plan_digest=pending[0]["plan_digest"]
+    )
+    done = await env.client.call("changes.apply", changeset=cs)
+    assert [e["path"] for e in done["applied"] if e.get("op") == "ref"] == [
+        "refs/heads/agent/gated"
+    ]
+    assert host_git(env.path, "log", "--format=%s", "-1", "agent/gated") == "g\n"

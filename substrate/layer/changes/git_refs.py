@@ -22,7 +22,9 @@ the checkout's git layer (`substrate.layer.mounts.git_layer`). At each conclusio
    applied by compare-and-swap on `old_oid` (`substrate.git.refs.update_ref`: a ref
    the host moved meanwhile is a conflict, `host_changed`); any other is blocked
    `ref_denied` (rule `git_refs_allow`) and waits in the set for `changes.apply`, where
-   only the operator may apply it. In "review" every entry is pending;
+   only the operator may apply it; one whose `.git/<ref name>` the workspace's
+   `require_approval` matches is pending until the operator grants its `plan_digest`
+   (`RefGate`). In "review" every entry is pending;
 4. the baseline becomes the view's refs: an entry is reported once, by the conclusion
    after the command that moved it; a later move is a new entry from there.
 
@@ -37,12 +39,15 @@ Blocking I/O and SQLite: call from worker threads.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
 import stat
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
@@ -55,6 +60,7 @@ from substrate.layer import git_baseline
 from substrate.layer.changes import git_evidence
 from substrate.schema.changes import Change
 from substrate.schema.proc import ChangeEntry, ChangesMode
+from substrate.store.approvals import Approvals
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace.policy import GIT_NAME, GlobSet
@@ -98,6 +104,7 @@ class RefChange(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     state: RefState = "pending"
     reason: str | None = None  # ref_denied, host_changed, missing_object, ...
     current: str | None = None  # the checkout's value when it conflicted
+    plan_digest: str | None = None  # pending under `require_approval`: what to grant
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -112,7 +119,12 @@ class RefSets:
         self._store = store
         self._journal = journal
         self.lock = threading.Lock()  # applies of one set's refs, one at a time
+        self._approvals = Approvals(store)
         store.ensure_schema(SCHEMA)
+
+    def gate(self, ws: Workspace) -> RefGate:
+        """`ws`'s `require_approval` over its refs, with the approvals store."""
+        return RefGate(ws.id, ws.policy.needs_approval, self._store, self._approvals)
 
     def record(self, cs_id: str, workspace: str, refs: Iterable[RefChange]) -> None:
         """Keep (or replace) the ref entries of set `cs_id`."""
@@ -160,6 +172,7 @@ def conclude(
     upper: str,
     mode: ChangesMode,
     allow: GlobSet,
+    gate: RefGate | None = None,
 ) -> tuple[RefChange, ...]:
     """Steps 1-4 of the module doc for the git layer whose upper dir is `upper`, mounted
     (its merged view, the sandbox's `.git`, at `merged_git`) over `ws`'s `.git`; the
@@ -206,7 +219,7 @@ def conclude(
                     os.close(objects_fd)
                 imported = import_from(layer_dir, upper, host_fd, loaded.imported_ns)
             if mode == "apply":
-                refs = list(apply(host_fd, refs, operator=False))
+                refs = list(apply(host_fd, refs, operator=False, gate=gate))
             # An entry past the bound keeps its old value: the next conclusion has it.
             for name, old, _new in left:
                 if old is None:
@@ -345,20 +358,63 @@ def _remove(parent: str, name: str) -> None:
         os.close(fd)
 
 
+def ref_digest(workspace: str, ref: RefChange) -> str:
+    """The plan digest an operator grants (`approval.grant`) for one ref entry: its
+    workspace, name and both ids."""
+    plan = f"git-ref\0{workspace}\0{ref.name}\0{ref.old_oid or ''}\0{ref.new_oid or ''}"
+    return hashlib.sha256(plan.encode()).hexdigest()
+
+
+@dataclass
+class RefGate:
+    """The workspace's `require_approval` over refs — a glob matching `.git/<ref name>`,
+    the ref's path in the checkout — and the approvals that let such an entry apply."""
+
+    workspace: str
+    needs: Callable[[str], bool]
+    store: Store
+    approvals: Approvals
+
+    def find(self, digest: str) -> str | None:
+        return self.approvals.find(self.workspace, digest, time.time())
+
+    def consume(self, approval_id: str) -> None:
+        with self.store.transaction() as db:
+            self.approvals.consume_in(db, approval_id, time.time())
+
+
 def apply(
-    host_fd: int, refs: Iterable[RefChange], *, operator: bool, only: set[str] | None = None
+    host_fd: int,
+    refs: Iterable[RefChange],
+    *,
+    operator: bool,
+    only: set[str] | None = None,
+    gate: RefGate | None = None,
 ) -> tuple[RefChange, ...]:
     """Apply each entry not applied yet (and named in `only`, when given) to the
-    checkout's git dir `host_fd` by compare-and-swap on its `old_oid`: an entry outside
-    `git_refs_allow` is blocked `ref_denied` unless `operator`. Returns every entry with
-    its new state. Costs a ref read and a locked write per entry."""
+    checkout's git dir `host_fd` by compare-and-swap on its `old_oid`. One whose ref
+    `gate` says needs approval is `pending` (its `plan_digest` to grant) until a live
+    approval of that digest exists (consumed when it applies); any other outside
+    `git_refs_allow` is blocked `ref_denied` unless `operator`. Returns every entry
+    with its new state. Costs a ref read and a locked write per entry."""
     out = []
     owner = os.fstat(host_fd)
     for ref in refs:
         if ref.state in ("applied", "unchanged") or (only is not None and ref.name not in only):
             out.append(ref)
             continue
-        if not (ref.allowed or operator):
+        approval = None
+        if gate is not None and gate.needs(f"{GIT_NAME}/{ref.name}"):
+            digest = ref_digest(gate.workspace, ref)
+            approval = gate.find(digest)
+            if approval is None:
+                out.append(
+                    msgspec.structs.replace(
+                        ref, state="pending", reason="approval_required", plan_digest=digest
+                    )
+                )
+                continue
+        elif not (ref.allowed or operator):
             out.append(msgspec.structs.replace(ref, state="blocked", reason="ref_denied"))
             continue
         try:
@@ -377,7 +433,13 @@ def apply(
         match done.outcome:
             case "applied" | "unchanged":
                 state: RefState = done.outcome
-                out.append(msgspec.structs.replace(ref, state=state, reason=None, current=None))
+                if approval is not None and gate is not None and state == "applied":
+                    gate.consume(approval)
+                out.append(
+                    msgspec.structs.replace(
+                        ref, state=state, reason=None, current=None, plan_digest=None
+                    )
+                )
             case "host_changed" | "locked":
                 out.append(
                     msgspec.structs.replace(
@@ -390,13 +452,18 @@ def apply(
 
 
 def apply_kept(
-    ws: Workspace, refs: tuple[RefChange, ...], *, operator: bool, only: set[str] | None
+    ws: Workspace,
+    refs: tuple[RefChange, ...],
+    *,
+    operator: bool,
+    only: set[str] | None,
+    gate: RefGate | None = None,
 ) -> tuple[RefChange, ...]:
     """`apply` of a kept set's entries to `ws`'s checkout (`changes.apply`)."""
     with ws.use():
         host_fd = os.open(GIT_NAME, _DIR_FLAGS, dir_fd=ws.root_fd)
     try:
-        return apply(host_fd, refs, operator=operator, only=only)
+        return apply(host_fd, refs, operator=operator, only=only, gate=gate)
     finally:
         os.close(host_fd)
 
@@ -410,6 +477,7 @@ def entry(ref: RefChange) -> ChangeEntry:
         new_oid=ref.new_oid,
         reason=ref.reason,
         rule="git_refs_allow" if ref.reason == "ref_denied" else None,
+        plan_digest=ref.plan_digest,
         current_sha256=None,
         current_oid=ref.current,
     )
