@@ -231,22 +231,28 @@ def _git_refs(
 ) -> tuple[str, tuple[git_refs.RefChange, ...]] | None:
     """Conclude the git layer and keep its entries with the result's set, or with one
     of their own (recorded, and marked applied at once in mode "apply": it has no
-    layer to keep). None: no ref moved."""
+    layer to keep), before the layer's baseline moves past them (a crash between
+    leaves them to be found again). None: no ref moved."""
     ws, mode = req.ws, req.changes
+    kept: list[str] = []
+
+    def keep(found: tuple[git_refs.RefChange, ...]) -> None:
+        cs_id = changes.changeset
+        if cs_id is None:
+            review = mode == "review"
+            state: Literal["pending", "applying"] = "pending" if review else "applying"
+            cs_id = changesets.record(ws, changes.generation, "", "", ChangeSet(), state)
+            if not review:
+                changesets.finish(cs_id, ws, changes.generation, ApplyResult(), "changes.applied")
+        changesets.refs.record(cs_id, ws.id, found)
+        changesets.refs.journal(cs_id, ws.id, found, req.actor)
+        kept.append(cs_id)
+
     gate = changesets.refs.gate(ws)
-    found = git_refs.conclude(ws, part.target, part.upper, mode, allow, gate)
+    found = git_refs.conclude(ws, part.target, part.upper, mode, allow, gate, keep)
     if not found:
         return None
-    cs_id = changes.changeset
-    if cs_id is None:
-        review = mode == "review"
-        state: Literal["pending", "applying"] = "pending" if review else "applying"
-        cs_id = changesets.record(ws, changes.generation, "", "", ChangeSet(), state)
-        if not review:
-            changesets.finish(cs_id, ws, changes.generation, ApplyResult(), "changes.applied")
-    changesets.refs.record(cs_id, ws.id, found)
-    changesets.refs.journal(cs_id, ws.id, found, req.actor)
-    return cs_id, found
+    return kept[0], found
 
 
 def _inspect_passthrough(

@@ -173,11 +173,12 @@ def conclude(
     mode: ChangesMode,
     allow: GlobSet,
     gate: RefGate | None = None,
+    keep: Callable[[tuple[RefChange, ...]], None] | None = None,
 ) -> tuple[RefChange, ...]:
     """Steps 1-4 of the module doc for the git layer whose upper dir is `upper`, mounted
     (its merged view, the sandbox's `.git`, at `merged_git`) over `ws`'s `.git`; the
-    entries, applied or not by `mode`. Nothing is kept here (`RefSets.record` keeps
-    them with the set). Costs a read of the refs three times, a hash per object the
+    entries, applied or not by `mode`. `keep` is given them (when there are any) to keep
+    with the set (`RefSets.record`) before the baseline is saved past them. Costs a read of the refs three times, a hash per object the
     sandbox wrote, a copy per new one, a CAS per allowed entry."""
     layer_dir = upper.rsplit("/", 1)[0]
     with ws.use():
@@ -226,6 +227,8 @@ def conclude(
                     merged.pop(name, None)
                 else:
                     merged[name] = old
+            if refs and keep is not None:
+                keep(tuple(refs))
             # After everything the sandbox wrote and this conclusion linked; before what
             # the next command writes.
             now = git_baseline.mark(layer_dir)
