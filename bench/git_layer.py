@@ -1,7 +1,7 @@
 """Benchmark of the git layer (docs/working-layer.md, "The git layer"): one run, ratios
 against baselines measured in the same run (medians).
 
-    python3 bench/git.py [--runs 5] [--files 1000]
+    python3 bench/git_layer.py [--runs 5] [--files 1000]
 
 Starts a real daemon with the shipped `default` profile (a working layer whose `.git`
 is the checkout's git layer) on a checkout holding a repository of `--files` files, and
