@@ -2,6 +2,7 @@
 in the same run (medians).
 
     python3 bench/layer.py [--suite-runs 5] [--many-runs 5] [--true-runs 30]
+    python3 bench/layer.py --fresh-view [--fresh-runs 60]   (section 4 alone)
 
 Starts a real daemon (`python -m substrate serve --profiles D`) whose profiles dir holds
 the shipped `agent` profile (`workspace = "layer"`) and `agent-rw`, the same profile with
@@ -15,7 +16,13 @@ the shipped `agent` profile (`workspace = "layer"`) and `agent-rw`, the same pro
    profile's is the apply, in files/s, against `cp -a` of the same 5,000 files on the
    host into a fresh directory (the copies interleaved with the commands);
 3. warm `proc.run ["true"]` p50 on both profiles: the difference is the per-command cost
-   of a layer (swap + scan of an empty layer + re-verification).
+   of a layer (swap + scan of an empty layer + re-verification);
+4. `python3 -m venv` (with pip: about 1,700 files, 25 MB) into the checkout, on the layer
+   vs on the rw bind: wall time of `proc.run` (`venv_cost`);
+5. a command writing a 1 GiB file: the layer's after-command time less the rw profile's
+   is its apply (streamed), against `cp` of the same file on the host, and the daemon's
+   RSS growth while it applies: VmRSS sampled every 10 ms, the peak less the value
+   before (`big_file_cost`).
 
 Needs the engine, the substrate-sandbox:bookworm image, and root (workspaces are chowned
 to uid 1000).
@@ -30,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -164,7 +172,14 @@ def main() -> None:
     ap.add_argument("--suite-runs", type=int, default=5)
     ap.add_argument("--many-runs", type=int, default=5)
     ap.add_argument("--true-runs", type=int, default=30)
+    ap.add_argument("--venv-runs", type=int, default=3)
+    ap.add_argument("--big-runs", type=int, default=3)
+    ap.add_argument("--big-mib", type=int, default=BIG_MIB)
+    ap.add_argument("--big-only", action="store_true", help="only section 5")
     args = ap.parse_args()
+    if args.big_only:
+        big_only(args.big_runs, args.big_mib)
+        return
     base = Path(tempfile.mkdtemp(prefix="substrate-bench-layer-"))
     profiles = make_profiles(base)
     daemon = BenchDaemon(base, ["--profiles", str(profiles)])
@@ -267,6 +282,8 @@ def main() -> None:
             f"  rw ({RW})    {tr:8.1f}  {med(tafter[RW]):8.1f}",
             f"  per-command cost of the layer: {tl - tr:.1f} ms ({tl / tr:.2f}x)",
         ]
+        report += venv_cost(bench, daemon, args.venv_runs)
+        report += big_file_cost(bench, daemon, base, args.big_runs, args.big_mib)
     finally:
         client.close()
         daemon.stop()
@@ -274,5 +291,267 @@ def main() -> None:
     print("\n".join(report))
 
 
+# -- the fresh view (`--fresh-view`): its own daemon, checkout and figures ---------------
+
+FRESH_DIRS = 10_000
+
+
+def make_wide_checkout(path: Path, dirs: int) -> Path:
+    """A checkout of `dirs` directories (100 per parent), one small file in each tenth."""
+    (path / ".git").mkdir(parents=True)
+    for i in range(dirs):
+        d = path / f"d{i // 100:03d}" / f"e{i % 100:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        if i % 10 == 0:
+            (d / "f.txt").write_text("x\n")
+    chown_tree(path)
+    return path
+
+
+def fresh_view_cost(runs: int) -> list[str]:
+    """Warm `proc.run ["true"]` p50 on the shipped `default` profile (`workspace =
+    "layer"`) over a checkout of `FRESH_DIRS` directories: with nothing changed on the
+    host (the watch's one `poll(2)`), and with a host change before each command (the
+    generation mounted again and re-verified), against `docker exec <ctr> true` (CLI)
+    and the SDK's `exec_run` on the same container, interleaved (the same profile as
+    "rw" is no baseline here: the rw write gate walks the checkout each command); then, in this process, the
+    watch's own costs on the same checkout: its walk and a `pending` check."""
+    import docker
+
+    from substrate.layer.mounts.lower_watch import LowerWatch
+
+    base = Path(tempfile.mkdtemp(prefix="substrate-bench-fresh-"))
+    profiles = base / "profiles"
+    profiles.mkdir()
+    shutil.copy(REPO / "profiles" / "default.toml", profiles / "default.toml")
+    daemon = BenchDaemon(base, ["--profiles", str(profiles)])
+    client = Client(daemon.socket, timeout=600)
+    try:
+        project = make_wide_checkout(daemon.roots / "wide", FRESH_DIRS)
+        ws = client.call("workspace.adopt", path=str(project))["workspace"]
+        bench = Bench(client)
+        t = time.perf_counter()
+        bench.run(ws, "default", ["true"])  # the sandbox: container, layer, the watch's walk
+        first_ms = (time.perf_counter() - t) * 1000
+        container = client.call("facts.probe", workspace=ws, profile="default")["container"]
+        ctr = docker.from_env().containers.get(container)
+        touched = project / "d000" / "e00" / "f.txt"
+
+        def unchanged() -> None:
+            bench.run(ws, "default", ["true"])
+
+        def changed() -> None:
+            touched.write_text(f"{time.time_ns()}\n")  # in place: an event, a remount
+            bench.run(ws, "default", ["true"])
+
+        sides: list[tuple[str, Callable[[], object]]] = [
+            ("default, checkout unchanged", unchanged),
+            ("default, a host edit before each", changed),
+            ("docker exec CLI", lambda: subprocess.run(["docker", "exec", container, "true"])),
+            ("SDK exec_run", lambda: ctr.exec_run(["true"])),
+        ]
+        for _, fn in sides:
+            fn()
+        times: list[list[float]] = [[] for _ in sides]
+        for i in range(runs):
+            for k in range(len(sides)):
+                j = (i + k) % len(sides)
+                t = time.perf_counter()
+                sides[j][1]()
+                times[j].append((time.perf_counter() - t) * 1000)
+        status = client.call("daemon.status")["fresh_view"]
+        p50 = [med(t) for t in times]
+        cli, sdk = p50[2], p50[3]
+        report = [
+            f"7. the fresh view: warm proc.run ['true'] over {FRESH_DIRS:,} directories"
+            f" (ms, p50 of {runs})",
+        ]
+        report += [f"  {name:36s} {v:8.2f}" for (name, _), v in zip(sides, p50, strict=True)]
+        report += [
+            f"  ratio unchanged/docker exec: {p50[0] / cli:.2f}, /exec_run: {p50[0] / sdk:.2f}",
+            f"  a host edit before a command costs {p50[1] - p50[0]:.2f} ms more"
+            f" (remount + re-verify; remounts so far: {status['remounts']})",
+            f"  first command (sandbox made, the watch's walk included): {first_ms:.0f} ms;"
+            f" watched dirs {status['watched_dirs']:,}, degraded {status['degraded']}",
+        ]
+    finally:
+        client.close()
+        daemon.stop()
+    # The watch's own costs, in this process, on the same checkout.
+    root = os.open(project, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        walks = []
+        for _ in range(3):
+            t = time.perf_counter()
+            watch = LowerWatch.open(root)
+            walks.append((time.perf_counter() - t) * 1000)
+            watch.drain(root)
+            watch.mounted()
+            if _ != 2:
+                watch.close()
+        checks = []
+        for _ in range(1000):
+            t = time.perf_counter()
+            watch.pending()
+            checks.append((time.perf_counter() - t) * 1e6)
+        touched.write_text("y\n")
+        drains = []
+        for _ in range(200):
+            touched.write_text(f"{time.time_ns()}\n")
+            t = time.perf_counter()
+            watch.drain(root)
+            drains.append((time.perf_counter() - t) * 1e6)
+            watch.mounted()
+        watch.close()
+    finally:
+        os.close(root)
+        shutil.rmtree(base, ignore_errors=True)
+    report += [
+        f"  detection per command: pending() {med(checks):.1f} us (p50 of 1000),"
+        f" drain of one event {med(drains):.1f} us; the walk of {watch.walks} x"
+        f" {FRESH_DIRS:,} dirs {med(walks):.0f} ms (once per sandbox)",
+    ]
+    return report
+
+
+def venv_cost(bench: Bench, daemon: BenchDaemon, runs: int) -> list[str]:
+    """Section 4: `python3 -m venv` (pip included) into the checkout, layer vs rw."""
+    ws = {p: bench.adopt(make_workspace(daemon.roots, f"venv-{p}", False)) for p in (LAYER, RW)}
+    wall: dict[str, list[float]] = {LAYER: [], RW: []}
+    after: dict[str, list[float]] = {LAYER: [], RW: []}
+    files: list[int] = []
+
+    def venv_on(profile: str) -> Callable[[int], object]:
+        def go(i: int) -> None:
+            w, a, r = bench.run(ws[profile], profile, ["python3", "-m", "venv", f"venv{i}"])
+            wall[profile].append(w)
+            after[profile].append(a)
+            if r.get("changes") is not None:
+                files.append(r["changes"]["counts"]["applied"])
+
+        return go
+
+    for p in (LAYER, RW):
+        bench.run(ws[p], p, ["true"])  # warm: the container exists
+    interleaved([venv_on(LAYER), venv_on(RW)], runs)
+    lw, rw = med(wall[LAYER]), med(wall[RW])
+    return [
+        f"4. python3 -m venv (with pip) into the checkout (ms, median of {runs};"
+        f" changes applied per run: {sorted(set(files))})",
+        "                       wall  after the command",
+        f"  layer ({LAYER})    {lw:8.1f}  {med(after[LAYER]):8.1f}",
+        f"  rw ({RW})    {rw:8.1f}  {med(after[RW]):8.1f}",
+        f"  ratio layer/rw: {lw / rw:.2f}x (goal <= 2x)",
+    ]
+
+
+#: Writes argv[2] MiB of a pattern to the file named by argv[1], a MiB at a time.
+BIG_SCRIPT = """\
+import sys
+with open(sys.argv[1], "wb") as f:
+    for i in range(int(sys.argv[2])):
+        f.write(bytes([i % 251]) * (1 << 20))
+"""
+BIG_MIB = 1024
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+class RssPeak:
+    """The peak VmRSS of `pid` less its value at the start, sampled every 10 ms."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = _rss_kib(pid)
+        self.peak = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _rss_kib(self.pid))
+
+    def growth_mib(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return (self.peak - self.start) / 1024
+
+
+def big_only(runs: int, mib: int) -> None:
+    """Section 5 alone, on a daemon of its own (`--big-only`, `--big-mib 2048`)."""
+    base = Path(tempfile.mkdtemp(prefix="substrate-bench-layer-"))
+    daemon = BenchDaemon(base, ["--profiles", str(make_profiles(base))])
+    client = Client(daemon.socket, timeout=600)
+    try:
+        report = big_file_cost(Bench(client), daemon, base, runs, mib)
+    finally:
+        client.close()
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    print("\n".join(report))
+
+
+def big_file_cost(
+    bench: Bench, daemon: BenchDaemon, base: Path, runs: int, mib: int = BIG_MIB
+) -> list[str]:
+    """Section 5: a `mib` MiB file applied (streamed) vs `cp` of it, and the RSS growth."""
+    ws = {p: bench.adopt(make_workspace(daemon.roots, f"big-{p}", False)) for p in (LAYER, RW)}
+    after: dict[str, list[float]] = {LAYER: [], RW: []}
+    growth: list[float] = []
+    rss_start: list[int] = []
+    cp_ms: list[float] = []
+
+    def big_on(profile: str) -> Callable[[int], object]:
+        def go(i: int) -> None:
+            argv = ["python3", "-c", BIG_SCRIPT, f"big{i}.bin", str(mib)]
+            rss = RssPeak(daemon.proc.pid) if profile == LAYER else None
+            _w, a, r = bench.run(ws[profile], profile, argv)
+            if rss is not None:
+                growth.append(rss.growth_mib())
+                rss_start.append(rss.start)
+                applied = r["changes"]["counts"]["applied"]
+                if applied != 1:
+                    raise SystemExit(f"the 1 GiB file was not applied: {r['changes']}")
+            after[profile].append(a)
+
+        return go
+
+    def copy(i: int) -> None:
+        source = daemon.roots / f"big-{RW}" / "big0.bin"
+        t = time.perf_counter()
+        subprocess.run(["cp", str(source), str(base / f"big-cp{i}.bin")], check=True)
+        subprocess.run(["sync", "-f", str(base)], check=True)  # the apply's syncfs too
+        cp_ms.append((time.perf_counter() - t) * 1000)
+        os.unlink(base / f"big-cp{i}.bin")
+
+    for p in (LAYER, RW):
+        bench.run(ws[p], p, ["true"])  # warm: the container exists
+    interleaved([big_on(LAYER), big_on(RW), copy], runs)
+    apply_ms = med(after[LAYER]) - med(after[RW])
+    return [
+        f"5. a {mib} MiB file (ms, median of {runs})",
+        f"  layer after the command  {med(after[LAYER]):8.1f}",
+        f"  rw after the command     {med(after[RW]):8.1f}",
+        f"  apply (layer - rw)       {apply_ms:8.1f}",
+        f"  cp + sync -f on the host {med(cp_ms):8.1f}",
+        f"  ratio cp/apply: {med(cp_ms) / apply_ms:.2f}",
+        f"  daemon RSS growth over the command and its apply: median {med(growth):.1f} MiB,"
+        f" max {max(growth):.1f} MiB (goal < 32; VmRSS before: {rss_start[0] / 1024:.0f} MiB)",
+    ]
+
+
 if __name__ == "__main__":
-    main()
+    if "--fresh-view" in sys.argv[1:]:
+        fresh = argparse.ArgumentParser()
+        fresh.add_argument("--fresh-view", action="store_true")
+        fresh.add_argument("--fresh-runs", type=int, default=60)
+        print("\n".join(fresh_view_cost(fresh.parse_args().fresh_runs)))
+    else:
+        main()

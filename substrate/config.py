@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import grp
 import os
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import psycopg
+from psycopg import conninfo
 
 from substrate.errors import Refusal
+from substrate.metrics import parse_metrics_listen
 from substrate.protocol.client import default_state_dir
 from substrate.schema.workspace import Policy
 from substrate.workspace.policy import compile_policy
@@ -30,6 +34,25 @@ SECRET_WORDS = ("secret", "token", "password")
 
 class ConfigError(Exception):
     """The configuration file or a flag is wrong; the message names the key."""
+
+
+class JournalExport(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """`[journal_export]`: ship the journal to PostgreSQL (docs/fleet.md)."""
+
+    #: a libpq DSN or URI of the database (`host=db dbname=fleet user=substrate`), never
+    #: holding a password (refused: use `password_secret`); "": no export
+    postgres_dsn: str = ""
+    node: str = ""  # this node's name in substrate_journal; "": the host name
+    #: an operator secret (`substrate secret set NAME`) holding the password, read at
+    #: each connect; "": libpq's own ways (PGPASSFILE, ~/.pgpass of the daemon's user)
+    password_secret: str = ""
+    batch_entries: int = 1000  # entries per batch (one transaction), 1..10000
+    poll_s: float = 0.5  # caught up: how often the journal's head is looked at, seconds
+    max_backoff_s: float = 30.0  # the longest wait between failed attempts, seconds
+    timeout_s: float = 10.0  # connect and statement timeout, seconds
+
+    def node_name(self) -> str:
+        return self.node or socket.gethostname()
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -62,6 +85,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     line_timeout_s: float = 10.0  # a started request line must end within this
     idle_timeout_s: float = 600.0  # a connection with nothing in flight closes after this
     max_processes: int = 64  # running processes per daemon
+    #: the profile of a proc.run/proc.start that names none (shipped: `default`)
+    default_profile: str = "default"
     container_idle_s: float = 600.0  # an unused sandbox container is removed after this
     #: commands start through each sandbox's own supervisor (docs/fast-exec.md); false:
     #: every command is an engine exec (no supervisor, no supervisor directory bound)
@@ -71,6 +96,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     preimage_quota_bytes: int = 1 << 30
     #: change sets a workspace keeps for review or approval; past it "apply"/"review" runs are refused (§11)
     max_kept_changesets: int = 64
+    #: a change set's largest file, bytes (applied streamed); larger: blocked too_large
+    max_change_file_bytes: int = 8 << 30
+    #: the bytes one change set's scan hashes in all (the command's files and the
+    #: checkout files they replace or delete); past it: blocked too_large
+    max_changeset_bytes: int = 32 << 30
     max_upload_bytes: int = 1 << 30  # one chunked upload's declared size (§14); more: too_large
     max_uploads: int = 8  # open uploads per caller (socket and uid); more: limit_exceeded
     upload_idle_s: float = 600.0  # an upload with no call for this long expires, spool removed
@@ -79,6 +109,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     egress_refuse_private: bool = False
     #: the daemon's log on stderr: "debug" adds one line per refusal (method and name only)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: where Prometheus scrapes `/metrics` (docs/fleet.md), HOST:PORT; "": not served.
+    #: Loopback only unless `metrics_allow_remote`
+    metrics_listen: str = ""
+    metrics_allow_remote: bool = False  # let `metrics_listen` be a non-loopback address
+    # `[journal_export]`: the journal shipped to PostgreSQL (docs/fleet.md).
+    journal_export: JournalExport = msgspec.field(default_factory=JournalExport)
     # `[policy]`: the operator's default policy of every checkout (docs/protocol.md §2); agents add to it.
     policy: Policy = msgspec.field(default_factory=Policy)
 
@@ -135,6 +171,9 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         compile_policy(config.policy)
     except Refusal as exc:
         raise ConfigError(f"{path or 'flags'}: [policy]: {exc.message}") from exc
+    for key in ("max_change_file_bytes", "max_changeset_bytes"):
+        if getattr(config, key) < 0:
+            raise ConfigError(f"{key}: must not be negative")
     if config.max_upload_bytes < 0:
         raise ConfigError("max_upload_bytes: must not be negative")
     if config.max_uploads < 1:
@@ -148,4 +187,32 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
     for key in ("max_unsent_bytes", "max_unsent_bytes_per_uid"):
         if getattr(config, key) < 1:
             raise ConfigError(f"{key}: must be at least 1")
+    _check_export(config.journal_export)
+    if config.metrics_listen:
+        try:
+            parse_metrics_listen(config.metrics_listen, allow_remote=config.metrics_allow_remote)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     return config
+
+
+def _check_export(export: JournalExport) -> None:
+    """Refuse `[journal_export]` values that cannot work, naming the key."""
+    if not export.postgres_dsn:
+        return
+    try:
+        params = conninfo.conninfo_to_dict(export.postgres_dsn)
+    except psycopg.ProgrammingError:
+        raise ConfigError(
+            "journal_export.postgres_dsn: not a libpq DSN or URI (docs/fleet.md)"
+        ) from None
+    if "password" in params:
+        raise ConfigError(
+            "journal_export.postgres_dsn: holds a password; keep it in an operator secret"
+            " (`substrate secret set NAME`) named by journal_export.password_secret"
+        )
+    if not 1 <= export.batch_entries <= 10000:
+        raise ConfigError("journal_export.batch_entries: must be 1..10000")
+    for key in ("poll_s", "max_backoff_s", "timeout_s"):
+        if not getattr(export, key) > 0:
+            raise ConfigError(f"journal_export.{key}: must be positive")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import functools
 import logging
 import os
 import resource
@@ -26,14 +27,18 @@ from pathlib import Path
 import trio
 
 from substrate import __version__, api
+from substrate.agents.turns import Turns
 from substrate.config import Config, ConfigError
 from substrate.egress import EgressProxy, from_environ
 from substrate.errors import Refusal, StartupError
+from substrate.export import Cursors, Exporter, ExportSettings, JournalSource, Shipper
 from substrate.fs.state import StatePaths
+from substrate.metrics import METRICS, serve_metrics
 from substrate.process.service import Execution
 from substrate.protocol.server import Backend, serve_socket
 from substrate.pty.service import TerminalService
 from substrate.sandbox.profiles import ProfileError
+from substrate.secrets import SecretStore, check_name
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from substrate.workspace import reads
@@ -155,6 +160,10 @@ class Daemon:
     digests: reads.Digests = field(default_factory=reads.Digests)
     #: `agent_socket_group`'s gid, resolved once at start (None: root only).
     agent_gid: int | None = None
+    #: The journal export's task (docs/fleet.md); None when not configured.
+    shipper: Shipper | None = None
+    #: HOST:PORT the metrics page is bound to, once it listens (`metrics_listen`).
+    metrics_bound: str | None = None
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -207,6 +216,17 @@ class Daemon:
             api.ProfileServices(
                 workspaces=self.workspaces, profiles=profiles, containers=execution.containers
             ),
+            api.AgentServices(
+                workspaces=self.workspaces,
+                turns=Turns(
+                    processes=execution.processes,
+                    profiles=profiles,
+                    changesets=execution.changesets,
+                    writer=self.writer,
+                    journal=self.journal,
+                    max_kept_changesets=self.config.max_kept_changesets,
+                ),
+            ),
             api.GrantServices(
                 workspaces=self.workspaces,
                 profiles=profiles,
@@ -223,6 +243,8 @@ class Daemon:
                 execution=execution,
                 terminals=terminals,
                 profiles=profiles,
+                shipper=self.shipper,
+                metrics_address=lambda: self.metrics_bound,
             ),
             api.NoServices(),
         )
@@ -247,6 +269,10 @@ class Daemon:
                 await nursery.start(self.execution.run)  # reaps, sweeps, stops sandboxes
                 await nursery.start(self.terminals.serve)
                 nursery.start_soon(self._expire_uploads)
+                if self.shipper is not None:
+                    await nursery.start(self.shipper.run)
+                if self.config.metrics_listen:
+                    await nursery.start(self._serve_metrics)
                 task_status.started()
                 notify_service_manager("READY=1")  # every socket accepts now
                 nursery.start_soon(self._banner)
@@ -259,6 +285,45 @@ class Daemon:
                     nursery.cancel_scope.cancel()
                     break
         await trio.to_thread.run_sync(self.journal.append, "daemon.stopped", {"reason": "signal"})
+        if self.shipper is not None:  # the last entries too, if PostgreSQL answers at once
+            await self.shipper.drain()
+
+    async def _serve_metrics(self, *, task_status: trio.TaskStatus[None]) -> None:
+        """`/metrics` on `metrics_listen` (docs/fleet.md), with the scrape-time gauges of
+        this daemon. An address that cannot be bound is logged, never fatal: the
+        daemon serves without its page (`daemon.status` shows no `metrics_listen`)."""
+        execution, shipper = self.execution, self.shipper
+        METRICS.gauge(
+            "substrate_sandboxes", "Sandboxes this daemon holds", execution.containers.count
+        )
+        METRICS.gauge(
+            "substrate_artifact_store_bytes",
+            "Bytes the artifact store holds on disk (files and live spools)",
+            execution.artifacts.usage,
+        )
+        METRICS.gauge(
+            "substrate_journal_export_lag_entries",
+            "Committed journal entries not yet known to be in PostgreSQL",
+            (lambda: None) if shipper is None else shipper.lag,
+        )
+        listen = self.config.metrics_listen
+        async with trio.open_nursery() as nursery:
+            try:
+                port = await nursery.start(
+                    functools.partial(
+                        serve_metrics,
+                        listen,
+                        METRICS,
+                        allow_remote=self.config.metrics_allow_remote,
+                    )
+                )
+            except OSError as exc:
+                log.error("metrics: cannot listen on %s: %s; no metrics page", listen, exc)
+                task_status.started()
+                return
+            self.metrics_bound = f"{listen.rpartition(':')[0]}:{port}"
+            log.info("metrics http://%s/metrics", self.metrics_bound)
+            task_status.started()
 
     async def _reload_profiles(self) -> None:
         """SIGHUP: `profile.reload`, its outcome logged (a refusal keeps the set in force)."""
@@ -351,7 +416,13 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     )
     closing.callback(uploads.close)
     # One writer for fs.* and the working layers' change sets, keeping pre-images for both.
-    writer = Writer(store, journal, checkpoints)
+    writer = Writer(
+        store,
+        journal,
+        checkpoints,
+        max_change_file_bytes=config.max_change_file_bytes,
+        max_changeset_bytes=config.max_changeset_bytes,
+    )
     # Chained to the upstream proxy the daemon's own environment names, if any.
     egress = EgressProxy(
         upstream=from_environ(os.environ), refuse_private=config.egress_refuse_private
@@ -373,6 +444,7 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     execution.finish_applying(workspaces.get)
     # `execution.run` closes it too on its way out; here for a daemon that never served.
     closing.callback(execution.engine.close)
+    shipper = _shipper(config, store, state, closing)
     return Daemon(
         config=config,
         state_dir=state_dir,
@@ -389,4 +461,39 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         uploads=uploads,
         upload_writer=UploadWriter(store, journal, digests, checkpoints),
         agent_gid=agent_gid,
+        shipper=shipper,
     )
+
+
+def _shipper(
+    config: Config, store: Store, state: StatePaths, closing: contextlib.ExitStack
+) -> Shipper | None:
+    """The journal export's task for `[journal_export]` (docs/fleet.md), or None when no
+    DSN is set. Raises StartupError for a `password_secret` that is not a secret's name."""
+    export = config.journal_export
+    if not export.postgres_dsn:
+        return None
+    name = export.password_secret
+    if name:
+        try:
+            check_name(name)
+        except Refusal as exc:
+            raise StartupError(f"journal_export.password_secret: {exc.message}") from None
+    secrets = SecretStore(state.root)
+
+    def password() -> str | None:
+        return secrets.load([name])[name] if name else None
+
+    source = JournalSource(state.database, export.node_name())
+    closing.callback(source.close)
+    settings = ExportSettings(
+        dsn=export.postgres_dsn,
+        node=export.node_name(),
+        password=password,
+        batch_entries=export.batch_entries,
+        poll_s=export.poll_s,
+        max_backoff_s=export.max_backoff_s,
+        timeout_s=export.timeout_s,
+    )
+    exporter = Exporter(settings, source, Cursors(store.transaction))
+    return Shipper(exporter, on_error=METRICS.journal_export_errors.inc)

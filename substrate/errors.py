@@ -204,6 +204,13 @@ class ProcessUnknown(Refusal):
     name = "process_unknown"
 
 
+class TurnUnknown(Refusal):
+    """No agent turn of this daemon run has this id (`agent.wait`; turns are kept in
+    memory: after a restart, the journal's `agent.turn` entry is the record)."""
+
+    name = "turn_unknown"
+
+
 class StdinClosed(Refusal):
     """`proc.write` to a command whose stdin takes no more bytes; `data.reason`: `eof`
     (an earlier write sent EOF), `closed` (the command closed its stdin or the pipe
@@ -303,6 +310,13 @@ class LimitExceeded(Refusal):
     """A configured cap (connections, processes, quota) would be passed."""
 
     name = "limit_exceeded"
+
+
+class Draining(Refusal):
+    """The daemon is draining (`daemon.drain`, docs/deployment.md "Draining a node"): it
+    starts no new command or terminal session; those running finish. Try another node."""
+
+    name = "draining"
 
 
 class Internal(Refusal):

@@ -150,3 +150,17 @@ def test_default_state_dir_is_outside_the_checkout(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("XDG_STATE_HOME", raising=False)
     state = default_state_dir()
     assert PROJECT_ROOT not in state.parents
+
+
+def test_a_command_naming_no_profile_gets_the_shipped_default() -> None:
+    config = Config()
+    assert config.default_profile == "default"
+    assert (PROJECT_ROOT / "profiles" / f"{config.default_profile}.toml").is_file()
+
+
+def test_change_set_bounds_default_and_refuse_negatives() -> None:
+    config = load_config(None, {})
+    assert (config.max_change_file_bytes, config.max_changeset_bytes) == (8 << 30, 32 << 30)
+    for key in ("max_change_file_bytes", "max_changeset_bytes"):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, {key: -1})

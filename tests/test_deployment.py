@@ -1,4 +1,4 @@
-"""scripts/substrate.service (docs/deployment.md): the unit says what the CLI takes and
+"""deploy/systemd/substrate.service (docs/deployment.md): the unit says what the CLI takes and
 keeps what the daemon needs.
 
 The ExecStart line is parsed by the CLI's own parser and its flags are checked against
@@ -24,7 +24,7 @@ from substrate.cli.main import build_parser
 from substrate.config import PROJECT_ROOT
 from tests.harness import daemon_env
 
-UNIT = PROJECT_ROOT / "scripts" / "substrate.service"
+UNIT = PROJECT_ROOT / "deploy" / "systemd" / "substrate.service"
 DOC = PROJECT_ROOT / "docs" / "deployment.md"
 
 #: Options that make systemd set up a private mount namespace (or another root), so the

@@ -4,7 +4,7 @@
 ...); `base` holds the table and `dispatcher(*bundles)`, what the daemon gives the server.
 One module per group: `fs`, `upload`, `artifact`, `changes`, `workspace` (with
 `approval.grant`), `proc`, `profile` (with `facts.probe`), `grant`, `pty`, `journal`,
-`status` (`daemon.status`, `daemon.info`), `discover`. Importing this package imports
+`status` (`daemon.status`, `daemon.info`), `agents` (`agent.*`), `discover`. Importing this package imports
 every one, which registers its handlers in `HANDLERS`.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 # Imported for their registrations (`@handles`), in no particular order.
 from substrate.api import (
+    agents,
     artifact,
     changes,
     discover,
@@ -27,6 +28,7 @@ from substrate.api import (
 )
 from substrate.api.base import HANDLERS, Actor, Caller, Handler, Handles, dispatcher
 from substrate.api.services import (
+    AgentServices,
     ArtifactServices,
     ChangesServices,
     FsServices,
@@ -44,6 +46,7 @@ from substrate.api.services import (
 __all__ = [
     "HANDLERS",
     "Actor",
+    "AgentServices",
     "ArtifactServices",
     "Caller",
     "ChangesServices",
@@ -59,6 +62,7 @@ __all__ = [
     "StatusServices",
     "UploadServices",
     "WorkspaceServices",
+    "agents",
     "artifact",
     "changes",
     "discover",

@@ -73,13 +73,20 @@ def stdin_of(caller: Caller, p: StartParams) -> bytes | StdinStream | None:
     return StdinStream(caller.name)
 
 
+def profile_name(s: ProcServices, p: StartParams) -> str:
+    """The profile a command runs under: the one named, else the daemon's
+    `default_profile` (docs/protocol.md §9)."""
+    return p.profile if p.profile is not None else s.config.default_profile
+
+
 def run_request(s: ProcServices, caller: Caller, p: StartParams) -> RunRequest:
     """The runner's request for `proc.run`/`proc.start` params. Refuses
     `unknown_workspace`, and `invalid_params` for bad stdin (see `stdin_of`) or for
     `changes` other than "apply" on a profile without a working layer (its writes land
     directly: nothing could be kept or discarded)."""
+    name = profile_name(s, p)
     if p.changes != "apply":
-        profile = s.profiles.by_name.get(p.profile)
+        profile = s.profiles.by_name.get(name)
         if profile is not None and profile.workspace != "layer":
             raise InvalidParams(
                 f'changes = "{p.changes}" needs a workspace = "layer" profile',
@@ -87,7 +94,7 @@ def run_request(s: ProcServices, caller: Caller, p: StartParams) -> RunRequest:
             )
     return RunRequest(
         ws=s.workspaces.get(p.workspace),
-        profile=p.profile,
+        profile=name,
         argv=tuple(p.argv),
         cwd=p.cwd,
         stdin=stdin_of(caller, p),
@@ -102,7 +109,7 @@ async def checked_request(s: ProcServices, caller: Caller, p: StartParams) -> Ru
     per workspace (`limit_exceeded`, `scope: "kept_changesets"`; docs/working-layer.md):
     refused before anything runs."""
     req = run_request(s, caller, p)
-    profile = s.profiles.by_name.get(p.profile)
+    profile = s.profiles.by_name.get(req.profile)
     if profile is not None and profile.workspace == "layer":
         await trio.to_thread.run_sync(
             check_room,

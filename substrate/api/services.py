@@ -8,13 +8,16 @@ this package, never the other way round (pyproject.toml's import-linter contract
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
+from substrate.agents.turns import Turns
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
+from substrate.export import Shipper
 from substrate.layer import Changesets
 from substrate.process.processes import Processes
 from substrate.process.profile_registry import ProfileRegistry
@@ -31,6 +34,7 @@ from substrate.workspace.uploads import Uploads
 from substrate.workspace.writes import UploadWriter, Writer
 
 __all__ = [
+    "AgentServices",
     "ArtifactServices",
     "ChangesServices",
     "FsServices",
@@ -118,6 +122,14 @@ class ProcServices:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AgentServices:
+    """`agent.*` (`api.agents`): agent CLI turns, run by `substrate.agents.turns.Turns`."""
+
+    workspaces: WorkspaceRegistry
+    turns: Turns
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProfileServices:
     """`profile.*` and `facts.probe` (`api.profile`)."""
 
@@ -163,6 +175,10 @@ class StatusServices:
     execution: Execution
     terminals: TerminalService
     profiles: ProfileRegistry
+    #: The journal export's task; None when `[journal_export]` is not configured.
+    shipper: Shipper | None = None
+    #: What the metrics page is bound to, HOST:PORT (a callable: known once it listens).
+    metrics_address: Callable[[], str | None] = lambda: None
 
 
 @dataclass(frozen=True, kw_only=True)

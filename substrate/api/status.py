@@ -1,4 +1,4 @@
-"""Handlers of `daemon.status` and `daemon.info` (docs/protocol.md §9): what this daemon
+"""Handlers of `daemon.status`, `daemon.info` and `daemon.drain` (docs/protocol.md §9): what this daemon
 run is, its engine, where its terminals are served."""
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from substrate import __version__
 from substrate.api.base import Caller, Handles
 from substrate.api.services import StatusServices
 from substrate.fs.state import StatePaths
-from substrate.schema.journal import InfoResult, StatusParams, StatusResult
+from substrate.schema.journal import (
+    DrainParams,
+    DrainResult,
+    InfoResult,
+    JournalExportStatus,
+    StatusParams,
+    StatusResult,
+)
 
 handles = Handles(StatusServices)
 
@@ -28,10 +35,15 @@ async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusRe
         epoch=s.journal.epoch,
         uptime_s=round(time.monotonic() - s.started, 3),
         engine=await s.execution.engine_status(),
+        journal_export=_export(s),
         listen=s.terminals.address(),
+        metrics_listen=s.metrics_address(),
         rss_bytes=_measured(lambda: me.memory_info().rss),
         open_fds=_measured(me.num_fds),
         threads=_measured(me.num_threads),
+        draining=s.execution.processes.draining,
+        running=s.execution.processes.running,
+        fresh_view=s.execution.fresh_view(),
     )
 
 
@@ -51,6 +63,39 @@ async def info(s: StatusServices, caller: Caller, p: StatusParams) -> InfoResult
         config=s.config.public(),
         profiles=s.profiles.listing(),
         engine=await s.execution.engine_status(),
+    )
+
+
+@handles("daemon.drain")
+async def drain(s: StatusServices, caller: Caller, p: DrainParams) -> DrainResult:
+    """Operator socket only. Sets the daemon draining (new commands and terminal sessions
+    are refused `draining`; `daemon.status` says `draining: true`, which fails the
+    readiness check of deploy/kubernetes) and waits up to `timeout_s` for the running
+    commands; `cancel` accepts commands again. Never kills a command."""
+    processes = s.execution.processes
+    started = time.monotonic()
+    if p.cancel:
+        processes.draining = False
+        running = processes.running
+    else:
+        running = await processes.drain(p.timeout_s)
+    return DrainResult(
+        draining=processes.draining,
+        running=running,
+        waited_s=round(time.monotonic() - started, 3),
+    )
+
+
+def _export(s: StatusServices) -> JournalExportStatus:
+    """The export's state now (no I/O: what its task last saw)."""
+    if s.shipper is None:
+        return JournalExportStatus()
+    now = s.shipper.status()
+    return JournalExportStatus(
+        state=now.state,
+        last_seq=now.last_seq,
+        lag_entries=now.lag_entries,
+        last_error=now.last_error,
     )
 
 

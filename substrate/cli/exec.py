@@ -26,6 +26,7 @@ from substrate.protocol.client import (
     open_client,
     socket_path,
 )
+from substrate.protocol.proc_text import blocked_lines
 
 #: Largest piece of our stdin sent per `proc.write` (well under `MAX_WRITE_BYTES`).
 STDIN_PIECE = 64 << 10
@@ -181,10 +182,11 @@ def cmd_exec(args: argparse.Namespace) -> int:
     with client_for(args) as c:
         params: dict[str, Any] = {
             "workspace": workspace_handle(c, args.workspace),
-            "profile": args.profile,
             "argv": argv,
             "cwd": args.cwd,
         }
+    if args.profile is not None:
+        params["profile"] = args.profile
     if args.timeout is not None:
         params["timeout_s"] = args.timeout
     try:
@@ -195,6 +197,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
         print(f"substrate: {result.get('proc')} was lost", file=sys.stderr)
     for blocked in result.get("policy_blocked", []):
         print(f"substrate: policy reverted {blocked}", file=sys.stderr)
+    # What of the working layer's changes did not land, after the output (bounded).
+    for line in blocked_lines(result.get("changes")):
+        print(f"substrate: {line}", file=sys.stderr)
     if result.get("timed_out"):
         print("substrate: timed out", file=sys.stderr)
     return exit_code_of(result)
@@ -312,7 +317,9 @@ def add_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("exec", help="run a command in the workspace's confined container")
-    p.add_argument("--profile", default="default", help="the profile to run under (default)")
+    p.add_argument(
+        "--profile", help="the profile to run under (default: the daemon's default_profile)"
+    )
     p.add_argument("--workspace", help=ws_help)
     p.add_argument("--cwd", default=".", help="the working directory, workspace-relative")
     p.add_argument("--timeout", type=float, help="seconds; may only lower the profile's")

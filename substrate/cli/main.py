@@ -15,7 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from substrate.cli import agent as cli_agent
 from substrate.cli import exec as cli_exec
+from substrate.cli import journal_pg as cli_journal_pg
+from substrate.cli import node as cli_node
 from substrate.cli import secret as cli_secret
 from substrate.cli.common import (
     STATE_DIR_HELP,
@@ -170,6 +173,10 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_journal(args: argparse.Namespace) -> int:
+    if args.journal_cmd == "verify" and args.postgres:
+        return cli_journal_pg.cmd_verify_postgres(args)  # PostgreSQL alone, no daemon
+    if args.journal_cmd == "export":
+        return cli_journal_pg.cmd_export(args)  # the state dir's files, no daemon
     with client_for(args) as c:
         if args.journal_cmd == "read":
             params: dict[str, Any] = {"since": args.since, "limit": args.limit}
@@ -358,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=int, default=1000, help="at most this many entries (default 1000)"
     )
     jr.add_argument("--workspace", help="only this workspace's entries (handle, root id or path)")
-    jsub.add_parser("verify", help="check the hash chain; exit 1 if broken")
+    jv = jsub.add_parser("verify", help="check the hash chain; exit 1 if broken")
+    cli_journal_pg.add_postgres_options(jv)
+    cli_journal_pg.add_export_command(jsub)
     jp = jsub.add_parser("replay", help="which files substrate wrote still hold its bytes")
     jp.add_argument("--workspace", required=True, help=ws_help)
     p.set_defaults(func=cmd_journal)
@@ -380,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_exec.add_commands(sub)
     cli_secret.add_commands(sub)
+    cli_agent.add_commands(sub)
+    cli_node.add_commands(sub)
     return parser
 
 

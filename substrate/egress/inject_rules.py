@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from substrate.egress.allow import AllowList, parse_entry
-from substrate.egress.pipindex import PIP_INDEX
+from substrate.egress.npmregistry import TOKENS
 from substrate.schema.profile import EgressInject
 from substrate.secrets import NAME_RE as SECRET_NAME_RE
 
@@ -53,7 +53,7 @@ def problem(
     if not ca_bundle:
         return "egress_inject", 'needs ca_bundle ("host" or a file): the sandbox\'s CA joins it'
     try:
-        allowed = AllowList.of(e for e in egress_allow if e != PIP_INDEX)
+        allowed = AllowList.of(e for e in egress_allow if e not in TOKENS)
     except ValueError:
         return None  # the allow-list's own check says why
     for host, rule in table.items():

@@ -60,7 +60,7 @@ def hosts_from(items: Iterable[tuple[str, str]], default: Iterable[str]) -> list
     """The index hosts pip would reach, from its configuration `items` (`section.key`,
     value: `global.index-url`, `:env:.extra-index-url`, ...) and its `default` index URLs
     (the index, then its file host). Sorted, distinct; http(s) only. Pure."""
-    return sorted({h for h in (_http_host(u) for u in urls_from(items, default)) if h})
+    return sorted({h for h in (http_host(u) for u in urls_from(items, default)) if h})
 
 
 def urls_from(items: Iterable[tuple[str, str]], default: Iterable[str]) -> list[str]:
@@ -75,10 +75,10 @@ def urls_from(items: Iterable[tuple[str, str]], default: Iterable[str]) -> list[
             index += value.split()
         elif name == "extra-index-url":
             extra += value.split()
-    return [u for u in (index or list(default)) + extra if _http_host(u) is not None]
+    return [u for u in (index or list(default)) + extra if http_host(u) is not None]
 
 
-def _http_host(url: str) -> str | None:
+def http_host(url: str) -> str | None:
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
@@ -92,7 +92,7 @@ def pip_index_hosts(env: Mapping[str, str] | None = None) -> tuple[list[str], st
     """(hosts, why empty) of `@pip-index` on this host for the environment `env` (the
     daemon's by default). Never raises; cached per distinct pip-relevant environment."""
     urls, why = pip_index_urls(env)
-    return sorted({h for h in (_http_host(u) for u in urls) if h}), why
+    return sorted({h for h in (http_host(u) for u in urls) if h}), why
 
 
 def pip_index_urls(env: Mapping[str, str] | None = None) -> tuple[list[str], str | None]:

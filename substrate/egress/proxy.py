@@ -69,6 +69,7 @@ from substrate.egress.request import (
 )
 from substrate.egress.upstream import Upstream, UpstreamConfig
 from substrate.errors import EgressDenied, InvalidParams, Refusal, RuntimeUnavailable
+from substrate.metrics import METRICS
 
 log = logging.getLogger("substrate.egress")
 
@@ -258,7 +259,7 @@ class EgressProxy:
         try:
             req, rest = await self._read_request(client)
             if not gate.allow.allows(req.host, req.port):
-                await gate.denied(peer_port, req.host, req.port)
+                await _denied(gate, peer_port, req.host, req.port)
                 raise EgressDenied(
                     f"{req.authority} is not in this sandbox's egress_allow (ports 80, 443)"
                 )
@@ -388,13 +389,13 @@ class EgressProxy:
             # oracle), and only the answers judged are connected to (no second lookup).
             why = await trio.to_thread.run_sync(self._refusal, [str(a[0]) for _, a in found])
             if why is not None:
-                await gate.denied(peer_port, req.host, req.port)
+                await _denied(gate, peer_port, req.host, req.port)
                 raise EgressDenied(f"{req.host} resolves to {why}")
         server = await self._connect(req, found)
         if not self.allow_local and _to_itself(server.socket):
             # Judged not to be this host's, yet delivered here: an address added since.
             await _close(server)
-            await gate.denied(peer_port, req.host, req.port)
+            await _denied(gate, peer_port, req.host, req.port)
             raise EgressDenied(f"{req.host} resolves to an address of this host")
         return server
 
@@ -570,3 +571,9 @@ async def _send_quietly(stream: trio.abc.SendStream, data: bytes) -> None:
 async def _close(stream: trio.abc.AsyncResource) -> None:
     with contextlib.suppress(*_GONE):
         await trio.aclose_forcefully(stream)
+
+
+async def _denied(gate: Gate, peer_port: int, host: str, port: int) -> None:
+    """Count one `egress_denied` (docs/fleet.md), then let the gate journal it."""
+    METRICS.egress_denied.inc()
+    await gate.denied(peer_port, host, port)

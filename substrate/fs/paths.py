@@ -33,6 +33,9 @@ from substrate.errors import (
 )
 
 MAX_PATH_BYTES = 4096
+#: The kernel's bound on a path given to one call, its NUL included (`open_dir` walks
+#: longer ones).
+_PATH_MAX = 4096
 MAX_NAME_BYTES = 255
 
 Kind = Literal["file", "dir", "symlink", "other"]
@@ -198,11 +201,14 @@ def open_dir(root_fd: int, parts: Sequence[str], where: str = "path") -> int:
     """
     if not parts:
         return os.open(".", _DIR_FLAGS, dir_fd=root_fd)
-    if _has_openat2():
+    joined = "/".join(parts)
+    # openat2 takes a path of less than PATH_MAX bytes (the NUL counted): a longer one
+    # (up to `MAX_PATH_BYTES` is valid) is walked a component at a time.
+    if _has_openat2() and len(os.fsencode(joined)) < _PATH_MAX:
         try:
             # No O_NOFOLLOW here: with it, a symlink as the *last* component fails the
             # O_DIRECTORY check first (ENOTDIR); without it RESOLVE_NO_SYMLINKS says ELOOP.
-            return _openat2(root_fd, "/".join(parts), _DIR_FLAGS & ~os.O_NOFOLLOW)
+            return _openat2(root_fd, joined, _DIR_FLAGS & ~os.O_NOFOLLOW)
         except OSError as exc:
             raise refusal_for(exc, where) from None
     fd = os.open(".", _DIR_FLAGS, dir_fd=root_fd)

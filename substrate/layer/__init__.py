@@ -32,6 +32,7 @@ from substrate.layer.changes import Changesets, Kept
 from substrate.layer.changes.git_refs import RefChange, apply_kept, ref_change, ref_lists
 from substrate.layer.conclusion import MAX_CHANGE_ENTRIES, entries
 from substrate.layer.keep import ArtifactKeeper, check_room
+from substrate.layer.mounts.working_layer import fresh_view
 from substrate.layer.recovery import drop_unconcluded, finish_applying, sandbox_dirs
 from substrate.layer.users import LayerClosed, LayerUsers, Use, journal_summary
 
@@ -49,6 +50,7 @@ __all__ = [
     "drop_unconcluded",
     "entries",
     "finish_applying",
+    "fresh_view",
     "journal_summary",
     "ref_change",
     "ref_lists",

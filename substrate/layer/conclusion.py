@@ -1,5 +1,5 @@
-"""The end of a command on a `workspace = "layer"` sandbox: swap, scan, apply
-(docs/working-layer.md).
+"""The end of a command on a `workspace = "layer"` sandbox: unmount, scan, apply, mount
+the next (docs/working-layer.md).
 
 Theory of operation. Commands and terminals on one layer sandbox that overlap share its
 generation (`layer.users`, `layer.generation`): none waits for another, and the
@@ -13,15 +13,14 @@ request with the users' combined mode and the actor of the last that ran:
    holds nothing (a `true`, a read-only `grep`, a test run writing only under /tmp)
    and whose passthrough dirs are still the checkout's stays mounted as it is, with no
    swap, re-verification, scan or change set (`changes {generation, mode}` and zero
-   counts); its next user joins it as it is, since-time and all (its overlay may still
-   show a file the host replaced or removed since: `layer.changes.host_edits`). That
-   is most commands, and it saves the swap's mount calls and the observation (about
-   10 ms of a warm command);
-1. swaps the sandbox to a fresh generation (`working_layer.swap`); the old upper dir
-   stays on disk, untouched, until the set settles (step 3) or is discarded;
-2. observes the sandbox's facts again against the new generation
-   (`Sandboxes.reverify_layer`): a mismatch drops the sandbox (`layer_unverified`);
-3. scans the old upper dir against the checkout and, by the request's `changes` mode:
+   counts); its next user joins it as it is, since-time and all — unless the checkout
+   changed meanwhile: then `layer.users` mounts it again first (docs/working-layer.md,
+   "The fresh view"). That is most commands, and it saves the swap's mount calls and
+   the observation (about 10 ms of a warm command);
+1. unmounts the generation (`working_layer.unmount_current`, the first half of a swap);
+   its upper dir stays on disk, untouched, until the set settles (step 2) or is
+   discarded;
+2. scans the old upper dir against the checkout and, by the request's `changes` mode:
    "apply" applies the change set through the guarded path (`layer.changes.scan` /
    `apply`), as the command's actor; "review" applies nothing; both keep the set by id
    (`layer.changes.Changesets`, `applied` or `pending`) for `changes.get/apply/
@@ -33,6 +32,10 @@ request with the users' combined mode and the actor of the last that ran:
    (the command's bytes) is kept as an artifact (`Changesets.keep_versions`,
    `layer.keep`); an applied set with nothing pending and every version kept
    is settled: its upper and work dirs are removed (`Changesets.finish`);
+3. mounts the next generation (`working_layer.mount_next`: after the apply, so it shows
+   the set, and the apply's own changes to the checkout are in the watch's drain before
+   it) and observes the sandbox's facts again (`Sandboxes.reverify_layer`): a failure
+   or a mismatch drops the sandbox (`layer_failed`, `layer_unverified`);
 4. returns a bounded summary (`schema.proc.ProcChanges`), each conflict naming the
    artifact of its version.
 
@@ -81,10 +84,12 @@ from substrate.layer.changes import (
     scan,
     upper_holds_changes,
 )
+from substrate.layer.changes.blocked import drafts as blocked_drafts
 from substrate.layer.changes.versions import Versions
 from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
 from substrate.layer.mounts.git_plan import GitLayerPart
 from substrate.layer.mounts.plan import LayerPlan
+from substrate.metrics import METRICS
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.registry import Workspace
@@ -152,7 +157,8 @@ async def conclude(
     failure is the summary's `error`. Call it shielded. Cost: two to four mount calls,
     one observation, and the scan and apply (a read and hash per changed file, two
     fsyncs per applied file) or the removal; with passthrough dirs bound, their walk
-    (`passthrough_scan.inspect`), whose findings join `blocked` (`rule: "passthrough"`)."""
+    (`passthrough_scan.inspect`), whose findings join `blocked` (`rule: "passthrough"`)
+    and are journaled `changes.blocked`, in a transaction after the set's."""
     layer = sandbox.layer
     found: list[passthrough_scan.Finding] = []
     if layer is not None and layer.plan.passthrough:
@@ -167,8 +173,20 @@ async def conclude(
         ChangeEntry(path=f.path, reason=f.reason, rule="passthrough", mode=f.mode) for f in found
     ]
     counts = msgspec.structs.replace(changes.counts, blocked=changes.counts.blocked + len(found))
-    blocked = (changes.blocked + extra)[:MAX_CHANGE_ENTRIES]
-    return msgspec.structs.replace(changes, blocked=blocked, counts=counts)
+    listed = (changes.blocked + extra)[:MAX_CHANGE_ENTRIES]
+    if changesets is not None:  # named in the journal too, after the set's own entries
+        ws = req.ws
+        named = blocked_drafts(
+            ws.root_id,
+            ws.id,
+            req.actor,
+            changes.changeset,
+            changes.generation,
+            ApplyResult(),
+            found=[(f.path, f.reason) for f in found],
+        )
+        await trio.to_thread.run_sync(changesets.append_named, named, limiter=limiter)
+    return msgspec.structs.replace(changes, blocked=listed, counts=counts)
 
 
 async def _conclude_git(
@@ -283,7 +301,7 @@ async def _conclude(
     layer = sandbox.layer
     if layer is None:
         return None
-    ws, actor, mode = req.ws, req.actor, req.changes
+    ws, mode = req.ws, req.changes
     error: str | None = None
     await _sweep(sandbox, limiter)
     try:
@@ -297,7 +315,7 @@ async def _conclude(
             return ProcChanges(generation=layer.plan.generation, error="layer_failed")
         return ProcChanges(generation=layer.plan.generation, error="layer_busy")
     except ConfinementUnmet:
-        # The new generation did not verify and was undone: nothing runs here again.
+        # The busy generation put back did not verify: nothing runs here again.
         old = layer.plan
         error = "layer_unverified"
         await containers.forget(sandbox, "layer_unverified")
@@ -305,24 +323,82 @@ async def _conclude(
         return ProcChanges(generation=layer.plan.generation, error=exc.name)
     if old is None:  # the sandbox was torn down meanwhile: its last layer is still whole
         old = layer.plan
-    elif error is None:
-        try:
-            await containers.reverify_layer(sandbox, ws)
-        except Exception as exc:  # any failure to verify it: nothing runs there again
-            log.error("the layer of %s did not verify after a swap: %s", sandbox.id[:12], exc)
-            error = "layer_unverified"
-            await containers.forget(sandbox, "layer_unverified")
+    unmounted: str | None = None
+    try:
+        changes = await _settle(writer, ws, old, req, layer, changesets, error, limiter)
+    finally:  # mounted after the apply (it shows the set), whatever became of it
+        if layer.awaiting_mount:
+            unmounted = await _mount_next(containers, sandbox, layer, ws, limiter)
+    if unmounted is not None and changes.error is None:
+        changes = msgspec.structs.replace(changes, error=unmounted)
+    return changes
+
+
+async def _mount_next(
+    containers: Sandboxes[S],
+    sandbox: S,
+    layer: working_layer.WorkingLayer,
+    ws: Workspace,
+    limiter: trio.CapacityLimiter | None,
+) -> str | None:
+    """Mount the next generation (`working_layer.mount_next`, after the apply) and
+    observe the sandbox again; on any failure the sandbox is dropped and the reason
+    returned (`layer_failed`, `layer_unverified`)."""
+    try:
+        mounted = await trio.to_thread.run_sync(_mount, layer, ws, limiter=limiter)
+    except ConfinementUnmet as exc:
+        log.error("the next layer of %s did not verify: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_unverified")
+        return "layer_unverified"
+    except (Refusal, OSError) as exc:
+        log.error("mounting the next layer of %s failed: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_failed")
+        return "layer_failed"
+    if not mounted:
+        return None
+    try:
+        await containers.reverify_layer(sandbox, ws)
+    except Exception as exc:  # any failure to verify it: nothing runs there again
+        log.error("the layer of %s did not verify after a swap: %s", sandbox.id[:12], exc)
+        await containers.forget(sandbox, "layer_unverified")
+        return "layer_unverified"
+    return None
+
+
+async def _settle(
+    writer: Writer,
+    ws: Workspace,
+    old: LayerPlan,
+    req: Request,
+    layer: working_layer.WorkingLayer,
+    changesets: Changesets | None,
+    error: str | None,
+    limiter: trio.CapacityLimiter | None,
+) -> ProcChanges:
+    """Discard, keep or apply the unmounted generation `old` (see the module doc)."""
+    actor, mode = req.actor, req.changes
     try:
         if mode == "discard":
             await trio.to_thread.run_sync(remove_layer, old.upper, old.work, limiter=limiter)
             return ProcChanges(generation=old.generation, mode="discard", error=error)
         review = mode == "review"
+        t0 = trio.current_time()
         result, scanned, kept, changeset_id, versions = await trio.to_thread.run_sync(
             _scan_apply, writer, ws, old, actor, layer, review, changesets, limiter=limiter
         )
+        METRICS.change_outcomes(
+            trio.current_time() - t0,
+            {
+                "applied": len(result.applied),
+                "unchanged": len(result.unchanged),
+                "blocked": len(result.blocked),
+                "pending": len(kept.changes) if review else len(result.pending),
+                "conflict": len(result.conflicts),
+            },
+        )
     except (Refusal, OSError) as exc:
         name = exc.name if isinstance(exc, Refusal) else "layer_failed"
-        log.error("concluding the layer of %s failed: %s", sandbox.id[:12], exc)
+        log.error("concluding generation %d failed: %s", old.generation, exc)
         return ProcChanges(generation=old.generation, mode=mode, error=error or name)
     return summary(
         old.generation,
@@ -415,9 +491,14 @@ def _upper_changed(layer: working_layer.WorkingLayer) -> bool:
     return layer.closed or upper_holds_changes(layer.plan.upper) is not False
 
 
+def _mount(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
+    with ws.use():
+        return working_layer.mount_next(layer, ws.root_fd)
+
+
 def _swap(layer: working_layer.WorkingLayer, ws: Workspace) -> LayerPlan | None:
     with ws.use():
-        return working_layer.swap(layer, ws.root_fd)
+        return working_layer.unmount_current(layer, ws.root_fd)
 
 
 def _scan_apply(
@@ -441,9 +522,23 @@ def _scan_apply(
     upper_fd = os.open(old.upper, _DIR_FLAGS)
     try:
         with ws.use():
-            changeset = scan(upper_fd, ws.root_fd)
+            changeset = scan(
+                upper_fd,
+                ws.root_fd,
+                max_bytes=writer.max_changeset_bytes,
+                max_file_bytes=writer.batch.max_file_bytes,
+                symlinks=layer.symlinks,
+            )
+            # After the scan: a host change made while it read the checkout is named too.
+            names = working_layer.host_names(layer, ws.root_fd)
             kept, host_changed = host_edits.overtaken(
-                ws.root_fd, upper_fd, changeset, layer.began[1], layer.landed, layer.landed_dirs
+                ws.root_fd,
+                upper_fd,
+                changeset,
+                layer.began[1],
+                layer.landed,
+                layer.landed_dirs,
+                names=names,
             )
             held = (
                 *kept.blocked,
@@ -456,14 +551,16 @@ def _scan_apply(
                 state: Literal["pending", "applying"] = "pending" if review else "applying"
                 versioned = [o.path for o in host_changed if o.kept is not None]
                 cs_id = changesets.record(
-                    ws, old.generation, old.upper, old.work, to_keep, state, versioned
+                    ws, old.generation, old.upper, old.work, to_keep, state, versioned, actor
                 )
             result = ApplyResult() if review else apply(writer, ws, upper_fd, kept, actor)
             if changesets is not None and cs_id is not None:
                 row = changesets.keep_versions(cs_id, upper_fd, result.conflicts)
                 versions = row.versions
                 if not review:
-                    changesets.finish(cs_id, ws, old.generation, result, "changes.applied")
+                    changesets.finish(
+                        cs_id, ws, old.generation, result, "changes.applied", actor=actor
+                    )
         done = {o.path for o in (*result.applied, *result.unchanged)}
         landed = [c for c in kept.changes if c.path in done]
         layer.landed = {c.path: c.new_sha256 for c in landed if c.new_sha256 is not None}
@@ -501,7 +598,8 @@ def summary(
     (and, kept for review, the changes awaiting `changes.apply`); `size`/`mode` of each
     change, never its diff (`changes.get` has that), and a conflict's artifact."""
     scan_blocked = [
-        ChangeEntry(path=b.path, reason=b.reason) for b in changeset.blocked[:MAX_CHANGE_ENTRIES]
+        ChangeEntry(path=b.path, reason=b.reason, kind="symlink" if b.kind == "symlink" else None)
+        for b in changeset.blocked[:MAX_CHANGE_ENTRIES]
     ]
     by_path = {c.path: c for c in changeset.changes}
     blocked = (entries(result.blocked, by_path) + scan_blocked)[:MAX_CHANGE_ENTRIES]

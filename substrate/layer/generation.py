@@ -19,6 +19,10 @@ not carry them again: `layer.conclusion`).
 
 A user that never ran (its exec never started) changes nothing: it concludes the
 generation only when others' changes wait in it (`leave(ran=False)`).
+
+A generation nobody uses may be mounted again for a newcomer, its checkout having
+changed (docs/working-layer.md, "The fresh view"): between `refreshing_begins` and
+`refreshed` nobody joins, as during a conclusion.
 """
 
 from __future__ import annotations
@@ -80,17 +84,34 @@ class Users:
     #: are still in it.
     carried: list[User] = field(default_factory=list)
     concluding: bool = False  # between a `Conclusion` and `concluded`
+    #: Between `refreshing_begins` and `refreshed`: the generation is being mounted
+    #: again for a newcomer (its checkout changed); nobody joins meanwhile.
+    refreshing: bool = False
     _done: trio.Event = field(default_factory=trio.Event)
 
     async def wait_joinable(self) -> None:
-        """Wait while a conclusion runs (bounded by its apply)."""
-        while self.concluding:
+        """Wait while a conclusion or a refresh runs (bounded by its apply, or its
+        mounts)."""
+        while self.concluding or self.refreshing:
             await self._done.wait()
+
+    def refreshing_begins(self) -> None:
+        """A newcomer mounts the generation again before joining it: only when nobody
+        uses it and nothing concludes (`wait_joinable` first)."""
+        if self.concluding or self.refreshing or self.active:
+            raise RuntimeError("a generation in use is never mounted again")
+        self.refreshing = True
+
+    def refreshed(self) -> None:
+        """The refresh is over (done or not): wakes every waiting newcomer."""
+        self.refreshing = False
+        self._done.set()
+        self._done = trio.Event()
 
     def join(self, user: User, generation: int) -> None:
         """Count `user` on `generation` (the one mounted now). Only while no conclusion
-        runs (`wait_joinable` first); a user id joins once."""
-        if self.concluding:
+        or refresh runs (`wait_joinable` first); a user id joins once."""
+        if self.concluding or self.refreshing:
             raise RuntimeError("a generation is concluding: wait_joinable first")
         if user.id in self.active:
             raise ValueError(f"user {user.id} already uses the layer")

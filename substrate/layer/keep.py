@@ -98,13 +98,18 @@ def check_room(changesets: Changesets, workspace: str, mode: ChangesMode, cap: i
 
 
 def change_entry(change: Change) -> ChangeEntry:
-    """The wire entry of a change not applied yet (kept for review): path, op, size, mode."""
+    """The wire entry of a change not applied yet (kept for review): path, op, size, mode
+    (a symlink's: its kind, target and `escapes`)."""
     gone = change.op == "delete"
+    link = change.kind == "symlink"
     return ChangeEntry(
         path=change.path,
         op=change.op,
         size=None if gone else change.size,
         mode=None if gone else change.mode,
+        kind="symlink" if link else None,
+        target=change.target if link else None,
+        escapes=change.escapes if link else None,
     )
 
 
@@ -153,4 +158,7 @@ def _entry(
         artifact=artifact,
         artifact_reason=reason,
         kept=kept,
+        kind=shown.kind if shown is not None else ("symlink" if o.kind == "symlink" else None),
+        target=shown.target if shown is not None else None,
+        escapes=shown.escapes if shown is not None else None,
     )

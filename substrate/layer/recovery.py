@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 
 from substrate.errors import Refusal
-from substrate.layer.changes import Changesets, remove_layer
+from substrate.layer.changes import Changesets, reclaim, remove_layer
 from substrate.layer.mounts.plan import layers_dir
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace
@@ -83,6 +83,9 @@ def drop_unconcluded(
                 )
         except FileNotFoundError:
             continue
+        # What a crash left renamed aside (a settled layer not yet removed) goes too.
+        reclaim.sweep(upper_root)
+        reclaim.sweep(os.path.join(sandbox_dir, "work"))
         for gen in gens:
             upper = os.path.join(upper_root, str(gen))
             if upper in known:

@@ -16,6 +16,12 @@ one user is journaled `changes.shared {generation, changeset, mode, procs, sessi
 A conclusion that finds the generation busy (`layer_busy`) keeps its users: their
 changes go with the generation's next conclusion (`Users.concluded(kept=True)`).
 
+The fresh view: the first user to join a generation nobody uses, when its checkout
+changed since it was mounted (`WorkingLayer.stale`: one `poll(2)` of the checkout's
+watch), mounts it again (`working_layer.refresh`) and has the container re-verified
+before it joins, so it sees the checkout as it is (docs/working-layer.md, "The fresh
+view"). A user beside others shares the generation as it is.
+
 Shutdown (`process.service.Execution.shutdown`), in this order: `quiet` waits (bounded
 by the caller) until every user has ended and every conclusion is over — terminals and
 cut-off commands end concurrently and conclude normally, against their still-running
@@ -31,17 +37,20 @@ swept: a conclusion holds fds beneath it.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol
 
 import msgspec
 import trio
 
-from substrate.errors import RuntimeUnavailable
+from substrate.errors import ConfinementUnmet, RuntimeUnavailable
 from substrate.layer import conclusion
 from substrate.layer.changes import Changesets, upper_holds_changes
+from substrate.layer.changes.reclaim import RECLAIMER
 from substrate.layer.conclusion import Request, S, Sandboxes
 from substrate.layer.generation import Conclusion, Deferred, User, combined
 from substrate.layer.mounts import working_layer
@@ -54,6 +63,10 @@ log = logging.getLogger("substrate.layer.users")
 
 #: Terminal session ids start so (`pty.terminals`); every other user is a process.
 SESSION_PREFIX = "t-"
+#: The longest a shutdown waits for settled layers' background removal, seconds.
+RECLAIM_WAIT_S = 30.0
+#: Conclusions remembered by user, at most (`conclusion_of`: a deferred user's set).
+MAX_REMEMBERED = 1024
 #: `changes.error` of a user whose generation the daemon stopped before it concluded:
 #: its set is kept pending (`keep_left`), nothing applied.
 STOPPED = "daemon_stopped"
@@ -101,6 +114,8 @@ class LayerUsers(Generic[S]):
     ) -> None:
         self._containers = containers
         self._writer = writer
+        if writer is not None:
+            writer.on_landed = self.note_landed
         self._changesets = changesets
         self._journal = journal
         self._limiter = limiter
@@ -113,6 +128,9 @@ class LayerUsers(Generic[S]):
         self._layers: dict[str, tuple[S, Request]] = {}
         #: sandbox id → the set `keep_left` kept for it (a late user's result names it).
         self._kept: dict[str, ProcChanges] = {}
+        #: user id → the conclusion that held its changes (the last `MAX_REMEMBERED`).
+        self._by_user: OrderedDict[str, ProcChanges] = OrderedDict()
+        self._remembered = trio.Event()  # set (and replaced) when one is remembered
 
     async def join(self, sandbox: S, user_id: str, asked: Asked) -> Use[S]:
         """Count `user_id` (a process id, or a terminal session id), asking `asked`, on the
@@ -127,15 +145,69 @@ class LayerUsers(Generic[S]):
         await layer.users.wait_joinable()
         if self._stopping:
             raise RuntimeUnavailable("the daemon is stopping")
-        if layer.closed:
+        if layer.closed or layer.awaiting_mount:  # awaiting: its conclusion failed to mount
             raise LayerClosed(sandbox.id)
-        # No await from the wait to here: nothing concludes in between.
+        if not layer.users.active and layer.stale():
+            # The first user of the generation: it sees the checkout as it is now.
+            await self._refresh(sandbox, req.ws)
+            if layer.closed:  # torn down meanwhile (its container is going)
+                raise LayerClosed(sandbox.id)
+        # No await from the wait (or the refresh) to here: nothing concludes in between.
         layer.users.join(user, layer.plan.generation)
         working_layer.begin(layer)
         self._joined += 1
         self._prune()
         self._layers[sandbox.id] = (sandbox, req)
         return Use(sandbox, user, req)
+
+    async def _refresh(self, sandbox: S, ws: Workspace) -> None:
+        """Mount the generation again when its checkout changed (`working_layer.refresh`),
+        then re-verify the container's view (docs/working-layer.md, "The fresh view").
+        Newcomers wait meanwhile. A generation still busy (EBUSY) while changes of earlier
+        users wait in it (carried) is joined as it is: those changes must conclude with
+        it; with nothing waiting, the sandbox is dropped instead (`LayerClosed`: the
+        caller retries with a fresh one, whose mount is fresh). Any other failure drops
+        the sandbox too. Cost when the checkout did not change: one drain; when it did: a
+        swap's mount calls and one observation of the container's mounts."""
+        layer = sandbox.layer
+        assert layer is not None
+        layer.users.refreshing_begins()
+        try:
+            with trio.CancelScope(shield=True):
+                reason = await self._remount(sandbox, layer, ws)
+                if reason is not None:
+                    await self._containers.forget(sandbox, reason)
+                    raise LayerClosed(sandbox.id)
+        finally:
+            layer.users.refreshed()
+
+    async def _remount(
+        self, sandbox: S, layer: working_layer.WorkingLayer, ws: Workspace
+    ) -> str | None:
+        """`_refresh`'s mount and re-verification; the reason to drop the sandbox, if any."""
+        try:
+            if not await trio.to_thread.run_sync(_refresh, layer, ws, limiter=self._limiter):
+                return None
+        except OSError as exc:
+            waiting = bool(layer.users.carried or layer.users.ended)
+            if exc.errno == errno.EBUSY and waiting:
+                log.warning(
+                    "the layer of %s is busy: its changed checkout is not mounted again "
+                    "while changes wait in it",
+                    sandbox.id[:12],
+                )
+                return None
+            log.error("mounting the layer of %s again failed: %s", sandbox.id[:12], exc)
+            return "layer_busy" if exc.errno == errno.EBUSY else "layer_failed"
+        except ConfinementUnmet as exc:
+            log.error("the layer of %s did not verify when mounted again: %s", sandbox.id[:12], exc)
+            return "layer_unverified"
+        try:
+            await self._containers.reverify_layer(sandbox, ws)
+        except Exception as exc:  # any failure to verify it: nothing runs there again
+            log.error("the layer of %s did not verify after a remount: %s", sandbox.id[:12], exc)
+            return "layer_unverified"
+        return None
 
     async def end(self, use: Use[S]) -> ProcChanges | None:
         """`use`'s process ran and ended: deferred while others share its generation, else
@@ -144,6 +216,40 @@ class LayerUsers(Generic[S]):
         (no writer). Call it shielded; costs what `conclusion.conclude` costs when it
         concludes, nothing otherwise."""
         return await self._leave(use, ran=True)
+
+    def note_landed(self, workspace: str, path: str, sha256: str | None) -> None:
+        """A guarded write (`fs.write`, `fs.patch`, `fs.delete`) landed `path` in
+        `workspace`'s checkout: each live layer sandbox of it takes the file as
+        substrate's, as it takes what its last change set applied (`landed`), so a
+        command's change to it right after is no `host_changed` conflict (the ctime
+        rule's slack would count it as the host's). A host edit after it still is: the
+        checkout's digest then differs. Called from the writing thread (`Writer.on_landed`)."""
+        for sandbox, req in list(self._layers.values()):
+            layer = sandbox.layer
+            if layer is None or layer.closed or req.ws.id != workspace:
+                continue
+            if sha256 is None:
+                layer.landed.pop(path, None)
+            else:
+                layer.landed[path] = sha256
+
+    async def conclusion_of(self, user_id: str) -> ProcChanges:
+        """The conclusion that held `user_id`'s changes: at once when it happened already
+        (among the last `MAX_REMEMBERED`), else when it does — for a user whose `end`
+        was deferred (an agent turn's gate, `substrate.agents.turns`). Unbounded: the
+        caller bounds the wait."""
+        while user_id not in self._by_user:
+            await self._remembered.wait()
+        return self._by_user[user_id]
+
+    def _remember(self, users: tuple[str, ...], changes: ProcChanges) -> None:
+        for user_id in users:
+            self._by_user[user_id] = changes
+            self._by_user.move_to_end(user_id)
+        while len(self._by_user) > MAX_REMEMBERED:
+            self._by_user.popitem(last=False)
+        self._remembered.set()
+        self._remembered = trio.Event()
 
     async def abandon(self, use: Use[S]) -> None:
         """`use` is over without `end` (its process never ran, or its conclusion failed
@@ -213,7 +319,8 @@ class LayerUsers(Generic[S]):
         {generation, changeset, mode, procs, sessions}` (the mode its users asked, ids
         only) as the last user's actor. A layer not unmounted (its container could not
         be removed: something may still write it) is left for the next start's
-        recovery, logged. Returns the summaries. Costs a scan per generation kept."""
+        recovery, logged. Then waits (at most `RECLAIM_WAIT_S`) for the background removal of
+        settled layers. Returns the summaries. Costs a scan per generation kept."""
         kept: list[ProcChanges] = []
         for sandbox_id, (sandbox, req) in list(self._layers.items()):
             layer = sandbox.layer
@@ -238,6 +345,12 @@ class LayerUsers(Generic[S]):
             if changes is not None:
                 self._kept[sandbox_id] = changes
                 kept.append(changes)
+        # The settled layers' background removal holds fds beneath the layers' directory:
+        # done (bounded; what is left, the next start sweeps) before its bind is swept.
+        if not await trio.to_thread.run_sync(RECLAIMER.wait_idle, RECLAIM_WAIT_S):
+            log.warning(
+                "settled layers still being removed at shutdown: the next start sweeps them"
+            )
         return kept
 
     async def _keep(self, sandbox: S, req: Request, holders: list[User]) -> ProcChanges | None:
@@ -298,6 +411,8 @@ class LayerUsers(Generic[S]):
         changes = await conclusion.conclude(
             self._containers, self._writer, use.sandbox, req, self._changesets, self._limiter
         )
+        if changes is not None and changes.error != "layer_busy":
+            self._remember(step.users, changes)
         if changes is not None and len(step.users) > 1 and changes.error != "layer_busy":
             data = {
                 "generation": changes.generation,
@@ -319,6 +434,20 @@ class LayerUsers(Generic[S]):
             )
         except Exception:  # the set is applied (or kept) and journaled already
             log.exception("journaling %s failed", kind)
+
+
+def _refresh(layer: working_layer.WorkingLayer, ws: Workspace) -> bool:
+    """`working_layer.refresh` (in a worker thread); when it mounted the generation again
+    with nothing waiting in its upper dir, the generation's start is forgotten, so the
+    next user's start is the time since which a checkout change is the host's
+    (`working_layer.begin`): it sees everything before it."""
+    with ws.use():
+        done = working_layer.refresh(layer, ws.root_fd)
+    if done and upper_holds_changes(layer.plan.upper) is False:
+        layer.began = (-1, 0)
+    elif done and layer.watch is not None:
+        layer.watch.forget_names()  # the since-time is older than this mount
+    return done
 
 
 def journal_summary(changes: ProcChanges) -> dict[str, Any]:

@@ -7,7 +7,10 @@ connection is closed after `idle_timeout_s`). A tool call is one daemon call
 (`substrate.mcp.tools`), its arguments passed as given with the default workspace
 filled in and counts clamped; the daemon validates and refuses. A refusal becomes a
 tool error (`isError`) carrying `{refusal, code, message, data}`, never a protocol
-error or a crash; a result is cut to the size limit (`substrate.mcp.bounds`).
+error or a crash; a result is cut to the size limit (`substrate.mcp.bounds`). Its text
+is its JSON, but a finished command's (`proc_run`, `proc_wait`), which reads as text
+(`substrate.protocol.proc_text`: exit code, output tails, changes, blocked paths) beside the JSON
+as structured content.
 `proc_output` subscribes on a connection of its own (`substrate.mcp.output`).
 Artifacts are resources (`substrate.mcp.resources`). A call that names a progress token
 (`_meta.progressToken`) gets a progress notification every `PROGRESS_INTERVAL_S` while
@@ -51,6 +54,7 @@ from substrate.mcp.tools import (
     unknown_fields,
 )
 from substrate.protocol.client import AsyncClient, ConnectionLost, RpcError, open_client
+from substrate.protocol.proc_text import is_proc_result, proc_text
 from substrate.schema import METHODS
 
 log = logging.getLogger("substrate.mcp")
@@ -74,8 +78,11 @@ Read a file (fs_read) to get its sha256, then write or patch it bound to that ba
 (stale_base, with current_sha256) and nothing is written: read again. dry_run shows
 the diff and plan_digest first. Commands take argv lists (no shell) and an operator
 profile; large output is an artifact: read it with artifact_read/lines/grep or the
-resource substrate://artifact/<id>. Refusals come back as tool errors naming the
-refusal. Results are bounded; `elided` says what was cut and where the rest is."""
+resource substrate://artifact/<id>. A finished command's text is its exit code, the
+tails of its output and each changed path that did not land (blocked by the policy,
+pending approval, in conflict with a host edit); its whole result is the structured
+content. Refusals come back as tool errors naming the refusal. Results are bounded;
+`elided` says what was cut and where the rest is."""
 
 
 @dataclass(frozen=True)
@@ -241,6 +248,9 @@ class Bridge:
         for seen in resources.artifacts_in(value):
             self.seen.add(seen)
         value, text = bounds.fit(value, tool.fit, limit)
+        if tool.fit == "proc" and is_proc_result(value):
+            # What a model reads first; the whole result stays the structured content.
+            text = proc_text(value).encode("utf-8", "surrogatepass")
         return _text_result(value, text, error=False)
 
     async def _proc_output(self, args: dict[str, Any]) -> Any:

@@ -105,7 +105,8 @@ def _lost_sizes(processes: Processes, proc: str) -> dict[str, tuple[str, int]]:
     return {a.stream: (a.artifact, a.bytes) for a in processes.artifacts.by_proc(proc)}
 
 
-def _ref_source(processes: Processes, ref: OutputRef) -> Source:
+def output_source(processes: Processes, ref: OutputRef) -> Source:
+    """What a finished command's output ref holds, readable by offset (inline or artifact)."""
     if ref.inline is not None:
         data = (
             base64.b64decode(ref.inline)
@@ -129,8 +130,8 @@ def _row_sources(processes: Processes, row: ProcRow) -> dict[str, Source]:
     """Blocking (may query the artifacts table)."""
     if row.stdout is not None and row.stderr is not None:
         return {
-            "stdout": _ref_source(processes, row.stdout),
-            "stderr": _ref_source(processes, row.stderr),
+            "stdout": output_source(processes, row.stdout),
+            "stderr": output_source(processes, row.stderr),
         }
     found = _lost_sizes(processes, row.id)
     out: dict[str, Source] = {}

@@ -51,9 +51,10 @@ import trio
 from substrate.artifacts.sink import OutputSink
 from substrate.artifacts.store import ArtifactStore
 from substrate.config import Config
-from substrate.errors import LimitExceeded, RuntimeUnavailable
+from substrate.errors import Draining, LimitExceeded, RuntimeUnavailable
 from substrate.fs import paths
 from substrate.layer import Changesets, LayerClosed, LayerUsers, Use
+from substrate.metrics import METRICS, command_outcome
 from substrate.process.argv import (
     effective_timeout,
     exec_env,
@@ -155,9 +156,28 @@ class Processes:
         self._running: set[str] = set()
         self._live: dict[str, Entry] = {}
         self._nursery: trio.Nursery | None = None
+        #: Set by `daemon.drain`: no new command or terminal session starts.
+        self.draining = False
+        self._idle = trio.Event()
+        self._idle.set()
 
     @property
     def running(self) -> int:
+        return len(self._running)
+
+    def refuse_if_draining(self) -> None:
+        """`draining` while `daemon.drain` holds (docs/deployment.md "Draining a node")."""
+        if self.draining:
+            raise Draining("this daemon is draining: it starts no new command")
+
+    async def drain(self, timeout_s: float) -> int:
+        """Start no new command; wait up to `timeout_s` for the running ones to end.
+        Returns how many still run. Never kills anything: the orchestrator's stop
+        (SIGTERM) does that, bounded, after the drain."""
+        self.draining = True
+        with trio.move_on_after(timeout_s):
+            while self._running:
+                await self._idle.wait()
         return len(self._running)
 
     @property
@@ -239,6 +259,7 @@ class Processes:
         `confinement_unmet`, `image_missing`, `runtime_unavailable`. `on_started` is
         called once the engine started the exec.
         """
+        self.refuse_if_draining()
         checked = await self._check(req)
         if len(self._running) >= self._config.max_processes:
             raise LimitExceeded(
@@ -247,6 +268,8 @@ class Processes:
             )
         slot = secrets.token_hex(8)
         self._running.add(slot)
+        if self._idle.is_set():
+            self._idle = trio.Event()
         try:
             for attempt in (1, 2):
                 proc = "p_" + secrets.token_hex(8)
@@ -279,6 +302,8 @@ class Processes:
             raise AssertionError("unreachable")
         finally:
             self._running.discard(slot)
+            if not self._running:
+                self._idle.set()
 
     async def _check(self, req: RunRequest) -> _Checked:
         """The profile's rules for `req` (see `run`'s refusals, up to `max_processes`)."""
@@ -478,6 +503,18 @@ class Processes:
             via=run.channel.via,
             exec_facts=run.channel.facts,
             usage=usage,
+        )
+        METRICS.command_finished(
+            run.sandbox.profile.name,
+            outcome.via or "none",
+            command_outcome(
+                exit_code=outcome.exit_code,
+                signal=outcome.signal,
+                timed_out=outcome.timed_out,
+                oom_killed=outcome.oom_killed,
+                cancelled=cancelled,
+            ),
+            duration_ms / 1000,
         )
         try:
             entry.result = await trio.to_thread.run_sync(

@@ -29,6 +29,7 @@ from substrate.layer import (
     Changesets,
     drop_unconcluded,
     finish_applying,
+    fresh_view,
     sandbox_dirs,
 )
 from substrate.process.driver import ExecDriver
@@ -43,7 +44,7 @@ from substrate.sandbox.engine import Engine
 from substrate.sandbox.profiles import Profile, find_profile, load_profiles
 from substrate.sandbox.proxy_link import ProxyLinks
 from substrate.sandbox.supervisor.supervisors import Supervisors
-from substrate.schema.journal import EngineStatus
+from substrate.schema.journal import EngineStatus, FreshViewStatus
 from substrate.secrets import SecretStore
 from substrate.store.db import Store
 from substrate.store.journal import Journal
@@ -205,6 +206,10 @@ class Execution:
 
     async def engine_status(self) -> EngineStatus:
         return await self.engine.status()
+
+    def fresh_view(self) -> FreshViewStatus:
+        """The working layers' fresh view (`daemon.status`): no system call."""
+        return fresh_view(s.layer for s in self.containers.live() if s.layer is not None)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Service task: reap a previous run's containers, then sweep idle sandboxes and

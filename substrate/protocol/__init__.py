@@ -3,7 +3,8 @@
 `rpc` decodes and encodes messages (sans-IO), `connection` holds a connection's rules
 (deadlines, caps; sans-IO), `server` is the Trio socket loop around them, `client` the
 client library, `stream_json` joins an agent CLI's stream-json output from `proc.output`
-pieces (sans-IO). The server knows no handlers: the daemon gives it a `Backend`.
+pieces (sans-IO), `proc_text` renders a finished command's result as text for the CLI
+and MCP (pure). The server knows no handlers: the daemon gives it a `Backend`.
 """
 
 from __future__ import annotations

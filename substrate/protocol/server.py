@@ -47,6 +47,7 @@ from typing import Any, Protocol
 import trio
 
 from substrate.errors import Internal, Refusal, StartupError
+from substrate.metrics import METRICS
 from substrate.protocol import rpc
 from substrate.protocol.caller import Actor, Caller
 from substrate.protocol.connection import (
@@ -451,6 +452,7 @@ class Connection:
         """One debug line per refusal: the method (or what was refused when no method
         was decoded), the refusal's name, socket and connection; never params or bytes."""
         log.debug("refused %s: %s (%s socket, connection %s)", method, refusal, self.actor, self.id)
+        METRICS.refused(refusal)
 
     async def _journal_internal(self, where: str, method: str | None, exc: BaseException) -> None:
         """Journal an unexpected error: where, the method, exception type names; no data."""

@@ -191,11 +191,12 @@ class DockerPtys:
         self, *, workspace: str, profile: str, cols: int, rows: int, session: str, actor: str
     ) -> DockerPty:
         """Start the shell. Refuses `unknown_workspace`, `profile_unknown`, `grant_invalid`
-        (profile no longer interactive), `argv_denied`, `confinement_unmet`,
+        (profile no longer interactive), `draining`, `argv_denied`, `confinement_unmet`,
         `image_missing`, `runtime_unavailable`, like any command. Costs a container start
         and a fact check when the sandbox is cold, else three engine calls. On a layer
         profile it joins the generation first: it waits while one concludes."""
         execution = self._execution
+        execution.processes.refuse_if_draining()
         ws = self._workspace(workspace)
         prof: Profile = execution.profile(profile)
         if not prof.interactive:

@@ -214,6 +214,10 @@ class Containers:
         """Every sandbox this daemon holds, retired ones included."""
         return [*self._live.values(), *self._retired]
 
+    def count(self) -> int:
+        """How many sandboxes `live` would list; safe from any thread (two `len`s)."""
+        return len(self._live) + len(self._retired)
+
     async def ensure(self, ws: Workspace, profile: Profile) -> Sandbox:
         """The verified sandbox for (ws, profile), created and verified on first use.
 
@@ -386,7 +390,7 @@ class Containers:
             return None
         passthrough.check_policy(ws.policy, profile.passthrough)
         layer = await self.layer_mounts.open(
-            run.readonly, profile.passthrough, (ws.checkout, ws.root_fd)
+            run.readonly, profile.passthrough, profile.symlinks, (ws.checkout, ws.root_fd)
         )
         layer.git_refs_allow = tuple(profile.git_refs_allow)
         return layer

@@ -32,6 +32,7 @@ import msgspec
 
 from substrate.egress import allow as egress_allow
 from substrate.egress import cabundle, inject_rules
+from substrate.egress.npmregistry import NPM_REGISTRY, TOKENS, npm_registry_hosts
 from substrate.egress.pipindex import PIP_INDEX, pip_index_hosts
 from substrate.errors import ConfinementUnmet, ProfileUnknown, Refusal
 from substrate.layer.mounts import passthrough
@@ -305,7 +306,11 @@ def replace_in_place(current: dict[str, Profile], new: Mapping[str, Profile]) ->
 
 
 def load_profiles(
-    profiles_dir: Path, seccomp_dir: Path, *, pip_index: PipIndex = pip_index_hosts
+    profiles_dir: Path,
+    seccomp_dir: Path,
+    *,
+    pip_index: PipIndex = pip_index_hosts,
+    npm_registry: PipIndex = npm_registry_hosts,
 ) -> dict[str, Profile]:
     """Load every `*.toml` in `profiles_dir` (not recursive), keyed by name.
 
@@ -317,12 +322,19 @@ def load_profiles(
         paths = sorted(e for e in profiles_dir.iterdir() if e.suffix == ".toml")
     except OSError as exc:
         raise ProfileError(f"{profiles_dir}: cannot list: {exc.strerror or exc}") from None
-    loaded = (load_profile(path, seccomp_dir, pip_index=pip_index) for path in paths)
+    loaded = (
+        load_profile(path, seccomp_dir, pip_index=pip_index, npm_registry=npm_registry)
+        for path in paths
+    )
     return {p.name: p for p in loaded}
 
 
 def load_profile(
-    path: Path, seccomp_dir: Path, *, pip_index: PipIndex = pip_index_hosts
+    path: Path,
+    seccomp_dir: Path,
+    *,
+    pip_index: PipIndex = pip_index_hosts,
+    npm_registry: PipIndex = npm_registry_hosts,
 ) -> Profile:
     """Read, decode and validate one profile file; its name is the file stem.
 
@@ -330,8 +342,9 @@ def load_profile(
     unreadable or non-TOML content, unknown keys (and `name`, which is the stem), wrong
     types, and every semantic check in `check_profile`, including a seccomp policy that is
     missing or invalid. The `egress_allow` it returns is normalised and sorted, with
-    `@pip-index` replaced by the hosts `pip_index` names (none, and a warning in the log,
-    when pip's configuration cannot be read). Cost: one read of at most 64 KiB, plus the
+    `@pip-index` replaced by the hosts `pip_index` names and `@npm-registry` by those
+    `npm_registry` names (none, and a warning in the log, when the tool's configuration
+    cannot be read). Cost: one read of at most 64 KiB, plus the
     seccomp file's, plus `pip_index` (about 0.3 s, cached) when the token is used.
     """
     source = str(path)
@@ -352,18 +365,22 @@ def load_profile(
     check_profile(profile, seccomp_dir, source=source)
     if profile.network == "egress":
         profile = msgspec.structs.replace(
-            profile, egress_allow=resolved_allow(profile, pip_index, source)
+            profile, egress_allow=resolved_allow(profile, pip_index, source, npm_registry)
         )
     return profile
 
 
-def resolved_allow(p: Profile, pip_index: PipIndex, source: str) -> list[str]:
-    """`p.egress_allow` normalised and sorted, with `@pip-index` replaced by its hosts."""
-    entries = [e for e in p.egress_allow if e != PIP_INDEX]
-    if PIP_INDEX in p.egress_allow:
-        hosts, why = pip_index()
+def resolved_allow(
+    p: Profile, pip_index: PipIndex, source: str, npm_registry: PipIndex = npm_registry_hosts
+) -> list[str]:
+    """`p.egress_allow` normalised and sorted, each token replaced by its hosts."""
+    entries = [e for e in p.egress_allow if e not in TOKENS]
+    for token, resolve in ((PIP_INDEX, pip_index), (NPM_REGISTRY, npm_registry)):
+        if token not in p.egress_allow:
+            continue
+        hosts, why = resolve()
         if why is not None:
-            log.warning("%s: %s allows nothing: %s", source, PIP_INDEX, why)
+            log.warning("%s: %s allows nothing: %s", source, token, why)
         entries += hosts
     return list(egress_allow.AllowList.of(entries).entries)
 
@@ -409,6 +426,13 @@ def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
     if p.passthrough and p.workspace != "layer":
         fail("passthrough", 'only a "layer" workspace has passthrough directories')
     passthrough.check_declared(p.passthrough, fail)
+    if p.symlinks != "any" and p.workspace != "layer":
+        # A sandbox writing the checkout itself makes its links there: nothing applies
+        # them, so a narrower setting would promise what it cannot keep.
+        fail(
+            "symlinks",
+            'only a "layer" workspace applies symlinks: say "any" or workspace = "layer"',
+        )
     for key, value in p.env.items():
         if not _ENV_KEY_RE.fullmatch(key):
             fail(f"env.{key}", "not a valid environment variable name")
@@ -481,7 +505,7 @@ def _check_egress(p: Profile, fail: _Fail) -> None:
     if len(p.egress_allow) > egress_allow.MAX_ENTRIES:
         fail("egress_allow", f"more than {egress_allow.MAX_ENTRIES} entries")
     for i, entry in enumerate(p.egress_allow):
-        if entry == PIP_INDEX:
+        if entry in TOKENS:
             continue
         try:
             egress_allow.parse_entry(entry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # The domain modules are imported for their declarations (`method(...)`).
 from substrate.schema import (
+    agents,
     artifact,
     changes,
     discover,
@@ -30,6 +31,7 @@ __all__ = [
     "MethodSpec",
     "Params",
     "Result",
+    "agents",
     "artifact",
     "changes",
     "discover",

@@ -38,29 +38,41 @@ class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     `base_sha256` is the checkout's file the command saw (None: there was none, or a
     directory); `new_sha256`, `size` and `mode` what the command left (None / 0 for a
-    delete). `diff` is a bounded unified preview. A `ref` entry (`op: "ref"`): `path`
-    is the ref's name, `old_oid` what the sandbox started from and `new_oid` where it
-    left it (None: absent), `subjects` the subjects of its new commits, newest first (at
-    most 20).
+    delete). `diff` is a bounded unified preview.
+
+    A symlink (`kind: "symlink"`, op create, replace or delete) is digested as git
+    digests one: `base_sha256`/`new_sha256` are the SHA-256 of its target's bytes and
+    `size` their length. `target` is what the command's link points to, verbatim (never
+    followed or resolved by substrate), and `escapes` whether it leaves the checkout,
+    resolved lexically from the link's directory (an absolute target always does);
+    both None for a delete (docs/working-layer.md, "Symlinks").
+
+    A `ref` entry (`op: "ref"`): `path` is the ref's name, `old_oid` what the
+    sandbox started from and `new_oid` where it left it (None: absent), `subjects` the
+    subjects of its new commits, newest first (at most 20).
     """
 
     path: str
     op: Op
-    kind: Literal["file", "dir"] = "file"
+    kind: Literal["file", "dir", "symlink"] = "file"
     base_sha256: str | None = None
     new_sha256: str | None = None
     size: int = 0
     mode: int | None = None
     diff: str = ""
     diff_truncated: bool = False
+    target: str | None = None
+    escapes: bool | None = None
     old_oid: str | None = None
     new_oid: str | None = None
     subjects: tuple[str, ...] = ()
 
 
 class Blocked(msgspec.Struct, frozen=True, kw_only=True):
-    """A path the change set never applies: what stood there (`kind`) and why (a symlink,
-    device, hard link, ..., `host_changed`: the host changed, removed or renamed away the
+    """A path the change set never applies: what stood there (`kind`) and why (`symlink`:
+    a link the profile's `symlinks` refuses; `target_too_long`, `target_not_utf8`,
+    `target_control_character`: a link's target substrate will not make; a device,
+    FIFO or socket, ..., `host_changed`: the host changed, removed or renamed away the
     checkout's file while the command ran, or a scan bound the path passes: `too_deep`,
     `too_long`, `too_many`, `too_large`, whose part stays in the set's layer)."""
 

@@ -46,6 +46,9 @@ class MethodSpec:
     #: so a change that landed is never reported lost.
     shielded: bool
     doc: str
+    #: Server notifications the method starts on the caller's connection: method name →
+    #: the Struct of their params (`proc.subscribe`: `proc.output`, `proc.exit`).
+    notifications: tuple[tuple[str, type[msgspec.Struct]], ...] = ()
 
 
 METHODS: dict[str, MethodSpec] = {}
@@ -60,6 +63,7 @@ def method(
     mutating: bool = False,
     shielded: bool = False,
     doc: str = "",
+    notifications: tuple[tuple[str, type[msgspec.Struct]], ...] = (),
 ) -> None:
     """Declare a wire method. Declaring a name twice, or a shielded method that is not
     mutating (only a change needs protecting from a shutdown), is a programming error."""
@@ -75,6 +79,7 @@ def method(
         mutating=mutating,
         shielded=shielded,
         doc=doc,
+        notifications=notifications,
     )
 
 

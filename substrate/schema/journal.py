@@ -89,11 +89,49 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     runtimes: list[str] = msgspec.field(default_factory=list)
 
 
+class JournalExportStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The journal export to PostgreSQL (docs/fleet.md): where it stands."""
+
+    #: "off": not configured; "connecting"; "shipping": entries behind, being sent;
+    #: "caught_up": every committed entry is in PostgreSQL; "retrying": the last
+    #: attempt failed (`last_error`), waiting to try again.
+    state: Literal["off", "connecting", "shipping", "caught_up", "retrying"] = "off"
+    #: The highest seq of this node PostgreSQL is known to hold.
+    last_seq: int = 0
+    #: Committed entries not yet known to be in PostgreSQL.
+    lag_entries: int = 0
+    #: The last failure, `<kind>: <detail>` (never the password); None after a success.
+    last_error: str | None = None
+
+
+class FreshViewStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The working layers' fresh view (docs/working-layer.md, "The fresh view"), over the
+    layer sandboxes live now."""
+
+    #: Layer sandboxes live.
+    layers: int = 0
+    #: Checkout directories watched for host changes, over them all.
+    watched_dirs: int = 0
+    #: Generations mounted again before a command because their checkout changed.
+    remounts: int = 0
+    #: Layers whose watch was given up: each of their commands gets a fresh mount.
+    degraded: int = 0
+    #: Why (distinct, sorted): "watch_limit", "too_many_dirs", "too_deep", "no_inotify
+    #: (...)", "walk_failed (...)".
+    reasons: list[str] = msgspec.field(default_factory=list)
+
+
 class StatusResult(Result):
     version: str
     epoch: int
     uptime_s: float
     engine: EngineStatus
+    #: True once `daemon.drain` was asked (until it is cancelled): no new command starts.
+    draining: bool
+    #: Commands running now (`proc.run` and `proc.start`, every workspace).
+    running: int
+    #: The journal export to PostgreSQL (`[journal_export]`); state "off" when not configured.
+    journal_export: JournalExportStatus
     #: HOST:PORT the terminal endpoint is bound to (the real port, also for `:0`);
     #: absent when terminals could not listen.
     listen: str | None = None
@@ -103,6 +141,10 @@ class StatusResult(Result):
     open_fds: int | None = None
     #: Threads of the daemon process; absent when the system does not say.
     threads: int | None = None
+    #: HOST:PORT the metrics page (`metrics_listen`) is bound to; absent when not served.
+    metrics_listen: str | None = None
+    #: How the working layers keep a command's view of the checkout fresh.
+    fresh_view: FreshViewStatus = msgspec.field(default_factory=FreshViewStatus)
 
 
 method("journal.read", JournalReadParams, JournalReadResult)
@@ -134,7 +176,32 @@ class InfoResult(Result, omit_defaults=False):
     engine: EngineStatus
 
 
+#: The longest a `daemon.drain` waits for running commands, seconds.
+MAX_DRAIN_S = 3600.0
+
+
+class DrainParams(Params):
+    #: How long to wait for the running commands to end, seconds (0: do not wait).
+    timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_DRAIN_S)] = 60.0
+    #: Accept new commands again (a drain called off); nothing is waited for.
+    cancel: bool = False
+
+
+class DrainResult(Result, omit_defaults=False):
+    draining: bool
+    #: Commands still running when the call returned (0: the node is idle).
+    running: int
+    waited_s: float
+
+
 method("daemon.status", StatusParams, StatusResult)
+method(
+    "daemon.drain",
+    DrainParams,
+    DrainResult,
+    operator_only=True,
+    doc="Start no new command or terminal session; wait (bounded) for the running ones.",
+)
 method(
     "daemon.info",
     StatusParams,

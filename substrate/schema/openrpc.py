@@ -7,7 +7,9 @@ its source, as `substrate.schema.reference` finds them for docs/protocol.md: the
 docstring as `description`, each field's comment as its property's `description`. Each
 method becomes an OpenRPC method object whose params are its Struct's fields by name
 (content descriptors with `required` and the field's doc); its result is a `$ref`.
-Refusals (`substrate.errors`) are `components.errors`, referenced by every method.
+Refusals (`substrate.errors`) are `components.errors`, referenced by every method. A method
+that starts server notifications (`proc.subscribe`) names them, with a `$ref` to the
+Struct of their params, in `x-substrate-notifications`.
 
 Pure and deterministic (sorted by name); `encoded()` renders once per process, so
 `rpc.discover` costs a lookup after the first call. Nothing here changes when the daemon
@@ -183,15 +185,21 @@ def document() -> dict[str, Any]:
     Struct and a parse of their source (for the field comments): call `encoded()`."""
     specs = [METHODS[name] for name in sorted(METHODS)]
     roots: list[type] = [cls for spec in specs for cls in (spec.params, spec.result)]
+    roots += [cls for spec in specs for _, cls in spec.notifications]
     tops, schemas = msgspec.json.schema_components(roots, ref_template=SCHEMA_REF)
+    ref_of = dict(zip(roots, tops, strict=True))
     for name, cls in _component_classes(schemas, roots).items():
         _describe(schemas[name], cls)
     error_objects = errors()
     refusals = [name for name in sorted(all_refusals()) if name not in NOT_METHOD_REPLIES]
-    methods = [
-        _method(spec, tops[2 * i], tops[2 * i + 1], schemas, refusals)
-        for i, spec in enumerate(specs)
-    ]
+    methods = []
+    for spec in specs:
+        entry = _method(spec, ref_of[spec.params], ref_of[spec.result], schemas, refusals)
+        if spec.notifications:
+            entry["x-substrate-notifications"] = [
+                {"name": name, "schema": ref_of[cls]} for name, cls in spec.notifications
+            ]
+        methods.append(entry)
     return {
         "openrpc": OPENRPC_VERSION,
         "info": {"title": "substrate", "version": __version__, "description": DESCRIPTION},

@@ -50,16 +50,18 @@ class EgressBlocked(msgspec.Struct, frozen=True, kw_only=True):
 class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What became of one change of a command's working layer (docs/working-layer.md).
     `op`: create | replace | delete | chmod | mkdir (None for what the scan blocked:
-    symlinks, devices, hard links, ...); `size`/`mode`: what the command left (a file's
+    links the profile refuses, devices, FIFOs, ...); `size`/`mode`: what the command left (a file's
     bytes and permission bits; none for a delete); `reason`: a refusal name or the
     scan's reason; `rule`: the policy rule that blocked it; `plan_digest`: the plan to
     grant (`approval.grant`) of a pending change. A conflict's `current_sha256` is the
     checkout's digest now; the command's version is the artifact `artifact` (read it
     with `artifact.read`), or, when it could not be kept as one (`artifact_reason`:
     `too_large`, `set_full`, `failed`; `empty` for a file of no bytes), `kept` names it
-    in the set's layer, which then stays until `changes.discard`. A `ref` entry (`op:
-    "ref"`, `path` the ref's name) carries `old_oid`/`new_oid` (None: absent), and
-    `current_oid`, the checkout's value, when it conflicted (`host_changed`)."""
+    in the set's layer, which then stays until `changes.discard`. A symlink's entry has
+    `kind: "symlink"`, its `target` (verbatim) and `escapes` (whether the target leaves
+    the checkout, resolved lexically; docs/working-layer.md, "Symlinks"). A `ref` entry
+    (`op: "ref"`, `path` the ref's name) carries `old_oid`/`new_oid` (None: absent),
+    and `current_oid`, the checkout's value, when it conflicted (`host_changed`)."""
 
     path: str
     op: str | None = None
@@ -72,6 +74,9 @@ class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     artifact: str | None = None
     artifact_reason: str | None = None
     kept: str | None = None
+    kind: str | None = None  # "symlink" for a link; None for a file or a directory
+    target: str | None = None
+    escapes: bool | None = None
     old_oid: str | None = None
     new_oid: str | None = None
     current_oid: str | None = None
@@ -132,8 +137,9 @@ class StartParams(Params):
     `stdin_b64`, is written to it, then EOF; neither: no stdin is attached."""
 
     workspace: WorkspaceId
-    profile: ProfileName
     argv: list[str]
+    #: the operator's profile to run under; absent: the daemon's `default_profile`
+    profile: ProfileName | None = None
     cwd: RelPath = "."
     stdin: str | None = None  # UTF-8 text fed to the command, then EOF; or "stream"
     stdin_b64: str | None = None  # or bytes, base64 (not both)
@@ -395,6 +401,7 @@ method(
     SubscribeParams,
     SubscribeResult,
     doc="Stream proc.output notifications from byte `since`, then one proc.exit.",
+    notifications=(("proc.output", OutputNotice), ("proc.exit", WaitResult)),
 )
 
 

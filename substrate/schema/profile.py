@@ -17,6 +17,10 @@ class EgressInject(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     secret: str  # the operator secret (`substrate secret set NAME`) whose value it gets
 
 
+#: Which symlinks made in a "layer" sandbox are applied (the profile key `symlinks`).
+SymlinkMode = Literal["any", "inside", "none"]
+
+
 class GitIdentity(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Who the agent's commits are by (author and committer), set by the operator; both
     empty: git's own configuration decides."""
@@ -37,6 +41,10 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     workspace: Literal["rw", "ro", "none", "layer"] = "layer"  # /workspace: overlay, or bind mode
     #: Checkout dirs bound read-write over a "layer" workspace (caches, build output).
     passthrough: list[str] = msgspec.field(default_factory=list)
+    #: "layer" only: which symlinks a command made are applied: "any", "inside" (those
+    #: whose target, resolved lexically from the link's directory, stays in the
+    #: checkout) or "none" (docs/working-layer.md, "Symlinks").
+    symlinks: SymlinkMode = "any"
     #: "none": lo only, no routes; "egress": the same, plus the daemon's allow-listing
     #: proxy on 127.0.0.1:3128 inside the sandbox (docs/egress.md; runc only).
     network: Literal["none", "egress"] = "none"

@@ -58,6 +58,7 @@ SECTION_OF = {
     "fs.upload.commit": 14,
     "fs.upload.abort": 14,
     "rpc": 14,
+    "agent": 14,
 }
 #: Defaults that are not JSON values: set at run time, or left out.
 COMPUTED, UNSET = "(computed)", "(unset)"

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
@@ -23,7 +25,7 @@ import msgspec
 from substrate.schema.journal import Entry
 from substrate.store.db import Store
 
-__all__ = ["GENESIS", "Draft", "Entry", "Journal", "canonical", "entry_hash"]
+__all__ = ["GENESIS", "Draft", "Entry", "Journal", "JournalReader", "canonical", "entry_hash"]
 
 GENESIS = "0" * 64
 
@@ -220,6 +222,55 @@ class Journal:
                 expected_prev = entry.hash
                 expected_seq += 1
                 last = entry.seq
+
+
+#: One stored entry as `JournalReader.rows` gives it: epoch, seq, ts, kind, workspace,
+#: actor, data (its canonical JSON text), prev, hash.
+StoredRow = tuple[int, int, float, str, str | None, str, str, str, str]
+
+
+class JournalReader:
+    """Committed entries of a state database, read on a read-only connection of its
+    own, never the store's: in WAL mode a reader takes no lock a writer waits for, so
+    however slow its reader, it never delays an append (the journal export,
+    docs/fleet.md). Blocking; safe from any thread (one lock around its connection)."""
+
+    def __init__(self, database: Path) -> None:
+        uri = database.absolute().as_uri() + "?mode=ro"
+        self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def head(self) -> int:
+        """The highest committed seq (0: an empty journal)."""
+        with self._lock:
+            row = self._db.execute("SELECT MAX(seq) FROM journal").fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def rows(self, after: int, limit: int, max_bytes: int) -> list[StoredRow]:
+        """Entries with `seq > after`, in order: at most `limit`, and no more once their
+        data passes `max_bytes` (at least one, whatever its size)."""
+        out: list[StoredRow] = []
+        size = 0
+        with self._lock:
+            cur = self._db.execute(
+                "SELECT epoch, seq, ts, kind, workspace, actor, data, prev, hash FROM journal"
+                " WHERE seq > ? ORDER BY seq LIMIT ?",
+                (after, limit),
+            )
+            try:
+                for row in cur:
+                    out.append(row)
+                    size += len(row[6])
+                    if size >= max_bytes:
+                        break
+            finally:
+                cur.close()
+        return out
 
 
 def _row_entry(row: sqlite3.Row) -> Entry:

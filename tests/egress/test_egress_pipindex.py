@@ -71,3 +71,15 @@ def test_a_pip_that_cannot_run_resolves_to_nothing_and_says_why(
     hosts, why = pipindex.pip_index_hosts({"PIP_X": uuid.uuid4().hex})
     assert hosts == []
     assert why is not None and "could not be read" in why
+
+
+def test_npm_registry_token_is_the_host_npm_names() -> None:
+    from substrate.egress.npmregistry import hosts_from, npm_registry_hosts
+
+    assert hosts_from("https://registry.example.org/\n") == (["registry.example.org"], None)
+    assert hosts_from("file:///srv/npm\n")[0] == []
+    # This machine's own npm, read through npm itself (the registries answer here).
+    hosts, why = npm_registry_hosts()
+    assert why is None and len(hosts) == 1
+    # No npm on the PATH: the token allows nothing, and says why.
+    assert npm_registry_hosts({"PATH": "/nonexistent"}) == ([], "no npm on this host's PATH")

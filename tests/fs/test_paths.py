@@ -197,6 +197,29 @@ def test_open_dir_opens_beneath_the_root(resolver: str, tree: tuple[Path, Path, 
             os.close(fd)
 
 
+def test_open_dir_opens_a_directory_4096_bytes_deep(resolver: str, tmp_path: Path) -> None:
+    # 17 names of 240 bytes: 4,096 bytes, which the guarded path takes and one
+    # openat2 does not (PATH_MAX counts the NUL): walked a component at a time.
+    parts = ("d" * 240,) * 17
+    assert len("/".join(parts).encode()) == paths.MAX_PATH_BYTES
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        here = os.dup(root)
+        for part in parts:
+            os.mkdir(part, dir_fd=here)
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=here)
+            os.close(here)
+            here = nxt
+        fd = paths.open_dir(root, parts)
+        try:
+            assert os.path.samestat(os.fstat(fd), os.fstat(here))
+        finally:
+            os.close(fd)
+            os.close(here)
+    finally:
+        os.close(root)
+
+
 def test_use_openat2_can_be_switched_off_and_on_again() -> None:
     expected = paths._has_openat2()
     try:

@@ -53,7 +53,8 @@ class DaemonFailed(Exception):
 
 
 def toml_value(value: Any) -> str:
-    """`value` as a TOML value (bool, number, string, or a list of those)."""
+    """`value` as a TOML value (bool, number, string, a list of those, or a table of
+    them: an inline table, `{key = value, ...}`)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -62,6 +63,8 @@ def toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

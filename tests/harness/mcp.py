@@ -4,7 +4,8 @@
 with the SDK's stdio client (the worktree's `substrate` first on `PYTHONPATH`),
 initializes a `ClientSession` and yields it; at the end the SDK closes the server's
 stdin and reaps it. The server's stderr goes to `mcp.log` in the daemon's base dir.
-`payload(result)` is a tool result's JSON text, decoded.
+`payload(result)` is a tool result's JSON text, decoded (a finished command's: its
+structured content; its text reads as lines).
 """
 
 from __future__ import annotations
@@ -53,10 +54,15 @@ async def open_mcp(daemon: DaemonProcess, *args: str) -> AsyncIterator[ClientSes
 
 
 def payload(result: CallToolResult) -> Any:
-    """The JSON a tool result carries as text (also its structured content)."""
+    """The JSON a tool result carries as text (also its structured content); a finished
+    command's text is lines a model reads, its JSON the structured content alone."""
     assert len(result.content) == 1, result
     block = result.content[0]
     assert isinstance(block, TextContent), block
+    if block.text.startswith("exit code "):
+        assert isinstance(result.structured_content, dict), result
+        assert "exit_code" in result.structured_content
+        return result.structured_content
     value = json.loads(block.text)
     assert value == result.structured_content
     return value

@@ -707,3 +707,44 @@ async def test_idle_sandbox_is_removed(
             "proc.run", workspace=ws["workspace"], profile="tiny", argv=["true"]
         )
         assert again["exit_code"] == 0
+
+
+# --- draining a node (docs/deployment.md "Draining a node") ---------------------------------
+
+
+async def test_drain_refuses_new_commands_and_waits_for_the_running_one(
+    env: Env, state_dir: Path
+) -> None:
+    started = await env.client.call(
+        "proc.start", workspace=env.ws, profile="tiny", argv=["sh", "-c", "sleep 2; echo done"]
+    )
+    async with open_client(state_dir / "operator.sock") as operator:
+        # Agents may not drain a node.
+        with pytest.raises(RpcError) as denied:
+            await env.client.call("daemon.drain", timeout_s=0)
+        assert denied.value.refusal == "unauthorized"
+        drained = await operator.call("daemon.drain", timeout_s=120)
+        # The running command was waited for, not killed.
+        assert (drained["draining"], drained["running"]) == (True, 0)
+        finished = await env.client.call("proc.wait", proc=started["proc"])
+        assert (finished["exit_code"], text(finished["stdout"])) == (0, "done\n")
+        refused = await env.refusal(["true"])
+        assert refused.refusal == "draining"
+        status = await env.client.call("daemon.status")
+        assert (status["draining"], status["running"]) == (True, 0)
+        resumed = await operator.call("daemon.drain", cancel=True)
+        assert resumed["draining"] is False
+    assert (await env.run(["true"]))["exit_code"] == 0
+
+
+async def test_drain_returns_at_its_timeout_with_the_commands_still_running(
+    env: Env, state_dir: Path
+) -> None:
+    started = await env.client.call(
+        "proc.start", workspace=env.ws, profile="tiny", argv=["sleep", "30"]
+    )
+    async with open_client(state_dir / "operator.sock") as operator:
+        drained = await operator.call("daemon.drain", timeout_s=0.5)
+        assert (drained["draining"], drained["running"]) == (True, 1)
+        await env.client.call("proc.signal", proc=started["proc"], signal="KILL")
+        await operator.call("daemon.drain", cancel=True)

@@ -136,6 +136,17 @@ async def test_what_a_command_leaves_in_a_passthrough_dir_is_reported_and_neutra
         ("node_modules/rootlink", "symlink"): None,
         ("node_modules/pipe", "fifo"): None,
     }
+    # Each finding is named in the journal as well (docs/working-layer.md).
+    journal = await env.client.call("journal.read", workspace=env.ws, limit=10000)
+    named = {
+        (e["data"]["path"].split(":", 1)[1], e["data"]["reason"]): e["data"]
+        for e in journal["entries"]
+        if e["kind"] == "changes.blocked" and e["data"].get("rule") == "passthrough"
+    }
+    assert set(named) == set(found)
+    assert {(d["outcome"], d["op"], d["generation"]) for d in named.values()} == {
+        ("blocked", None, result["changes"]["generation"])
+    }
     assert stat.S_IMODE((nm / "evil" / ".git" / "HEAD").stat().st_mode) == 0
     assert stat.S_IMODE((nm / "run2").stat().st_mode) == 0o755  # one inode, bits gone
     # A set-id file the command made keeps its bytes and loses its bits.

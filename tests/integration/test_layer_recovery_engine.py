@@ -9,6 +9,7 @@ container, sweeps its mounts and drops the generation whole, journaled
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 from substrate.config import PROJECT_ROOT
 from substrate.layer.mounts.overlay import mounted_under
 from substrate.sandbox.containers import LABEL_DAEMON, daemon_id_for
+from substrate.workspace.writes import TEMP_PREFIX
 from tests.harness import wait_until
 from tests.harness.engine import remove_daemon_containers, sweep_mounts
 
@@ -120,3 +122,60 @@ def test_kill_9_mid_command_drops_the_generation_and_leaves_the_checkout(
     assert d.client().call("proc.status", proc=proc)["state"] == "lost"
     assert d.verify_journal()["ok"] is True
     assert _mounts_under(d.state_dir) == []
+
+
+BIG = 40 << 20  # streamed (over `STREAM_BYTES`), and long enough to be caught mid-apply
+BIG_NAMES = [f"b{i}.bin" for i in range(5)]
+
+
+def _digest(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _pattern(word: str) -> bytes:
+    return ((word + "\n").encode() * (BIG // (len(word) + 1) + 1))[:BIG]
+
+
+def test_kill_9_mid_apply_of_big_files_leaves_each_whole_and_recovers_the_set(
+    layer_daemon: DaemonProcess, docker_client: Any
+) -> None:
+    d = layer_daemon
+    old = {name: _pattern(f"old {name}") for name in BIG_NAMES}
+    new = {name: _pattern(f"n{i}") for i, name in enumerate(BIG_NAMES)}
+    new["fresh.bin"] = _pattern("fresh")
+    digests = {
+        name: {hashlib.sha256(old[name]).hexdigest() if name in old else None}
+        | {hashlib.sha256(data).hexdigest()}
+        for name, data in new.items()
+    }
+    path = d.make_workspace(files=old)
+    ws = d.adopt(path)
+    script = "; ".join(
+        f"yes {'fresh' if name == 'fresh.bin' else f'n{i}'} | head -c {BIG} > {name}"
+        for i, name in enumerate([*BIG_NAMES, "fresh.bin"])
+    )
+    c = d.client()
+    c.call("proc.start", workspace=ws, profile="layer", argv=["sh", "-c", script])
+
+    def mid_apply() -> bool:  # a temp file beside a target: the set is being applied
+        return any(p.name.startswith(TEMP_PREFIX) for p in path.iterdir())
+
+    wait_until(mid_apply, 120, interval=0.005, message="the apply never began")
+    d.kill()
+    # Dead mid-apply: every file holds its old bytes or its new ones, never a mix.
+    for name in new:
+        assert _digest(path / name) in digests[name], name
+
+    d.start()
+    # The set was applied whole at the start: every file new, no temp file left.
+    for name, data in new.items():
+        assert _digest(path / name) == hashlib.sha256(data).hexdigest(), name
+    assert not [p.name for p in path.iterdir() if p.name.startswith(TEMP_PREFIX)]
+    applied = [e["data"]["path"].split(":", 1)[1] for e in d.journal({"changes.apply"})]
+    assert sorted(applied) == sorted(new)  # each journaled exactly once
+    recovered = [e["data"] for e in d.journal({"changes.recovered"})]
+    assert [r.get("outcome") for r in recovered] == ["applied"]
+    assert d.verify_journal()["ok"] is True

@@ -18,6 +18,7 @@ import trio.testing
 
 from substrate.layer import users as layer_users
 from substrate.layer.generation import Conclusion, Deferred, User, Users, combined
+from substrate.layer.mounts.lower_watch import LowerWatch
 from substrate.layer.mounts.plan import plan
 from substrate.layer.mounts.working_layer import WorkingLayer, next_plan
 from substrate.layer.users import LayerUsers, journal_summary
@@ -150,13 +151,21 @@ class Env:
         return [e for e in self.journal.read(limit=1000) if e.kind == "changes.shared"]
 
 
+class Quiet(LowerWatch):
+    """A checkout nobody changes: no generation is mounted again (tests/layer/
+    test_refresh.py has those that are)."""
+
+    def pending(self) -> bool:
+        return False
+
+
 @pytest.fixture
 def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     recorder = Recorder()
     monkeypatch.setattr(layer_users.conclusion, "conclude", recorder)
     store = Store(tmp_path / "db")
     journal = Journal(store)
-    layer = WorkingLayer(plan=plan(str(tmp_path), "s0123456789abcdef", 0, []))
+    layer = WorkingLayer(plan=plan(str(tmp_path), "s0123456789abcdef", 0, []), watch=Quiet())
     sandbox = SimpleNamespace(id="c" * 64, layer=layer)
     users = LayerUsers(containers=None, writer=object(), changesets=None, journal=journal)
     try:

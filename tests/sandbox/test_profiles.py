@@ -453,11 +453,16 @@ def test_pip_index_is_replaced_by_what_pip_names(tmp_path: Path) -> None:
     assert nothing.egress_allow == ["extra.example"]
 
 
-def test_the_shipped_setup_profile_allows_only_pips_index(tmp_path: Path) -> None:
+def test_the_shipped_setup_profile_allows_only_pips_index_and_npms_registry(
+    tmp_path: Path,
+) -> None:
     setup = load_profile(
-        PROFILES / "setup.toml", SECCOMP, pip_index=lambda: (["index.example"], None)
+        PROFILES / "setup.toml",
+        SECCOMP,
+        pip_index=lambda: (["index.example"], None),
+        npm_registry=lambda: (["npm.example"], None),
     )
-    assert setup.egress_allow == ["index.example"]
+    assert setup.egress_allow == ["index.example", "npm.example"]
     assert (setup.network, setup.ca_bundle) == ("egress", "host")
     diff = {
         k: v
@@ -465,7 +470,21 @@ def test_the_shipped_setup_profile_allows_only_pips_index(tmp_path: Path) -> Non
         if v != msgspec.to_builtins(load_profile(PROFILES / "default.toml", SECCOMP))[k]
         and k not in ("name", "description")
     }
-    assert diff == {"network": "egress", "egress_allow": ["index.example"], "ca_bundle": "host"}
+    npm_env = {
+        **msgspec.to_builtins(load_profile(PROFILES / "default.toml", SECCOMP))["env"],
+        "PATH": "/home/agent/.npm-global/bin:/usr/local/bin:/usr/bin:/bin",
+        "NPM_CONFIG_PREFIX": "/home/agent/.npm-global",
+        "NPM_CONFIG_CACHE": "/home/agent/.npm",
+        "NPM_CONFIG_UPDATE_NOTIFIER": "false",
+        "NPM_CONFIG_FUND": "false",
+        "NPM_CONFIG_AUDIT": "false",
+    }
+    assert diff == {
+        "network": "egress",
+        "egress_allow": ["index.example", "npm.example"],
+        "ca_bundle": "host",
+        "env": npm_env,
+    }
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,7 @@ def test_method_properties_are_declared_with_each_method() -> None:
         "fs.upload.commit",
         "proc.run",
         "proc.start",
+        "agent.start",
         "workspace.checkpoint",
         "workspace.restore",
         "changes.apply",
@@ -93,6 +94,7 @@ def test_method_properties_are_declared_with_each_method() -> None:
     assert operator_only == {
         "approval.grant",
         "daemon.info",
+        "daemon.drain",
         "profile.reload",
         "grant.issue",
         "grant.list",

@@ -101,7 +101,9 @@ def test_schema_check_exits_1_on_a_stale_tree(tmp_path: Path) -> None:
         (docs / name).write_text((PACKAGE_ROOT / "docs" / name).read_text())
     stale = ARCHITECTURE.read_text().replace("The one refusal taxonomy.", "Stale words.")
     (docs / "architecture.md").write_text(stale)
+    client = PACKAGE_ROOT / "clients" / "typescript" / "src" / "generated.ts"
     argv = [sys.executable, "-m", "substrate.schema", str(docs / "api.schema.json"), "--check"]
+    argv += ["--typescript", str(client)]
     env = {**os.environ, "PYTHONPATH": str(PACKAGE_ROOT)}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
     assert (done.returncode, done.stdout) == (1, f"stale: {docs / 'architecture.md'}\n")

@@ -180,3 +180,28 @@ def test_doctor_names_the_secrets_profiles_need_that_are_not_set(
     SecretStore(state).set("tok", b"value")
     ok, detail = doctor._secrets(config)
     assert ok and "value" not in detail
+
+
+def test_load_sets_one_secret_per_file_of_a_mounted_kubernetes_secret(
+    state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The kubelet's layout: NAME -> ..data/NAME, ..data -> ..<timestamp>/ (swapped atomically).
+    mounted = tmp_path / "mounted"
+    stamp = mounted / "..2026_12_02_00_00_00.1"
+    stamp.mkdir(parents=True)
+    (stamp / "anthropic").write_bytes(b"sk-ant-value\n")
+    (stamp / "pg-password").write_bytes(b"pw")
+    (mounted / "..data").symlink_to(stamp.name)
+    for name in ("anthropic", "pg-password"):
+        (mounted / name).symlink_to(f"..data/{name}")
+    assert _cli(state, monkeypatch, "load", str(mounted)) == 0
+    assert (state / "secrets" / "anthropic").read_bytes() == b"sk-ant-value"
+    assert (state / "secrets" / "pg-password").read_bytes() == b"pw"
+    # `..data` and the stamp directory are not secrets' names; no value is printed.
+    assert sorted(p.name for p in (state / "secrets").iterdir()) == ["anthropic", "pg-password"]
+    captured = capsys.readouterr()
+    assert "sk-ant-value" not in captured.out + captured.err
+    (stamp / "empty").write_bytes(b"")
+    (mounted / "empty").symlink_to("..data/empty")
+    assert _cli(state, monkeypatch, "load", str(mounted)) == 2
+    assert "invalid_params" in capsys.readouterr().err

@@ -4,9 +4,10 @@ The working layer's change sets (docs/working-layer.md): what a generation's upp
 changes in the checkout, kept by id and applied through the guarded write path.
 
 Where things are: `scan` reads an upper dir against the checkout (held fds, no symlink
-followed) into a `ChangeSet`, classified purely by `changeset`; `host_edits` moves to
-`blocked` what the host changed meanwhile (a person's edit is never undone); `apply`
-lands a set through the guarded batch path, bound to what the scan saw; `store` keeps
+followed) into a `ChangeSet`, classified purely by `changeset`; `links` says what a
+symlink's target means and which links the profile's `symlinks` lets through;
+`host_edits` moves to `blocked` what the host changed meanwhile (a person's edit is
+never undone); `apply` lands a set through the guarded batch path, bound to what the scan saw; `store` keeps
 sets by id (`Changesets`: the `changesets` table, their layers' dirs, the cap on settled
 ones); `versions` keeps each conflict's version (the command's bytes) through a
 `FileKeeper`.

@@ -5,8 +5,10 @@ and hands each to the `Writer`: a file's new bytes are read from the upper layer
 (through its dir fd, never following a symlink, checked against `new_sha256`) and go
 through `Writer.apply_change` - policy (`write_deny`, `write_allow`, `require_approval`),
 the base re-checked under the commit lock, a same-directory temp file renamed over the
-target with the old owner (the workspace owner's for a new file), a journal entry - and
-a directory through `Writer.apply_dir`. Nothing here writes the checkout itself.
+target with the old owner (the workspace owner's for a new file), a journal entry - a
+directory through `Writer.batch.apply_dirs`, and a symlink through
+`Writer.batch.apply_links` (`links.apply_links`: `symlinkat` into a temp name, renamed
+over, the target never followed). Nothing here writes the checkout itself.
 
 Each change ends in one of five lists:
 - `applied`;
@@ -27,7 +29,6 @@ call it from a worker thread.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from typing import Literal
@@ -35,13 +36,24 @@ from typing import Literal
 import msgspec
 
 from substrate.errors import ApprovalRequired, PathDenied, Refusal
-from substrate.fs import fsops, paths
+from substrate.fs import paths
+from substrate.layer.changes import links
 from substrate.layer.changes.changeset import Change, ChangeSet, Op
-from substrate.layer.changes.scan import MAX_FILE_BYTES
+from substrate.layer.changes.links import apply_links
 from substrate.workspace import discoverable
 from substrate.workspace.policy import denying_rule
 from substrate.workspace.registry import Workspace
-from substrate.workspace.writes import TEMP_PREFIX, DirChange, DirOp, FileChange, Landing, Writer
+from substrate.workspace.writes import (
+    STREAM_BYTES,
+    TEMP_PREFIX,
+    DirChange,
+    DirOp,
+    FileChange,
+    Landing,
+    Streamed,
+    Writer,
+    hash_fd_bounded,
+)
 
 Outcome = Literal["applied", "unchanged", "blocked", "pending", "conflict"]
 
@@ -51,7 +63,7 @@ class Outcomes(msgspec.Struct, frozen=True, kw_only=True):
 
     path: str
     op: Op
-    kind: Literal["file", "dir"]
+    kind: Literal["file", "dir", "symlink"]
     outcome: Outcome
     #: Why it was not applied: a refusal name (`path_denied`, `stale_base`, ...) or
     #: `not_empty`, `layer_changed`.
@@ -60,7 +72,8 @@ class Outcomes(msgspec.Struct, frozen=True, kw_only=True):
     #: (outside every allowed glob) or `reserved` (substrate's temp-file prefix).
     rule: str | None = None
     plan_digest: str | None = None
-    #: A conflict's checkout digest now (None: absent, or not a file).
+    #: A conflict's checkout digest now (None: absent, or neither a file nor a link; a
+    #: link's is its target's, `links.digest`).
     current_sha256: str | None = None
     #: A conflict's version from the command: its path in the upper layer, left there.
     kept: str | None = None
@@ -74,16 +87,24 @@ class ApplyResult(msgspec.Struct, frozen=True, kw_only=True):
     conflicts: tuple[Outcomes, ...] = ()
 
 
-def _current(ws: Workspace, parts: tuple[str, ...]) -> str | None:
-    """A conflict's checkout digest now: None when absent or not a regular file."""
+def _current(ws: Workspace, parts: tuple[str, ...], limit: int) -> str | None:
+    """A conflict's checkout digest now: None when absent, neither a regular file nor a
+    symlink (whose digest is its target's: read, never followed), or over `limit` bytes
+    (a file is hashed as a stream)."""
     try:
         with paths.opened_dir(ws.root_fd, parts[:-1], "/".join(parts)) as parent:
             st = paths.lstat_at(parent, parts[-1])
-            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                return links.digest(links.read_target(parent, parts[-1]))
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 return None
-            _, data = fsops.read_regular(parent, parts[-1], MAX_FILE_BYTES, parts[-1])
-            return hashlib.sha256(data).hexdigest()
-    except Refusal:
+            fd = paths.open_regular(parent, parts[-1], parts[-1])
+            try:
+                hashed = hash_fd_bounded(fd, limit)
+            finally:
+                os.close(fd)
+            return None if hashed is None else hashed[0]
+    except (Refusal, OSError):
         return None
 
 
@@ -94,14 +115,16 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 class _Upper:
     """The command's bytes of a change, read from the upper layer through dir fds (never
-    following a symlink); None when not a regular file of one link. Holds the last
+    following a symlink): whole, or past `STREAM_BYTES` as an open fd to stream from
+    (`Streamed`); None when not a regular file or over `limit` bytes. Holds the last
     directory it read from (files come sorted by path) until `close`."""
 
-    def __init__(self, upper_fd: int) -> None:
+    def __init__(self, upper_fd: int, limit: int) -> None:
         self._fd = upper_fd
+        self._limit = limit
         self._held: tuple[tuple[str, ...], int] | None = None
 
-    def __call__(self, path: str) -> bytes | None:
+    def __call__(self, path: str) -> bytes | Streamed | None:
         parts = tuple(path.split("/"))
         try:
             if self._held is None or self._held[0] != parts[:-1]:
@@ -112,15 +135,21 @@ class _Upper:
             return None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > MAX_FILE_BYTES:
+            # Several links are fine (hard links made in the sandbox: each name becomes
+            # a separate file); the bytes are checked against the digest scanned.
+            if not stat.S_ISREG(st.st_mode) or st.st_size > self._limit:
+                os.close(fd)
                 return None
+            if st.st_size > STREAM_BYTES:
+                return Streamed(fd, st.st_size)  # the batch copies, checks and closes it
             # One read of a byte more than its size: the batch checks the digest, so
             # bytes that grew or shrank since are refused there (`layer_changed`).
-            return os.pread(fd, st.st_size + 1, 0)
+            data = os.pread(fd, st.st_size + 1, 0)
         except OSError:
-            return None
-        finally:
             os.close(fd)
+            return None
+        os.close(fd)
+        return data
 
     def close(self) -> None:
         if self._held is not None:
@@ -128,25 +157,28 @@ class _Upper:
             self._held = None
 
 
-#: The apply's phases, in order: file deletes, directory deletes (deepest first), new
-#: directories (shallowest first), files made or changed, directory modes (deepest
-#: first). Within a phase the set's order (`changeset.ordered`) holds.
+#: The apply's phases, in order: file deletes, symlink deletes, directory deletes
+#: (deepest first), new directories (shallowest first), files made or changed,
+#: symlinks made or replaced, directory modes (deepest first). Within a phase the
+#: set's order (`changeset.ordered`) holds.
 _PHASES = (
     ("delete", "file"),
+    ("delete", "symlink"),
     ("delete", "dir"),
     ("mkdir", "dir"),
     ("write", "file"),
+    ("write", "symlink"),
     ("chmod", "dir"),
 )
 _DIR_OPS: dict[str, DirOp] = {"delete": "rmdir", "mkdir": "mkdir", "chmod": "chmod"}
 
 
 def _phase(change: Change) -> int:
-    op = "write" if change.kind == "file" and change.op != "delete" else change.op
+    op = "write" if change.kind != "dir" and change.op != "delete" else change.op
     return _PHASES.index((op, change.kind))
 
 
-def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
+def _outcome(ws: Workspace, change: Change, landing: Landing, limit: int) -> Outcomes:
     def out(outcome: Outcome, **kw: str | None) -> Outcomes:
         return Outcomes(path=change.path, op=change.op, kind=change.kind, outcome=outcome, **kw)
 
@@ -164,7 +196,7 @@ def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
                 if code == errno.ENOTEMPTY
                 else errno.errorcode.get(code or 0, "os_error").lower()
             )
-            return _conflict(ws, change, reason)
+            return _conflict(ws, change, reason, limit)
     refusal = landing.refusal
     why = discoverable.blocked_reason(refusal)  # git_dir, control_character, bidi_control
     if why is not None:
@@ -175,18 +207,21 @@ def _outcome(ws: Workspace, change: Change, landing: Landing) -> Outcomes:
     if isinstance(refusal, ApprovalRequired):
         return out("pending", reason=refusal.name, plan_digest=refusal.data.get("plan_digest"))
     # stale_base, already_exists, not_found, symlink_refused, ...
-    return _conflict(ws, change, refusal.name if refusal is not None else "internal")
+    return _conflict(ws, change, refusal.name if refusal is not None else "internal", limit)
 
 
-def _conflict(ws: Workspace, change: Change, reason: str) -> Outcomes:
+def _conflict(ws: Workspace, change: Change, reason: str, limit: int) -> Outcomes:
     return Outcomes(
         path=change.path,
         op=change.op,
         kind=change.kind,
         outcome="conflict",
         reason=reason,
-        current_sha256=_current(ws, tuple(change.path.split("/"))),
-        kept=change.path if change.op in ("create", "replace", "chmod") else None,
+        current_sha256=_current(ws, tuple(change.path.split("/")), limit),
+        # A link's version is its target, in the entry: nothing to keep in the layer.
+        kept=change.path
+        if change.kind == "file" and change.op in ("create", "replace", "chmod")
+        else None,
     )
 
 
@@ -218,12 +253,14 @@ def apply(
         for (op, kind), indices in zip(_PHASES, by_phase, strict=True):
             if not indices:
                 continue
-            if kind == "file":
+            if kind == "symlink":
+                landings = apply_links(writer, ws, [changes[i] for i in indices], actor, dry_run)
+            elif kind == "file":
                 files = [
                     FileChange(c.path, c.base_sha256, c.new_sha256, c.size, c.mode)
                     for c in (changes[i] for i in indices)
                 ]
-                upper = _Upper(upper_fd)
+                upper = _Upper(upper_fd, writer.batch.max_file_bytes)
                 try:
                     landings = writer.batch.apply_files(ws, files, upper, actor, dry_run=dry_run)
                 finally:
@@ -232,7 +269,7 @@ def apply(
                 dirs = [DirChange(changes[i].path, _DIR_OPS[op], changes[i].mode) for i in indices]
                 landings = writer.batch.apply_dirs(ws, dirs, actor, dry_run=dry_run)
             for i, landing in zip(indices, landings, strict=True):
-                results[i] = _outcome(ws, changes[i], landing)
+                results[i] = _outcome(ws, changes[i], landing, writer.batch.max_file_bytes)
     lists: dict[Outcome, list[Outcomes]] = {
         "applied": [],
         "unchanged": [],

@@ -29,7 +29,8 @@ class Seen(msgspec.Struct, frozen=True, kw_only=True):
     mode: int = 0  # permission bits (S_IMODE)
     nlink: int = 1
     size: int = 0
-    sha256: str | None = None  # a regular file's content
+    sha256: str | None = None  # a regular file's content; a symlink's target (`links.digest`)
+    target: bytes | None = None  # a symlink's target, verbatim
     #: An upper directory whose lower contents are hidden (`trusted.overlay.opaque` = y).
     opaque: bool = False
     #: An overlay feature the scan cannot interpret (`metacopy`, `redirect`): blocked.
@@ -63,7 +64,7 @@ _NONE = Verdict()
 
 def _unlink_lower(lower: Seen) -> Step | None:
     """The step removing what the lower layer holds, None when it cannot be removed."""
-    if lower.kind == "file":
+    if lower.kind in ("file", "symlink"):
         return "delete"
     if lower.kind == "dir":
         return "delete_tree"
@@ -74,10 +75,13 @@ def classify(upper: Seen, lower: Seen | None) -> Verdict:
     """The steps making the checkout's `lower` (None: absent) what the upper layer holds.
 
     A whiteout deletes; a file creates, replaces, or only changes the mode (an overlay
-    copy-up of unchanged bytes is nothing); a directory is made or, opaque, hides what
-    the lower held. Blocked, never applied: symlinks, FIFOs, sockets, devices, files with
-    more than one link, overlay metadata the scan cannot interpret, and any step that
-    would remove a lower symlink or special file (substrate writes regular files only).
+    copy-up of unchanged bytes is nothing); a symlink creates or, with another target,
+    replaces; a directory is made or, opaque, hides what the lower held. A file of
+    several links (hard links made in the sandbox) is a file like any other: each name
+    is applied as a separate file. Blocked, never applied: FIFOs, sockets, devices,
+    overlay metadata the scan cannot interpret, and any step that would remove a lower
+    special file (substrate writes regular files, directories and symlinks only). Which
+    symlinks the profile lets through is the scan's (`links.refusal`).
     """
     if upper.overlay_feature is not None:
         return Verdict(blocked=f"overlay_{upper.overlay_feature}")
@@ -90,14 +94,21 @@ def classify(upper: Seen, lower: Seen | None) -> Verdict:
                 return Verdict(blocked=f"deletes_{lower.kind}")
             return Verdict((step,))
         case "file":
-            if upper.nlink > 1:
-                return Verdict(blocked="hard_link")
             if lower is None:
                 return Verdict(("create",))
             if lower.kind == "file":
                 if lower.sha256 != upper.sha256:
                     return Verdict(("replace",))
                 return Verdict(("chmod",)) if lower.mode != upper.mode else _NONE
+            step = _unlink_lower(lower)
+            if step is None:
+                return Verdict(blocked=f"replaces_{lower.kind}")
+            return Verdict((step, "create"))
+        case "symlink":
+            if lower is None:
+                return Verdict(("create",))
+            if lower.kind == "symlink":
+                return _NONE if lower.sha256 == upper.sha256 else Verdict(("replace",))
             step = _unlink_lower(lower)
             if step is None:
                 return Verdict(blocked=f"replaces_{lower.kind}")
@@ -127,14 +138,15 @@ def _depth(change: Change) -> int:
 
 def ordered(changes: list[Change]) -> tuple[Change, ...]:
     """The apply order: deletes deepest first (a directory after what it held), then new
-    directories shallowest first, then files by path, then directory mode changes
-    deepest first (a directory made read-only last). Deterministic for a given set."""
+    directories shallowest first, then files and symlinks by path, then directory mode
+    changes deepest first (a directory made read-only last). Deterministic for a given
+    set."""
     deletes = sorted(
         (c for c in changes if c.op == "delete"), key=lambda c: (-_depth(c), c.path, c.kind)
     )
     mkdirs = sorted((c for c in changes if c.op == "mkdir"), key=lambda c: (_depth(c), c.path))
     files = sorted(
-        (c for c in changes if c.op in ("create", "replace", "chmod") and c.kind == "file"),
+        (c for c in changes if c.op in ("create", "replace", "chmod") and c.kind != "dir"),
         key=lambda c: c.path,
     )
     dir_modes = sorted(

@@ -24,7 +24,12 @@ applied:
   is a conflict when the checkout directory holding it changed (ctime) since: a removal
   or a rename there always changes it. A create beside an unrelated host change in the
   same directory is a conflict too: safe (its version is kept), where a missed one would
-  re-create what a person deleted.
+  re-create what a person deleted. When the checkout's watch says which names the host
+  changed since the generation was mounted (`names`, docs/working-layer.md "The fresh
+  view"), a create is a conflict only when the host changed that name (made, removed,
+  renamed or wrote it) or the directory itself, or the directory is gone: a create
+  beside an unrelated host change applies. Unknown (no watch, an overflow, a directory
+  moved, a directory not watched): the ctime rule.
 
 What the layer's own previous set put in the checkout is not the host's: files holding
 the digest it wrote (`landed`) and directories whose ctime is still the one its apply
@@ -83,12 +88,14 @@ class _Overtaken:
         since_ns: int,
         landed_dirs: Mapping[str, int],
         made: set[str],
+        names: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
         self._root_fd = root_fd
         self._upper_fd = upper_fd
         self._since_ns = since_ns
         self._landed_dirs = landed_dirs
         self._made = made
+        self._names = names
         self._moved: dict[str, bool] = {}
         self._seen: dict[str, bool] = {}
 
@@ -109,6 +116,18 @@ class _Overtaken:
             )
             self._moved[dir_rel] = moved
         return moved
+
+    def created_over(self, rel: str) -> bool:
+        """May the host have removed, made or renamed the entry at `rel` the command
+        creates? By the names the host changed where known, else `under`."""
+        parent = _parent(rel)
+        touched = None if self._names is None else self._names.get(parent)
+        if parent in self._made or touched is None:
+            return self.under(parent)
+        st = _lstat(self._root_fd, parent)
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            return True
+        return "" in touched or rel.rsplit("/", 1)[-1] in touched
 
     def made_over(self, rel: str) -> bool:
         """Is the directory the set makes at `rel` one the command saw in the lower (now
@@ -141,25 +160,29 @@ def overtaken(
     since_ns: int,
     landed: Mapping[str, str],
     landed_dirs: Mapping[str, int],
+    *,
+    names: Mapping[str, frozenset[str]] | None = None,
 ) -> tuple[ChangeSet, tuple[Outcomes, ...]]:
     """Split `changeset` (scanned from the upper layer `upper_fd` against the checkout
     `root_fd`) into the changes to apply and the conflicts (`host_changed`) the host
     overtook since `since_ns` (see the module doc). Every change at a path with a
     conflict is one too (a delete and the create replacing it go together). A conflict
     of a file the command wrote names it in `kept` (its version, in the upper layer);
-    `current_sha256` is the checkout's digest as scanned (None: absent). Costs an
+    `current_sha256` is the checkout's digest as scanned (None: absent). `names`: the
+    names the host changed per watched directory since the generation was mounted
+    (None: not known; the ctime rule for creates). Costs an
     lstat per file change and per directory holding a create, an open and two xattr
     reads per directory made."""
     made = {c.path for c in changeset.changes if c.op == "mkdir"}
-    check = _Overtaken(root_fd, upper_fd, since_ns, landed_dirs, made)
+    check = _Overtaken(root_fd, upper_fd, since_ns, landed_dirs, made, names)
     hit: set[str] = set()
     for change in changeset.changes:
-        if change.kind == "file" and change.op in ("replace", "delete", "chmod"):
+        if change.kind != "dir" and change.op in ("replace", "delete", "chmod"):
             moved = _file_overtaken(root_fd, change, since_ns, landed)
         elif change.op == "mkdir":
             moved = check.made_over(change.path)
         elif change.op == "create":
-            moved = check.under(_parent(change.path))
+            moved = check.created_over(change.path)
         else:
             moved = False  # a directory's delete or mode: its own checks hold at the apply
         if moved:

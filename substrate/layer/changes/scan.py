@@ -5,8 +5,10 @@ command wrote) and the lower (the checkout the command saw). The walk is iterati
 stack of relative paths, each directory reopened beneath its layer's root fd
 (`paths.open_dir`: no symlink is ever followed), so it holds two directory fds and one
 file fd at a time whatever the depth. Each upper entry is `lstat`ed, a regular file is
-hashed, and the lower entry of the same name likewise; `changeset.classify` says what
-the pair means. A deleted or hidden lower directory is listed whole (one delete per
+hashed, a symlink's target read (`readlinkat`, never followed; `links`), and the lower
+entry of the same name likewise; a link the profile's `symlinks` refuses, or whose
+target substrate will not make, is blocked whole (`links.refusal`) before anything of
+its path is classified; `changeset.classify` says what the pair means. A deleted or hidden lower directory is listed whole (one delete per
 file, bound to its digest, and one per directory, deepest first) because the guarded
 path removes files one by one. Once the set is in apply order, its first
 `MAX_PREVIEWS` file changes (all `changes.get` shows) get their `diff` preview, both
@@ -20,8 +22,9 @@ holds: a path deeper than `max_depth` directories (`too_deep`) or longer than th
 guarded path takes (`max_path_bytes`, `too_long`); a directory holding more names than
 the entries left (`max_entries` counts every name listed, upper and lower) or whose
 paths would pass the path text left (`MAX_PATH_TEXT`) is blocked whole (`too_many`)
-and never listed past that; a file past the bytes left to hash (`max_bytes`) or larger
-than the guarded write path takes (`MAX_FILE_BYTES`) is blocked `too_large`. A lower
+and never listed past that; a file past the bytes left to hash (`max_bytes`, the
+`max_changeset_bytes` config key: upper and lower files counted) or larger than
+`max_file_bytes` (`max_change_file_bytes`) is blocked `too_large`. A lower
 tree to delete that passes a bound is blocked whole at its root (a half-deleted tree
 would be worse than none). What a bound blocked stays in the layer, which a settled
 set then keeps (`BOUND_REASONS`, `store.Changesets`).
@@ -43,24 +46,28 @@ import msgspec
 
 from substrate.errors import NotADirectory, NotFound, Refusal, SymlinkRefused, TooLarge
 from substrate.fs import fsops, paths
+from substrate.layer.changes import links
 from substrate.layer.changes.changeset import (
     Blocked,
     Change,
     ChangeSet,
+    Op,
     Seen,
     SeenKind,
     classify,
     ordered,
 )
+from substrate.schema.profile import SymlinkMode
 from substrate.workspace import discoverable
 from substrate.workspace.digests import hash_fd
 from substrate.workspace.gate.diff import display_rel
-from substrate.workspace.patching import MAX_RESULT_BYTES
 from substrate.workspace.preview import PREVIEW_DIFF_LIMIT, unified_preview
+from substrate.workspace.writes import MAX_CHANGE_FILE_BYTES, MAX_CHANGESET_BYTES
 
 MAX_ENTRIES = 200_000
 MAX_DEPTH = 256
-MAX_BYTES = 4 << 30
+#: The bytes the scan hashes in all (upper and lower files): `max_changeset_bytes`.
+MAX_BYTES = MAX_CHANGESET_BYTES
 #: The longest path a change carries: what the guarded path takes.
 MAX_PATH_BYTES = paths.MAX_PATH_BYTES
 #: The path text (bytes) of all names listed: with `MAX_ENTRIES`, what bounds the set.
@@ -68,8 +75,9 @@ MAX_PATH_TEXT = 64 << 20
 #: `Blocked.reason`s of what a scan bound left in the layer, not in the set: a set with
 #: any keeps its layer (the command's files are only there).
 BOUND_REASONS = frozenset({"too_deep", "too_long", "too_many", "too_large"})
-#: The largest file a change set carries: what the guarded write path takes.
-MAX_FILE_BYTES = MAX_RESULT_BYTES
+#: The largest file a change set carries (`max_change_file_bytes`): what the guarded
+#: path's batches take, streamed (`substrate.workspace.writes.streamed`).
+MAX_FILE_BYTES = MAX_CHANGE_FILE_BYTES
 #: Changes given a `diff` preview: the first ones in apply order, as many as
 #: `changes.get` shows (`layer.conclusion.MAX_CHANGE_ENTRIES`); the others never are.
 MAX_PREVIEWS = 1000
@@ -89,6 +97,8 @@ class _Budget:
     max_depth: int
     max_bytes: int
     max_path_bytes: int
+    symlinks: SymlinkMode = "any"
+    max_file_bytes: int = MAX_FILE_BYTES
     max_text: int = MAX_PATH_TEXT
     entries: int = 0
     text: int = 0
@@ -173,6 +183,18 @@ def _seen(dir_fd: int, name: str, budget: _Budget, *, upper: bool) -> Seen | Non
                 opaque=_xattr(fd, OPAQUE_XATTR) == b"y",
                 overlay_feature=_feature(fd),
             )
+    if kind == "symlink":
+        try:
+            target = links.read_target(dir_fd, name)
+        except OSError:
+            return None  # gone (or replaced) since the lstat: the layer is quiet; nothing
+        return Seen(
+            kind="symlink",
+            mode=mode,
+            size=len(target),
+            sha256=links.digest(target),
+            target=target,
+        )
     if kind != "file":
         return Seen(kind=kind, mode=mode, nlink=st.st_nlink)
     fd = paths.open_regular(dir_fd, name, name)
@@ -184,7 +206,7 @@ def _seen(dir_fd: int, name: str, budget: _Budget, *, upper: bool) -> Seen | Non
             feature = _feature(fd)
             if feature is not None:
                 return Seen(kind="file", mode=mode, overlay_feature=feature)
-        if fst.st_size > MAX_FILE_BYTES or not budget.bytes(fst.st_size):
+        if fst.st_size > budget.max_file_bytes or not budget.bytes(fst.st_size):
             return Seen(kind="file", mode=mode, nlink=fst.st_nlink, size=fst.st_size)
         return Seen(
             kind="file",
@@ -310,6 +332,8 @@ def _delete_one(
         out.block(sub, seen.kind, "name_not_utf8")
     elif seen.kind == "dir":
         stack.append(sub)
+    elif seen.kind == "symlink":
+        out.changes.append(Change(path=rel, op="delete", kind="symlink", base_sha256=seen.sha256))
     elif seen.kind != "file":
         out.block(sub, seen.kind, f"deletes_{seen.kind}")
     elif seen.sha256 is None:
@@ -334,8 +358,14 @@ def scan(
     max_depth: int = MAX_DEPTH,
     max_bytes: int = MAX_BYTES,
     max_path_bytes: int = MAX_PATH_BYTES,
+    symlinks: SymlinkMode = "any",
+    max_file_bytes: int = MAX_FILE_BYTES,
 ) -> ChangeSet:
     """The change set the upper layer `upper_fd` makes of the checkout `lower_fd`.
+
+    A symlink the command made is a change (`kind: "symlink"`) when `symlinks` (the
+    profile's) lets it through and its target is one substrate makes; else it is
+    blocked whole with `links.refusal`'s reason, and what it would replace stays.
 
     Past a bound, the part past it is blocked by name (`too_deep`, `too_long`,
     `too_many`, `too_large`: see the module doc) and the rest scanned. Names that are
@@ -344,7 +374,7 @@ def scan(
     lower file it shadows, and a listing and hash of every lower tree it deletes; holds
     at most `max_entries` names and `MAX_PATH_TEXT` bytes of paths.
     """
-    budget = _Budget(max_entries, max_depth, max_bytes, max_path_bytes)
+    budget = _Budget(max_entries, max_depth, max_bytes, max_path_bytes, symlinks, max_file_bytes)
     out = _Out()
     stack: list[tuple[str, ...]] = [()]
     while stack:
@@ -445,6 +475,12 @@ def _visit(
     if not _utf8(rel):
         out.block(sub, upper.kind, "name_not_utf8")
         return
+    if upper.kind == "symlink":
+        assert upper.target is not None
+        refused = links.refusal(rel, upper.target, budget.symlinks)
+        if refused is not None:  # blocked whole: what it would replace stays
+            out.block(sub, "symlink", refused)
+            return
     lower = _seen(ldir, name, budget, upper=False) if ldir is not None else None
     verdict = classify(upper, lower)
     if verdict.blocked is not None:
@@ -464,6 +500,8 @@ def _visit(
                 out.changes.append(Change(path=rel, op="mkdir", kind="dir", mode=upper.mode))
             case "chmod" if upper.kind == "dir":
                 out.changes.append(Change(path=rel, op="chmod", kind="dir", mode=upper.mode))
+            case "create" | "replace" if upper.kind == "symlink":
+                out.changes.append(_link_change(rel, step, upper, lower))
             case "create" | "replace" | "chmod":
                 base = lower if step != "create" else None
                 if upper.sha256 is None or (base is not None and base.sha256 is None):
@@ -483,3 +521,20 @@ def _visit(
                 stack.append(sub)
             case "delete_absent":
                 pass  # the walk does it once the directory's upper names are known
+
+
+def _link_change(rel: str, op: Op, upper: Seen, lower: Seen | None) -> Change:
+    """The change making the link `upper` (its target checked by `links.refusal`) at
+    `rel`; a replace is bound to the lower link's digest."""
+    assert upper.target is not None
+    target = upper.target.decode("utf-8")
+    return Change(
+        path=rel,
+        op=op,
+        kind="symlink",
+        base_sha256=lower.sha256 if op == "replace" and lower is not None else None,
+        new_sha256=upper.sha256,
+        size=upper.size,
+        target=target,
+        escapes=links.escapes(rel, target),
+    )

@@ -52,15 +52,17 @@ import msgspec
 
 from substrate.errors import ChangesetUnknown
 from substrate.fs import fsops
+from substrate.layer.changes import blocked
 from substrate.layer.changes import versions as kept_versions
 from substrate.layer.changes.apply import ApplyResult, Outcomes, apply
 from substrate.layer.changes.changeset import ChangeSet
 from substrate.layer.changes.git_refs import RefSets
+from substrate.layer.changes.reclaim import RECLAIMER
 from substrate.layer.changes.scan import BOUND_REASONS
 from substrate.layer.changes.versions import FileKeeper, Versions
 from substrate.schema.changes import ChangesetState, LayerState
 from substrate.store.db import Store
-from substrate.store.journal import Journal
+from substrate.store.journal import Draft, Journal
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -155,14 +157,19 @@ class Changesets:
         changeset: ChangeSet,
         state: State,
         held: Iterable[str] = (),
+        actor: str = "daemon",
     ) -> str:
         """Keep `changeset` (scanned from `upper`) as `state`; return its new id. `held`:
         files whose command's version must be kept before the layer may go (the host
         changed them meanwhile), recorded as not kept yet (`keep_versions` copies them).
-        A `pending` one is journaled `changes.kept` (counts only)."""
+        A `pending` one is journaled `changes.kept` (counts only) and a `changes.blocked`
+        per path of its `blocked` (`blocked.drafts`, as `actor`), in the transaction
+        that records it. A denied path's diff preview is not recorded
+        (`blocked.without_denied_previews`)."""
         cs_id = "cs_" + secrets.token_hex(8)
         now = time.time()
         versions = kept_versions.placeholders(held)
+        changeset = blocked.without_denied_previews(changeset, ws.policy)
         with self._store.transaction() as db:
             db.execute(
                 "INSERT INTO changesets(id, workspace, generation, upper, work, changeset,"
@@ -182,17 +189,17 @@ class Changesets:
                     _encoder.encode(versions) if versions.items else None,
                 ),
             )
-        if state == "pending":
-            self._journal.append(
-                "changes.kept",
-                {
+            if state == "pending":
+                summary = {
                     "changeset": cs_id,
                     "generation": generation,
                     "changes": len(changeset.changes),
                     "blocked": len(changeset.blocked),
-                },
-                workspace=ws.id,
-            )
+                }
+                named = blocked.drafts(
+                    ws.root_id, ws.id, actor, cs_id, generation, ApplyResult(), changeset.blocked
+                )
+                self._journal.append_many_in(db, [Draft("changes.kept", summary, ws.id), *named])
         return cs_id
 
     def get(self, cs_id: str) -> Kept:
@@ -270,8 +277,17 @@ class Changesets:
             finally:
                 os.close(upper_fd)
             if first:
-                kept = self.finish(kept.id, ws, kept.generation, result, "changes.applied")
-            elif whole:  # applied before; pending changes may have been approved since
+                kept = self.finish(
+                    kept.id, ws, kept.generation, result, "changes.applied", actor=actor
+                )
+                return kept, result, unmatched
+            if not dry_run:  # what still did not land is named again (`blocked.drafts`)
+                scanned = kept.changeset.blocked if whole else ()
+                left = blocked.drafts(
+                    ws.root_id, ws.id, actor, kept.id, kept.generation, result, scanned
+                )
+                self.append_named(left)
+            if whole:  # applied before; pending changes may have been approved since
                 kept = self._settle(kept, result)
             return kept, result, unmatched
 
@@ -283,28 +299,38 @@ class Changesets:
         result: ApplyResult,
         kind: str,
         extra: dict[str, str] | None = None,
+        actor: str = "daemon",
     ) -> Kept:
         """Mark the set `applied` in the same transaction as its journal summary `kind`
-        (`changes.applied`, or `changes.recovered` at start): counts only. Then remove
-        its layer if that settles it (`_settle`). Call after its conflicts' versions
-        were kept. Costs one transaction (and the removal)."""
+        (`changes.applied`, or `changes.recovered` at start: counts only) and the
+        `changes.blocked` entries naming each path of it that did not land (`result`'s
+        and the set's own `blocked`: `blocked.drafts`, as `actor`). Then remove its layer
+        if that settles it (`_settle`). Call after its conflicts' versions were kept.
+        Costs one transaction (and the removal)."""
+        kept = self.get(cs_id)
         now = time.time()
+        summary = {
+            "changeset": cs_id,
+            "generation": generation,
+            **(extra or {}),
+            **{name: len(getattr(result, name)) for name in _LISTS},
+        }
+        named = blocked.drafts(
+            ws.root_id, ws.id, actor, cs_id, generation, result, kept.changeset.blocked
+        )
         with self._store.transaction() as db:
             db.execute(
                 "UPDATE changesets SET state = 'applied', updated = ? WHERE id = ?", (now, cs_id)
             )
-            self._journal.append_in(
-                db,
-                kind,
-                {
-                    "changeset": cs_id,
-                    "generation": generation,
-                    **(extra or {}),
-                    **{name: len(getattr(result, name)) for name in _LISTS},
-                },
-                workspace=ws.id,
-            )
-        return self._settle(self.get(cs_id), result)
+            self._journal.append_many_in(db, [Draft(kind, summary, ws.id), *named])
+        return self._settle(dataclasses.replace(kept, state="applied", updated=now), result)
+
+    def append_named(self, drafts: list[Draft]) -> None:
+        """Append `changes.blocked` entries (`blocked.drafts`) in one transaction (none:
+        nothing). Costs one transaction."""
+        if drafts:
+            with self._store.transaction() as db:
+                self._journal.append_many_in(db, drafts)
 
     def keep_versions(self, cs_id: str, upper_fd: int, conflicts: Iterable[Outcomes]) -> Kept:
         """Keep the command's version of each of `conflicts` (read from `upper_fd`, the
@@ -336,7 +362,7 @@ class Changesets:
             return kept
         if any(b.reason in BOUND_REASONS for b in kept.changeset.blocked):
             return kept  # what a scan bound blocked is only in the layer
-        remove_layer(kept.upper, kept.work)
+        RECLAIMER.remove(kept.upper, kept.work)  # gone now, its files removed off this path
         kept = self._mark(kept, kept.state, "removed")
         self._prune(kept.workspace)
         return kept

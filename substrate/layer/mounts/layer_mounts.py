@@ -22,6 +22,7 @@ from substrate.layer.mounts.git_layer import GitLayers
 from substrate.layer.mounts.plan import layers_dir
 from substrate.layer.mounts.working_layer import WorkingLayer
 from substrate.schema.facts import FactValue
+from substrate.schema.profile import SymlinkMode
 
 log = logging.getLogger("substrate.layer.mounts.layer_mounts")
 
@@ -51,6 +52,7 @@ class LayerMounts:
         self,
         ro_dirs: list[tuple[str, tuple[int, int]]],
         passthrough_dirs: list[str],
+        symlinks: SymlinkMode = "any",
         git: tuple[str, int] | None = None,
     ) -> WorkingLayer:
         """Plan and prepare a sandbox's layer (`working_layer.open_layer`), once swept.
@@ -74,6 +76,7 @@ class LayerMounts:
                 self._state_dir,
                 ro_dirs,
                 passthrough_dirs,
+                symlinks,
                 part,
                 limiter=self._fs_limiter,
             )

@@ -159,6 +159,12 @@ def mount_generation(p: LayerPlan, root_fd: int) -> None:
     os.chown(p.upper, root.st_uid, root.st_gid)
     os.chmod(p.upper, stat.S_IMODE(root.st_mode))
     os.mkdir(p.work, 0o700)
+    _mount_on_base(p, root_fd)
+
+
+def _mount_on_base(p: LayerPlan, root_fd: int) -> None:
+    """The overlay of `p` on the base, its passthrough binds and read-only parts, then
+    `verify`; every mount undone on a failure."""
     mount("overlay", p.base, "overlay", _OVERLAY_FLAGS, merged_options(p, root_fd))
     try:
         for pass_part in p.passthrough:
@@ -197,6 +203,13 @@ def swap(old: LayerPlan, new: LayerPlan, root_fd: int) -> None:
     """
     if (old.base, old.sandbox_dir) != (new.base, new.sandbox_dir):
         raise ValueError("swap between two sandboxes' layers")
+    unmount_or_restore(old, root_fd)
+    mount_generation(new, root_fd)
+
+
+def unmount_or_restore(old: LayerPlan, root_fd: int) -> None:
+    """Unmount generation `old`; when it is busy, mount back what went (its passthrough
+    binds and read-only parts), re-verify it and raise the OSError(EBUSY)."""
     try:
         unmount_generation(old)
     except OSError as exc:
@@ -213,7 +226,36 @@ def swap(old: LayerPlan, new: LayerPlan, root_fd: int) -> None:
                 _mount_readonly(old, part, root_fd)
         verify(old, read_mounts())
         raise
-    mount_generation(new, root_fd)
+
+
+def remount(old: LayerPlan, new: LayerPlan, root_fd: int) -> None:
+    """Mount generation `old` again, as `new` (the same generation, upper and work dirs;
+    the passthrough dirs found again), so that it shows the checkout as it is now: a
+    lower changed under a live overlay is undefined, a fresh superblock looks every name
+    up again (docs/working-layer.md, "The fresh view"). What `old.upper` holds stays and
+    shows over the checkout as before: sound because the overlay keeps no state about
+    the lower beyond the upper's own entries (`merged_options`: no index, no metacopy,
+    no redirects, no xino; `plan.verify` checks the kernel took them).
+
+    When `old` cannot be unmounted (EBUSY), it is put back and re-verified and the
+    OSError raised, as `swap` does. Refuses `confinement_unmet` when the upper or work
+    dir is missing or the new mounts do not verify (then nothing is mounted on the base).
+    Cost: the unmounts and mounts of a swap, two mountinfo reads."""
+    if (old.base, old.upper, old.work) != (new.base, new.upper, new.work):
+        raise ValueError("a remount is of the same generation")
+    for path in (new.upper, new.work):
+        try:
+            kept = stat.S_ISDIR(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            kept = False
+        if not kept:
+            raise ConfinementUnmet(
+                f"the layer of generation {new.generation} lost a directory",
+                required={"layer_upper": "directory"},
+                observed={"layer_upper": "other"},
+            )
+    unmount_or_restore(old, root_fd)
+    _mount_on_base(new, root_fd)
 
 
 def teardown(p: LayerPlan) -> None:

@@ -166,9 +166,26 @@ def _check_rel(what: str, rel: str) -> bool:
     return True
 
 
+#: The merged overlay's features that keep state about the lower layer in the upper or
+#: work dir (an index of lower inodes, metadata-only copy-ups whose data stays below,
+#: renamed directories redirected to lower paths, inode numbers composed with the lower
+#: file system's): all off, whatever the module's defaults, so an upper dir is only ever
+#: its own entries and may be mounted again over a lower that changed
+#: (`overlay.remount`). Each value is what mountinfo may show for it (nothing when it
+#: is the module's default too).
+MERGED_FEATURES = {
+    "index": "off",
+    "metacopy": "off",
+    "redirect_dir": "nofollow",
+    "xino": "off",
+}
+
+
 def merged_options(p: LayerPlan, lower_fd: int) -> str:
-    """The merged overlay's option string: the checkout (held fd) under `p.upper`."""
-    return f"lowerdir={FD_PATH_PREFIX}{lower_fd},upperdir={p.upper},workdir={p.work}"
+    """The merged overlay's option string: the checkout (held fd) under `p.upper`, with
+    `MERGED_FEATURES`."""
+    features = ",".join(f"{k}={v}" for k, v in MERGED_FEATURES.items())
+    return f"lowerdir={FD_PATH_PREFIX}{lower_fd},upperdir={p.upper},workdir={p.work},{features}"
 
 
 def readonly_options(p: LayerPlan, real_fd: int) -> str:
@@ -181,8 +198,8 @@ def verify(p: LayerPlan, mounts: Sequence[Mount]) -> None:
     """Check the mounts the kernel shows (`parse_mountinfo` of the daemon's own
     mountinfo) against generation `p.generation` of the plan (pure).
 
-    Required: on the base, visible, an overlay whose one lower dir is a held fd and whose
-    upper and work dirs are this generation's; at each read-only part's target, visible,
+    Required: on the base, visible, an overlay whose one lower dir is a held fd, whose
+    upper and work dirs are this generation's and with none of `MERGED_FEATURES` on; at each read-only part's target, visible,
     an overlay superblock that is read-only; at each passthrough target, visible, a
     read-write bind that is not an overlay, `nosuid` and `nodev` (`PASSTHROUGH_OPTIONS`);
     nothing else visible at or under the base.
@@ -221,7 +238,11 @@ def _describe(m: Mount, p: LayerPlan) -> str:
         if git is not None:
             return git
     if m.mount_point == p.base:
+        plain = all(opts.get(k, v) == v for k, v in MERGED_FEATURES.items())
         if "upperdir" in opts and len(lower) == 1 and lower[0].startswith(FD_PATH_PREFIX):
+            if not plain:
+                features = " ".join(f"{k}={opts.get(k, '')}" for k in MERGED_FEATURES)
+                return f"overlay upperdir={opts['upperdir']} {features}"
             return f"overlay upperdir={opts['upperdir']} workdir={opts.get('workdir')}"
         return f"overlay lowerdir={opts.get('lowerdir')} upperdir={opts.get('upperdir')}"
     ro = "ro" in m.super_options and "upperdir" not in opts

@@ -26,15 +26,18 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from substrate.fs.paths import open_dir
 from substrate.layer.generation import Users
 from substrate.layer.mounts import overlay, passthrough
 from substrate.layer.mounts.git_plan import GIT_REL, GitLayerPart
+from substrate.layer.mounts.lower_watch import LowerWatch
 from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
 from substrate.schema.facts import FactValue
+from substrate.schema.journal import FreshViewStatus
+from substrate.schema.profile import SymlinkMode
 
 log = logging.getLogger("substrate.layer.mounts.working_layer")
 
@@ -50,6 +53,8 @@ class WorkingLayer:
     plan: LayerPlan  # the generation mounted now
     #: The profile's passthrough dirs; each generation binds those that exist then.
     passthrough: tuple[str, ...] = ()
+    #: The profile's `symlinks`: which links its generations' change sets apply.
+    symlinks: SymlinkMode = "any"
     #: The facts every generation must show, apart from its identities.
     required: Mapping[str, FactValue] = field(default_factory=dict)
     closed: bool = False  # torn down: nothing may be mounted on the base again
@@ -72,6 +77,24 @@ class WorkingLayer:
     mounting: threading.Lock = field(default_factory=threading.Lock)
     #: The profile's `git_refs_allow`: the refs a conclusion applies from the git layer.
     git_refs_allow: tuple[str, ...] = ()
+    #: The checkout's watch (`lower_watch`): did it change since the generation was
+    #: mounted? None until `mount_first`: unknown, so changed.
+    watch: LowerWatch | None = None
+    #: How many times a generation was mounted again because its checkout changed.
+    remounts: int = 0
+    #: Between `unmount_current` and `mount_next`: nothing is mounted on the base.
+    awaiting_mount: bool = False
+
+    def stale(self) -> bool:
+        """Might the checkout have changed since the generation was mounted? One `poll(2)`
+        (`LowerWatch.pending`); true when that cannot be asked without waiting (a mount
+        call holds the lock: the caller then asks `refresh`, which waits for it)."""
+        if self.watch is None or not self.mounting.acquire(blocking=False):
+            return True
+        try:
+            return self.watch.pending()
+        finally:
+            self.mounting.release()
 
 
 #: File ctimes come from a coarse clock that lags the real one by up to a tick; a host
@@ -94,6 +117,7 @@ def open_layer(
     state_dir: str,
     readonly: Sequence[tuple[str, tuple[int, int]]],
     passthrough_dirs: Sequence[str] = (),
+    symlinks: SymlinkMode = "any",
     git: GitLayerPart | None = None,
 ) -> WorkingLayer:
     """Plan generation 0 of a new layer (a fresh random id) and `overlay.prepare` it: the
@@ -101,16 +125,22 @@ def open_layer(
     mounted on `.git` by every generation (`git_plan`). Refuses as `plan.plan` does."""
     p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly, (), git)
     overlay.prepare(p)
-    return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs))
+    return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs), symlinks=symlinks)
 
 
 def mount_first(layer: WorkingLayer, root_fd: int) -> None:
     """Mount generation 0 (after the container bound the base), binding the passthrough
     dirs that exist now. Refuses as `overlay.mount_generation` does."""
     with layer.mounting:
+        # The watch first: every change after its walk queues an event, so nothing made
+        # before a mount can be missed by the next command's `refresh`.
+        if layer.watch is None:
+            layer.watch = LowerWatch.open(root_fd, skip=layer.passthrough)
+        layer.watch.drain(root_fd)
         first = _with_passthrough(layer.plan, passthrough.existing(root_fd, layer.passthrough))
         overlay.mount_generation(first, root_fd)
         layer.plan = first
+        layer.watch.mounted()
 
 
 def next_plan(
@@ -131,20 +161,77 @@ def _with_passthrough(p: LayerPlan, found: Sequence[tuple[str, tuple[int, int]]]
     return plan(state_dir, sandbox_id, p.generation, readonly, found, p.git)
 
 
-def swap(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
-    """Swap the layer to its next generation; return the old plan (its upper dir holds
-    the ended command's changes), or None when the layer was closed meanwhile (nothing
-    mounted again). Raises OSError(EBUSY) when the generation is in use (it stays, see
-    `overlay.swap`) and `confinement_unmet` when the new one does not verify (then
-    nothing is mounted on the base: the caller drops the sandbox)."""
+def unmount_current(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
+    """The first half of a swap: unmount the generation that concludes and plan the next
+    (`layer.plan`, not mounted yet: `mount_next` mounts it once the change set is
+    applied, so it shows the checkout with it). Returns the old plan (its upper dir holds
+    the users' changes), or None when the layer was closed meanwhile. Raises OSError
+    (EBUSY) when the generation is in use: it stays mounted and verified
+    (`overlay.unmount_or_restore`)."""
     with layer.mounting:
         if layer.closed:
             return None
         old = layer.plan
-        new = next_plan(old, passthrough.existing(root_fd, layer.passthrough))
-        overlay.swap(old, new, root_fd)
-        layer.plan = new
+        overlay.unmount_or_restore(old, root_fd)
+        layer.plan = next_plan(old)
+        layer.awaiting_mount = True
         return old
+
+
+def mount_next(layer: WorkingLayer, root_fd: int) -> bool:
+    """The second half of a swap: mount the planned generation, binding the passthrough
+    dirs that exist now, after draining the checkout's watch (the apply's own changes
+    are in the drain: the new mount shows them, so they cost the next command nothing).
+    False when there is nothing to mount (the layer closed). Refuses as
+    `overlay.mount_generation` does (then nothing is mounted: the caller drops the
+    sandbox)."""
+    with layer.mounting:
+        if layer.closed or not layer.awaiting_mount:
+            return False
+        if layer.watch is not None:
+            layer.watch.drain(root_fd)
+        new = _with_passthrough(layer.plan, passthrough.existing(root_fd, layer.passthrough))
+        overlay.mount_generation(new, root_fd)
+        layer.plan = new
+        layer.awaiting_mount = False
+        if layer.watch is not None:
+            layer.watch.mounted()
+        return True
+
+
+def host_names(layer: WorkingLayer, root_fd: int) -> dict[str, frozenset[str]] | None:
+    """At a conclusion, with the generation unmounted: drain the checkout's watch and
+    return the names the host changed in each watched directory since the generation
+    was mounted (`LowerWatch.host_names`), or None when that is not known."""
+    with layer.mounting:
+        if layer.watch is None:
+            return None
+        layer.watch.drain(root_fd)
+        return layer.watch.host_names()
+
+
+def refresh(layer: WorkingLayer, root_fd: int) -> bool:
+    """Before a command starts a generation (no other user on it): when the checkout
+    changed since the generation was mounted (`LowerWatch.drain`), mount it again
+    (`overlay.remount`: same upper dir, the passthrough dirs found again) so the command
+    sees the checkout as it is now (docs/working-layer.md, "The fresh view"). Returns
+    whether it did; the caller then re-verifies the container's view (and forgets the
+    generation's `began` when nothing waits in its upper dir). False for a closed layer.
+    Raises as `overlay.remount` does (OSError(EBUSY): the generation stays, verified)."""
+    with layer.mounting:
+        if layer.closed:
+            return False
+        watch = layer.watch
+        if watch is not None and not watch.drain(root_fd):
+            return False
+        old = layer.plan
+        new = _with_passthrough(old, passthrough.existing(root_fd, layer.passthrough))
+        overlay.remount(old, new, root_fd)
+        layer.plan = new
+        layer.remounts += 1
+        if watch is not None:
+            watch.mounted()
+        return True
 
 
 def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
@@ -184,9 +271,31 @@ def close(layer: WorkingLayer) -> None:
     A failure is logged: the start-up sweep unmounts what is left."""
     with layer.mounting:
         layer.closed = True
+        if layer.watch is not None:
+            layer.watch.close()
         try:
             overlay.teardown(layer.plan)
         except OSError as exc:
             log.error("tearing down layer %s failed: %s", layer.plan.sandbox_dir, exc)
         else:
             layer.unmounted = True
+
+
+def fresh_view(layers: Iterable[WorkingLayer]) -> FreshViewStatus:
+    """`daemon.status`'s `fresh_view` over `layers` (the live ones): on the event loop,
+    no system call."""
+    found = [layer for layer in layers if not layer.closed]
+    reasons = {
+        layer.watch.degraded
+        for layer in found
+        if layer.watch is not None and layer.watch.degraded is not None
+    }
+    return FreshViewStatus(
+        layers=len(found),
+        watched_dirs=sum(layer.watch.dirs for layer in found if layer.watch is not None),
+        remounts=sum(layer.remounts for layer in found),
+        degraded=sum(
+            1 for layer in found if layer.watch is None or layer.watch.degraded is not None
+        ),
+        reasons=sorted(reasons),
+    )

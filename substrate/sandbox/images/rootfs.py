@@ -45,9 +45,29 @@ BASE_PACKAGES = (
     "coreutils",
     "procps",
     "ca-certificates",
+    # What agents' projects and the agent CLIs need (docs/protocol.md §17): Node and npm
+    # (both agent CLIs are npm packages), a C toolchain for native modules and wheels,
+    # and the tools agents reach for.
+    "nodejs",
+    "gcc",
+    "g++",
+    "make",
+    "curl",
+    "ripgrep",
+    "jq",
+    "unzip",
 )
+#: Installed with apt inside the tree once debootstrap is done: debootstrap's own
+#: resolver cannot configure npm's Debian dependencies (virtual packages it does not
+#: follow), apt can.
+APT_PACKAGES = ("npm",)
 #: What the cached tree is made from; a change makes debootstrap run again.
-RECIPE: dict[str, Any] = {"suite": SUITE, "variant": "minbase", "include": list(BASE_PACKAGES)}
+RECIPE: dict[str, Any] = {
+    "suite": SUITE,
+    "variant": "minbase",
+    "include": list(BASE_PACKAGES),
+    "apt": list(APT_PACKAGES),
+}
 _CHUNK = 1 << 20  # tar bytes handed on per yield
 _REPORT = 64 << 20  # progress line every this many tar bytes
 
@@ -175,6 +195,7 @@ def ensure_rootfs(cache_dir: Path, refresh: bool, progress: Progress, mirror: st
     progress(f"debootstrap: {SUITE} from {mirror} into {work}")
     started = time.monotonic()
     run_streaming(argv, progress, "debootstrap")
+    _apt_install(work, APT_PACKAGES, progress)
     # debootstrap leaves a second copy of every package in the tree; `debs/` keeps one.
     archives = work / "var/cache/apt/archives"
     if archives.is_dir() and not archives.is_symlink():
@@ -192,6 +213,25 @@ def ensure_rootfs(cache_dir: Path, refresh: bool, progress: Progress, mirror: st
     return rootfs
 
 
+def _apt_install(tree: Path, packages: tuple[str, ...], progress: Progress) -> None:
+    """`apt-get install` of `packages` inside the fresh tree (chroot; the host's network,
+    as debootstrap's downloads), then its package lists dropped."""
+    if not packages:
+        return
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive",
+           "LANG": "C.UTF-8"}  # fmt: skip
+    chroot = ["chroot", str(tree)]
+    run_streaming([*chroot, "apt-get", "update"], progress, "apt", env=env)
+    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    run_streaming([*chroot, *install], progress, "apt", env=env)
+    run_streaming([*chroot, "apt-get", "clean"], progress, "apt", env=env)
+    lists = tree / "var/lib/apt/lists"
+    if lists.is_dir() and not lists.is_symlink():
+        for entry in lists.iterdir():
+            if entry.is_file() and not entry.is_symlink():
+                entry.unlink()
+
+
 def apt_sources() -> list[str]:
     """The host's apt source files' contents, in apt's reading order."""
     paths = [Path("/etc/apt/sources.list")]
@@ -205,11 +245,14 @@ def apt_sources() -> list[str]:
     return texts
 
 
-def run_streaming(argv: list[str], progress: Progress, stage: str) -> None:
+def run_streaming(
+    argv: list[str], progress: Progress, stage: str, env: dict[str, str] | None = None
+) -> None:
     """Run argv, passing each output line to `progress`; refuse on a non-zero exit."""
     try:
         proc = subprocess.Popen(
             argv,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -28,11 +28,17 @@ RUN set -eu; \
         || ! python3 -m pip --version >/dev/null 2>&1 \
         || ! python3 -c 'import ensurepip, venv, setuptools, wheel' >/dev/null 2>&1 \
         || ! command -v git >/dev/null 2>&1 \
-        || ! command -v ps >/dev/null 2>&1; then \
+        || ! command -v ps >/dev/null 2>&1 \
+        || ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1 \
+        || ! command -v gcc >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1 \
+        || ! command -v make >/dev/null 2>&1 || ! command -v curl >/dev/null 2>&1 \
+        || ! command -v rg >/dev/null 2>&1 || ! command -v jq >/dev/null 2>&1 \
+        || ! command -v unzip >/dev/null 2>&1; then \
         apt-get update; \
         DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
             python3 python3-pytest python3-pip python3-venv python3-setuptools \
-            python3-wheel git bash coreutils procps ca-certificates; \
+            python3-wheel git bash coreutils procps ca-certificates \
+            nodejs npm gcc g++ make curl ripgrep jq unzip; \
     fi; \
     rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/apt/archives/*.deb \
         /usr/share/man/* /usr/share/info/*; \

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
+from substrate.metrics import METRICS
 from substrate.sandbox.engine import ContainerGone, Engine, EngineError
 from substrate.sandbox.facts import Fact, mismatch_report
 from substrate.sandbox.profiles import Profile
@@ -385,6 +386,8 @@ class Supervisors:
             log.warning("%s: supervisor start failed: %s", sandbox.id[:12], reason)
             await self._journal_async("supervisor.unavailable", sandbox, generation, reason)
             return None
+        if generation > 1:  # in place of one lost, tampered with or stopped
+            METRICS.supervisor_replacements.inc()
         slot.generation = generation
         slot.link = Link(
             container=sandbox.id,

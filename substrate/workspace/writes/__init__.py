@@ -35,12 +35,15 @@ How a byte reaches the checkout, one write (`writer.Writer`), in order:
 
 An upload (`upload.UploadWriter`) takes the same steps with its bytes streamed from the
 spool and hashed again on the way. A change set (`writer.BatchWriter`, `Writer.batch`)
-takes them per file (`batch_files`) and per directory step (`batch_dirs`) over one
+takes them per file (`batch_files`), per directory step (`batch_dirs`) and per
+symlink (`batch_links`: made with `symlinkat` into a temp name, renamed over) over one
 frame (`batch`): plan each change, record all temp files and intents in one
 transaction, write the temp files and make them durable with one `syncfs`, then under
 the lock re-check and rename each (a new file never over one made since:
 `fsops.rename_new`), make the parents durable once and journal the chunk in one
-transaction.
+transaction. A change set's file over 1 MiB is never held in memory: copied from its
+source fd into the temp file and hashed from what the temp file holds (`streamed`),
+its base hashed as a stream, up to `Writer`'s `max_change_file_bytes`.
 
 Recovery at start, before anything writes: `WorkspaceRegistry.clean_stale_temp_files`
 removes the temp files earlier runs recorded (`temp_files.remove_recorded`, only
@@ -63,16 +66,25 @@ consults it (step 4), as it consults the policy (step 2).
 from substrate.workspace.writes.base import Current
 from substrate.workspace.writes.batch import Landing
 from substrate.workspace.writes.batch_dirs import DirChange
-from substrate.workspace.writes.batch_files import FileChange
+from substrate.workspace.writes.batch_files import (
+    MAX_CHANGE_FILE_BYTES,
+    MAX_CHANGESET_BYTES,
+    FileChange,
+)
+from substrate.workspace.writes.batch_links import LinkChange, link_digest
 from substrate.workspace.writes.drift import WRITE_KINDS, drift_report
 from substrate.workspace.writes.intents import Intent, Intents
 from substrate.workspace.writes.plan import MAX_PATCH_FILE, DirOp, Op, plan_digest
+from substrate.workspace.writes.streamed import STREAM_BYTES, Streamed, hash_fd_bounded
 from substrate.workspace.writes.temp_files import TEMP_PREFIX, TempFiles
 from substrate.workspace.writes.upload import UploadWriter
 from substrate.workspace.writes.writer import BatchWriter, Writer
 
 __all__ = [
+    "MAX_CHANGESET_BYTES",
+    "MAX_CHANGE_FILE_BYTES",
     "MAX_PATCH_FILE",
+    "STREAM_BYTES",
     "TEMP_PREFIX",
     "WRITE_KINDS",
     "BatchWriter",
@@ -83,10 +95,14 @@ __all__ = [
     "Intent",
     "Intents",
     "Landing",
+    "LinkChange",
     "Op",
+    "Streamed",
     "TempFiles",
     "UploadWriter",
     "Writer",
     "drift_report",
+    "hash_fd_bounded",
+    "link_digest",
     "plan_digest",
 ]

@@ -20,6 +20,7 @@ from substrate.errors import NotAFile, NotFound, TooLarge
 from substrate.fs import fsops, paths
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.writes.plan import DEFAULT_FILE_MODE
+from substrate.workspace.writes.streamed import hash_fd_bounded
 
 
 @dataclass
@@ -29,22 +30,29 @@ class Current:
     exists: bool
     data: bytes = b""
     sha256: str | None = None
+    size: int = 0
+    #: `data` holds the whole file; False for a file over `keep`, hashed as a stream.
+    whole: bool = True
     mode: int = DEFAULT_FILE_MODE
     uid: int = -1
     gid: int = -1
 
 
-def read_current(parent_fd: int, name: str, where: str, limit: int) -> Current:
+def read_current(
+    parent_fd: int, name: str, where: str, limit: int, keep: int | None = None
+) -> Current:
     """What `name` in `parent_fd` is now. Refuses `symlink_refused`, `not_a_file` and
-    `too_large` (over `limit`). Costs an lstat, and for a file a read and a hash."""
-    current, fd = read_current_held(parent_fd, name, where, limit)
+    `too_large` (over `limit`). A file over `keep` (default `limit`) is hashed as a
+    stream, its bytes not held (`whole` False). Costs an lstat, and for a file a read
+    and a hash."""
+    current, fd = read_current_held(parent_fd, name, where, limit, keep)
     if fd is not None:
         os.close(fd)
     return current
 
 
 def read_current_held(
-    parent_fd: int, name: str, where: str, limit: int
+    parent_fd: int, name: str, where: str, limit: int, keep: int | None = None
 ) -> tuple[Current, int | None]:
     """`read_current`, and the fd it read a file through, left open (None when absent):
     the caller closes it, or releases it once the name is replaced (`batch_files`)."""
@@ -62,18 +70,29 @@ def read_current_held(
         fd = paths.open_regular(parent_fd, name, where)
     except NotFound:
         return Current(exists=False), None  # removed since the lstat: it is absent now
+    keep = limit if keep is None else min(keep, limit)
     try:
         fst = os.fstat(fd)
-        data = None if fst.st_size > limit else fsops.read_fd(fd, limit, expected=fst.st_size)
-        if data is None:
+        if fst.st_size > limit:
             raise TooLarge(f"{where}: over the {limit} byte bound", limit=limit)
+        # Past `keep` (or grown past it since the fstat): hashed as a stream.
+        read = fsops.read_fd(fd, keep, expected=fst.st_size) if fst.st_size <= keep else None
+        if read is not None:
+            data, sha256, size, whole = read, hashlib.sha256(read).hexdigest(), len(read), True
+        else:
+            hashed = hash_fd_bounded(fd, limit)
+            if hashed is None:
+                raise TooLarge(f"{where}: over the {limit} byte bound", limit=limit)
+            data, (sha256, size), whole = b"", hashed, False
     except BaseException:
         os.close(fd)
         raise
     current = Current(
         exists=True,
         data=data,
-        sha256=hashlib.sha256(data).hexdigest(),
+        sha256=sha256,
+        size=size,
+        whole=whole,
         mode=stat.S_IMODE(fst.st_mode),
         uid=fst.st_uid,
         gid=fst.st_gid,

@@ -22,7 +22,8 @@ base it is bound to, the digest of its new bytes (None: a delete), a mode - and 
 2. records, in ONE transaction, a temp file per new file (`temp_files`) and an intent
    per change (`intents`: the journal entry it will get);
 3. writes each temp file beside its target - the new bytes read from the source and
-   checked against the digest (else `source_changed`), with the old owner (the
+   checked against the digest (else `source_changed`; a big file is copied from the
+   source's fd and hashed from the temp file as it goes, `streamed`), with the old owner (the
    workspace owner's for a new file) and the plan's mode - without an fsync each, then
    makes them all durable at once: one `syncfs(2)` per file system they are on;
 4. under the workspace's commit lock, change by change: the target is read and its base

@@ -20,6 +20,7 @@ from substrate.errors import (
     PathDenied,
     Refusal,
     StaleBase,
+    TooLarge,
 )
 from substrate.fs import fsops, paths
 from substrate.fs.fsops import make_durable, rename_new
@@ -46,7 +47,20 @@ from substrate.workspace.writes.plan import (
     no_setid,
     plan_digest,
 )
+from substrate.workspace.writes.streamed import (
+    STREAM_BYTES,
+    Streamed,
+    copy_hashed,
+    hash_fd_bounded,
+)
 from substrate.workspace.writes.temp_files import check_not_reserved, new_name
+
+#: The largest file a change set's file batch reads or writes by default (the
+#: `max_change_file_bytes` config key sets it: `Writer`).
+MAX_CHANGE_FILE_BYTES = 8 << 30
+#: The bytes a change set's scan hashes in all by default, both layers counted (the
+#: `max_changeset_bytes` config key sets it: `Writer`).
+MAX_CHANGESET_BYTES = 32 << 30
 
 
 @dataclass(frozen=True)
@@ -61,14 +75,32 @@ class FileChange:
     mode: int | None = None
 
 
-#: Reads the new bytes of a change at a path; None when they cannot be read as a
-#: regular file of one link. The batch checks them against the change's digest.
-Source = Callable[[str], bytes | None]
+#: Reads the new bytes of a change at a path - whole, or for a big file an open fd to
+#: stream them from (`streamed.Streamed`, which the batch closes); None when they cannot
+#: be read as a regular file of one link. The batch checks them against the digest.
+Source = Callable[[str], "bytes | Streamed | None"]
+
+
+def _source_digest(data: bytes | Streamed | None, size: int) -> str | None:
+    """The digest of what a source gave (a dry run's check); None: nothing, or a stream
+    that is not `size` bytes. Closes a stream."""
+    if data is None:
+        return None
+    if isinstance(data, bytes):
+        return hashlib.sha256(data).hexdigest()
+    try:
+        hashed = hash_fd_bounded(data.fd, size)
+    finally:
+        data.close()
+    return None if hashed is None or hashed[1] != size else hashed[0]
 
 
 class FileBatches(BatchCore):
     """`apply_files`; the directories are `batch_dirs.DirBatches`'s (`writer.BatchWriter`
     is both)."""
+
+    #: The largest file read (a target) or written (new bytes); larger: `too_large`.
+    max_file_bytes: int = MAX_CHANGE_FILE_BYTES
 
     def apply_files(
         self,
@@ -96,10 +128,8 @@ class FileBatches(BatchCore):
 
         def dry(i: int, step: Step) -> Landing:
             new = changes[i].new_sha256
-            if new is not None:
-                data = source(changes[i].path)
-                if data is None or hashlib.sha256(data).hexdigest() != new:
-                    return SOURCE_CHANGED
+            if new is not None and _source_digest(source(changes[i].path), changes[i].size) != new:
+                return SOURCE_CHANGED
             return Landing("applied", plan_digest=step.digest)
 
         return self._chunks(ws, len(changes), plan, land, dry if dry_run else None, batch.CHUNK)
@@ -124,7 +154,9 @@ class FileBatches(BatchCore):
         current: Current | None = None
         problem: Refusal | None = None
         try:
-            current = read_current(dirs.get(parts[:-1], where), parts[-1], where, MAX_PATCH_FILE)
+            parent = dirs.get(parts[:-1], where)
+            # Only its digest is kept: a file over `STREAM_BYTES` is hashed as a stream.
+            current = read_current(parent, parts[-1], where, self.max_file_bytes, STREAM_BYTES)
         except NotFound as exc:  # a directory on the way is missing: nothing stands there
             current, problem = Current(exists=False), exc
         except Refusal as exc:
@@ -261,9 +293,28 @@ class FileBatches(BatchCore):
         when they cannot be (the temp file then does not exist)."""
         assert step.temp is not None and step.current is not None
         data = source("/".join(step.parts))
+        if isinstance(data, Streamed):
+            try:
+                return self._write_temp_from(ws, dirs, step, data, recorded)
+            finally:
+                data.close()
         if data is None or hashlib.sha256(data).hexdigest() != step.new_sha256:
             step.temp = None
             return SOURCE_CHANGED
+        return self._write_temp_from(ws, dirs, step, data, recorded)
+
+    def _write_temp_from(
+        self,
+        ws: Workspace,
+        dirs: HeldDirs,
+        step: Step,
+        data: bytes | Streamed,
+        recorded: list[Temp],
+    ) -> Landing | None:
+        """`_write_temp` of bytes checked already, or of a stream copied and checked on
+        the way (`streamed.copy_hashed`: a digest other than the step's, or a stream that
+        is not its scanned size, is `source_changed` and the temp file goes)."""
+        assert step.temp is not None and step.current is not None
         cur = step.current
         owner = (cur.uid, cur.gid) if cur.exists else (ws.owner_uid, ws.owner_gid)
         mode = step.intent.data["mode"]
@@ -271,7 +322,7 @@ class FileBatches(BatchCore):
             parent = dirs.get(step.dirs, step.where)
             for _ in range(8):
                 try:
-                    fd = fsops.create_exclusive(parent, step.temp)
+                    fd = fsops.create_exclusive(parent, step.temp, read=isinstance(data, Streamed))
                     break
                 except FileExistsError:
                     # Not ours (planted since the name was drawn): another, recorded first.
@@ -282,9 +333,18 @@ class FileBatches(BatchCore):
                 step.temp = None
                 return Landing("refused", refusal=PathDenied(f"{step.where}: no temp file"))
             try:
+                if isinstance(data, Streamed):
+                    size = step.intent.data["size"]
+                    if copy_hashed(data.fd, fd, size) != step.new_sha256:
+                        os.close(fd)
+                        fd = -1
+                        self._drop_temp(dirs, step)
+                        return SOURCE_CHANGED
+                    data = b""
                 fsops.fill(fd, data, mode=mode, owner=owner, fsync=False)
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
         except Refusal as exc:
             self._drop_temp(dirs, step)
             return Landing("refused", refusal=exc)
@@ -303,7 +363,10 @@ class FileBatches(BatchCore):
         held: int | None = None
         try:
             parent = dirs.get(step.dirs, step.where)
-            now, held = read_current_held(parent, name, step.where, MAX_PATCH_FILE)
+            # A live checkpoint keeps what is replaced: its bytes are held (up to the
+            # pre-image bound); else only its digest, streamed past `STREAM_BYTES`.
+            keep = MAX_PATCH_FILE if keeper is not None else STREAM_BYTES
+            now, held = read_current_held(parent, name, step.where, self.max_file_bytes, keep)
             if now.sha256 != step.current.sha256:
                 raise StaleBase(
                     f"{step.where}: changed while the write was prepared",
@@ -311,6 +374,12 @@ class FileBatches(BatchCore):
                 )
             self._find_approval(ws, step)
             if keeper is not None:
+                if not now.whole:
+                    raise TooLarge(
+                        f"{step.where}: a live checkpoint keeps what a write replaces, up to"
+                        f" {MAX_PATCH_FILE} bytes; this file has {now.size}",
+                        limit=MAX_PATCH_FILE,
+                    )
                 rel, mode = step.intent.rel, now.mode if now.exists else None
                 step.pre = Preimage(ws.id, rel, now.sha256, now.data, mode)
                 keeper.keep(step.pre)

@@ -32,6 +32,7 @@ Blocking SQLite and file reads: call from a worker thread or before the loop ser
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import sqlite3
@@ -62,9 +63,10 @@ CREATE TABLE IF NOT EXISTS write_intents (
 CREATE INDEX IF NOT EXISTS write_intents_workspace ON write_intents(workspace, epoch);
 """
 
-#: The journal kinds of a batch: a file's change, a directory's.
+#: The journal kinds of a batch: a file's change, a directory's, a symlink's.
 FILE_KIND = "changes.apply"
 DIR_KIND = "changes.apply_dir"
+LINK_KIND = "changes.apply_link"
 
 
 class Intent(msgspec.Struct, frozen=True, array_like=True):
@@ -194,19 +196,24 @@ class Intents:
         )
         dirs: dict[str, tuple[int, Intent]] = {}
         files: dict[str, list[tuple[int, Intent]]] = {}
+        links: dict[str, list[tuple[int, Intent]]] = {}
         at = 0
         for row in rows:
             for it in _decoder.decode(row["intents"]):
                 if it.kind == DIR_KIND:
                     dirs[it.rel] = (at, it)
+                elif it.kind == LINK_KIND:
+                    links.setdefault(it.rel, []).append((at, it))
                 else:
                     files.setdefault(it.rel, []).append((at, it))
                 at += 1
         landed: list[tuple[int, Intent]] = []
         with ws.use():
             landed += [(i, it) for i, it in dirs.values() if _dir_holds(ws, it)]
-            for rel, its in files.items():
-                chain = _landed_chain(ws, rel, its)
+            chains = [(rel, its, False) for rel, its in files.items()]
+            chains += [(rel, its, True) for rel, its in links.items()]
+            for rel, its, link in chains:
+                chain = _landed_chain(ws, rel, its, link=link)
                 # Journaled in the order they landed, at the places of their rows.
                 landed += zip(sorted(i for i, _ in chain), [it for _, it in chain], strict=True)
         landed.sort(key=lambda pair: pair[0])
@@ -243,16 +250,18 @@ def _dir_holds(ws: Workspace, it: Intent) -> bool:
 
 
 def _landed_chain(
-    ws: Workspace, rel: str, its: list[tuple[int, Intent]]
+    ws: Workspace, rel: str, its: list[tuple[int, Intent]], *, link: bool = False
 ) -> list[tuple[int, Intent]]:
-    """Which of the unjournaled changes `its` of the file `rel` landed, oldest first:
-    the latest whose result the file holds now (digest and mode; absent for a delete)
-    and whose temp file is gone, then the latest whose result is that one's base, and
-    so on. Empty when the path is not a regular file or absent (or unreadable)."""
+    """Which of the unjournaled changes `its` of the file `rel` (a symlink's, `link`)
+    landed, oldest first: the latest whose result the path holds now (digest and mode;
+    absent for a delete) and whose temp file is gone, then the latest whose result is
+    that one's base, and so on. Empty when the path is not a regular file (a link), nor
+    absent, or is unreadable; a file's delete landed when a link stands there now."""
     parts = tuple(rel.split("/"))
     try:
         with paths.opened_dir(ws.root_fd, parts[:-1], rel) as parent:
-            sha, mode = _file_state(parent, parts[-1], rel)
+            state = _link_state if link else _file_state
+            sha, mode = state(parent, parts[-1], rel)
             left = list(its)
             chain: list[tuple[int, Intent]] = []
             while True:
@@ -280,13 +289,23 @@ def _landed_chain(
 
 
 def _file_state(parent: int, name: str, rel: str) -> tuple[str | None, int | None]:
-    """(digest, mode) of the regular file `name` in `parent`, (None, None) when absent;
-    refuses `not_a_file`/`symlink_refused` for anything else. Hashed as a stream."""
+    """(digest, mode) of the regular file `name` in `parent`, (None, None) when absent
+    or a symlink; refuses `not_a_file` for anything else. Hashed as a stream."""
     st = paths.lstat_at(parent, name)
-    if st is None:
+    if st is None or stat.S_ISLNK(st.st_mode):  # a link stands where the file was
         return None, None
     fd = paths.open_regular(parent, name, rel)
     try:
         return hash_fd(fd), stat.S_IMODE(os.fstat(fd).st_mode)
     finally:
         os.close(fd)
+
+
+def _link_state(parent: int, name: str, rel: str) -> tuple[str | None, int | None]:
+    """(digest of its target, None) of the symlink `name` in `parent` (read, never
+    followed), (None, None) when absent or not a link (a link's delete landed)."""
+    st = paths.lstat_at(parent, name)
+    if st is None or not stat.S_ISLNK(st.st_mode):
+        return None, None
+    target = os.readlink(os.fsencode(name), dir_fd=parent)
+    return hashlib.sha256(target).hexdigest(), None

@@ -224,10 +224,12 @@ class TempFiles:
 
 
 def remove_recorded(root_fd: int, dirs: Sequence[str], name: str) -> bool | None:
-    """Unlink a recorded temp file if it is still there as a regular file.
+    """Unlink a recorded temp file if it is still there as a regular file or a symlink
+    (a change set's link is made under a temp name too: `batch_links`; unlinking a
+    link never touches what it points to).
 
     Returns True when it was removed, False when nothing is to be done (absent, not a
-    regular file, its directory gone or reached only through a symlink), None when it
+    regular file or a link, its directory gone or reached only through a symlink), None when it
     could not be decided now (keep the record and try at the next start). Never follows
     a symlink: the directory is opened beneath `root_fd` as every read and write does.
     """
@@ -241,7 +243,7 @@ def remove_recorded(root_fd: int, dirs: Sequence[str], name: str) -> bool | None
         return None
     try:
         found = paths.lstat_at(parent, name)
-        if found is None or not stat.S_ISREG(found.st_mode):
+        if found is None or not (stat.S_ISREG(found.st_mode) or stat.S_ISLNK(found.st_mode)):
             return False
         os.unlink(name, dir_fd=parent)
         return True

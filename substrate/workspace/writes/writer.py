@@ -81,7 +81,13 @@ from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.preview import unified_preview
 from substrate.workspace.writes.base import Current, open_parent, read_current
 from substrate.workspace.writes.batch_dirs import DirBatches
-from substrate.workspace.writes.batch_files import FileBatches, FileChange
+from substrate.workspace.writes.batch_files import (
+    MAX_CHANGE_FILE_BYTES,
+    MAX_CHANGESET_BYTES,
+    FileBatches,
+    FileChange,
+)
+from substrate.workspace.writes.batch_links import LinkBatches
 from substrate.workspace.writes.intents import Intent, Pending
 from substrate.workspace.writes.plan import (
     DEFAULT_DIR_MODE,
@@ -204,17 +210,27 @@ def _plan(
         raise
 
 
-class BatchWriter(FileBatches, DirBatches):
-    """Applies change sets' files (`apply_files`, `batch_files`) and directories
-    (`apply_dirs`, `batch_dirs`) in batches over one shared frame (`batch`)."""
+class BatchWriter(FileBatches, DirBatches, LinkBatches):
+    """Applies change sets' files (`apply_files`, `batch_files`), directories
+    (`apply_dirs`, `batch_dirs`) and symlinks (`apply_links`, `batch_links`) in batches
+    over one shared frame (`batch`)."""
 
 
 class Writer:
     """Plans and applies guarded writes for every workspace."""
 
     def __init__(
-        self, store: Store, journal: Journal, preimages: Checkpoints | None = None
+        self,
+        store: Store,
+        journal: Journal,
+        preimages: Checkpoints | None = None,
+        *,
+        max_change_file_bytes: int = MAX_CHANGE_FILE_BYTES,
+        max_changeset_bytes: int = MAX_CHANGESET_BYTES,
     ) -> None:
+        """`max_change_file_bytes`: the largest file a change set's batch reads or writes
+        (streamed past `streamed.STREAM_BYTES`); `max_changeset_bytes`: what a change set
+        scanned for this writer may hash in all (the layer's scan reads both here)."""
         self._store = store
         self._journal = journal
         self._preimages = preimages
@@ -224,8 +240,14 @@ class Writer:
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
+        self.batch.max_file_bytes = max_change_file_bytes
+        self.max_changeset_bytes = max_changeset_bytes
         #: Every write's journal entry-to-be, durable before its rename (`intents`).
         self._intents = self.batch.intents
+        #: Told (workspace id, path, new sha256 or None) of each plain write that landed,
+        #: from the thread that made it: the working layers take those files as
+        #: substrate's own, not a host edit (`LayerUsers.note_landed`).
+        self.on_landed: Callable[[str, str, str | None], None] | None = None
 
     def recover(self, workspace: Callable[[str], Workspace]) -> int:
         """At start, before anything writes: journal (`recovered: true`) every guarded
@@ -367,6 +389,8 @@ class Writer:
                 if not staged.landed:
                     self._abandon(ws, parent_fd, prep, staged)
                 raise
+            if self.on_landed is not None:
+                self.on_landed(ws.id, prep.rel, prep.plan.new_sha256)
             return msgspec.structs.replace(prep.plan, applied=True)
         finally:
             if parent_fd is not None:

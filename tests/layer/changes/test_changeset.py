@@ -18,6 +18,10 @@ def folder(mode: int = 0o755, opaque: bool = False) -> Seen:
     return Seen(kind="dir", mode=mode, opaque=opaque)
 
 
+def link(sha: str = A) -> Seen:
+    return Seen(kind="symlink", sha256=sha, size=1, target=b"t")
+
+
 WHITEOUT = Seen(kind="whiteout")
 
 
@@ -29,20 +33,27 @@ WHITEOUT = Seen(kind="whiteout")
         (file(A, 0o755), file(A, 0o644), Verdict(("chmod",))),
         (file(A), file(A), Verdict()),  # a copy-up of unchanged bytes is no change
         (file(), folder(), Verdict(("delete_tree", "create"))),
-        (file(), Seen(kind="symlink"), Verdict(blocked="replaces_symlink")),
-        (file(nlink=2), None, Verdict(blocked="hard_link")),
-        (file(nlink=2), file(), Verdict(blocked="hard_link")),
+        (file(), link(), Verdict(("delete", "create"))),
+        # Hard links made in the sandbox: each name a separate file.
+        (file(nlink=2), None, Verdict(("create",))),
+        (file(B, nlink=2), file(), Verdict(("replace",))),
         (WHITEOUT, file(), Verdict(("delete",))),
         (WHITEOUT, folder(), Verdict(("delete_tree",))),
         (WHITEOUT, None, Verdict()),
-        (WHITEOUT, Seen(kind="symlink"), Verdict(blocked="deletes_symlink")),
+        (WHITEOUT, link(), Verdict(("delete",))),
         (folder(), None, Verdict(("mkdir", "descend"))),
         (folder(), folder(), Verdict(("descend",))),
         (folder(0o700), folder(0o755), Verdict(("chmod", "descend"))),
         (folder(opaque=True), folder(), Verdict(("delete_absent", "descend"))),
         (folder(), file(), Verdict(("delete", "mkdir", "descend"))),
         (folder(), Seen(kind="fifo"), Verdict(blocked="replaces_fifo")),
-        (Seen(kind="symlink"), None, Verdict(blocked="symlink")),
+        (link(), None, Verdict(("create",))),
+        (link(B), link(A), Verdict(("replace",))),
+        (link(A), link(A), Verdict()),
+        (link(), file(), Verdict(("delete", "create"))),
+        (link(), folder(), Verdict(("delete_tree", "create"))),
+        (link(), Seen(kind="fifo"), Verdict(blocked="replaces_fifo")),
+        (folder(), link(), Verdict(("delete", "mkdir", "descend"))),
         (Seen(kind="fifo"), None, Verdict(blocked="fifo")),
         (Seen(kind="socket"), None, Verdict(blocked="socket")),
         (Seen(kind="device"), file(), Verdict(blocked="device")),

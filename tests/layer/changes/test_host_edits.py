@@ -16,6 +16,7 @@ import pytest
 from substrate.layer import conclusion
 from substrate.layer.changes import ApplyResult
 from substrate.layer.mounts import working_layer
+from substrate.layer.mounts.lower_watch import LowerWatch
 from substrate.layer.mounts.plan import LayerPlan, plan
 from substrate.layer.mounts.working_layer import WorkingLayer, next_plan
 from substrate.workspace.registry import Workspace
@@ -224,3 +225,30 @@ def test_a_host_save_while_the_generation_stays_mounted_is_a_conflict(
     result = env.conclude()
     assert outcomes(result, "conflicts") == [("b.txt", "replace", "host_changed")]
     assert (env.root / "b.txt").read_text() == "person\n"
+
+
+def test_with_the_watch_a_create_beside_an_unrelated_host_change_applies(env: Env) -> None:
+    # The checkout's watch names what the host changed (docs/working-layer.md, "The fresh
+    # view"): a create is a conflict only where the host touched that very name.
+    env.layer.watch = LowerWatch.open(env.ws.root_fd)
+    env.layer.watch.mounted()
+    env.begin_now()
+    (env.merged / "top.txt").write_text("t\n")
+    (env.merged / "sub" / "gone.txt").write_text("mine\n")
+    (env.root / "person.txt").write_text("p\n")  # beside top.txt: unrelated
+    (env.root / "sub" / "gone.txt").write_text("person's\n")  # the same name: made...
+    (env.root / "sub" / "gone.txt").unlink()  # ... and removed by the person
+    result = env.conclude()
+    assert outcomes(result, "applied") == [("top.txt", "create", None)]
+    assert outcomes(result, "conflicts") == [("sub/gone.txt", "create", "host_changed")]
+    assert not (env.root / "sub" / "gone.txt").exists()
+    # Names unknown (events lost, say): the directory's ctime decides, as without a watch.
+    env.next_generation()
+    env.layer.watch.mounted()
+    env.begin_now()
+    env.layer.watch.forget_names()
+    (env.merged / "top2.txt").write_text("t\n")
+    (env.root / "person2.txt").write_text("p\n")
+    result = env.conclude()
+    assert outcomes(result, "conflicts") == [("top2.txt", "create", "host_changed")]
+    env.layer.watch.close()

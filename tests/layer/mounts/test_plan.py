@@ -7,7 +7,7 @@ import pytest
 
 from substrate.errors import ConfinementUnmet
 from substrate.layer.mounts.mountinfo import Mount, parse_mountinfo
-from substrate.layer.mounts.plan import plan, verify
+from substrate.layer.mounts.plan import merged_options, plan, verify
 
 # -- the plan (pure) -----------------------------------------------------------------------
 
@@ -61,7 +61,12 @@ _GIT = (
 
 
 def test_verify_accepts_the_planned_mounts() -> None:
-    verify(plan("/s", "sb", 2, [(".git", (1, 2))]), _mountinfo(_ROOT, _BASE, _MERGED, _GIT))
+    p = plan("/s", "sb", 2, [(".git", (1, 2))])
+    verify(p, _mountinfo(_ROOT, _BASE, _MERGED, _GIT))
+    # mountinfo shows a feature only where it is not the module's default.
+    off = ",index=off,metacopy=off,redirect_dir=nofollow,xino=off"
+    verify(p, _mountinfo(_ROOT, _BASE, _MERGED + off, _GIT))
+    assert merged_options(p, 7).endswith(off)
 
 
 _NODE = (
@@ -104,6 +109,14 @@ def test_verify_wants_each_passthrough_as_a_rw_nosuid_nodev_bind() -> None:
             id="ro-bind-only",
         ),
         pytest.param((_ROOT, _BASE, _MERGED.replace("upper/2", "upper/1"), _GIT), id="old-gen"),
+        # A feature that keeps state about the lower in the upper or work dir: a remount
+        # over a changed checkout would not be sound (docs/working-layer.md, "The fresh
+        # view").
+        pytest.param((_ROOT, _BASE, _MERGED + ",index=on", _GIT), id="index"),
+        pytest.param((_ROOT, _BASE, _MERGED + ",metacopy=on", _GIT), id="metacopy"),
+        pytest.param((_ROOT, _BASE, _MERGED + ",redirect_dir=on", _GIT), id="redirect-on"),
+        pytest.param((_ROOT, _BASE, _MERGED + ",redirect_dir=follow", _GIT), id="redirects"),
+        pytest.param((_ROOT, _BASE, _MERGED + ",xino=auto", _GIT), id="xino"),
         pytest.param(
             (_ROOT, _BASE, _MERGED, _GIT, "23 21 0:52 / /s/layers/sb/merged/x rw - tmpfs t rw"),
             id="extra-mount",

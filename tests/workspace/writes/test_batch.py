@@ -206,8 +206,10 @@ def test_a_file_the_host_makes_after_the_last_check_is_never_replaced(
 ) -> None:
     real = batch_files.read_current_held
 
-    def then_the_host_creates(parent_fd: int, name: str, where: str, limit: int) -> Any:
-        found = real(parent_fd, name, where, limit)
+    def then_the_host_creates(
+        parent_fd: int, name: str, where: str, limit: int, keep: int | None = None
+    ) -> Any:
+        found = real(parent_fd, name, where, limit, keep)
         if name == "new.txt":  # checked absent under the lock; the host is faster still
             (env.root / "new.txt").write_text("the host's\n")
         return found

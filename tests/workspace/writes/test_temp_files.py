@@ -108,8 +108,10 @@ def test_cleaner_removes_exactly_the_recorded_files_of_earlier_runs(
     (outside / f"{TEMP_PREFIX}dddd").write_text("not ours")
     (root / "link").symlink_to(outside)
     earlier.record(env.ws.id, ("link",), TEMP_PREFIX + "dddd")  # through a symlinked dir
+    # A change set's link is made under a recorded temp name too: a recorded link goes
+    # (unlinked, never followed: what it points to stays).
     (root / f"{TEMP_PREFIX}sym").symlink_to(outside / f"{TEMP_PREFIX}dddd")
-    earlier.record(env.ws.id, (), TEMP_PREFIX + "sym")  # a symlink now
+    earlier.record(env.ws.id, (), TEMP_PREFIX + "sym")
     (root / f"{TEMP_PREFIX}dir").mkdir()
     earlier.record(env.ws.id, (), TEMP_PREFIX + "dir")  # a directory now
     earlier.record(env.ws.id, ("gone",), TEMP_PREFIX + "eeee")  # its directory is gone
@@ -119,18 +121,18 @@ def test_cleaner_removes_exactly_the_recorded_files_of_earlier_runs(
     users.write_text("mine")
     os.utime(users, OLD)
 
-    assert env.registry.clean_stale_temp_files() == 3
+    assert env.registry.clean_stale_temp_files() == 4
 
     assert not any(root.joinpath(*dirs, TEMP_PREFIX + tail).exists() for dirs, tail in stale)
     assert (root / f"{TEMP_PREFIX}live").exists()
     assert (outside / f"{TEMP_PREFIX}dddd").read_text() == "not ours"
-    assert (root / f"{TEMP_PREFIX}sym").is_symlink()
+    assert not (root / f"{TEMP_PREFIX}sym").is_symlink()
     assert (root / f"{TEMP_PREFIX}dir").is_dir()
     assert users.read_text() == "mine"
     # Every record of an earlier run is settled; this run's stays until its write ends.
     assert env.rows() == [(env.ws.id, "", TEMP_PREFIX + "live")]
     entry = env.journal.read()[-1]
-    assert entry.kind == "workspace.temp_cleaned" and entry.data == {"files": 3}
+    assert entry.kind == "workspace.temp_cleaned" and entry.data == {"files": 4}
     assert env.registry.clean_stale_temp_files() == 0
     assert env.journal.read()[-1] == entry  # nothing cleaned: nothing journaled
 

@@ -40,8 +40,10 @@ from substrate.workspace.writes import (
     WRITE_KINDS,
     Intent,
     Intents,
+    LinkChange,
     UploadWriter,
     Writer,
+    batch_links,
     drift_report,
 )
 
@@ -397,3 +399,38 @@ def test_a_landed_write_edited_on_the_host_before_the_start_is_not_claimed(env: 
     assert env.entries("a.txt") == []
     assert (env.root / "a.txt").read_text() == "person\n"
     assert env.rows("write_intents") == 0
+
+
+# --- symlinks of a change set (`batch_links`) --------------------------------------------------
+
+
+def _die_at_the_batch_journal(monkeypatch: pytest.MonkeyPatch) -> None:
+    def dying(*_args: Any, **_kw: Any) -> None:
+        os._exit(DIED)
+
+    monkeypatch.setattr(Journal, "append_many_in", dying)
+
+
+def _die_at_the_link_rename(monkeypatch: pytest.MonkeyPatch) -> None:
+    def dying(*_args: Any, **_kw: Any) -> None:
+        os._exit(DIED)
+
+    monkeypatch.setattr(batch_links, "rename_new", dying)
+
+
+def test_a_link_that_landed_is_journaled_at_start_and_one_that_did_not_leaves_nothing(
+    env: Env,
+) -> None:
+    link = [LinkChange("ln", None, "a.txt")]
+    crash(_die_at_the_batch_journal, lambda: env.writer.batch.apply_links(env.ws, link, ACTOR))
+    again = restart(env)
+    assert os.readlink(again.root / "ln") == "a.txt"
+    (entry,) = [e for e in again.journal.read() if e.kind == "changes.apply_link"]
+    assert entry.data["recovered"] is True
+    assert entry.data["new_sha256"] == hashlib.sha256(b"a.txt").hexdigest()
+    other = [LinkChange("ln2", None, "b.txt")]
+    crash(_die_at_the_link_rename, lambda: again.writer.batch.apply_links(again.ws, other, ACTOR))
+    third = restart(again)
+    assert not os.path.lexists(third.root / "ln2")
+    assert [e.kind for e in third.journal.read()].count("changes.apply_link") == 1
+    assert_consistent(third)  # the recorded temp link of the crashed run is gone too
