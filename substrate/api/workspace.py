@@ -8,6 +8,7 @@ removes it (`substrate.workspace.homes`, docs/environments.md).
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 import msgspec
 import trio
@@ -21,6 +22,7 @@ from substrate.schema.workspace import (
     ApprovalGrantResult,
     CheckpointParams,
     CheckpointResult,
+    GitLayerUsage,
     ReleaseParams,
     ReleaseResult,
     RestoreParams,
@@ -81,7 +83,11 @@ async def info(s: WorkspaceServices, caller: Caller, p: WorkspaceRef) -> Workspa
     homes = s.execution.homes
     # A bounded walk (homes.MAX_USAGE_ENTRIES): at most a few hundred milliseconds.
     home = await trio.to_thread.run_sync(homes.usage, ws.checkout, limiter=s.fs_limiter)
-    return msgspec.structs.replace(found, home=home)
+    git = None
+    if (layers := s.execution.git_layers) is not None:
+        size = await trio.to_thread.run_sync(layers.usage, ws.checkout, limiter=s.fs_limiter)
+        git = None if size is None else GitLayerUsage(bytes=size)
+    return msgspec.structs.replace(found, home=home, git_layer=git)
 
 
 @handles("workspace.release")
@@ -89,13 +95,35 @@ async def release(s: WorkspaceServices, caller: Caller, p: ReleaseParams) -> Rel
     ws = s.workspaces.get(p.workspace)
     await s.execution.release_workspace(ws)
     await trio.to_thread.run_sync(s.workspaces.release, ws.id, caller.name)
+    git: Literal["kept", "removed", "none"] = "kept"
+    if not p.keep_git:
+        git = await trio.to_thread.run_sync(_remove_git, s, ws.checkout, ws.id, caller.name)
     if p.keep_home:
-        return ReleaseResult(workspace=ws.id, released=True, home="kept")
+        return ReleaseResult(workspace=ws.id, released=True, home="kept", git=git)
     # Its sandboxes are gone and the checkout is no longer adopted: nothing uses the home.
     removed = await trio.to_thread.run_sync(
         _remove_home, s, ws.checkout, ws.root_id, ws.id, caller.name
     )
-    return ReleaseResult(workspace=ws.id, released=True, home="removed" if removed else "none")
+    home: Literal["removed", "none"] = "removed" if removed else "none"
+    return ReleaseResult(workspace=ws.id, released=True, home=home, git=git)
+
+
+def _remove_git(
+    s: WorkspaceServices, checkout: str, workspace: str, actor: str
+) -> Literal["removed", "none"]:
+    """Remove the checkout's git layer (`GitLayers.remove`) and journal it. Refuses
+    `internal` when it cannot be removed whole (the workspace stays released)."""
+    layers = s.execution.git_layers
+    try:
+        if layers is None or not layers.remove(checkout):
+            return "none"
+    except OSError as exc:
+        log.error("workspace %s: its git layer could not be removed whole: %s", workspace, exc)
+        raise Internal(
+            "the workspace was released, but its git layer could not be removed (see the log)"
+        ) from None
+    s.journal.append("workspace.git_removed", {}, workspace=workspace, actor=actor)
+    return "removed"
 
 
 def _remove_home(

@@ -75,6 +75,12 @@ class StatePaths:
         return self.root / "supervisor"
 
     @property
+    def gitlayers(self) -> Path:
+        """`gitlayers/`: each checkout's git layer, its sandboxes' writable `.git`
+        (docs/working-layer.md, "The git layer")."""
+        return self.root / "gitlayers"
+
+    @property
     def layers(self) -> Path:
         """`layers/`: the working layers, a directory per sandbox (docs/working-layer.md,
         "Layout and what a generation mounts")."""

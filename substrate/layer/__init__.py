@@ -14,6 +14,8 @@ Where things are, bottom up:
   the door `substrate.sandbox.containers` uses to make a container with its layer.
 - `changes/`: change sets — scan an upper dir, move the host's edits aside, apply
   through the guarded path, keep by id (`Changesets`), keep conflicts' versions.
+- `git_baseline`: a git layer's refs as its sandbox's view showed them last
+  (docs/working-layer.md, "The git layer").
 - `keep` (conflicts' versions as artifacts, the kept-set cap, wire entries) and
   `recovery` (at start: half-applied sets applied whole, unconcluded generations
   dropped).
@@ -27,6 +29,7 @@ below (import-linter contract in pyproject.toml); the sandbox reaches `mounts` o
 """
 
 from substrate.layer.changes import Changesets, Kept
+from substrate.layer.changes.git_refs import RefChange, apply_kept, ref_change, ref_lists
 from substrate.layer.conclusion import MAX_CHANGE_ENTRIES, entries
 from substrate.layer.keep import ArtifactKeeper, check_room
 from substrate.layer.mounts.working_layer import fresh_view
@@ -40,12 +43,16 @@ __all__ = [
     "Kept",
     "LayerClosed",
     "LayerUsers",
+    "RefChange",
     "Use",
+    "apply_kept",
     "check_room",
     "drop_unconcluded",
     "entries",
     "finish_applying",
     "fresh_view",
     "journal_summary",
+    "ref_change",
+    "ref_lists",
     "sandbox_dirs",
 ]

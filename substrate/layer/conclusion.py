@@ -78,6 +78,7 @@ from substrate.layer.changes import (
     Changesets,
     Outcomes,
     apply,
+    git_refs,
     host_edits,
     remove_layer,
     scan,
@@ -86,9 +87,11 @@ from substrate.layer.changes import (
 from substrate.layer.changes.blocked import drafts as blocked_drafts
 from substrate.layer.changes.versions import Versions
 from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
+from substrate.layer.mounts.git_plan import GitLayerPart
 from substrate.layer.mounts.plan import LayerPlan
 from substrate.metrics import METRICS
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
+from substrate.workspace.policy import GlobSet
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
 
@@ -161,6 +164,8 @@ async def conclude(
     if layer is not None and layer.plan.passthrough:
         found = await trio.to_thread.run_sync(_inspect_passthrough, layer, req.ws, limiter=limiter)
     changes = await _conclude(containers, writer, sandbox, req, changesets, limiter)
+    if changes is not None and layer is not None and changesets is not None:
+        changes = await _conclude_git(layer, req, changes, changesets, limiter)
     if changes is None or not found:
         return changes
     log.warning("passthrough dirs of %s: %d findings", sandbox.id[:12], len(found))
@@ -182,6 +187,90 @@ async def conclude(
         )
         await trio.to_thread.run_sync(changesets.append_named, named, limiter=limiter)
     return msgspec.structs.replace(changes, blocked=listed, counts=counts)
+
+
+async def _conclude_git(
+    layer: working_layer.WorkingLayer,
+    req: Request,
+    changes: ProcChanges,
+    changesets: Changesets,
+    limiter: trio.CapacityLimiter | None,
+) -> ProcChanges:
+    """The git layer's part of a conclusion (`git_refs.conclude`): its ref entries join
+    the result's lists and the set (a set of their own when no file changed). Not for a
+    generation carried busy (it goes with the next) nor a layer torn down meanwhile (its
+    refs are reported by the next sandbox's first conclusion: the baseline stays)."""
+    part = layer.plan.git
+    if part is None or layer.closed or changes.error == "layer_busy" or changes.deferred:
+        return changes
+    try:
+        refs = await trio.to_thread.run_sync(
+            _git_refs,
+            req,
+            part,
+            GlobSet.of(layer.git_refs_allow),
+            changes,
+            changesets,
+            limiter=limiter,
+        )
+    except (Refusal, OSError) as exc:
+        log.error("concluding the git layer of %s failed: %s", req.ws.id, exc)
+        return changes
+    if refs is None:
+        return changes
+    cs_id, found = refs
+    lists = git_refs.ref_lists(found)
+    counts = changes.counts
+    counts = msgspec.structs.replace(
+        counts,
+        applied=counts.applied + len(lists["applied"]),
+        unchanged=counts.unchanged + len(lists["unchanged"]),
+        blocked=counts.blocked + len(lists["blocked"]),
+        pending=counts.pending + len(lists["pending"]),
+        conflicts=counts.conflicts + len(lists["conflicts"]),
+    )
+    return msgspec.structs.replace(
+        changes,
+        changeset=cs_id,
+        applied=(changes.applied + lists["applied"])[:MAX_CHANGE_ENTRIES],
+        blocked=(changes.blocked + lists["blocked"])[:MAX_CHANGE_ENTRIES],
+        pending=(changes.pending + lists["pending"])[:MAX_CHANGE_ENTRIES],
+        conflicts=(changes.conflicts + lists["conflicts"])[:MAX_CHANGE_ENTRIES],
+        counts=counts,
+    )
+
+
+def _git_refs(
+    req: Request,
+    part: GitLayerPart,
+    allow: GlobSet,
+    changes: ProcChanges,
+    changesets: Changesets,
+) -> tuple[str, tuple[git_refs.RefChange, ...]] | None:
+    """Conclude the git layer and keep its entries with the result's set, or with one
+    of their own (recorded, and marked applied at once in mode "apply": it has no
+    layer to keep), before the layer's baseline moves past them (a crash between
+    leaves them to be found again). None: no ref moved."""
+    ws, mode = req.ws, req.changes
+    kept: list[str] = []
+
+    def keep(found: tuple[git_refs.RefChange, ...]) -> None:
+        cs_id = changes.changeset
+        if cs_id is None:
+            review = mode == "review"
+            state: Literal["pending", "applying"] = "pending" if review else "applying"
+            cs_id = changesets.record(ws, changes.generation, "", "", ChangeSet(), state)
+            if not review:
+                changesets.finish(cs_id, ws, changes.generation, ApplyResult(), "changes.applied")
+        changesets.refs.record(cs_id, ws.id, found)
+        changesets.refs.journal(cs_id, ws.id, found, req.actor)
+        kept.append(cs_id)
+
+    gate = changesets.refs.gate(ws)
+    found = git_refs.conclude(ws, part.target, part.upper, mode, allow, gate, keep)
+    if not found:
+        return None
+    return kept[0], found
 
 
 def _inspect_passthrough(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from substrate.errors import ArgvDenied, LimitExceeded, PathInvalid
 from substrate.fs import paths
 from substrate.sandbox import reaper
-from substrate.sandbox.profiles import Profile
+from substrate.sandbox.profiles import Profile, git_env
 from substrate.sandbox.spec import WORKSPACE_TARGET
 
 #: Largest argv (items) and total argv bytes accepted.
@@ -80,12 +80,14 @@ def workdir_for(profile: Profile, cwd: str) -> str:
 
 
 def exec_env(profile: Profile, proc: str) -> dict[str, str]:
-    """The command's whole environment: the profile's plus the reaper's marker.
+    """The command's whole environment: the profile's, its `git_identity` over it (the
+    operator's identity wins: docs/working-layer.md, "The git layer"), and the reaper's
+    marker.
 
     Given the sandbox's profile (`Sandbox.profile`), `env` already holds the values of its
     secrets (`profiles.with_secrets`): they reach each exec, never the container's
     configuration (docs/environments.md)."""
-    return {**profile.env, reaper.MARKER: proc}
+    return {**profile.env, **git_env(profile), reaper.MARKER: proc}
 
 
 def start_failure(argv0: str, engine_text: bytes) -> tuple[int, str]:

@@ -131,6 +131,8 @@ class Execution:
             ),
             supervisors=self.supervisors,
         )
+        #: Each checkout's git layer (docs/working-layer.md, "The git layer").
+        self.git_layers = self.containers.layer_mounts.git_layers
         #: The profiles in force with their digests (`profile.*`, SIGHUP's reload, which
         #: retires sandboxes here); its dict is `profiles`, the one every look-up reads.
         self.profile_registry = ProfileRegistry(

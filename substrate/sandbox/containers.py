@@ -59,6 +59,7 @@ import trio
 
 from substrate.errors import RuntimeUnavailable
 from substrate.layer.mounts import LayerMounts, WorkingLayer, passthrough, working_layer
+from substrate.layer.mounts.git_plan import GIT_REL
 from substrate.sandbox import facts as factlib
 from substrate.sandbox import mounts, profiles, proxy_link, reaper
 from substrate.sandbox.engine import ContainerGone, Engine
@@ -113,18 +114,22 @@ class Resolved:
         return [rel for rel, _ in self.readonly]
 
 
-def requirements(run: Resolved, home: Home | None, *, layered: bool) -> dict[str, FactValue]:
+def requirements(
+    run: Resolved, home: Home | None, *, layered: bool, git_layer: bool = False
+) -> dict[str, FactValue]:
     """Step 3 (pure): every fact a sandbox of `run` must show before an egress link's:
     the profile's (`facts.required_facts`), the home's identity, and, without a working
     layer, the identities of the workspace and its read-only paths (a layer's are its
-    own: `LayerMounts.identities`, once it is mounted)."""
+    own: `LayerMounts.identities`, once it is mounted). With a `git_layer`, `.git` is
+    not read-only: it is the git layer's overlay (its identity is the layer's too)."""
     profile = run.declared
+    readonly_dirs = [rel for rel in run.readonly_rels if not (git_layer and rel == GIT_REL)]
     required = factlib.required_facts(
         profile,
         run_uid=run.who.uid,
         run_gid=run.who.gid,
         workspace_mode=profile.workspace,
-        readonly_dirs=run.readonly_rels,
+        readonly_dirs=readonly_dirs,
         seccomp_expected=profile.seccomp != "engine-default",
         image_id=run.image_id,
         security_opt=run.security_opt,
@@ -304,7 +309,8 @@ class Containers:
             layer = await self._layer(ws, run)
             if layer is not None:
                 undo.push_async_callback(self.layer_mounts.close, layer)
-            required = requirements(run, home, layered=layer is not None)  # 3. require
+            git_layer = layer is not None and layer.plan.git is not None
+            required = requirements(run, home, layered=layer is not None, git_layer=git_layer)
             await self._labelled.remove_foreign(
                 ws.id, profile, required, run.readonly_rels, mine={s.id for s in self.live()}
             )
@@ -383,7 +389,11 @@ class Containers:
         if profile.workspace != "layer":
             return None
         passthrough.check_policy(ws.policy, profile.passthrough)
-        return await self.layer_mounts.open(run.readonly, profile.passthrough, profile.symlinks)
+        layer = await self.layer_mounts.open(
+            run.readonly, profile.passthrough, profile.symlinks, (ws.checkout, ws.root_fd)
+        )
+        layer.git_refs_allow = tuple(profile.git_refs_allow)
+        return layer
 
     async def _request(
         self,

@@ -34,11 +34,12 @@ from substrate.egress import allow as egress_allow
 from substrate.egress import cabundle, inject_rules
 from substrate.egress.npmregistry import NPM_REGISTRY, TOKENS, npm_registry_hosts
 from substrate.egress.pipindex import PIP_INDEX, pip_index_hosts
-from substrate.errors import ConfinementUnmet, ProfileUnknown
+from substrate.errors import ConfinementUnmet, ProfileUnknown, Refusal
 from substrate.layer.mounts import passthrough
 from substrate.sandbox import seccomp
 from substrate.schema.profile import Profile as Profile  # the declared shape; re-exported
 from substrate.secrets import NAME_RE as SECRET_NAME_RE
+from substrate.workspace.policy import GlobSet
 
 
 class ProfileError(Exception):
@@ -442,7 +443,49 @@ def check_profile(p: Profile, seccomp_dir: Path, *, source: str) -> None:
         if not arg0 or "\x00" in arg0:
             fail(f"argv_allow[{i}]", "empty or containing NUL")
     _check_egress(p, fail)
+    _check_git(p, fail)
     _check_seccomp(p, seccomp_dir, fail)
+
+
+#: What `git_identity` sets in every command's environment (over `env`).
+GIT_IDENTITY_ENV = (
+    "GIT_AUTHOR_NAME",
+    "GIT_AUTHOR_EMAIL",
+    "GIT_COMMITTER_NAME",
+    "GIT_COMMITTER_EMAIL",
+)
+#: At most this many `git_refs_allow` globs.
+MAX_GIT_REFS_ALLOW = 64
+
+
+def _check_git(p: Profile, fail: _Fail) -> None:
+    """`git_refs_allow` (globs that compile, under `refs/`) and `git_identity` (no
+    control character, `<` or `>` that would forge a commit header)."""
+    if len(p.git_refs_allow) > MAX_GIT_REFS_ALLOW:
+        fail("git_refs_allow", f"at most {MAX_GIT_REFS_ALLOW} globs")
+    for i, glob in enumerate(p.git_refs_allow):
+        if not glob.startswith("refs/"):
+            fail(f"git_refs_allow[{i}]", "a glob over ref names, starting with refs/")
+    try:
+        GlobSet.of(p.git_refs_allow)
+    except Refusal as exc:
+        fail("git_refs_allow", str(exc))
+    ident = p.git_identity
+    if bool(ident.name) != bool(ident.email):
+        fail("git_identity", "name and email both, or neither")
+    for key in ("name", "email"):
+        value = getattr(ident, key)
+        if len(value) > 256 or any(c in value for c in "<>\n\r\x00"):
+            fail(f"git_identity.{key}", "at most 256 characters, no <, >, newline or NUL")
+
+
+def git_env(p: Profile) -> dict[str, str]:
+    """The variables `git_identity` sets in every command's environment (none without)."""
+    ident = p.git_identity
+    if not ident.name:
+        return {}
+    name, email = GIT_IDENTITY_ENV[0::2], GIT_IDENTITY_ENV[1::2]
+    return {**dict.fromkeys(name, ident.name), **dict.fromkeys(email, ident.email)}
 
 
 def _check_egress(p: Profile, fail: _Fail) -> None:

@@ -28,8 +28,9 @@ class ChangesetParams(Params):
     changeset: ChangesetId
 
 
-#: A change's operation.
-Op = Literal["create", "replace", "delete", "chmod", "mkdir"]
+#: A change's operation; `ref`: a git ref the sandbox created, moved or deleted in its
+#: git layer (docs/working-layer.md, "The git layer").
+Op = Literal["create", "replace", "delete", "chmod", "mkdir", "ref"]
 
 
 class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -45,6 +46,10 @@ class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     followed or resolved by substrate), and `escapes` whether it leaves the checkout,
     resolved lexically from the link's directory (an absolute target always does);
     both None for a delete (docs/working-layer.md, "Symlinks").
+
+    A `ref` entry (`op: "ref"`): `path` is the ref's name, `old_oid` what the
+    sandbox started from and `new_oid` where it left it (None: absent), `subjects` the
+    subjects of its new commits, newest first (at most 20).
     """
 
     path: str
@@ -58,6 +63,9 @@ class Change(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     diff_truncated: bool = False
     target: str | None = None
     escapes: bool | None = None
+    old_oid: str | None = None
+    new_oid: str | None = None
+    subjects: tuple[str, ...] = ()
 
 
 class Blocked(msgspec.Struct, frozen=True, kw_only=True):

@@ -59,7 +59,9 @@ class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     `too_large`, `set_full`, `failed`; `empty` for a file of no bytes), `kept` names it
     in the set's layer, which then stays until `changes.discard`. A symlink's entry has
     `kind: "symlink"`, its `target` (verbatim) and `escapes` (whether the target leaves
-    the checkout, resolved lexically; docs/working-layer.md, "Symlinks")."""
+    the checkout, resolved lexically; docs/working-layer.md, "Symlinks"). A `ref` entry
+    (`op: "ref"`, `path` the ref's name) carries `old_oid`/`new_oid` (None: absent),
+    and `current_oid`, the checkout's value, when it conflicted (`host_changed`)."""
 
     path: str
     op: str | None = None
@@ -75,6 +77,9 @@ class ChangeEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     kind: str | None = None  # "symlink" for a link; None for a file or a directory
     target: str | None = None
     escapes: bool | None = None
+    old_oid: str | None = None
+    new_oid: str | None = None
+    current_oid: str | None = None
 
 
 #: What becomes of a layer command's change set (docs/working-layer.md).

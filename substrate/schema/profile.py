@@ -21,6 +21,14 @@ class EgressInject(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
 SymlinkMode = Literal["any", "inside", "none"]
 
 
+class GitIdentity(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Who the agent's commits are by (author and committer), set by the operator; both
+    empty: git's own configuration decides."""
+
+    name: str = ""  # e.g. "substrate agent"
+    email: str = ""  # e.g. "agent@substrate.invalid"
+
+
 class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """One operator-declared process profile. `name` is the file stem, not a TOML key."""
 
@@ -71,6 +79,13 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     secrets: dict[str, str] = msgspec.field(default_factory=dict)
     argv_allow: list[str] = msgspec.field(default_factory=list)  # allowed argv[0]; empty = any
     interactive: bool = False  # may back a PTY session (with a grant)
+    #: "layer" only: the git refs (globs as in the policy, over ref names) whose moves
+    #: in the sandbox's git layer apply to the checkout when a command ends; any other
+    #: waits, blocked `ref_denied`, for the operator's `changes.apply`.
+    git_refs_allow: list[str] = msgspec.field(default_factory=lambda: ["refs/heads/agent/**"])
+    #: The author and committer of the agent's commits (GIT_AUTHOR_NAME/EMAIL and
+    #: GIT_COMMITTER_NAME/EMAIL of every command, over `env`); empty: git's own config.
+    git_identity: GitIdentity = msgspec.field(default_factory=GitIdentity)
 
 
 ProfileName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]

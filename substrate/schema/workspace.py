@@ -50,6 +50,13 @@ class HomeUsage(msgspec.Struct, frozen=True, kw_only=True):
     truncated: bool = False
 
 
+class GitLayerUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What the checkout's git layer holds (docs/working-layer.md, "The git layer"):
+    its sandboxes' `.git` writes, kept until `workspace.release {keep_git: false}`."""
+
+    bytes: int  # apparent size of its files (a lower bound past 200,000 entries)
+
+
 class WorkspaceInfo(Result):
     workspace: str
     root_id: str
@@ -58,6 +65,8 @@ class WorkspaceInfo(Result):
     adopted: float = 0.0
     #: `workspace.info` only: the persistent home's size (absent before its first sandbox).
     home: HomeUsage | None = None
+    #: `workspace.info` only: the git layer's size (absent before its first layer sandbox).
+    git_layer: GitLayerUsage | None = None
 
 
 class WorkspaceRef(Params):
@@ -73,6 +82,9 @@ class ReleaseParams(Params):
     #: false: remove the persistent home with the workspace (the checkout's, for every
     #: later adoption too); true keeps it for the next adoption of the same checkout.
     keep_home: bool = True
+    #: false: remove the checkout's git layer (its sandboxes' HEAD, index, branches,
+    #: stashes, objects not applied); true keeps it for the next adoption.
+    keep_git: bool = True
 
 
 class ReleaseResult(Result, omit_defaults=False):
@@ -80,6 +92,8 @@ class ReleaseResult(Result, omit_defaults=False):
     released: bool
     #: What became of the persistent home: `kept`, `removed`, or `none` (it had none).
     home: Literal["kept", "removed", "none"] = "kept"
+    #: What became of the git layer: `kept`, `removed`, or `none` (it had none).
+    git: Literal["kept", "removed", "none"] = "kept"
 
 
 class SetPolicyParams(Params):
@@ -104,7 +118,8 @@ method(
     "workspace.release",
     ReleaseParams,
     ReleaseResult,
-    doc="Forget it; stop its containers; keep its persistent home unless keep_home is false.",
+    doc="Forget it; stop its containers; keep its persistent home unless keep_home is "
+    "false, and its git layer unless keep_git is false.",
 )
 method(
     "workspace.set_policy",

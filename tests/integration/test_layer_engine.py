@@ -75,16 +75,21 @@ async def env(tiny_image: str, engine_state: Path, tmp_path: Path) -> AsyncItera
         yield Env(daemon, client, ws["workspace"], project, engine_state)
 
 
-async def test_the_sandbox_sees_a_verified_layer_and_a_read_only_git(env: Env) -> None:
+async def test_the_sandbox_sees_a_verified_layer_and_git_through_its_git_layer(
+    env: Env,
+) -> None:
     probe = await env.client.call("facts.probe", workspace=env.ws, profile="layer")
     facts = {f["name"]: f["value"] for f in probe["facts"]}
     assert facts["workspace_mount"] == "layer"
-    assert facts["readonly_dirs"] == [".git"]
+    # `.git` is the git layer: writable in the sandbox, never written in the checkout.
+    assert facts["readonly_dirs"] == []
     result = await env.sh("touch .git/x; echo $?; cat old.txt")
     assert result["exit_code"] == 0
     assert result["stdout"]["inline"].split("\n")[1] == "old"
-    assert result["stdout"]["inline"].split("\n")[0] != "0"
+    assert result["stdout"]["inline"].split("\n")[0] == "0"
     assert not (env.path / ".git" / "x").exists()
+    again = await env.sh("ls .git/x")
+    assert again["exit_code"] == 0  # it lasts in the git layer
     layers = env.state / "layers"
     assert any(m.startswith(f"{layers}/") for m in _mounts_under(env.state))
     await env.client.call("workspace.release", workspace=env.ws)

@@ -440,7 +440,7 @@ async def test_a_shell_on_a_layer_profile_lands_its_changes_when_it_ends(env: En
     assert (project / "made.txt").read_text() == "shell\n"
     assert (project / "made.txt").stat().st_uid == OWNER
     assert not (project / "deps.lock").exists()  # denied: never in the checkout
-    assert not (project / ".git" / "x").exists()  # read-only in the layer
+    assert not (project / ".git" / "x").exists()  # in the git layer only
     entries = await env.journal()
     applied = [e for e in entries if e["kind"] == "changes.apply"]
     grant = next(e for e in entries if e["kind"] == "pty.opened")["data"]["grant"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from substrate.process.argv import exec_env
 from substrate.sandbox import profiles
 from substrate.sandbox.profiles import (
     MAX_PROFILE_SECRETS,
@@ -22,6 +23,7 @@ from substrate.sandbox.profiles import (
     with_secrets,
 )
 from substrate.sandbox.spec import HOME_TARGET, WORKSPACE_TARGET
+from substrate.schema.profile import GitIdentity
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "profiles"
@@ -127,6 +129,8 @@ def test_default_profile_is_the_promised_confinement() -> None:
         secrets={},
         argv_allow=[],
         interactive=False,
+        git_refs_allow=["refs/heads/agent/**"],
+        git_identity=GitIdentity(name="substrate agent", email="agent@substrate.invalid"),
     )
 
 
@@ -623,3 +627,29 @@ def test_replace_in_place_keeps_the_dict_readers_hold() -> None:
     same = held
     profiles.replace_in_place(held, {"c": Profile(name="c")})
     assert same is held and list(held) == ["c"]
+
+
+# -- git ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ('git_refs_allow = ["heads/*"]', "git_refs_allow[0]"),
+        ('git_refs_allow = ["refs/a\\\\b"]', "git_refs_allow"),
+        ('git_identity = { name = "a", email = "" }', "git_identity"),
+        ('git_identity = { name = "a<b>", email = "e@x" }', "git_identity.name"),
+    ],
+)
+def test_git_keys_are_checked(tmp_path: Path, line: str, key: str) -> None:
+    assert f"{key}:" in _refusal(tmp_path, _with(line.split(" ")[0], line))
+
+
+def test_git_identity_is_set_over_env_in_every_command() -> None:
+    p = load_profile(PROFILES / "default.toml", SECCOMP)
+    mine = msgspec.structs.replace(p, env={**p.env, "GIT_AUTHOR_NAME": "someone else"})
+    env = profiles.git_env(mine)
+    assert env["GIT_AUTHOR_NAME"] == env["GIT_COMMITTER_NAME"] == "substrate agent"
+    assert env["GIT_AUTHOR_EMAIL"] == env["GIT_COMMITTER_EMAIL"] == "agent@substrate.invalid"
+    assert exec_env(mine, "p1")["GIT_AUTHOR_NAME"] == "substrate agent"
+    assert profiles.git_env(msgspec.structs.replace(p, git_identity=GitIdentity())) == {}

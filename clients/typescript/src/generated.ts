@@ -94,10 +94,12 @@ export interface Blocked {
  * `base_sha256` is the checkout's file the command saw (None: there was none, or a directory); `new_sha256`, `size` and `mode` what the command left (None / 0 for a delete). `diff` is a bounded unified preview.
  *
  * A symlink (`kind: "symlink"`, op create, replace or delete) is digested as git digests one: `base_sha256`/`new_sha256` are the SHA-256 of its target's bytes and `size` their length. `target` is what the command's link points to, verbatim (never followed or resolved by substrate), and `escapes` whether it leaves the checkout, resolved lexically from the link's directory (an absolute target always does); both None for a delete (docs/working-layer.md, "Symlinks").
+ *
+ * A `ref` entry (`op: "ref"`): `path` is the ref's name, `old_oid` what the sandbox started from and `new_oid` where it left it (None: absent), `subjects` the subjects of its new commits, newest first (at most 20).
  */
 export interface Change {
   path: string;
-  op: "chmod" | "create" | "delete" | "mkdir" | "replace";
+  op: "chmod" | "create" | "delete" | "mkdir" | "ref" | "replace";
   kind?: "dir" | "file" | "symlink";
   base_sha256?: string | null;
   new_sha256?: string | null;
@@ -107,6 +109,9 @@ export interface Change {
   diff_truncated?: boolean;
   target?: string | null;
   escapes?: boolean | null;
+  old_oid?: string | null;
+  new_oid?: string | null;
+  subjects?: string[];
 }
 
 export interface ChangeCounts {
@@ -120,7 +125,7 @@ export interface ChangeCounts {
   review?: number;
 }
 
-/** What became of one change of a command's working layer (docs/working-layer.md). `op`: create | replace | delete | chmod | mkdir (None for what the scan blocked: links the profile refuses, devices, FIFOs, ...); `size`/`mode`: what the command left (a file's bytes and permission bits; none for a delete); `reason`: a refusal name or the scan's reason; `rule`: the policy rule that blocked it; `plan_digest`: the plan to grant (`approval.grant`) of a pending change. A conflict's `current_sha256` is the checkout's digest now; the command's version is the artifact `artifact` (read it with `artifact.read`), or, when it could not be kept as one (`artifact_reason`: `too_large`, `set_full`, `failed`; `empty` for a file of no bytes), `kept` names it in the set's layer, which then stays until `changes.discard`. A symlink's entry has `kind: "symlink"`, its `target` (verbatim) and `escapes` (whether the target leaves the checkout, resolved lexically; docs/working-layer.md, "Symlinks"). */
+/** What became of one change of a command's working layer (docs/working-layer.md). `op`: create | replace | delete | chmod | mkdir (None for what the scan blocked: links the profile refuses, devices, FIFOs, ...); `size`/`mode`: what the command left (a file's bytes and permission bits; none for a delete); `reason`: a refusal name or the scan's reason; `rule`: the policy rule that blocked it; `plan_digest`: the plan to grant (`approval.grant`) of a pending change. A conflict's `current_sha256` is the checkout's digest now; the command's version is the artifact `artifact` (read it with `artifact.read`), or, when it could not be kept as one (`artifact_reason`: `too_large`, `set_full`, `failed`; `empty` for a file of no bytes), `kept` names it in the set's layer, which then stays until `changes.discard`. A symlink's entry has `kind: "symlink"`, its `target` (verbatim) and `escapes` (whether the target leaves the checkout, resolved lexically; docs/working-layer.md, "Symlinks"). A `ref` entry (`op: "ref"`, `path` the ref's name) carries `old_oid`/`new_oid` (None: absent), and `current_oid`, the checkout's value, when it conflicted (`host_changed`). */
 export interface ChangeEntry {
   path: string;
   op?: string | null;
@@ -137,6 +142,9 @@ export interface ChangeEntry {
   kind?: string | null;
   target?: string | null;
   escapes?: boolean | null;
+  old_oid?: string | null;
+  new_oid?: string | null;
+  current_oid?: string | null;
 }
 
 export interface ChangesApplyParams {
@@ -313,6 +321,20 @@ export interface FreshViewStatus {
   degraded?: number;
   /** Why (distinct, sorted): "watch_limit", "too_many_dirs", "too_deep", "no_inotify (...)", "walk_failed (...)". */
   reasons?: string[];
+}
+
+/** Who the agent's commits are by (author and committer), set by the operator; both empty: git's own configuration decides. */
+export interface GitIdentity {
+  /** e.g. "substrate agent" */
+  name?: string;
+  /** e.g. "agent@substrate.invalid" */
+  email?: string;
+}
+
+/** What the checkout's git layer holds (docs/working-layer.md, "The git layer"): its sandboxes' `.git` writes, kept until `workspace.release {keep_git: false}`. */
+export interface GitLayerUsage {
+  /** apparent size of its files (a lower bound past 200,000 entries) */
+  bytes: number;
 }
 
 /** A grant as listed: never its token. */
@@ -701,6 +723,10 @@ export interface Profile {
   argv_allow?: string[];
   /** may back a PTY session (with a grant) */
   interactive?: boolean;
+  /** "layer" only: the git refs (globs as in the policy, over ref names) whose moves in the sandbox's git layer apply to the checkout when a command ends; any other waits, blocked `ref_denied`, for the operator's `changes.apply`. */
+  git_refs_allow?: string[];
+  /** The author and committer of the agent's commits (GIT_AUTHOR_NAME/EMAIL and GIT_COMMITTER_NAME/EMAIL of every command, over `env`); empty: git's own config. */
+  git_identity?: GitIdentity;
 }
 
 export interface ProfileDigest {
@@ -735,6 +761,8 @@ export interface ReleaseParams {
   workspace: string;
   /** false: remove the persistent home with the workspace (the checkout's, for every later adoption too); true keeps it for the next adoption of the same checkout. */
   keep_home?: boolean;
+  /** false: remove the checkout's git layer (its sandboxes' HEAD, index, branches, stashes, objects not applied); true keeps it for the next adoption. */
+  keep_git?: boolean;
 }
 
 export interface ReleaseResult {
@@ -742,6 +770,8 @@ export interface ReleaseResult {
   released: boolean;
   /** What became of the persistent home: `kept`, `removed`, or `none` (it had none). */
   home?: "kept" | "none" | "removed";
+  /** What became of the git layer: `kept`, `removed`, or `none` (it had none). */
+  git?: "kept" | "none" | "removed";
 }
 
 export interface ReplayFile {
@@ -1124,6 +1154,8 @@ export interface WorkspaceInfo {
   adopted?: number;
   /** `workspace.info` only: the persistent home's size (absent before its first sandbox). */
   home?: HomeUsage | null;
+  /** `workspace.info` only: the git layer's size (absent before its first layer sandbox). */
+  git_layer?: GitLayerUsage | null;
 }
 
 export interface WorkspaceList {
@@ -1540,10 +1572,11 @@ export interface Methods {
     workspace: string;
   }; result: WorkspaceInfo };
   "workspace.list": { params: Record<string, never>; result: WorkspaceList };
-  /** Forget it; stop its containers; keep its persistent home unless keep_home is false. */
+  /** Forget it; stop its containers; keep its persistent home unless keep_home is false, and its git layer unless keep_git is false. */
   "workspace.release": { params: {
     workspace: string;
     keep_home?: boolean;
+    keep_git?: boolean;
   }; result: ReleaseResult };
   /** Put back every file substrate changed since the checkpoint, through the guarded path; a file changed on the host since is a conflict, never overwritten. */
   "workspace.restore": { params: {
@@ -1777,7 +1810,7 @@ export type Api = {
     readonly checkpoint: CallOf<"workspace.checkpoint", true>;
     readonly info: CallOf<"workspace.info", true>;
     readonly list: CallOf<"workspace.list", false>;
-    /** Forget it; stop its containers; keep its persistent home unless keep_home is false. */
+    /** Forget it; stop its containers; keep its persistent home unless keep_home is false, and its git layer unless keep_git is false. */
     readonly release: CallOf<"workspace.release", true>;
     /** Put back every file substrate changed since the checkpoint, through the guarded path; a file changed on the host since is a conflict, never overwritten. */
     readonly restore: CallOf<"workspace.restore", true>;

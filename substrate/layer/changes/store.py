@@ -56,6 +56,7 @@ from substrate.layer.changes import blocked
 from substrate.layer.changes import versions as kept_versions
 from substrate.layer.changes.apply import ApplyResult, Outcomes, apply
 from substrate.layer.changes.changeset import ChangeSet
+from substrate.layer.changes.git_refs import RefSets
 from substrate.layer.changes.reclaim import RECLAIMER
 from substrate.layer.changes.scan import BOUND_REASONS
 from substrate.layer.changes.versions import FileKeeper, Versions
@@ -144,6 +145,8 @@ class Changesets:
         self._lock = threading.Lock()  # apply and discard of kept sets, one at a time
         store.ensure_schema(SCHEMA)
         store.ensure_columns("changesets", ADDED_COLUMNS)
+        #: The sets' git ref entries (docs/working-layer.md, "The git layer").
+        self.refs = RefSets(store, journal)
 
     def record(
         self,

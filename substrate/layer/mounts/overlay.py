@@ -33,6 +33,8 @@ from collections.abc import Iterator
 
 from substrate.errors import ConfinementUnmet
 from substrate.fs.paths import open_dir
+from substrate.layer.mounts import git_plan
+from substrate.layer.mounts.git_plan import GitLayerPart
 from substrate.layer.mounts.mountinfo import Mount, parse_mountinfo, visible_mounts
 from substrate.layer.mounts.plan import (
     FD_PATH_PREFIX,
@@ -167,6 +169,8 @@ def _mount_on_base(p: LayerPlan, root_fd: int) -> None:
     try:
         for pass_part in p.passthrough:
             _mount_passthrough(p, pass_part, root_fd)
+        if p.git is not None:
+            _mount_git(p, p.git, root_fd)
         for part in p.readonly:
             _mount_readonly(p, part, root_fd)
         verify(p, read_mounts())
@@ -215,6 +219,8 @@ def unmount_or_restore(old: LayerPlan, root_fd: int) -> None:
         for pass_part in old.passthrough:
             if pass_part.target not in present:
                 _mount_passthrough(old, pass_part, root_fd)
+        if old.git is not None and old.git.target not in present:
+            _mount_git(old, old.git, root_fd)
         for part in old.readonly:
             if part.target not in present:
                 _mount_readonly(old, part, root_fd)
@@ -366,6 +372,32 @@ def _mount_readonly(p: LayerPlan, part: ReadonlyPart, root_fd: int) -> None:
                     required={f"readonly:{part.rel}": "directory or file"},
                     observed={f"readonly:{part.rel}": "other"},
                 )
+
+
+def _mount_git(p: LayerPlan, part: GitLayerPart, root_fd: int) -> None:
+    """Mount the git layer (`git_plan`) on the merged view's `.git`: the checkout's
+    `.git` directory (opened beneath the held root, no symlink followed, identity
+    re-checked) under the checkout's persistent git-layer upper dir."""
+    with (
+        _fd(os.open(git_plan.GIT_REL, _DIR_FLAGS, dir_fd=root_fd)) as real,
+        _fd(os.open(p.base, _DIR_FLAGS)) as merged,
+        _fd(os.open(git_plan.GIT_REL, _DIR_FLAGS, dir_fd=merged)) as target,
+    ):
+        st = os.fstat(real)
+        if (st.st_dev, st.st_ino) != part.identity:
+            dev, ino = part.identity
+            raise ConfinementUnmet(
+                ".git changed since the workspace was searched",
+                required={"workspace_identity:.git": f"{dev}:{ino}"},
+                observed={"workspace_identity:.git": f"{st.st_dev}:{st.st_ino}"},
+            )
+        mount(
+            "overlay",
+            _fd_path(target),
+            "overlay",
+            _OVERLAY_FLAGS,
+            git_plan.options(part, _fd_path(real)),
+        )
 
 
 def _mount_passthrough(p: LayerPlan, part: PassthroughPart, root_fd: int) -> None:

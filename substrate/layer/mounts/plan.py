@@ -30,6 +30,8 @@ import msgspec
 
 from substrate.errors import ConfinementUnmet
 from substrate.fs.state import ENTRIES
+from substrate.layer.mounts import git_plan
+from substrate.layer.mounts.git_plan import GitLayerPart
 from substrate.layer.mounts.mountinfo import Mount, visible_mounts
 
 #: The directory under the state dir holding every sandbox's layers.
@@ -82,6 +84,8 @@ class LayerPlan(msgspec.Struct, frozen=True, kw_only=True):
     readonly: tuple[ReadonlyPart, ...]
     #: Bound read-write before the read-only parts (a `.git` beneath one stays read-only).
     passthrough: tuple[PassthroughPart, ...] = ()
+    #: The checkout's `.git` as a writable overlay of its own (`git_plan`); None: none.
+    git: GitLayerPart | None = None
 
 
 def layers_dir(state_dir: str) -> str:
@@ -95,6 +99,7 @@ def plan(
     generation: int,
     readonly: Sequence[tuple[str, tuple[int, int]]],
     passthrough: Sequence[tuple[str, tuple[int, int]]] = (),
+    git: GitLayerPart | None = None,
 ) -> LayerPlan:
     """The mount plan of `sandbox_id`'s generation `generation` (pure).
 
@@ -103,7 +108,9 @@ def plan(
     Refuses `confinement_unmet` for a state dir that is not absolute or holds a character
     overlayfs' options cannot carry, a sandbox id that is not a plain name, a negative
     generation, or a read-only or passthrough path that is empty, absolute or climbs
-    (`..`). `passthrough` is (path, identity) of each existing passthrough directory.
+    (`..`). `passthrough` is (path, identity) of each existing passthrough directory;
+    `git` the git layer mounted on the merged `.git` (its upper and work dirs must carry
+    no character overlayfs' options cannot).
     """
     if not state_dir.startswith("/") or _UNSAFE_PATH_CHARS & set(state_dir):
         raise _unmet("state dir", "an absolute path without , : = \\ or blanks", state_dir)
@@ -111,10 +118,14 @@ def plan(
         raise _unmet("sandbox id", "a plain name ([A-Za-z0-9_.-])", sandbox_id)
     if generation < 0:
         raise _unmet("generation", "a generation >= 0", str(generation))
+    if git is not None and _UNSAFE_PATH_CHARS & set(git.upper + git.work):
+        raise _unmet("git layer dir", "a path without , : = \\ or blanks", git.upper)
     top = layers_dir(state_dir)
     sandbox_dir = _join(top, sandbox_id)
     base = _join(sandbox_dir, "merged")
     parts = []
+    if git is not None:  # the git layer replaces the read-only `.git`
+        readonly = [(rel, ident) for rel, ident in readonly if rel != git_plan.GIT_REL]
     for index, (rel, identity) in enumerate(sorted(readonly)):
         _check_rel("readonly path", rel)
         parts.append(
@@ -144,6 +155,7 @@ def plan(
             for index, (rel, identity) in enumerate(sorted(passthrough))
             if _check_rel("passthrough path", rel)
         ),
+        git=None if git is None else msgspec.structs.replace(git, target=_join(base, ".git")),
     )
 
 
@@ -199,6 +211,8 @@ def verify(p: LayerPlan, mounts: Sequence[Mount]) -> None:
         required[part.target] = "overlay ro superblock"
     for pass_part in p.passthrough:
         required[pass_part.target] = "bind " + " ".join(PASSTHROUGH_OPTIONS)
+    if p.git is not None:
+        required[p.git.target] = git_plan.required(p.git)
     observed: dict[str, str] = {}
     for m in visible:
         if m.mount_point == p.base or m.mount_point.startswith(p.base + "/"):
@@ -219,6 +233,10 @@ def _describe(m: Mount, p: LayerPlan) -> str:
         return f"{m.fstype} {m.source}"
     opts = dict(o.partition("=")[::2] for o in m.super_options)
     lower = opts.get("lowerdir", "").split(":")
+    if p.git is not None and m.mount_point == p.git.target:
+        git = git_plan.describe(opts, FD_PATH_PREFIX)
+        if git is not None:
+            return git
     if m.mount_point == p.base:
         plain = all(opts.get(k, v) == v for k, v in MERGED_FEATURES.items())
         if "upperdir" in opts and len(lower) == 1 and lower[0].startswith(FD_PATH_PREFIX):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from substrate.fs.paths import open_dir
 from substrate.layer.generation import Users
 from substrate.layer.mounts import overlay, passthrough
+from substrate.layer.mounts.git_plan import GIT_REL, GitLayerPart
 from substrate.layer.mounts.lower_watch import LowerWatch
 from substrate.layer.mounts.plan import PASSTHROUGH_OPTIONS, LayerPlan, plan
 from substrate.schema.facts import FactValue
@@ -74,6 +75,8 @@ class WorkingLayer:
     landed_dirs: dict[str, int] = field(default_factory=dict)
     users: Users = field(default_factory=Users)
     mounting: threading.Lock = field(default_factory=threading.Lock)
+    #: The profile's `git_refs_allow`: the refs a conclusion applies from the git layer.
+    git_refs_allow: tuple[str, ...] = ()
     #: The checkout's watch (`lower_watch`): did it change since the generation was
     #: mounted? None until `mount_first`: unknown, so changed.
     watch: LowerWatch | None = None
@@ -115,10 +118,12 @@ def open_layer(
     readonly: Sequence[tuple[str, tuple[int, int]]],
     passthrough_dirs: Sequence[str] = (),
     symlinks: SymlinkMode = "any",
+    git: GitLayerPart | None = None,
 ) -> WorkingLayer:
     """Plan generation 0 of a new layer (a fresh random id) and `overlay.prepare` it: the
-    base exists, shared, with nothing mounted on it. Refuses as `plan.plan` does."""
-    p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly)
+    base exists, shared, with nothing mounted on it. `git`: the checkout's git layer,
+    mounted on `.git` by every generation (`git_plan`). Refuses as `plan.plan` does."""
+    p = plan(state_dir, "s" + secrets.token_hex(8), 0, readonly, (), git)
     overlay.prepare(p)
     return WorkingLayer(plan=p, passthrough=tuple(passthrough_dirs), symlinks=symlinks)
 
@@ -146,14 +151,14 @@ def next_plan(
     readonly = [(part.rel, part.identity) for part in p.readonly]
     sandbox_id = p.sandbox_dir.rsplit("/", 1)[1]
     state_dir = p.layers_dir.rsplit("/", 1)[0]
-    return plan(state_dir, sandbox_id, p.generation + 1, readonly, passthrough_dirs)
+    return plan(state_dir, sandbox_id, p.generation + 1, readonly, passthrough_dirs, p.git)
 
 
 def _with_passthrough(p: LayerPlan, found: Sequence[tuple[str, tuple[int, int]]]) -> LayerPlan:
     readonly = [(part.rel, part.identity) for part in p.readonly]
     sandbox_id = p.sandbox_dir.rsplit("/", 1)[1]
     state_dir = p.layers_dir.rsplit("/", 1)[0]
-    return plan(state_dir, sandbox_id, p.generation, readonly, found)
+    return plan(state_dir, sandbox_id, p.generation, readonly, found, p.git)
 
 
 def unmount_current(layer: WorkingLayer, root_fd: int) -> LayerPlan | None:
@@ -231,8 +236,8 @@ def refresh(layer: WorkingLayer, root_fd: int) -> bool:
 
 def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
     """`workspace_identity` facts of the generation mounted now, read on the host: the
-    overlay on the base, each read-only part over it (opened beneath the base without
-    following a symlink); and `passthrough`, the dirs this generation binds read-write
+    overlay on the base, the git layer's on `.git`, each read-only part over it (opened
+    beneath the base without following a symlink); and `passthrough`, the dirs this generation binds read-write
     (the container's mountinfo must show exactly those as writable non-overlay mounts)."""
     p = layer.plan
     base_fd = os.open(p.base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -245,6 +250,9 @@ def identity_required(layer: WorkingLayer) -> dict[str, FactValue]:
                 f"{part.rel}: {','.join(PASSTHROUGH_OPTIONS)}" for part in p.passthrough
             ),
         }
+        if p.git is not None:  # the git layer's overlay, seen through the base
+            gst = os.lstat(GIT_REL, dir_fd=base_fd)
+            found[f"workspace_identity:{GIT_REL}"] = f"{gst.st_dev}:{gst.st_ino}"
         for part in p.readonly:
             *parents, name = part.rel.split("/")
             parent = open_dir(base_fd, parents, where=part.rel)
