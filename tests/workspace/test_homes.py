@@ -124,6 +124,7 @@ def test_info_reports_the_home_and_release_keeps_it_unless_told(
         "workspace": ws,
         "released": True,
         "home": "kept",
+        "git": "kept",  # the git layer is kept too unless `keep_git: false`
     }
     ws = daemon.adopt(workspace_dir)  # the same checkout again: the same home
     assert c.call("workspace.info", workspace=ws)["home"]["bytes"] == 10
