@@ -169,8 +169,23 @@ def _name_key(name: str) -> bytes:
 
 
 def _scan_sorted(dir_fd: int) -> list[os.DirEntry[str]]:
+    """The entries of `dir_fd` in name-byte order. UTF-8 keeps code point order, so
+    names without escaped bytes (surrogates) sort as `str`, without an encode each."""
     with os.scandir(dir_fd) as it:
-        return sorted(it, key=lambda e: _name_key(e.name))
+        entries = list(it)
+    if all(_name_is_utf8(e.name) for e in entries):
+        entries.sort(key=_by_name)
+    else:
+        entries.sort(key=lambda e: _name_key(e.name))
+    return entries
+
+
+def _by_name(entry: os.DirEntry[str]) -> str:
+    return entry.name
+
+
+def _name_is_utf8(name: str) -> bool:
+    return name.isascii() or not any("\udc80" <= c <= "\udcff" for c in name)
 
 
 def _entry_kind_size(entry: os.DirEntry[str]) -> tuple[paths.Kind, int]:
