@@ -276,6 +276,9 @@ class _Prefilter:
     #: `literal` as an RE2 pattern (`re2_translate.literal_of`), found faster than by
     #: `bytes.find` and without lowering the file for `fold`; or None.
     finder: Any = None
+    #: The pattern is `literal` and nothing else (a `fixed` search, or a regex without
+    #: metacharacters), case kept: where the literal is found, the match is.
+    whole: bool = False
 
     @classmethod
     def for_search(cls, regex: re.Pattern[bytes], exact: Any = _LOOK) -> _Prefilter:
@@ -307,6 +310,10 @@ class _Prefilter:
             literal=literal.lower() if fold else literal,
             fold=fold,
             line_bound=not dotall and _line_bound(parsed.data),
+            whole=bool(literal)
+            and not fold
+            and len(parsed.data) == len(literal)
+            and all(op is _sre.LITERAL for op, _ in parsed.data),
         )
 
 
@@ -514,11 +521,13 @@ def _collect(
         return False
     if literal and prefilter.line_bound:
         # Only lines holding the literal can match; a match never leaves its line.
+        whole = prefilter.whole
         while found >= 0:
             start = data.rfind(b"\n", 0, found) + 1
             end = data.find(b"\n", found)
             end = size if end < 0 else end
-            at = search(data, start, end)
+            # The leftmost occurrence at or after this line's start is on this line.
+            at = found if whole else search(data, start, end)
             if at >= 0 and add(start, end, at - start + 1):
                 return True
             found = lit_at(data, end + 1, size) if end < size else -1

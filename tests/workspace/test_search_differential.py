@@ -71,6 +71,10 @@ PATTERNS = st.one_of(
             "(?i:foo)bar",
             "[^a-z]",
             r"\d+\Z",
+            "o{2}",
+            " {2}",
+            "fo+",
+            "x_handler(",
         ]
     ),
     st.lists(st.sampled_from(WORDS), min_size=1, max_size=3).map("|".join),
