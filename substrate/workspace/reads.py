@@ -4,8 +4,8 @@ Every function is blocking (call it from a worker thread) and reaches files only
 the workspace's root fd (`substrate.fs.paths`), held against release (`Workspace.use`) while
 it opens them. Symlinks are reported as such and never followed; `read_deny` paths are
 refused for content and skipped by search (`substrate.workspace.search`, which walks
-with `walk_entries`). Names that are not UTF-8 are listed escaped (`paths.wire_name`),
-never refused.
+as `walk_entries` does, with `entered` and `kind_from_dirent`, fused with its reads).
+Names that are not UTF-8 are listed escaped (`paths.wire_name`), never refused.
 
 Whole-file digests (`fs.stat`, `fs.read`) cost a pass over the file, so they are bounded:
 a caller passes `hash_up_to`, and a file over it that `Digests`
@@ -169,8 +169,23 @@ def _name_key(name: str) -> bytes:
 
 
 def _scan_sorted(dir_fd: int) -> list[os.DirEntry[str]]:
+    """The entries of `dir_fd` in name-byte order. UTF-8 keeps code point order, so
+    names without escaped bytes (surrogates) sort as `str`, without an encode each."""
     with os.scandir(dir_fd) as it:
-        return sorted(it, key=lambda e: _name_key(e.name))
+        entries = list(it)
+    if all(_name_is_utf8(e.name) for e in entries):
+        entries.sort(key=_by_name)
+    else:
+        entries.sort(key=lambda e: _name_key(e.name))
+    return entries
+
+
+def _by_name(entry: os.DirEntry[str]) -> str:
+    return entry.name
+
+
+def _name_is_utf8(name: str) -> bool:
+    return name.isascii() or not any("\udc80" <= c <= "\udcff" for c in name)
 
 
 def _entry_kind_size(entry: os.DirEntry[str]) -> tuple[paths.Kind, int]:
@@ -210,7 +225,7 @@ class Found:
     name: str
 
 
-def _kind_from_dirent(entry: os.DirEntry[str]) -> paths.Kind:
+def kind_from_dirent(entry: os.DirEntry[str]) -> paths.Kind:
     """The kind from the directory entry's d_type: no syscall (size unknown: 0)."""
     if entry.is_symlink():
         return "symlink"
@@ -247,7 +262,7 @@ def walk_entries(
         top = paths.open_dir(ws.root_fd, parts, ws.provenance(base or "."))
     stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = []
     try:
-        stack.append((top, base, 1, iter(_entered(top, base, prune))))
+        stack.append((top, base, 1, iter(entered(top, base, prune))))
         while stack:
             dir_fd, dir_rel, depth, entries = stack[-1]
             entry = next(entries, None)
@@ -265,7 +280,7 @@ def walk_entries(
             if sizes:
                 kind, size = _entry_kind_size(entry)
             else:
-                kind, size = _kind_from_dirent(entry), 0
+                kind, size = kind_from_dirent(entry), 0
             if prune is not None and prune.leaves_out(rel, entry.name, kind):
                 continue
             yield Found(rel, kind, size, dir_fd, entry.name)
@@ -275,7 +290,7 @@ def walk_entries(
                 except OSError:
                     continue  # swapped or vanished meanwhile: never followed
                 try:
-                    listed = _entered(child, rel, prune)
+                    listed = entered(child, rel, prune)
                 except BaseException:
                     os.close(child)
                     raise
@@ -285,7 +300,7 @@ def walk_entries(
             os.close(dir_fd)
 
 
-def _entered(dir_fd: int, rel: str, prune: Pruner | None) -> list[os.DirEntry[str]]:
+def entered(dir_fd: int, rel: str, prune: Pruner | None) -> list[os.DirEntry[str]]:
     """The sorted entries of a directory the walk enters, told to `prune` first."""
     entries = _scan_sorted(dir_fd)
     if prune is not None:

@@ -1,14 +1,22 @@
 """`fs.search`: a regex (or fixed string) over a workspace's text files, bounded.
 
-Files are reached through the walk of `substrate.workspace.reads` (dir fds, never a
-symlink, `.git` and temp files skipped) and read whole, at most `SEARCH_MAX_FILE` bytes
-each. `_Prefilter` derives from the stdlib's own parse of the pattern a literal every
-match must contain (grep's "must" string): files without it are rejected by
-`bytes.find`, and where no match can leave its line only the lines holding it are
-searched. A pattern with no such literal is screened by RE2 instead
-(`substrate.matching.re2_translate`): a file where a pattern matching a superset of the
-original's finds nothing is skipped, and `re` starts at the line of its first hit. The
-results are those of `regex.search` over every file, whatever is skipped.
+Files are reached by a walk of its own (`_Scan`: the order and skips of
+`reads.walk_entries`, which `fs.walk` uses, fused with the reads: dir fds held, never a
+symlink, `.git` and temp files skipped) and read whole with one `pread` of their fstat
+size + 1, at most `SEARCH_MAX_FILE` bytes each. `_Prefilter` derives from the stdlib's
+own parse of the pattern a literal every match must contain (grep's "must" string):
+files without it are rejected by RE2 looking for that literal (`memchr` on its first
+byte: faster than `bytes.find`, and no lowered copy of the file for `ignore_case`), and
+where no match can leave its line only the lines holding it are searched. A pattern
+with no such literal is screened by RE2 instead (`substrate.matching.re2_translate`): a
+file where a pattern matching a superset of the original's finds nothing is skipped,
+and the matcher starts at the line of its first hit. RE2 is called directly
+(`re2_translate.first_start`: a start offset, no match object). The results are those
+of `regex.search` over every file, whatever is skipped; `tests/harness/search_reference.py`
+keeps the loop this replaced, and a differential test on random trees holds the two equal.
+
+One process, one thread: RE2's Python binding keeps the GIL while it matches, so
+threads only contend (measured: two threads took as long as one, or longer).
 """
 
 from __future__ import annotations
@@ -17,17 +25,25 @@ import importlib
 import os
 import re
 import stat
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from substrate.errors import InvalidParams
 from substrate.fs import fsops, paths
 from substrate.matching.agent_regex import Matcher, matcher_for
-from substrate.matching.re2_translate import exact_of, superset_of
+from substrate.matching.re2_translate import (
+    exact_of,
+    first_start,
+    literal_of,
+    superset_of,
+)
 from substrate.schema.fs import SearchMatch, SearchParams, SearchResult
+from substrate.workspace.ignore import Pruner
 from substrate.workspace.policy import GlobSet
-from substrate.workspace.reads import pruner_for, walk_entries
+from substrate.workspace.reads import entered, kind_from_dirent, pruner_for
 from substrate.workspace.registry import Workspace
+from substrate.workspace.writes.temp_files import TEMP_PREFIX
 
 #: The stdlib's own regex parser (private, stable since 3.11): see `_Prefilter`.
 _sre: Any = importlib.import_module("re._constants")
@@ -74,47 +90,163 @@ def search(ws: Workspace, p: SearchParams, found_by: Matcher | None = None) -> S
         raise InvalidParams(exc.message, path="$.glob") from None
     parts = paths.split_relpath(p.path, allow_root=True)
     prune = pruner_for(ws, p.exclude, p.gitignore)
-    matches: list[SearchMatch] = []
-    files = 0
-    scanned = 0
-    walk = walk_entries(ws, parts, None, include_git=False, sizes=False, prune=prune)
-    for found in walk:
-        if found.kind != "file" or found.size > SEARCH_MAX_FILE:
-            continue
-        if not ws.policy.may_read(found.rel):
-            continue
-        if globs is not None and not globs.matches(found.rel):
-            continue
+    base = "/".join(parts)
+    with ws.use():
+        if prune is not None and not prune.start(ws.root_fd, parts):
+            return SearchResult(matches=[], truncated=False, files_scanned=0, bytes_scanned=0)
+        top = paths.open_dir(ws.root_fd, parts, ws.provenance(base or "."))
+    scan = _Scan(matching, prefilter, p, globs, ws.policy.read_deny, prune)
+    try:
+        scan.tree(top, base)
+    finally:
+        scan.close()
+    return SearchResult(
+        matches=scan.matches,
+        truncated=scan.truncated,
+        files_scanned=scan.files,
+        bytes_scanned=scan.scanned,
+    )
+
+
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class _Truncated(Exception):
+    """`max_matches` was reached: the walk stops where it is."""
+
+
+class _Scan:
+    """One search's walk and reads, fused (the order and the skips of
+    `reads.walk_entries` with `sizes=False`, which `fs.walk` keeps).
+
+    Directories are held open, one fd per level, each entered beneath its parent's fd
+    with O_NOFOLLOW | O_DIRECTORY; files are opened beneath theirs with O_NOFOLLOW and
+    checked by fstat. A path is never resolved. `read_deny` and `glob` hold when the
+    path or one of its parents matches: a directory's answer is worked out once, on
+    entry, so each file costs one exact match instead of one per parent. A file is read
+    with one `pread` of its fstat size + 1: a short read is its end (a second read
+    only for a file that grew meanwhile).
+    """
+
+    def __init__(
+        self,
+        matching: Matcher,
+        prefilter: _Prefilter,
+        p: SearchParams,
+        globs: GlobSet | None,
+        read_deny: GlobSet,
+        prune: Pruner | None,
+    ) -> None:
+        self.matching = matching
+        self.prefilter = prefilter
+        self.starts = _starts(matching)
+        self.screen_starts = None if prefilter.screen is None else first_start(prefilter.screen)
+        self.literal_starts = None if prefilter.finder is None else first_start(prefilter.finder)
+        self.max_line_bytes = p.max_line_bytes
+        self.limit = p.max_matches
+        self.globs = globs
+        self.read_deny = read_deny if read_deny else None
+        self.prune = prune
+        self.matches: list[SearchMatch] = []
+        self.files = 0
+        self.scanned = 0
+        self.truncated = False
+        self._held: list[int] = []
+
+    def close(self) -> None:
+        while self._held:
+            os.close(self._held.pop())
+
+    def tree(self, top: int, base: str) -> None:
+        """Search beneath the open directory `top` (the walk's start, `base`); owns it.
+        Depth-first with a stack of its own (a tree deeper than Python's recursion limit
+        is walked as any other)."""
+        self._held.append(top)
+        prune, read_deny, globs = self.prune, self.read_deny, self.globs
+        denied = read_deny is not None and bool(base) and read_deny.matches(base)
+        chosen = globs is None or (bool(base) and globs.matches(base))
+        levels = [(top, base, iter(entered(top, base, prune)), denied, chosen)]
         try:
-            fd = os.open(
-                found.name,
-                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                dir_fd=found.parent_fd,
-            )
+            while levels:
+                dir_fd, dir_rel, entries, denied, chosen = levels[-1]
+                for entry in entries:
+                    name = entry.name
+                    if name.startswith(TEMP_PREFIX) or name == ".git":
+                        continue
+                    rel = f"{dir_rel}/{name}" if dir_rel else name
+                    if prune is not None:
+                        kind = kind_from_dirent(entry)
+                        if prune.leaves_out(rel, name, kind):
+                            continue
+                        is_dir, is_file = kind == "dir", kind == "file"
+                    else:
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                        is_file = not is_dir and entry.is_file(follow_symlinks=False)
+                    if is_file:
+                        if denied or (read_deny is not None and read_deny.matches_exactly(rel)):
+                            continue
+                        if not chosen and globs is not None and not globs.matches_exactly(rel):
+                            continue
+                        self._file(dir_fd, name, rel)
+                    elif is_dir:
+                        try:
+                            child = os.open(name, fsops.DIR_FLAGS, dir_fd=dir_fd)
+                        except OSError:
+                            continue  # swapped or vanished meanwhile: never followed
+                        self._held.append(child)
+                        levels.append(
+                            (
+                                child,
+                                rel,
+                                iter(entered(child, rel, prune)),
+                                denied
+                                or (read_deny is not None and read_deny.matches_exactly(rel)),
+                                chosen or (globs is not None and globs.matches_exactly(rel)),
+                            )
+                        )
+                        break  # into the child; this level's iterator resumes after it
+                else:
+                    levels.pop()
+                    os.close(self._held.pop())
+                    if prune is not None:
+                        prune.leave()
+        except _Truncated:
+            self.truncated = True
+
+    def _file(self, dir_fd: int, name: str, rel: str) -> None:
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
-            continue
+            return
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > SEARCH_MAX_FILE:
-                continue
-            # One read of the expected size (+1 to see the end): a 1 MiB read buffer per
-            # file costs more than the search itself (an mmap and page faults each time).
-            data = fsops.read_fd(fd, SEARCH_MAX_FILE, expected=st.st_size)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode) or size > SEARCH_MAX_FILE:
+                return
+            data: bytes | None = os.pread(fd, size + 1, 0)
+            if data is not None and len(data) > size:
+                data = fsops.read_fd(fd, SEARCH_MAX_FILE, expected=size)  # it grew
         finally:
             os.close(fd)
         if data is None:
-            continue  # it grew past the bound while read
+            return  # it grew past the bound while read
         if data.find(b"\x00", 0, _BINARY_SNIFF) >= 0:
-            continue
-        files += 1
-        scanned += len(data)
-        if _collect(matching, prefilter, data, found.rel, p.max_line_bytes, matches, p.max_matches):
-            return SearchResult(
-                matches=matches, truncated=True, files_scanned=files, bytes_scanned=scanned
-            )
-    return SearchResult(
-        matches=matches, truncated=False, files_scanned=files, bytes_scanned=scanned
-    )
+            return
+        self.files += 1
+        self.scanned += len(data)
+        if _collect(
+            self.matching,
+            self.prefilter,
+            data,
+            rel,
+            self.max_line_bytes,
+            self.matches,
+            self.limit,
+            self.starts,
+            self.screen_starts,
+            self.literal_starts,
+        ):
+            raise _Truncated
 
 
 #: `_Prefilter.for_search` without the matcher's exact pattern: translate it there.
@@ -141,6 +273,12 @@ class _Prefilter:
     #: The screen matches exactly where the regex does (`re2_translate.exact_of`): its hit
     #: from a line's start is that line's match, with no second search.
     exact: bool = False
+    #: `literal` as an RE2 pattern (`re2_translate.literal_of`), found faster than by
+    #: `bytes.find` and without lowering the file for `fold`; or None.
+    finder: Any = None
+    #: The pattern is `literal` and nothing else (a `fixed` search, or a regex without
+    #: metacharacters), case kept: where the literal is found, the match is.
+    whole: bool = False
 
     @classmethod
     def for_search(cls, regex: re.Pattern[bytes], exact: Any = _LOOK) -> _Prefilter:
@@ -148,7 +286,7 @@ class _Prefilter:
         given (the matcher's, or None), else looked up."""
         literal = cls.of(regex)
         if literal.literal:
-            return literal
+            return replace(literal, finder=literal_of(literal.literal, literal.fold))
         if exact is _LOOK:
             exact = exact_of(regex)
         if exact is not None:
@@ -172,6 +310,10 @@ class _Prefilter:
             literal=literal.lower() if fold else literal,
             fold=fold,
             line_bound=not dotall and _line_bound(parsed.data),
+            whole=bool(literal)
+            and not fold
+            and len(parsed.data) == len(literal)
+            and all(op is _sre.LITERAL for op, _ in parsed.data),
         )
 
 
@@ -274,6 +416,28 @@ def _line_bound(items: Any) -> bool:
     return True
 
 
+def _starts(regex: Matcher) -> Callable[[bytes, int, int], int]:
+    """`regex.search(data, pos, endpos)`'s match start, or -1 (`endpos <= len(data)`):
+    RE2's own call for an exact matcher (`re2_translate.first_start`); a plain
+    `re.Pattern` (the prefilter's tests) is searched as itself."""
+    exact = getattr(regex, "exact", None)
+
+    def by_search(data: bytes, pos: int, endpos: int) -> int:
+        m = regex.search(data, pos, endpos)
+        return -1 if m is None else m.start()
+
+    if exact is None:
+        return by_search
+    first = first_start(exact)
+
+    def by_re2(data: bytes, pos: int, endpos: int) -> int:
+        if endpos <= 0:
+            return by_search(data, pos, endpos)  # `_Linear.search`: `re`'s answer for b""
+        return first(data, pos, endpos)
+
+    return by_re2
+
+
 def _collect(
     regex: Matcher,
     prefilter: _Prefilter,
@@ -282,24 +446,46 @@ def _collect(
     max_line_bytes: int,
     out: list[SearchMatch],
     limit: int,
+    starts: Callable[[bytes, int, int], int] | None = None,
+    screen_starts: Callable[[bytes, int, int], int] | None = None,
+    literal_starts: Callable[[bytes, int, int], int] | None = None,
 ) -> bool:
     """Append one match per matching line; True when `limit` was reached.
 
     The result is the same as `regex.search` over the whole file from each line's start;
-    the prefilter only skips work that cannot find anything.
+    the prefilter only skips work that cannot find anything. `starts`/`screen_starts`:
+    `_starts(regex)`, `first_start(prefilter.screen)` and `first_start(prefilter.finder)`,
+    made once per search. The literal is looked for with the finder when there is one
+    (it may also stop on a Latin-1 case variant: that line is then searched for nothing),
+    else by `bytes.find` (in the lowered file when `fold`).
     """
     literal = prefilter.literal
-    hay = data.lower() if literal and prefilter.fold else data
-    if literal and hay.find(literal) < 0:
-        return False
+    size = len(data)
+    if literal:
+        if literal_starts is None and prefilter.finder is not None:
+            literal_starts = first_start(prefilter.finder)
+        if literal_starts is not None:
+            lit_at = literal_starts
+        else:
+            hay = data.lower() if prefilter.fold else data
+
+            def lit_at(_: bytes, pos: int, endpos: int) -> int:
+                return hay.find(literal, pos, endpos)
+
+        found = lit_at(data, 0, size)
+        if found < 0:
+            return False
+    search = starts or _starts(regex)
     screen = prefilter.screen
     pos = 0
+    hit = -1
     if screen is not None:
-        hit = screen.search(data)
-        if hit is None:
+        screen_at = screen_starts or first_start(screen)
+        hit = screen_at(data, 0, size)
+        if hit < 0:
             return False
         # `re`'s first match starts at or after RE2's first (a superset): start at its line.
-        pos = data.rfind(b"\n", 0, hit.start()) + 1
+        pos = data.rfind(b"\n", 0, hit) + 1
     path, path_b64 = paths.wire_name(rel)
     line_no = 1
     counted_to = 0
@@ -316,43 +502,44 @@ def _collect(
 
     if screen is not None and prefilter.line_bound:
         # Only lines where RE2 finds the superset can match; a match never leaves its line.
-        while hit is not None:
-            start = data.rfind(b"\n", 0, hit.start()) + 1
-            end = data.find(b"\n", hit.start())
-            end = len(data) if end < 0 else end
+        # An exact screen's hit is that match already: it was searched for from this
+        # line's start (or the file's), with the same context before it. (`re` alone
+        # answers for an empty file: its `\B` never matches one.)
+        exact = prefilter.exact and size > 0
+        while hit >= 0:
+            start = data.rfind(b"\n", 0, hit) + 1
+            end = data.find(b"\n", hit)
+            end = size if end < 0 else end
             # Up to and with the newline: an empty line is not an empty string (`\B`); a
-            # match there starting past the newline is the next line's. An exact screen's
-            # hit is that match already: it was searched for from this line's start (or
-            # the file's), with the same context before it.
-            # (`re` alone answers for an empty file: its `\B` never matches one.)
-            exact = prefilter.exact and data
-            m = hit if exact else regex.search(data, start, min(end + 1, len(data)))
-            if m is not None and m.start() > end:
-                m = None
-            if m is not None and add(start, end, m.start() - start + 1):
+            # match there starting past the newline is the next line's.
+            at = hit if exact else search(data, start, min(end + 1, size))
+            if at > end:
+                at = -1
+            if at >= 0 and add(start, end, at - start + 1):
                 return True
-            hit = screen.search(data, end + 1) if end < len(data) else None
+            hit = screen_at(data, end + 1, size) if end < size else -1
         return False
     if literal and prefilter.line_bound:
         # Only lines holding the literal can match; a match never leaves its line.
-        at = hay.find(literal)
-        while at >= 0:
-            start = data.rfind(b"\n", 0, at) + 1
-            end = data.find(b"\n", at)
-            end = len(data) if end < 0 else end
-            m = regex.search(data, start, end)
-            if m is not None and add(start, end, m.start() - start + 1):
+        whole = prefilter.whole
+        while found >= 0:
+            start = data.rfind(b"\n", 0, found) + 1
+            end = data.find(b"\n", found)
+            end = size if end < 0 else end
+            # The leftmost occurrence at or after this line's start is on this line.
+            at = found if whole else search(data, start, end)
+            if at >= 0 and add(start, end, at - start + 1):
                 return True
-            at = hay.find(literal, end + 1)
+            found = lit_at(data, end + 1, size) if end < size else -1
         return False
-    while pos <= len(data):
-        m = regex.search(data, pos)
-        if m is None:
+    while pos <= size:
+        at = search(data, pos, size)
+        if at < 0:
             return False
-        start = data.rfind(b"\n", 0, m.start()) + 1
-        end = data.find(b"\n", m.start())
-        end = len(data) if end < 0 else end
-        if add(start, end, m.start() - start + 1):
+        start = data.rfind(b"\n", 0, at) + 1
+        end = data.find(b"\n", at)
+        end = size if end < 0 else end
+        if add(start, end, at - start + 1):
             return True
         pos = end + 1
     return False
