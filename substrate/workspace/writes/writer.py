@@ -46,6 +46,7 @@ import hashlib
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ from substrate.workspace.writes.base import Current, open_parent, read_current
 from substrate.workspace.writes.batch_dirs import DirBatches
 from substrate.workspace.writes.batch_files import FileBatches, FileChange
 from substrate.workspace.writes.batch_links import LinkBatches
+from substrate.workspace.writes.dir_sync import DirSyncs
 from substrate.workspace.writes.intents import Intent, Pending
 from substrate.workspace.writes.plan import (
     DEFAULT_DIR_MODE,
@@ -116,6 +118,33 @@ class _Staged:
         """The write's journal entry-to-be (`intents`)."""
         data = journal_data(prep.plan, approval)
         return Intent(prep.rel, self.kind, self.actor, data, self.temp)
+
+
+class _DirSynced:
+    """Whether a landed write's directory fsync is done: its journal unit (run by
+    whichever thread leads the group commit) waits for it; the writer `run`s it."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self, syncs: DirSyncs, dir_fd: int) -> None:
+        """Fsync the directory (shared), then release the unit; raises what it raised."""
+        try:
+            syncs.sync(dir_fd)
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until `run` is done; raises (failing the unit: no entry) if it failed."""
+        self._done.wait()
+        if self._error is not None:
+            raise OSError(f"the directory fsync failed: {self._error}")
 
 
 @dataclass
@@ -223,6 +252,8 @@ class Writer:
         self._temps = TempFiles(store, journal.epoch, reserve=RESERVE)
         #: The journal transactions of plain writes, committed together when concurrent.
         self._group = store.group
+        #: Directory fsyncs after the rename, shared by concurrent writes (`dir_sync`).
+        self._dir_syncs = DirSyncs()
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
@@ -452,9 +483,12 @@ class Writer:
                 fsops.rename_into(parent_fd, temp, name, fsync=False)
             # Landed: from here on its intent is the next start's to settle, never dropped.
             staged.landed = True
-            os.fsync(parent_fd)
+            synced = _DirSynced()
 
             def journal(db: sqlite3.Connection) -> None:
+                # Never before the rename is durable (the directory fsync, done after the
+                # lock is released and shared with concurrent writes in the directory).
+                synced.wait()
                 if temp is not None:
                     self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
                 if approval is not None:
@@ -469,13 +503,16 @@ class Writer:
 
             if approval is not None or pre is not None:
                 # Consumed or kept under the lock: no later write may see it unsettled.
+                synced.run(self._dir_syncs, parent_fd)
                 with self._store.transaction() as db:
                     journal(db)
                 ticket = None
             else:
-                # Queued in lock order; its commit is shared with concurrent writes'.
+                # Queued in lock order; its commit is shared with concurrent writes'. Its
+                # unit waits for the directory fsync below before writing the entry.
                 ticket = self._group.submit(journal)
         if ticket is not None:
+            synced.run(self._dir_syncs, parent_fd)
             self._group.wait(ticket)
         if pre is not None and self._preimages is not None:
             self._preimages.settle()
