@@ -95,7 +95,12 @@ from substrate.workspace.writes.plan import (
     no_setid,
     plan_digest,
 )
-from substrate.workspace.writes.temp_files import RESERVE, TempFiles, check_not_reserved
+from substrate.workspace.writes.temp_files import (
+    RESERVE,
+    TempFiles,
+    TopUp,
+    check_not_reserved,
+)
 
 log = logging.getLogger("substrate.workspace.writes")
 
@@ -112,6 +117,8 @@ class _Staged:
     needs_approval: bool
     temp: str | None = None
     pending: Pending | None = None
+    #: Temp names recorded with the intent, joining the reserve once it is durable.
+    top_up: TopUp | None = None
     landed: bool = False
 
     def intent(self, prep: _Prepared, approval: str | None) -> Intent:
@@ -419,6 +426,8 @@ class Writer:
     def _abandon(self, ws: Workspace, parent_fd: int, prep: _Prepared, staged: _Staged) -> None:
         """A write that did not land: its temp file goes, then in one transaction its
         temp record and its intent."""
+        if staged.top_up is not None:
+            self._temps.topped_up(staged.top_up, committed=False)
         if staged.temp is not None:
             fsops.unlink_quietly(parent_fd, staged.temp)
         if staged.temp is None and staged.pending is None:
@@ -446,7 +455,10 @@ class Writer:
         )
         try:
             if not staged.needs_approval:
-                staged.pending = self._intents.submit(ws.id, staged.intent(prep, None))
+                # The directory's next temp names ride on this commit when it runs low.
+                top = staged.top_up = self._temps.top_up(ws.id, prep.parts[:-1])
+                also = None if top is None else top.record_in
+                staged.pending = self._intents.submit(ws.id, staged.intent(prep, None), also)
             fsops.fill(fd, prep.new, mode=prep.plan.mode, owner=owner)
         finally:
             os.close(fd)
@@ -458,7 +470,15 @@ class Writer:
         if staged.pending is not None:
             # Durable before the rename, waited for outside the lock (usually shared with
             # the commit of another write's entry).
-            staged.pending.wait()
+            top, staged.top_up = staged.top_up, None
+            try:
+                staged.pending.wait()
+            except BaseException:
+                if top is not None:
+                    self._temps.topped_up(top, committed=False)
+                raise
+            if top is not None:
+                self._temps.topped_up(top, committed=True)
         with ws.commit_lock:
             now = read_current(parent_fd, name, where, MAX_PATCH_FILE)
             if now.sha256 != prep.current.sha256:
