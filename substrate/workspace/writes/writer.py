@@ -13,13 +13,17 @@ the operator approval. A dry run returns that plan. To *apply*, the new bytes go
 temp file created in the same directory (`O_CREAT | O_EXCL | O_NOFOLLOW` through the dir
 fd, under a recorded name: `temp_files`), which is fsynced with the old mode and owner;
 meanwhile the write's intent (the journal entry it will get, `intents`) commits on
-another thread. Then, under the workspace's commit lock, the base is checked once more,
-the temp file is renamed over the target through the same dir fd, the directory is
-fsynced, and the approval (if any) is consumed and the intent dropped in the same
-database transaction as the journal entry. A write with no approval and no pre-image to
-keep submits that transaction to the store's group commit under the lock and waits for
-it after (`substrate.store.group`): concurrent writes share one fsynced commit, entries
-keep the lock's order, and the write returns only once its entry is durable. The
+another thread (with the directory's next temp names when it runs low: `top_up`). Then,
+under the workspace's commit lock, the base is checked once more and the temp file is
+renamed over the target through the same dir fd; the directory is fsynced, and the
+approval (if any) is consumed and the intent dropped in the same database transaction
+as the journal entry. A write with no approval and no pre-image to keep submits that
+transaction to the store's group commit under the lock, then fsyncs the directory after
+releasing it (`dir_sync`: one fsync for every write renamed there before it began) and
+waits for the commit (`substrate.store.group`); its unit waits for that fsync, so no
+entry is durable before its rename. Concurrent writes share one fsynced commit and one
+directory fsync, entries keep the lock's order, and the write returns only once its
+entry is durable. The
 file-system steps are `substrate.fs.fsops`'s. The writer takes `fs.write` and
 `fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
 "exactly one of" pairs arrive as one tagged Struct it `match`es on.
