@@ -228,30 +228,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp", help="where the temp dir goes (the fs measured)")
     ap.add_argument("--writes", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--against", type=Path, help="another checkout's daemon, side by side")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()[0]
     base = Path(tempfile.mkdtemp(prefix="sbw-", dir=args.dir))
-    daemon = BenchDaemon(base)
+    daemons: list[BenchDaemon] = []
+    clients: list[Client] = []
     try:
-        ws_dir = daemon.roots / "bench"
-        (ws_dir / "w").mkdir(parents=True)
-        chown_tree(ws_dir)
-        client = Client(daemon.socket, timeout=600)
-        ws = client.call("workspace.adopt", path=str(ws_dir))["workspace"]
-        guarded, inproc, local = _interleaved(
+        sides: list[tuple[Callable[[], float], Callable[[], float]]] = []
+        for k, repo in enumerate([REPO] if args.against is None else [REPO, args.against]):
+            (base / f"d{k}").mkdir()
+            daemon = BenchDaemon(base / f"d{k}", repo=repo.resolve())
+            daemons.append(daemon)
+            ws_dir = daemon.roots / "bench"
+            (ws_dir / "w").mkdir(parents=True)
+            chown_tree(ws_dir)
+            client = Client(daemon.socket, timeout=600)
+            clients.append(client)
+            ws = client.call("workspace.adopt", path=str(ws_dir))["workspace"]
+            sides.append(
+                (
+                    guarded_writes(client, ws, args.writes),
+                    concurrent_guarded_writes(daemon.socket, ws, args.writes, WRITERS),
+                )
+            )
+        inproc, local, *guarded = _interleaved(
             args.rounds,
-            guarded_writes(client, ws, args.writes),
-            inprocess_writes(base / "inproc-state", daemon.roots, args.writes),
+            inprocess_writes(base / "inproc-state", daemons[0].roots, args.writes),
             local_writes(base / "local", args.writes),
+            *(seq for seq, _ in sides),
         )
-        together, local_together = _interleaved(
+        local_together, *together = _interleaved(
             args.rounds,
-            concurrent_guarded_writes(daemon.socket, ws, args.writes, WRITERS),
             concurrent_local_writes(base / "local-together", args.writes, WRITERS),
+            *(conc for _, conc in sides),
         )
-        client.close()
     finally:
-        daemon.stop()
+        for client in clients:
+            client.close()
+        for daemon in daemons:
+            daemon.stop()
         shutil.rmtree(base, ignore_errors=True)
     load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
     print(
@@ -259,21 +275,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| measure | substrate | local loop, same run | ratio | goal |")
     print("|---|---|---|---|---|")
+    seq_name = f"4 KiB replace through the socket, sequential (N={args.writes})"
     rows = [
-        (
-            f"4 KiB replace through the socket, sequential (N={args.writes})",
-            guarded,
-            local,
-            ">= 0.5",
-        ),
+        (seq_name, guarded[0], local, ">= 0.5"),
         ("same, `Writer` in-process (diagnostic)", inproc, local, ""),
-        (
-            f"same through the socket, {WRITERS} connections at once",
-            together,
-            local_together,
-            ">= 0.5",
-        ),
+        (f"same, {WRITERS} connections at once", together[0], local_together, ">= 0.5"),
     ]
+    if args.against is not None:
+        rows += [
+            (f"sequential, the daemon of {args.against}", guarded[1], local, ""),
+            (
+                f"{WRITERS} connections, the daemon of {args.against}",
+                together[1],
+                local_together,
+                "",
+            ),
+        ]
     for name, ours, theirs, goal in rows:
         print(
             f"| {name} | {ours:,.0f} ops/s | {theirs:,.0f} ops/s | {ours / theirs:.2f} | {goal} |"
