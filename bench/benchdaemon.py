@@ -16,14 +16,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class BenchDaemon:
-    def __init__(self, base: Path, serve_args: Sequence[str] = ()) -> None:
+    def __init__(self, base: Path, serve_args: Sequence[str] = (), repo: Path = REPO) -> None:
+        """`repo`: the checkout whose `substrate` runs (another one for an A/B run)."""
         self.base = base
         self.state = base / "state"
         self.roots = base / "roots"
         self.roots.mkdir()
         self.log = open(base / "daemon.log", "wb")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
         env.pop("SUBSTRATE_STATE_DIR", None)
         argv = [
             sys.executable, "-m", "substrate", "--state-dir", str(self.state),

@@ -1,12 +1,21 @@
 """The write measures of `bench/foundation.py` (docs/performance.md): a guarded 4 KiB
 replace through the socket, sequential and from several connections at once, the same
 `Writer` in-process, and the local atomic-replace loop they are compared with.
+
+Run alone, it prints only the write rows, each against the local loop measured in the
+same run (medians of `--rounds` rounds after a warm-up, the measures interleaved):
+
+    python bench/foundation_writes.py [--dir /tmp] [--writes 400] [--rounds 5]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
+import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.benchdaemon import BenchDaemon  # noqa: E402
 from substrate.config import Config  # noqa: E402
 from substrate.protocol.client import Client  # noqa: E402
 from substrate.schema.fs import WriteParams, write_request  # noqa: E402
@@ -197,3 +207,96 @@ def inprocess_writes(state: Path, roots: Path, n: int) -> Callable[[], float]:
         return n / (time.perf_counter() - start)
 
     return run
+
+
+# --- run alone: the write rows only -------------------------------------------------------------
+
+
+def _interleaved(rounds: int, *measures: Callable[[], float]) -> list[float]:
+    """Medians of the measures taken in alternation (all see the same load)."""
+    for measure in measures:
+        measure()  # warm-up
+    samples: list[list[float]] = [[] for _ in measures]
+    for _ in range(rounds):
+        for i, measure in enumerate(measures):
+            samples[i].append(measure())
+    return [statistics.median(s) for s in samples]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dir", default="/tmp", help="where the temp dir goes (the fs measured)")
+    ap.add_argument("--writes", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--against", type=Path, help="another checkout's daemon, side by side")
+    args = ap.parse_args(argv)
+    load_before = os.getloadavg()[0]
+    base = Path(tempfile.mkdtemp(prefix="sbw-", dir=args.dir))
+    daemons: list[BenchDaemon] = []
+    clients: list[Client] = []
+    try:
+        sides: list[tuple[Callable[[], float], Callable[[], float]]] = []
+        for k, repo in enumerate([REPO] if args.against is None else [REPO, args.against]):
+            (base / f"d{k}").mkdir()
+            daemon = BenchDaemon(base / f"d{k}", repo=repo.resolve())
+            daemons.append(daemon)
+            ws_dir = daemon.roots / "bench"
+            (ws_dir / "w").mkdir(parents=True)
+            chown_tree(ws_dir)
+            client = Client(daemon.socket, timeout=600)
+            clients.append(client)
+            ws = client.call("workspace.adopt", path=str(ws_dir))["workspace"]
+            sides.append(
+                (
+                    guarded_writes(client, ws, args.writes),
+                    concurrent_guarded_writes(daemon.socket, ws, args.writes, WRITERS),
+                )
+            )
+        inproc, local, *guarded = _interleaved(
+            args.rounds,
+            inprocess_writes(base / "inproc-state", daemons[0].roots, args.writes),
+            local_writes(base / "local", args.writes),
+            *(seq for seq, _ in sides),
+        )
+        local_together, *together = _interleaved(
+            args.rounds,
+            concurrent_local_writes(base / "local-together", args.writes, WRITERS),
+            *(conc for _, conc in sides),
+        )
+    finally:
+        for client in clients:
+            client.close()
+        for daemon in daemons:
+            daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    print(
+        f"substrate guarded writes: medians of {args.rounds} rounds; {os.cpu_count()} CPUs, {load}"
+    )
+    print("| measure | substrate | local loop, same run | ratio | goal |")
+    print("|---|---|---|---|---|")
+    seq_name = f"4 KiB replace through the socket, sequential (N={args.writes})"
+    rows = [
+        (seq_name, guarded[0], local, ">= 0.5"),
+        ("same, `Writer` in-process (diagnostic)", inproc, local, ""),
+        (f"same, {WRITERS} connections at once", together[0], local_together, ">= 0.5"),
+    ]
+    if args.against is not None:
+        rows += [
+            (f"sequential, the daemon of {args.against}", guarded[1], local, ""),
+            (
+                f"{WRITERS} connections, the daemon of {args.against}",
+                together[1],
+                local_together,
+                "",
+            ),
+        ]
+    for name, ours, theirs, goal in rows:
+        print(
+            f"| {name} | {ours:,.0f} ops/s | {theirs:,.0f} ops/s | {ours / theirs:.2f} | {goal} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -202,9 +202,11 @@ def storm_body(name: str, version: int) -> str:
     return f"{name} version {version}\n" * 8
 
 
-def storm(d: DaemonProcess, ws: str, name: str, digest: dict[str, str], acks: list[int]) -> None:
+def storm(
+    d: DaemonProcess, ws: str, name: str, digest: dict[str, str], acks: list[tuple[str, str]]
+) -> None:
     """Replace `name` again and again, each write bound to the last one's digest, until
-    the daemon dies."""
+    the daemon dies; each acknowledged write's (name, new digest) goes to `acks`."""
     version = 0
     try:
         client = Client(d.agent_path, timeout=PATIENCE_S)
@@ -221,7 +223,7 @@ def storm(d: DaemonProcess, ws: str, name: str, digest: dict[str, str], acks: li
                 base_sha256=digest[name],
             )
             digest[name] = plan["new_sha256"]
-            acks.append(1)
+            acks.append((name, plan["new_sha256"]))
     except (ConnectionLost, OSError):
         return
     finally:
@@ -232,9 +234,11 @@ def test_kill_9_amid_a_storm_of_writes_leaves_every_landed_write_journaled(
     daemon_factory: Callable[..., DaemonProcess],
 ) -> None:
     """Eight connections replace their files as fast as they can; the daemon is killed
-    amid the storm, several times. After each restart every file holds the bytes of its
-    last journal entry: a write that landed before its journal commit is journaled at
-    the start (`recovered: true`), so `journal.replay` reports no drift."""
+    amid the storm (their intents and entries share group commits), several times.
+    After each restart every file holds the bytes of its last journal entry: a write
+    that landed before its journal commit is journaled at the start (`recovered: true`),
+    so `journal.replay` reports no drift; and every acknowledged write is there with the
+    entry it had before it was acknowledged."""
     d = daemon_factory()
     names = [f"s{i}.txt" for i in range(STORM_WRITERS)]
     root = d.make_workspace(files={name: storm_body(name, 0) for name in names})
@@ -242,7 +246,7 @@ def test_kill_9_amid_a_storm_of_writes_leaves_every_landed_write_journaled(
     digest = {name: sha((root / name).read_bytes()) for name in names}
     recovered = 0
     for _ in range(STORM_ROUNDS):
-        acks: list[int] = []
+        acks: list[tuple[str, str]] = []
         writers = [
             threading.Thread(target=storm, args=(d, ws, name, digest, acks)) for name in names
         ]
@@ -264,5 +268,11 @@ def test_kill_9_amid_a_storm_of_writes_leaves_every_landed_write_journaled(
         for name in names:
             digest[name] = sha((root / name).read_bytes())  # the base of the next round
             assert last[name] == digest[name], f"{name}: holds bytes no entry names"
+        journaled = {
+            (e["data"]["path"].split(":", 1)[1], e["data"]["new_sha256"]): e for e in entries
+        }
+        for ack in acks:
+            assert ack in journaled, f"{ack[0]}: an acknowledged write has no journal entry"
+            assert not journaled[ack]["data"].get("recovered"), f"{ack[0]}: entry not durable"
         recovered += sum(bool(e["data"].get("recovered")) for e in entries)
     print(f"{recovered} write(s) journaled at a start after landing before a kill")

@@ -224,6 +224,7 @@ KIND_OF: dict[str, str] = {
     "workspace/writes/base.py": "I/O",
     "workspace/writes/temp_files.py": "I/O",
     "workspace/writes/intents.py": "I/O",
+    "workspace/writes/dir_sync.py": "I/O",
     "workspace/writes/writer.py": "I/O",
     "workspace/writes/batch.py": "I/O",
     "workspace/writes/batch_files.py": "I/O",

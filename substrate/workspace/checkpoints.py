@@ -140,6 +140,12 @@ class Checkpoints:
         self._pinned: Counter[str] = Counter()
         self._pin_lock = threading.Lock()
         store.ensure_schema(SCHEMA)
+        #: Workspaces with a live checkpoint, so `keep` (under a write's commit lock, every
+        #: guarded write) asks no query (which would wait for a commit being flushed).
+        #: Added to by `create` inside its transaction (under the commit lock, before any
+        #: write that must keep a pre-image); recomputed after a commit that expired one.
+        self._live: set[str] = set()
+        self._refresh_live()
         state_fd = os.open(state_dir, fsops.DIR_FLAGS)
         try:
             self._dir_fd = fsops.make_dirs(state_fd, (BLOB_DIR,), BLOB_DIR, lambda _: (0o700, None))
@@ -154,13 +160,9 @@ class Checkpoints:
     def keep(self, pre: Preimage) -> bool:
         """Store `pre`'s bytes durably when a live checkpoint of its workspace may need
         them; True when the write must `record_in` it. Called under the workspace's
-        commit lock, before the write's rename. Costs a query, and for new bytes a file
-        write and two fsyncs."""
-        rows = self._store.query(
-            "SELECT 1 FROM checkpoints WHERE workspace = ? AND expired IS NULL LIMIT 1",
-            (pre.workspace,),
-        )
-        if not rows:
+        commit lock, before the write's rename. Costs a set lookup (no query), and for
+        new bytes a file write and two fsyncs."""
+        if pre.workspace not in self._live:
             return False
         if pre.sha256 is not None:
             self._store_blob(pre.sha256, pre.data)
@@ -207,6 +209,12 @@ class Checkpoints:
         as needed (see the module doc). Costs a sum over the blobs; more when over."""
         if self.stored_bytes() <= self._quota:
             return
+        try:
+            self._settle()
+        finally:
+            self._refresh_live()
+
+    def _settle(self) -> None:
         with self._store.transaction() as db:
             while self._total(db) > self._quota:
                 with self._pin_lock:
@@ -235,6 +243,7 @@ class Checkpoints:
                 "INSERT INTO checkpoints(id, workspace, seq, created) VALUES (?, ?, ?, ?)",
                 (checkpoint, ws.id, entry.seq, time.time()),
             )
+            self._live.add(ws.id)
             live = db.execute(
                 "SELECT id, seq FROM checkpoints WHERE workspace = ? AND expired IS NULL"
                 " ORDER BY seq",
@@ -242,8 +251,11 @@ class Checkpoints:
             ).fetchall()
             with self._pin_lock:
                 live = [row for row in live if self._pinned[row["id"]] <= 0]
-            for old in live[: max(0, len(live) - MAX_LIVE)]:
+            expired = live[: max(0, len(live) - MAX_LIVE)]
+            for old in expired:
                 self._expire_in(db, old["id"], ws.id, old["seq"], "count")
+        if expired:
+            self._refresh_live()
         return checkpoint, entry.seq
 
     def seq_of(self, ws: Workspace, checkpoint: str) -> int:
@@ -360,6 +372,16 @@ class Checkpoints:
                 fsops.atomic_write(fd, name, data, mode=0o600)
         finally:
             os.close(fd)
+
+    def _refresh_live(self) -> None:
+        """Recompute `_live` from the rows (at start, and after a transaction that may have
+        expired checkpoints: a rolled-back expiry never drops a workspace). Inside a
+        transaction, so no `create` runs between the query and the assignment."""
+        with self._store.transaction() as db:
+            rows = db.execute(
+                "SELECT DISTINCT workspace FROM checkpoints WHERE expired IS NULL"
+            ).fetchall()
+            self._live = {str(r[0]) for r in rows}
 
     def _expire_in(
         self, db: sqlite3.Connection, checkpoint: str, workspace: str, seq: int, reason: str

@@ -375,3 +375,39 @@ def test_a_restore_never_completes_a_git_dir_nor_recreates_a_misleading_name(env
         assert result.restored == []
     assert not (env.root / "tools" / "HEAD").exists()
     assert not (env.root / "odd\nname").exists()
+
+
+@pytest.mark.parametrize("quota", [500])
+def test_writes_keep_pre_images_exactly_while_a_checkpoint_is_live(env: Env) -> None:
+    """`keep` answers from memory (no query under the commit lock): a new checkpoint
+    makes the next write keep its pre-image, one expired by the quota stops it, and a
+    new `Checkpoints` over the same state knows which are live."""
+
+    def kept() -> int:
+        return int(env.store.query("SELECT COUNT(*) AS n FROM preimages")[0]["n"])
+
+    env.write("a.txt", "alpha 2\n", sha("alpha\n"))
+    assert kept() == 0  # no checkpoint yet
+    env.checkpoint()
+    env.write("a.txt", "x" * 600 + "\n", sha("alpha 2\n"))
+    assert kept() == 1
+    env.write("a.txt", "small\n", sha("x" * 600 + "\n"))  # 601 bytes kept: over the quota
+    assert len(env.kinds("workspace.checkpoint_expired")) == 1
+    before = kept()
+    env.write("keep.txt", "changed\n", sha("unchanged\n"))
+    assert kept() == before  # nothing live: nothing kept
+    env.checkpoint()
+    again = Checkpoints(env.store, env.journal, env.state, 1 << 30)
+    try:
+        assert again.has_live(env.ws.id)
+        other = Writer(env.store, env.journal, again)
+        p = WriteParams(
+            workspace=env.ws.id,
+            path="keep.txt",
+            content="changed 2\n",
+            base_sha256=sha("changed\n"),
+        )
+        other.write(env.ws, write_request(p), ACTOR)
+        assert kept() == before + 1
+    finally:
+        again.close()

@@ -39,7 +39,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -143,10 +143,17 @@ class Intents:
         )
         return batch
 
-    def submit(self, workspace: str, intent: Intent) -> Pending:
+    def submit(
+        self,
+        workspace: str,
+        intent: Intent,
+        also: Callable[[sqlite3.Connection], None] | None = None,
+    ) -> Pending:
         """Queue one write's `intent` on the store's group commit and return at once: it
         commits with whatever else is committed next (concurrent writers' entries), or
-        when the writer `wait`s for it. Costs one row, and a commit unless shared."""
+        when the writer `wait`s for it. `also` runs in the same unit (a temp-name
+        top-up: `temp_files.TempFiles.top_up`). Costs one row, and a commit unless
+        shared."""
         token = secrets.token_hex(8)
         row = (token, workspace, self._epoch, _encoder.encode([intent]))
 
@@ -155,6 +162,8 @@ class Intents:
                 "INSERT INTO write_intents(batch, workspace, epoch, intents) VALUES (?, ?, ?, ?)",
                 row,
             )
+            if also is not None:
+                also(db)
 
         group = self._store.group
         ticket = group.submit(add)

@@ -16,6 +16,12 @@ reservation never used is a row naming a file that never existed, which the clea
 passes over. At most `RESERVE` names are held for each of the `RESERVED_DIRS`
 directories used last (an older directory's are deleted).
 
+A single guarded write tops a directory's reserve up on the commit it makes anyway:
+when fewer than `RESERVE // 2` names are left there (`top_up`), `RESERVE` fresh ones
+are recorded in the transaction of its intent (`intents`, committed before its rename)
+and join the reserve once that commit is durable (`topped_up`). A steady run of writes
+in one directory thus pays no commit of its own for names after the first.
+
 A batch of writes (`batch_files`) commits the rows of all its temp files in one
 transaction before creating the first (`record_many_in`) and forgets them in the one
 that journals the batch (`forget_many_in`). A crash therefore leaves, at worst, rows
@@ -99,6 +105,8 @@ class TempFiles:
         #: recently used directory last.
         self._reserved: OrderedDict[tuple[str, str | bytes], list[str]] = OrderedDict()
         self._reserved_lock = threading.Lock()
+        #: Directories whose top-up (`top_up`) is on its way to the database.
+        self._topping: set[tuple[str, str | bytes]] = set()
 
     def record(self, workspace: str, dirs: Sequence[str], name: str) -> None:
         """Commit the row for a temp file about to be created (before creating it)."""
@@ -190,6 +198,29 @@ class TempFiles:
                 self._reserved.move_to_end(key)
         return fresh[0]
 
+    def top_up(self, workspace: str, dirs: Sequence[str]) -> TopUp | None:
+        """Fresh names for `dirs` to record inside a transaction the caller commits anyway
+        (`TopUp.record_in`), when its reserve runs low and no top-up is under way; None
+        otherwise. The caller ends it with `topped_up` (after the commit, or not)."""
+        if self._reserve < 2:
+            return None
+        key = (workspace, _dir_key(dirs))
+        with self._reserved_lock:
+            names = self._reserved.get(key)
+            if names is None or len(names) >= self._reserve // 2 or key in self._topping:
+                return None
+            self._topping.add(key)
+        fresh = [new_name() for _ in range(self._reserve)]
+        return TopUp(key, fresh, [(workspace, key[1], name, self._epoch) for name in fresh])
+
+    def topped_up(self, top: TopUp, committed: bool) -> None:
+        """End `top`: its names join the reserve when `committed` (durable: only then is
+        a name handed out); else they are left (a row naming no file is harmless)."""
+        with self._reserved_lock:
+            self._topping.discard(top.key)
+            if committed and top.key in self._reserved:
+                self._reserved[top.key][:0] = reversed(top.names)
+
     def discard(self, workspace: str, dir_fd: int, dirs: Sequence[str], name: str) -> None:
         """Unlink a temp file that will not be renamed, then forget its record."""
         fsops.unlink_quietly(dir_fd, name)
@@ -221,6 +252,26 @@ class TempFiles:
             joined = os.fsdecode(raw) if isinstance(raw, bytes) else str(raw)
             out.append((str(row["workspace"]), tuple(filter(None, joined.split("/"))), row["name"]))
         return out
+
+
+class TopUp:
+    """Names to record for a directory inside another commit (`TempFiles.top_up`)."""
+
+    __slots__ = ("key", "names", "rows")
+
+    def __init__(
+        self, key: tuple[str, str | bytes], names: list[str], rows: list[tuple[object, ...]]
+    ) -> None:
+        self.key = key
+        self.names = names
+        self.rows = rows
+
+    def record_in(self, db: sqlite3.Connection) -> None:
+        """Insert the names' rows inside the caller's transaction."""
+        db.executemany(
+            "INSERT OR REPLACE INTO temp_files(workspace, dir, name, epoch) VALUES (?, ?, ?, ?)",
+            self.rows,
+        )
 
 
 def remove_recorded(root_fd: int, dirs: Sequence[str], name: str) -> bool | None:

@@ -13,13 +13,17 @@ the operator approval. A dry run returns that plan. To *apply*, the new bytes go
 temp file created in the same directory (`O_CREAT | O_EXCL | O_NOFOLLOW` through the dir
 fd, under a recorded name: `temp_files`), which is fsynced with the old mode and owner;
 meanwhile the write's intent (the journal entry it will get, `intents`) commits on
-another thread. Then, under the workspace's commit lock, the base is checked once more,
-the temp file is renamed over the target through the same dir fd, the directory is
-fsynced, and the approval (if any) is consumed and the intent dropped in the same
-database transaction as the journal entry. A write with no approval and no pre-image to
-keep submits that transaction to the store's group commit under the lock and waits for
-it after (`substrate.store.group`): concurrent writes share one fsynced commit, entries
-keep the lock's order, and the write returns only once its entry is durable. The
+another thread (with the directory's next temp names when it runs low: `top_up`). Then,
+under the workspace's commit lock, the base is checked once more and the temp file is
+renamed over the target through the same dir fd; the directory is fsynced, and the
+approval (if any) is consumed and the intent dropped in the same database transaction
+as the journal entry. A write with no approval and no pre-image to keep submits that
+transaction to the store's group commit under the lock, then fsyncs the directory after
+releasing it (`dir_sync`: one fsync for every write renamed there before it began) and
+waits for the commit (`substrate.store.group`); its unit waits for that fsync, so no
+entry is durable before its rename. Concurrent writes share one fsynced commit and one
+directory fsync, entries keep the lock's order, and the write returns only once its
+entry is durable. The
 file-system steps are `substrate.fs.fsops`'s. The writer takes `fs.write` and
 `fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
 "exactly one of" pairs arrive as one tagged Struct it `match`es on.
@@ -46,6 +50,7 @@ import hashlib
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,6 +93,7 @@ from substrate.workspace.writes.batch_files import (
     FileChange,
 )
 from substrate.workspace.writes.batch_links import LinkBatches
+from substrate.workspace.writes.dir_sync import DirSyncs
 from substrate.workspace.writes.intents import Intent, Pending
 from substrate.workspace.writes.plan import (
     DEFAULT_DIR_MODE,
@@ -98,7 +104,12 @@ from substrate.workspace.writes.plan import (
     no_setid,
     plan_digest,
 )
-from substrate.workspace.writes.temp_files import RESERVE, TempFiles, check_not_reserved
+from substrate.workspace.writes.temp_files import (
+    RESERVE,
+    TempFiles,
+    TopUp,
+    check_not_reserved,
+)
 
 log = logging.getLogger("substrate.workspace.writes")
 
@@ -115,12 +126,41 @@ class _Staged:
     needs_approval: bool
     temp: str | None = None
     pending: Pending | None = None
+    #: Temp names recorded with the intent, joining the reserve once it is durable.
+    top_up: TopUp | None = None
     landed: bool = False
 
     def intent(self, prep: _Prepared, approval: str | None) -> Intent:
         """The write's journal entry-to-be (`intents`)."""
         data = journal_data(prep.plan, approval)
         return Intent(prep.rel, self.kind, self.actor, data, self.temp)
+
+
+class _DirSynced:
+    """Whether a landed write's directory fsync is done: its journal unit (run by
+    whichever thread leads the group commit) waits for it; the writer `run`s it."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self, syncs: DirSyncs, dir_fd: int) -> None:
+        """Fsync the directory (shared), then release the unit; raises what it raised."""
+        try:
+            syncs.sync(dir_fd)
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until `run` is done; raises (failing the unit: no entry) if it failed."""
+        self._done.wait()
+        if self._error is not None:
+            raise OSError(f"the directory fsync failed: {self._error}")
 
 
 @dataclass
@@ -237,6 +277,8 @@ class Writer:
         self._temps = TempFiles(store, journal.epoch, reserve=RESERVE)
         #: The journal transactions of plain writes, committed together when concurrent.
         self._group = store.group
+        #: Directory fsyncs after the rename, shared by concurrent writes (`dir_sync`).
+        self._dir_syncs = DirSyncs()
         self._approvals = Approvals(store)
         #: Change sets' files and directories, in batches.
         self.batch = BatchWriter(store, journal, self._temps, self._approvals, preimages)
@@ -410,6 +452,8 @@ class Writer:
     def _abandon(self, ws: Workspace, parent_fd: int, prep: _Prepared, staged: _Staged) -> None:
         """A write that did not land: its temp file goes, then in one transaction its
         temp record and its intent."""
+        if staged.top_up is not None:
+            self._temps.topped_up(staged.top_up, committed=False)
         if staged.temp is not None:
             fsops.unlink_quietly(parent_fd, staged.temp)
         if staged.temp is None and staged.pending is None:
@@ -437,7 +481,10 @@ class Writer:
         )
         try:
             if not staged.needs_approval:
-                staged.pending = self._intents.submit(ws.id, staged.intent(prep, None))
+                # The directory's next temp names ride on this commit when it runs low.
+                top = staged.top_up = self._temps.top_up(ws.id, prep.parts[:-1])
+                also = None if top is None else top.record_in
+                staged.pending = self._intents.submit(ws.id, staged.intent(prep, None), also)
             fsops.fill(fd, prep.new, mode=prep.plan.mode, owner=owner)
         finally:
             os.close(fd)
@@ -449,7 +496,15 @@ class Writer:
         if staged.pending is not None:
             # Durable before the rename, waited for outside the lock (usually shared with
             # the commit of another write's entry).
-            staged.pending.wait()
+            top, staged.top_up = staged.top_up, None
+            try:
+                staged.pending.wait()
+            except BaseException:
+                if top is not None:
+                    self._temps.topped_up(top, committed=False)
+                raise
+            if top is not None:
+                self._temps.topped_up(top, committed=True)
         with ws.commit_lock:
             now = read_current(parent_fd, name, where, MAX_PATCH_FILE)
             if now.sha256 != prep.current.sha256:
@@ -474,9 +529,12 @@ class Writer:
                 fsops.rename_into(parent_fd, temp, name, fsync=False)
             # Landed: from here on its intent is the next start's to settle, never dropped.
             staged.landed = True
-            os.fsync(parent_fd)
+            synced = _DirSynced()
 
             def journal(db: sqlite3.Connection) -> None:
+                # Never before the rename is durable (the directory fsync, done after the
+                # lock is released and shared with concurrent writes in the directory).
+                synced.wait()
                 if temp is not None:
                     self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
                 if approval is not None:
@@ -491,13 +549,16 @@ class Writer:
 
             if approval is not None or pre is not None:
                 # Consumed or kept under the lock: no later write may see it unsettled.
+                synced.run(self._dir_syncs, parent_fd)
                 with self._store.transaction() as db:
                     journal(db)
                 ticket = None
             else:
-                # Queued in lock order; its commit is shared with concurrent writes'.
+                # Queued in lock order; its commit is shared with concurrent writes'. Its
+                # unit waits for the directory fsync below before writing the entry.
                 ticket = self._group.submit(journal)
         if ticket is not None:
+            synced.run(self._dir_syncs, parent_fd)
             self._group.wait(ticket)
         if pre is not None and self._preimages is not None:
             self._preimages.settle()

@@ -2,7 +2,7 @@
 journaled at the next start, `recovered: true`; one that did not land journals nothing
 (docs/protocol.md §4, "Crash"; `substrate.workspace.writes.intents`).
 
-Each crash is real: the write runs in a forked child that dies (`os._exit`, no cleanup,
+Each crash is real: the write (or eight at once) runs in a forked child that dies (`os._exit`, no cleanup,
 as `kill -9` would) at the injected point, then the parent opens the state again as a
 restart does and runs the start-up recovery (`Writer.recover`).
 """
@@ -10,7 +10,9 @@ restart does and runs the start-up recovery (`Writer.recover`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from substrate.schema.fs import (
 )
 from substrate.schema.workspace import Policy
 from substrate.store.db import Store
+from substrate.store.group import GroupCommit
 from substrate.store.journal import Journal
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.digests import Digests
@@ -434,3 +437,90 @@ def test_a_link_that_landed_is_journaled_at_start_and_one_that_did_not_leaves_no
     assert not os.path.lexists(third.root / "ln2")
     assert [e.kind for e in third.journal.read()].count("changes.apply_link") == 1
     assert_consistent(third)  # the recorded temp link of the crashed run is gone too
+
+
+# --- a crash in a group commit of 8 concurrent writes ----------------------------------------
+
+CONCURRENT = 8
+
+
+def _die_in_a_shared_commit(after: int, acked: Path) -> Callable[[pytest.MonkeyPatch], None]:
+    """Once `after` writes were acknowledged, the process dies inside the first group
+    commit that holds several units (concurrent writes' intents and entries): every
+    unit has run in the open transaction, COMMIT never happens."""
+
+    def fault(monkeypatch: pytest.MonkeyPatch) -> None:
+        real = GroupCommit._commit
+
+        def commit(self: GroupCommit, batch: list[Any]) -> None:
+            if len(batch) < 2 or len(acked.read_bytes().splitlines()) < after:
+                return real(self, batch)
+            with self._transaction() as db:
+                for ticket in batch:
+                    ticket.work(db)
+                os._exit(DIED)
+
+        monkeypatch.setattr(GroupCommit, "_commit", commit)
+
+    return fault
+
+
+def _write_concurrently(env: Env, acked: Path) -> None:
+    """Eight threads replace a file each, bound to the last digest, recording each
+    acknowledged (path, new digest) in `acked` as it returns (survives `os._exit`)."""
+    out = os.open(acked, os.O_WRONLY | os.O_APPEND)
+
+    def one(k: int) -> None:
+        rel = f"c{k}.txt"
+        base = env.sha(rel)
+        for version in range(1, 400):
+            p = WriteParams(
+                workspace=env.ws.id, path=rel, content=f"{rel} v{version}\n" * 64,
+                base_sha256=base,
+            )  # fmt: skip
+            base = env.writer.write(env.ws, write_request(p), ACTOR).new_sha256 or ""
+            os.write(out, f"{rel} {base}\n".encode())
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(CONCURRENT)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.mark.parametrize("after", [1, 24, 64])
+def test_a_crash_in_a_group_commit_of_8_writes_leaves_each_all_or_nothing(
+    env: Env, tmp_path: Path, after: int
+) -> None:
+    """Eight writers at once; the process dies inside a commit their intents and entries
+    share. At the next start each file holds the bytes of its last journal entry (a
+    write is all-or-nothing: landed and journaled, `recovered: true` when its entry was
+    in the lost commit, or not landed and not journaled), and every acknowledged write
+    is there with its entry, committed before it was acknowledged."""
+    for k in range(CONCURRENT):
+        env.write(f"c{k}.txt", f"c{k} v0\n", None)
+    acked = tmp_path / f"acked-{after}"
+    acked.write_bytes(b"")
+    crash(_die_in_a_shared_commit(after, acked), lambda: _write_concurrently(env, acked))
+
+    env = restart(env)
+    assert_consistent(env)
+    for k in range(CONCURRENT):
+        rel = f"c{k}.txt"
+        entries = env.entries(rel)
+        last = entries[-1].data["new_sha256"]
+        assert last == env.sha(rel), f"{rel}: holds bytes no entry names"
+        # The chain of the file's entries is unbroken: each is bound to the one before.
+        for before, entry in itertools.pairwise(entries):
+            assert entry.data["base_sha256"] == before.data["new_sha256"]
+    journaled = {
+        (e.data["path"].split(":", 1)[1], e.data["new_sha256"]): e
+        for e in env.journal.read(limit=100000, kinds=WRITE_KINDS)
+    }
+    lines = acked.read_bytes().decode().splitlines()
+    assert len(lines) >= after
+    for line in lines:
+        rel, digest = line.split(" ")
+        entry = journaled.get((rel, digest))
+        assert entry is not None, f"{rel}: an acknowledged write has no journal entry"
+        assert not entry.data.get("recovered"), "an acknowledged write's entry was not durable"
