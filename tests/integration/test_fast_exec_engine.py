@@ -306,11 +306,21 @@ async def test_a_held_child_waits_in_the_next_commands_cgroup(env: Env) -> None:
     await wait_until_async(functools.partial(moved_ahead, held))
     ahead = cgroup_of(held).rsplit("substrate-cmd-", 1)[1]
     os.kill(held, 9)
+    # (Once it is dead: a command arriving while the kill lands would take it and report
+    # the 137 of a command killed by its sandbox at once.)
+    await wait_until_async(functools.partial(gone, held))
     result = await env.run(["true"])
     assert (result["via"], result["exit_code"]) == ("supervisor", 0)
     await env.run(["true"])
     unified = unified_dir(env.sandbox())
     await wait_until_async(lambda: not (unified / f"substrate-cmd-{ahead}").exists())
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def moved_ahead(pid: int) -> bool:
