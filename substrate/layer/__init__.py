@@ -28,7 +28,7 @@ below (import-linter contract in pyproject.toml); the sandbox reaches `mounts` o
 
 from substrate.layer.changes import Changesets, Kept
 from substrate.layer.conclusion import MAX_CHANGE_ENTRIES, entries
-from substrate.layer.keep import ArtifactKeeper, check_room
+from substrate.layer.keep import ArtifactKeeper, check_room, room_now
 from substrate.layer.recovery import drop_unconcluded, finish_applying, sandbox_dirs
 from substrate.layer.users import LayerClosed, LayerUsers, Use, journal_summary
 
@@ -45,5 +45,6 @@ __all__ = [
     "entries",
     "finish_applying",
     "journal_summary",
+    "room_now",
     "sandbox_dirs",
 ]
