@@ -46,7 +46,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -57,13 +57,10 @@ from substrate.sandbox.engine import ContainerGone, Engine, EngineError
 from substrate.sandbox.facts import Fact, mismatch_report
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import HOST_VISIBLE_RUNTIMES, RunAs
-from substrate.sandbox.supervisor import agent, checks
-from substrate.sandbox.supervisor.link import REPLY_S, Link, LinkBroken, Spawned
+from substrate.sandbox.supervisor import agent, ahead, checks
+from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned
 from substrate.sandbox.supervisor.startup import StartFailed, reason_of, start_program
 from substrate.store.journal import Journal
-
-if TYPE_CHECKING:
-    import outcome  # trio's own: what a worker thread's result arrives as
 
 log = logging.getLogger("substrate.sandbox.supervisor")
 
@@ -100,24 +97,6 @@ class SandboxView(Protocol):
     protected: frozenset[int]
 
 
-#: Empty command cgroups of spares let go, kept for removal once their child has exited
-#: (beyond this many the rest are left to the container's removal).
-MAX_ORPHANS = 16
-
-
-@dataclass
-class Reserve:
-    """The command cgroup a spare is moved into while it is held (docs/fast-exec.md "Held
-    children"): made for a command id chosen ahead (`cgroup.owner`), which the next
-    command `claim`s. `done` is set once the move finished; `entered` says whether it
-    succeeded (the spare in it, confirmed by its pidfd afterwards)."""
-
-    cgroup: cmd_cgroups.CommandCgroup
-    done: trio.Event = field(default_factory=trio.Event)
-    entered: bool = False
-    claimed: bool = False
-
-
 @dataclass
 class Slot:
     """One sandbox's supervisor directory and its current supervisor (`link`)."""
@@ -136,7 +115,7 @@ class Slot:
     #: A held child forked ahead for the next command (its host pid is protected).
     spare: Spawned | None = None
     #: The command cgroup the spare is (being) moved into, if any.
-    reserve: Reserve | None = None
+    reserve: ahead.Reserve | None = None
     asked: bool = False  # a spare was asked for and is not settled yet
     #: Command cgroups of spares let go, removed once empty (`remove_orphans`).
     orphans: list[cmd_cgroups.CommandCgroup] = field(default_factory=list)
@@ -152,7 +131,7 @@ class Slot:
         if reserve is not None:
             spare.kill()  # held, never ran (its pidfd): its cgroup empties at once
             # A claimed one is its command's: that command removes it as it ends.
-            if not reserve.claimed and len(self.orphans) < MAX_ORPHANS:
+            if not reserve.claimed and len(self.orphans) < ahead.MAX_ORPHANS:
                 self.orphans.append(reserve.cgroup)
         spare.close()
 
@@ -301,7 +280,7 @@ class Supervisors:
         spawned, reserve = self._take_spare(slot, link, owner)
         leaf = None
         if spawned is not None and reserve is not None:
-            spawned, leaf = await _moved(spawned, reserve)
+            spawned, leaf = await ahead.moved(spawned, reserve)
         try:
             if spawned is not None:
                 try:
@@ -339,7 +318,7 @@ class Supervisors:
 
     def _take_spare(
         self, slot: Slot, link: Link, owner: str | None
-    ) -> tuple[Spawned | None, Reserve | None]:
+    ) -> tuple[Spawned | None, ahead.Reserve | None]:
         """The slot's spare, unprotected (it is about to become a command), if it was
         forked by `link`, still lives and is not moved ahead for another command (then it
         is left for that one); else None (a dead or stale one is let go). With it, its
@@ -584,8 +563,8 @@ class Pending:
         sandbox.protected = sandbox.protected | {spawned.host_pid}
         cgroup = self._reserve() if self._reserve is not None else None
         if cgroup is not None:
-            slot.reserve = reserve = Reserve(cgroup)
-            _enter_soon(reserve, spawned)
+            slot.reserve = reserve = ahead.Reserve(cgroup)
+            ahead.enter_soon(reserve, spawned)
 
     def abandon(self) -> None:
         """Not settled and not going to be (the run ended early): the held child exits
@@ -594,52 +573,3 @@ class Pending:
         if spawned is not None:
             self._slot.asked = False
             spawned.close()
-
-
-async def _moved(spawned: Spawned, reserve: Reserve) -> tuple[Spawned | None, str | None]:
-    """A spare taken with its `Reserve`: once its move finished, the spare and the name of
-    the command cgroup it is in (None: the move failed, the command moves it itself).
-    (None, None) when the move does not finish within `REPLY_S` (the spare is not used)."""
-    try:
-        with trio.move_on_after(REPLY_S):  # the move, begun while the last command ran
-            await reserve.done.wait()
-    except BaseException:
-        spawned.kill()  # held, never ran
-        spawned.close()
-        raise
-    if not reserve.done.is_set():
-        spawned.kill()
-        spawned.close()
-        return None, None
-    if not reserve.entered:
-        return spawned, None
-    spawned.entered = reserve.cgroup.path
-    return spawned, reserve.cgroup.path.name
-
-
-def _enter_soon(reserve: Reserve, spawned: Spawned) -> None:
-    """Move the held `spawned` into `reserve.cgroup` in a worker thread, without waiting:
-    the write can take a kernel grace period (milliseconds, cgroupfs's migration lock),
-    which this way passes while the previous command ends rather than on the next one's
-    way to exec. `reserve.done` is set on the event loop once it finished; a child that
-    exited meanwhile (its pidfd) is not `entered` (the pid written may not have been its
-    own). `cmd_cgroups.enter` moves it only while it is in the container's own cgroup."""
-    token = trio.lowlevel.current_trio_token()
-    pid = spawned.host_pid
-
-    def move() -> bool:
-        try:
-            return cmd_cgroups.enter(reserve.cgroup, pid)
-        except Exception:  # never lose the answer: the command then moves it itself
-            log.exception("moving a held child ahead failed")
-            return False
-
-    def finish(moved: bool) -> None:
-        reserve.entered = moved and not spawned.exited()
-        reserve.done.set()
-
-    def deliver(result: outcome.Outcome[bool]) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(finish, result.unwrap())
-
-    trio.lowlevel.start_thread_soon(move, deliver)
