@@ -5,15 +5,17 @@ measured in the same run, taking turns so background load hits every side alike.
 
 Two real daemons (`python -m substrate serve`), one with the default configuration (fast
 exec) and one with `fast_exec = false` (every command an engine exec), each with one
-adopted workspace and two warm sandboxes of it (substrate-sandbox:bookworm, runc): the
+adopted workspace and three warm sandboxes of it (substrate-sandbox:bookworm): `gvisor`
+(runsc; the engine's exec on either daemon), and two under runc: the
 `default` profile (`workspace = "layer"`: a working layer whose generation every command
 joins and concludes) and `interactive` (`workspace = "rw"`: a plain bind mount, the write
 gate's check around each command). The two show the supervisor path's own cost (rw)
 apart from the working layer's per-command cost (layer). Driven through the agent socket:
 
 1. warm `proc.run ["true"]`, p50/p90 over --runs: fast path (layer, rw), engine path
-   (layer, rw), `docker exec <ctr> true` (CLI) and the SDK's `exec_run` on the rw
-   sandbox's container, and a host fork/exec of /bin/true (`os.posix_spawn` + `waitpid`);
+   (layer, rw), `gvisor`, `docker exec <ctr> true` (CLI) on the rw sandbox's container and
+   on the gvisor one, the SDK's `exec_run` on the rw one, and a host fork/exec of
+   /bin/true (`os.posix_spawn` + `waitpid`);
 2. CPU per warm `true` on the fast path, per profile: the daemon's, and the
    supervisor's with its children (the commands), load-independent (the engine's side
    is shared with whatever else uses the engine on this host, so it is not attributed);
@@ -48,9 +50,12 @@ from substrate.protocol.client import Client
 from substrate.sandbox.supervisor import agent
 
 SMALL = (["ls", "/workspace"], ["cat", "/workspace/README"], ["python3", "-c", "pass"])
-#: The profiles compared: a working layer ("layer") and a plain rw bind ("rw"), both runc.
-LAYER, RW = "default", "interactive"
-PROFILES = (LAYER, RW)
+#: The profiles compared: a working layer ("layer") and a plain rw bind ("rw"), both runc;
+#: and gVisor (runsc, rw), which keeps the engine's exec (docs/fast-exec.md says why).
+LAYER, RW, GVISOR = "default", "interactive", "gvisor"
+PROFILES = (LAYER, RW, GVISOR)
+#: The path each profile's commands take on the fast daemon.
+FAST_VIA = {LAYER: "supervisor", RW: "supervisor", GVISOR: "engine"}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -90,7 +95,7 @@ class Side:
         self.containers: dict[str, str] = {}
         for profile in PROFILES:
             first = self.run(["true"], profile)
-            assert first["via"] == ("supervisor" if fast else "engine"), first
+            assert first["via"] == (FAST_VIA[profile] if fast else "engine"), first
             probe = self.client.call("facts.probe", workspace=self.ws, profile=profile)
             self.containers[profile] = probe["container"]
 
@@ -166,13 +171,16 @@ def main() -> None:
         engine = Side(base / "engine", fast=False)
         ctr = sdk.containers.get(fast.containers[RW])
         cli = ["docker", "exec", ctr.id]
+        gvisor_cli = ["docker", "exec", fast.containers[GVISOR]]
 
         sides: list[tuple[str, Callable[[], object]]] = [
             (f"fast {LAYER} (layer)", lambda: fast.run(["true"], LAYER)),
             (f"fast {RW} (rw)", lambda: fast.run(["true"], RW)),
             (f"engine {LAYER} (layer)", lambda: engine.run(["true"], LAYER)),
             (f"engine {RW} (rw)", lambda: engine.run(["true"], RW)),
+            (f"{GVISOR} (runsc, rw)", lambda: fast.run(["true"], GVISOR)),
             ("docker exec CLI", lambda: subprocess.run([*cli, "true"], check=True)),
+            ("docker exec CLI, runsc", lambda: subprocess.run([*gvisor_cli, "true"], check=True)),
             ("SDK exec_run", lambda: ctr.exec_run(["true"])),
             ("host", host_true),
         ]
@@ -185,6 +193,11 @@ def main() -> None:
         for n, t in zip(names, times, strict=True):
             print(f"  {n:28s} {p50[n]:8.2f} {pct(t, 0.9):8.2f} {min(t):8.2f}")
         cli50 = p50["docker exec CLI"]
+        g50 = p50[f"{GVISOR} (runsc, rw)"]
+        print(
+            f"  ratios p50, {GVISOR}: /docker exec (runsc) {g50 / p50['docker exec CLI, runsc']:.3f},"
+            f" /docker exec (runc) {g50 / cli50:.3f}, /host {g50 / p50['host']:.1f}"
+        )
         for profile, kind in ((RW, "rw"), (LAYER, "layer")):
             f50 = p50[f"fast {profile} ({kind})"]
             print(

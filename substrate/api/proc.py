@@ -11,7 +11,7 @@ import trio
 from substrate.api.base import Caller, Handles
 from substrate.api.services import ProcServices
 from substrate.errors import InvalidParams, StdinClosed, TooLarge
-from substrate.layer import check_room
+from substrate.layer import check_room, room_now
 from substrate.process import intents
 from substrate.process.facts_summary import shaped
 from substrate.process.processes import RunRequest
@@ -111,13 +111,9 @@ async def checked_request(s: ProcServices, caller: Caller, p: StartParams) -> Ru
     req = run_request(s, caller, p)
     profile = s.profiles.by_name.get(req.profile)
     if profile is not None and profile.workspace == "layer":
-        await trio.to_thread.run_sync(
-            check_room,
-            s.changesets,
-            req.ws.id,
-            p.changes,
-            s.config.max_kept_changesets,
-        )
+        room = (s.changesets, req.ws.id, p.changes, s.config.max_kept_changesets)
+        if not room_now(*room):  # the database busy: wait for it off the event loop
+            await trio.to_thread.run_sync(check_room, *room)
     return req
 
 

@@ -31,7 +31,7 @@ below (import-linter contract in pyproject.toml); the sandbox reaches `mounts` o
 from substrate.layer.changes import Changesets, Kept
 from substrate.layer.changes.git_refs import RefChange, apply_kept, ref_change, ref_lists
 from substrate.layer.conclusion import MAX_CHANGE_ENTRIES, entries
-from substrate.layer.keep import ArtifactKeeper, check_room
+from substrate.layer.keep import ArtifactKeeper, check_room, room_now
 from substrate.layer.mounts.working_layer import fresh_view
 from substrate.layer.recovery import drop_unconcluded, finish_applying, sandbox_dirs
 from substrate.layer.users import LayerClosed, LayerUsers, Use, journal_summary
@@ -54,5 +54,6 @@ __all__ = [
     "journal_summary",
     "ref_change",
     "ref_lists",
+    "room_now",
     "sandbox_dirs",
 ]

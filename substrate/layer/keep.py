@@ -86,7 +86,23 @@ def check_room(changesets: Changesets, workspace: str, mode: ChangesMode, cap: i
     at most the commands running then (`max_processes`). One query."""
     if mode == "discard":
         return
-    kept = changesets.count_kept(workspace)
+    _refuse_over(changesets.count_kept(workspace), cap)
+
+
+def room_now(changesets: Changesets, workspace: str, mode: ChangesMode, cap: int) -> bool:
+    """`check_room` on the event loop, when the database is free right now (a query of
+    microseconds: no worker-thread hop before a command). True: decided (it raised, or
+    there is room); False: the database is busy, call `check_room` from a thread."""
+    if mode == "discard":
+        return True
+    kept = changesets.count_kept_now(workspace)
+    if kept is None:
+        return False
+    _refuse_over(kept, cap)
+    return True
+
+
+def _refuse_over(kept: int, cap: int) -> None:
     if kept >= cap:
         raise LimitExceeded(
             f"{kept} change sets of this workspace await review or approval: apply or"

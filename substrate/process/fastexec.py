@@ -35,6 +35,7 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
 import select
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,14 @@ class Launcher:
                 return fast
         return await self._engine_create(spec)
 
+    def claim(self, sandbox: Sandbox) -> str | None:
+        """The id of the next command in `sandbox` when its supervisor's spare was moved
+        ahead into that command's cgroup (docs/fast-exec.md "Held children"); None: the
+        caller picks one (`new_proc_id`)."""
+        if self._supervisors is None or not sandbox.host_visible:
+            return None
+        return self._supervisors.claim(sandbox.id)
+
     async def start(self, prepared: Prepared) -> ExecChannel:
         """Start a prepared command; its channel. Raises what `exec_start` raises."""
         if isinstance(prepared, FastPrepared):
@@ -163,7 +172,9 @@ class Launcher:
                 # (docs/fast-exec.md "Held children"); settled by the channel's
                 # `quiesce`. Shielded: the command runs, its channel must be returned.
                 with trio.CancelScope(shield=True):
-                    spare = await self._supervisors.prefork(prepared.sandbox)
+                    spare = await self._supervisors.prefork(
+                        prepared.sandbox, functools.partial(_reserve, prepared.sandbox)
+                    )
                 return FastChannel(
                     prepared.spawned,
                     prepared.stdin_w,
@@ -197,10 +208,12 @@ class Launcher:
         self, sandbox: Sandbox, spec: ExecSpec, cgroup: cmd_cgroups.CommandCgroup | None
     ) -> FastPrepared | None:
         assert self._supervisors is not None
-        spawned = await self._supervisors.spawn(sandbox)
+        spawned = await self._supervisors.spawn(
+            sandbox, cgroup.owner if cgroup is not None else None
+        )
         if spawned is None:
             return None
-        if cgroup is not None and not _enter(cgroup, spawned):
+        if cgroup is not None and spawned.entered != cgroup.path and not _enter(cgroup, spawned):
             spawned.kill()  # held, never ran: killed by its pidfd
             spawned.close()
             return None  # gone, or not where it was checked: the engine runs the command
@@ -225,6 +238,19 @@ class Launcher:
         if self._supervisors is None:
             return False
         return await self._supervisors.serving(sandbox.id, spawned.generation, closed=closed)
+
+
+def new_proc_id() -> str:
+    """A fresh command id (`p_` and 16 hex digits)."""
+    return "p_" + secrets.token_hex(8)
+
+
+def _reserve(sandbox: Sandbox) -> cmd_cgroups.CommandCgroup | None:
+    """The command cgroup of a command id chosen now, for the spare to be moved into while
+    it is held (a `mkdir` on cgroupfs); None when the host makes none."""
+    if not sandbox.host_visible:
+        return None
+    return cmd_cgroups.make(sandbox.cgroups, new_proc_id())
 
 
 def _enter(cgroup: cmd_cgroups.CommandCgroup, spawned: Spawned) -> bool:

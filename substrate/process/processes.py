@@ -63,7 +63,7 @@ from substrate.process.argv import (
     workdir_for,
 )
 from substrate.process.driver import Entry, ExecDriver, Run
-from substrate.process.fastexec import Launcher, Prepared
+from substrate.process.fastexec import Launcher, Prepared, new_proc_id
 from substrate.process.records import Outcome, ProcessRecords
 from substrate.process.requests import RunRequest, WriteGate
 from substrate.process.stdin_stream import StdinStream
@@ -274,8 +274,10 @@ class Processes:
             self._idle = trio.Event()
         try:
             for attempt in (1, 2):
-                proc = "p_" + secrets.token_hex(8)
                 sandbox = await self._containers.ensure(req.ws, checked.profile)
+                # The id its supervisor's spare was moved ahead for, if any: that spare
+                # is then in the command's cgroup already (docs/fast-exec.md).
+                proc = self.launcher.claim(sandbox) or new_proc_id()
                 sandbox.acquire()
                 use = None
                 cgroup: CommandCgroup | None = None

@@ -81,6 +81,16 @@ class Store:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    def query_now(self, sql: str, args: tuple[object, ...] = ()) -> list[sqlite3.Row] | None:
+        """`query`, if no other thread holds the connection at this moment; else None
+        (without waiting: the event loop's caller then asks from a worker thread)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._db.execute(sql, args).fetchall()
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

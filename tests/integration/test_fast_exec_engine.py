@@ -12,6 +12,7 @@ with SIGKILL while a command runs on the fast path.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 import shutil
@@ -275,6 +276,67 @@ async def test_a_held_child_waits_protected_and_is_never_a_straggler(env: Env) -
         for _ in range(4):
             nursery.start_soon(env.run, ["sleep", "0.2"])
     assert len(held_children(env.sandbox())) == 1 and env.command_pids() == []
+
+
+async def test_a_held_child_waits_in_the_next_commands_cgroup(env: Env) -> None:
+    """The spare is moved into a command cgroup made for an id chosen ahead while the
+    previous command runs; the next command takes that id, the spare, and the check
+    still reads its cgroup (beneath the container's) and every other fact."""
+    await env.run(["true"])
+    for _ in range(3):
+        sandbox = env.sandbox()
+        (held,) = held_children(sandbox)
+        await wait_until_async(functools.partial(moved_ahead, held))
+        ahead = cgroup_of(held).rsplit("substrate-cmd-", 1)[1]
+        assert held in sandbox.protected  # waits protected, though in a command cgroup
+        result = await env.run(["cat", "/proc/self/cgroup"], facts="full")
+        assert (result["via"], result["exit_code"]) == ("supervisor", 0)
+        assert result["proc"] == ahead  # the command that took it has the id it was moved for
+        assert f"/substrate-cmd-{ahead}\n" in text(result["stdout"])
+        facts = facts_of(result)
+        assert (facts["cgroup"], facts["parent"], facts["namespaces"]) == (
+            "sandbox",
+            "supervisor",
+            "sandbox",
+        )
+        assert not psutil.pid_exists(held) or held not in env.sandbox().protected
+    # A spare moved ahead and killed by the sandbox itself is let go: the next command
+    # forks its own and its cgroup (an empty one) does not stay behind.
+    (held,) = held_children(env.sandbox())
+    await wait_until_async(functools.partial(moved_ahead, held))
+    ahead = cgroup_of(held).rsplit("substrate-cmd-", 1)[1]
+    os.kill(held, 9)
+    # (Once it is dead: a command arriving while the kill lands would take it and report
+    # the 137 of a command killed by its sandbox at once.)
+    await wait_until_async(functools.partial(gone, held))
+    result = await env.run(["true"])
+    assert (result["via"], result["exit_code"]) == ("supervisor", 0)
+    await env.run(["true"])
+    unified = unified_dir(env.sandbox())
+    await wait_until_async(lambda: not (unified / f"substrate-cmd-{ahead}").exists())
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def moved_ahead(pid: int) -> bool:
+    return "substrate-cmd-" in cgroup_of(pid)
+
+
+def cgroup_of(pid: int) -> str:
+    """The unified-hierarchy line of host process `pid`'s `/proc/<pid>/cgroup`."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return next(line for line in lines if line.startswith("0::"))
+
+
+def unified_dir(sandbox: Sandbox) -> Path:
+    """The container's directory in the unified hierarchy (where command cgroups go)."""
+    assert sandbox.cgroups.unified is not None
+    return sandbox.cgroups.unified
 
 
 async def test_timeout_kills_the_whole_tree(env: Env) -> None:

@@ -100,6 +100,12 @@ _decoder = msgspec.msgpack.Decoder(ChangeSet)
 _versions_decoder = msgspec.msgpack.Decoder(Versions)
 
 
+_COUNT_KEPT = (
+    "SELECT COUNT(*) FROM changesets WHERE workspace = ? AND layer = 'kept'"
+    " AND state != 'discarded'"
+)
+
+
 @dataclass(frozen=True)
 class Kept:
     """One recorded change set."""
@@ -414,12 +420,14 @@ class Changesets:
     def count_kept(self, workspace: str) -> int:
         """How many sets of `workspace` keep their layer on disk: kept for review, or
         applied with pending changes or a version only the layer holds. One query."""
-        rows = self._store.query(
-            "SELECT COUNT(*) FROM changesets WHERE workspace = ? AND layer = 'kept'"
-            " AND state != 'discarded'",
-            (workspace,),
-        )
+        rows = self._store.query(_COUNT_KEPT, (workspace,))
         return int(rows[0][0])
+
+    def count_kept_now(self, workspace: str) -> int | None:
+        """`count_kept` without waiting for the database (`Store.query_now`): None when
+        another thread holds it (ask `count_kept` from a worker thread then)."""
+        rows = self._store.query_now(_COUNT_KEPT, (workspace,))
+        return None if rows is None else int(rows[0][0])
 
     def reattach(self, ws: Workspace) -> int:
         """Hand the sets of an earlier workspace of the same checkout (released, or

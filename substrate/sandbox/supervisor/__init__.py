@@ -14,6 +14,8 @@ The map of fast exec, in the order a command meets it:
 - `link.Link`: the daemon's side of one running supervisor (its control connection,
   `problem`, `fork`); `link.Spawned`: one held child, then the command it became (`go`,
   the exit report).
+- `ahead`: the spare moved ahead, while held, into the cgroup of the command that will
+  take it (`Reserve`; `Supervisors.claim` gives that command its id).
 - `checks`: what the host reads of a supervisor and of each held child (procfs, its
   cgroup, namespaces) and the comparison with the sandbox's confinement facts.
 - `agent`: the program that runs inside the container (standard library only; the

@@ -6,7 +6,8 @@ namespaces). A command's own process is read from the host while the supervisor 
 forked and not yet exec'd (`read_process`), and turned into per-command facts
 (`command_facts`, pure) compared with the baseline (`mismatches`, pure): NoNewPrivs,
 Seccomp mode, the four capability sets and the ids from `/proc/<pid>/status`; the
-cgroups (`/proc/<pid>/cgroup` equal to the init's, text for text); the namespaces (the
+cgroups (`/proc/<pid>/cgroup` equal to the init's, text for text, or but for the command
+cgroup it was moved into ahead: `same_cgroup`); the namespaces (the
 inode of each `/proc/<pid>/ns/*` equal to the init's); and its parentage (its parent is
 the supervisor's host process, its pid inside the sandbox is the one the supervisor
 reported). Under no-new-privileges exec can only keep or drop what the held child has,
@@ -160,8 +161,32 @@ def status_values(status_text: str, fields: dict[str, str] | None = None) -> dic
     }
 
 
+def same_cgroup(text: str, base: str, leaf: str | None = None) -> bool:
+    """Is `/proc/<pid>/cgroup` text `text` the sandbox's (`base`, the init's)? Either equal,
+    text for text, or — `leaf` given: a held child moved ahead into the command cgroup the
+    daemon made for it (docs/fast-exec.md "Held children") — equal on every line but one,
+    which names `leaf` directly beneath the init's cgroup of that hierarchy (pure)."""
+    if text == base:
+        return True
+    if leaf is None or "/" in leaf or not leaf:
+        return False
+    lines, want = text.splitlines(), base.splitlines()
+    if len(lines) != len(want):
+        return False
+    differ = [(a, b) for a, b in zip(lines, want, strict=True) if a != b]
+    if len(differ) != 1:
+        return False
+    seen, init = differ[0]
+    return seen == (init if init.endswith("/") else init + "/") + leaf
+
+
 def command_facts(
-    reading: Reading, base: Baseline, *, supervisor_pid: int, reported_pid: int
+    reading: Reading,
+    base: Baseline,
+    *,
+    supervisor_pid: int,
+    reported_pid: int,
+    leaf: str | None = None,
 ) -> list[Fact]:
     """The per-command facts of a held child (pure but for the clock in `observed_at`).
 
@@ -189,7 +214,7 @@ def command_facts(
         ),
         Fact(
             name="cgroup",
-            value=SAME if reading.cgroup == base.cgroup else "other",
+            value=SAME if same_cgroup(reading.cgroup, base.cgroup, leaf) else "other",
             source=cgroup_source,
             observed_at=now,
         ),

@@ -30,6 +30,7 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -68,6 +69,9 @@ class Spawned:
     mismatches: list[Mismatch] = field(default_factory=list)
     failed: int | None = None
     generation: int = 0  # of the supervisor that forked it
+    #: The command cgroup it was moved into ahead, while held (`supervisors.Reserve`):
+    #: the command that takes it need not move it (docs/fast-exec.md "Held children").
+    entered: Path | None = None
     decoder: agent.Decoder = field(default_factory=lambda: agent.Decoder(agent.MAX_REPORT))
     pending: list[dict[str, Any]] = field(default_factory=list)
 
@@ -227,9 +231,10 @@ class Link:
             raise LinkBroken("child-gone")
         spawned.host_pid = host_pid
 
-    def check(self, spawned: Spawned) -> None:
+    def check(self, spawned: Spawned, leaf: str | None = None) -> None:
         """Read the held child from the host now (`facts`, `mismatches`). Blocking but
-        small (procfs, about 0.1 ms): called on the event loop. Raises LinkBroken
+        small (procfs, about 0.1 ms): called on the event loop. `leaf`: the name of the
+        command cgroup the daemon moved it into ahead (`checks.same_cgroup`). Raises LinkBroken
         ("child-gone") when it is gone (a reading taken after that may not be its own)
         or stopped (it would never exec)."""
         try:
@@ -241,7 +246,7 @@ class Link:
         if checks.held_state_problem(reading.status):  # stopped (or dying) by its sandbox
             raise LinkBroken("child-gone")
         spawned.facts = checks.command_facts(
-            reading, self.base, supervisor_pid=self.pid, reported_pid=spawned.pid
+            reading, self.base, supervisor_pid=self.pid, reported_pid=spawned.pid, leaf=leaf
         )
         spawned.mismatches = checks.mismatches(spawned.facts, self.base)
 

@@ -43,6 +43,7 @@ import os
 import secrets
 import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,11 +52,12 @@ import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
 from substrate.metrics import METRICS
+from substrate.sandbox import cmd_cgroups
 from substrate.sandbox.engine import ContainerGone, Engine, EngineError
 from substrate.sandbox.facts import Fact, mismatch_report
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import HOST_VISIBLE_RUNTIMES, RunAs
-from substrate.sandbox.supervisor import agent, checks
+from substrate.sandbox.supervisor import agent, ahead, checks
 from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned
 from substrate.sandbox.supervisor.startup import StartFailed, reason_of, start_program
 from substrate.store.journal import Journal
@@ -112,16 +114,32 @@ class Slot:
     accepting: trio.socket.SocketType | None = None
     #: A held child forked ahead for the next command (its host pid is protected).
     spare: Spawned | None = None
+    #: The command cgroup the spare is (being) moved into, if any.
+    reserve: ahead.Reserve | None = None
     asked: bool = False  # a spare was asked for and is not settled yet
+    #: Command cgroups of spares let go, removed once empty (`remove_orphans`).
+    orphans: list[cmd_cgroups.CommandCgroup] = field(default_factory=list)
 
     def drop_spare(self) -> None:
         """Let go of the spare (it exits without exec) and unprotect its pid."""
         spare, self.spare = self.spare, None
+        reserve, self.reserve = self.reserve, None
         if spare is None:
             return
         if self.sandbox is not None:
             self.sandbox.protected = self.sandbox.protected - {spare.host_pid}
+        if reserve is not None:
+            spare.kill()  # held, never ran (its pidfd): its cgroup empties at once
+            # A claimed one is its command's: that command removes it as it ends.
+            if not reserve.claimed and len(self.orphans) < ahead.MAX_ORPHANS:
+                self.orphans.append(reserve.cgroup)
         spare.close()
+
+    def remove_orphans(self) -> None:
+        """Remove the empty cgroups of spares let go (an `rmdir` each; one still busy, its
+        child not yet reaped, is tried again next time)."""
+        if self.orphans:
+            self.orphans = [cg for cg in self.orphans if not cmd_cgroups.remove(cg)]
 
     def discard(self) -> None:
         """Its sandbox never came up, or went: `close`, and remove the directory (a
@@ -233,9 +251,20 @@ class Supervisors:
                 limiter=self._fs_limiter,
             )
 
-    async def spawn(self, sandbox: SandboxView) -> Spawned | None:
+    def claim(self, container: str) -> str | None:
+        """The command id the spare of `container`'s sandbox was moved ahead for, if it has
+        such a spare no command claimed yet: the next command takes that id (and so the
+        spare, already in its cgroup). None: the caller picks its own id."""
+        slot = self._slots.get(container)
+        if slot is None or slot.spare is None or slot.reserve is None or slot.reserve.claimed:
+            return None
+        slot.reserve.claimed = True
+        return slot.reserve.cgroup.owner
+
+    async def spawn(self, sandbox: SandboxView, owner: str | None = None) -> Spawned | None:
         """A held child in `sandbox` (its supervisor's spare, or forked now), checked from
-        the host just now; `Spawned.go` makes it the command.
+        the host just now; `Spawned.go` makes it the command. `owner`: the command's id
+        (a spare moved ahead into another command's cgroup is not taken).
 
         None: use the engine's exec for this command (nothing ran). Refuses
         `confinement_unmet` when the held child's facts differ from the sandbox's (the
@@ -248,11 +277,14 @@ class Supervisors:
         link = await self._ready(slot, sandbox)
         if link is None:
             return None
-        spawned = self._take_spare(slot, link)
+        spawned, reserve = self._take_spare(slot, link, owner)
+        leaf = None
+        if spawned is not None and reserve is not None:
+            spawned, leaf = await ahead.moved(spawned, reserve)
         try:
             if spawned is not None:
                 try:
-                    link.check(spawned)
+                    link.check(spawned, leaf)
                 except LinkBroken:  # killed or stopped by the sandbox itself: fork one now
                     spawned.kill()  # a stopped one would hold a task of the pids limit
                     spawned.close()
@@ -284,26 +316,39 @@ class Supervisors:
             )
         return spawned
 
-    def _take_spare(self, slot: Slot, link: Link) -> Spawned | None:
+    def _take_spare(
+        self, slot: Slot, link: Link, owner: str | None
+    ) -> tuple[Spawned | None, ahead.Reserve | None]:
         """The slot's spare, unprotected (it is about to become a command), if it was
-        forked by `link` and still lives; else None (and it is let go)."""
-        spare = slot.spare
+        forked by `link`, still lives and is not moved ahead for another command (then it
+        is left for that one); else None (a dead or stale one is let go). With it, its
+        `Reserve` if it has one."""
+        spare, reserve = slot.spare, slot.reserve
         if spare is None:
-            return None
+            return None, None
         if spare.generation != link.generation or spare.exited():
             slot.drop_spare()
-            return None
-        slot.spare = None
+            return None, None
+        if reserve is not None and reserve.cgroup.owner != owner:
+            return None, None
+        slot.spare = slot.reserve = None
         if slot.sandbox is not None:
             slot.sandbox.protected = slot.sandbox.protected - {spare.host_pid}
-        return spare
+        return spare, reserve
 
-    async def prefork(self, sandbox: SandboxView) -> Pending | None:
+    async def prefork(
+        self,
+        sandbox: SandboxView,
+        reserve: Callable[[], cmd_cgroups.CommandCgroup | None] | None = None,
+    ) -> Pending | None:
         """A command took the spare and started: ask `sandbox`'s supervisor for the next
         one (None: it has one, one is asked for already, or there is no supervisor). The
         caller `settle`s the answer before it scans the sandbox's processes, or
-        `abandon`s it."""
+        `abandon`s it. `reserve`: makes the command cgroup of the next command (an id
+        chosen now), which the spare is moved into as soon as it is kept."""
         slot = self._slots.get(sandbox.id)
+        if slot is not None:
+            slot.remove_orphans()
         if slot is None or slot.link is None or slot.spare is not None or slot.asked:
             return None
         link = slot.link
@@ -317,7 +362,7 @@ class Supervisors:
         except BaseException:  # cancelled: `fork` closed its side; the child exits
             slot.asked = False
             raise
-        return Pending(self, slot, link, spawned)
+        return Pending(self, slot, link, spawned, reserve)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -473,11 +518,19 @@ class Supervisors:
 class Pending:
     """A spare asked for (`Supervisors.prefork`) and not yet kept or let go."""
 
-    def __init__(self, owner: Supervisors, slot: Slot, link: Link, spawned: Spawned) -> None:
+    def __init__(
+        self,
+        owner: Supervisors,
+        slot: Slot,
+        link: Link,
+        spawned: Spawned,
+        reserve: Callable[[], cmd_cgroups.CommandCgroup | None] | None = None,
+    ) -> None:
         self._owner = owner
         self._slot = slot
         self._link = link
         self._spawned: Spawned | None = spawned
+        self._reserve = reserve
 
     async def settle(self) -> None:
         """Receive the supervisor's answer (bounded by `link.REPLY_S`) and keep the held
@@ -508,6 +561,10 @@ class Pending:
             return
         slot.spare = spawned
         sandbox.protected = sandbox.protected | {spawned.host_pid}
+        cgroup = self._reserve() if self._reserve is not None else None
+        if cgroup is not None:
+            slot.reserve = reserve = ahead.Reserve(cgroup)
+            ahead.enter_soon(reserve, spawned)
 
     def abandon(self) -> None:
         """Not settled and not going to be (the run ended early): the held child exits

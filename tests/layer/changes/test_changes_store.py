@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,3 +390,31 @@ def test_a_failed_copy_holds_the_layer_and_is_retried(env: Env) -> None:
     assert env.artifact_bytes(version.artifact) == b"A\n"
     assert kept.layer == "removed" and not env.upper.exists()
     assert (env.root / "a.txt").read_text() == "host\n"
+
+
+def test_the_kept_set_cap_is_decided_on_the_loop_unless_the_database_is_busy(env: Env) -> None:
+    env.keep()
+    # Free: decided at once, the refusal as `check_room`'s.
+    assert layer_keep.room_now(env.changesets, env.ws.id, "keep", 2) is True
+    with pytest.raises(LimitExceeded) as refused:
+        layer_keep.room_now(env.changesets, env.ws.id, "keep", 1)
+    assert refused.value.data["scope"] == "kept_changesets" and refused.value.data["kept"] == 1
+    assert layer_keep.room_now(env.changesets, env.ws.id, "discard", 1) is True  # keeps none
+    # Another thread holds the database: not decided (the caller asks from a thread).
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with env.store.transaction():
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        assert layer_keep.room_now(env.changesets, env.ws.id, "keep", 1) is False
+    finally:
+        release.set()
+        holder.join()
+    with pytest.raises(LimitExceeded):
+        layer_keep.check_room(env.changesets, env.ws.id, "keep", 1)

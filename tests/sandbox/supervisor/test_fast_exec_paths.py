@@ -30,6 +30,7 @@ from substrate.sandbox.containers import Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.profiles import Profile
+from substrate.sandbox.reaper import CgroupDirs
 from substrate.sandbox.spec import RunAs
 from substrate.sandbox.supervisor import checks
 from substrate.sandbox.supervisor.link import Link
@@ -59,6 +60,13 @@ class FakeSandbox:
     facts: list[Fact] = field(default_factory=list)
     protected: frozenset[int] = frozenset()
     host_visible: bool = True
+    #: No usable hierarchy: no command cgroups, so no spare is moved ahead (the real
+    #: engine's tests cover that: tests/integration/test_fast_exec_engine.py).
+    cgroups: CgroupDirs = field(
+        default_factory=lambda: CgroupDirs(
+            procs=Path("/nonexistent"), memory=None, freezer=None, v2=True
+        )
+    )
 
 
 class Owner:

@@ -57,6 +57,21 @@ def test_encode_refuses_too_many_descriptors() -> None:
         agent.encode({}, agent.MAX_FDS + 1)
 
 
+def test_a_held_child_moved_ahead_reads_as_in_its_sandbox_only_beneath_it() -> None:
+    base = "9:pids:/docker/abc\n0::/docker/abc\n"
+    leaf = "substrate-cmd-p_0123456789abcdef"
+    assert checks.same_cgroup(base, base)
+    assert checks.same_cgroup(f"9:pids:/docker/abc\n0::/docker/abc/{leaf}\n", base, leaf)
+    # Not without the leaf the daemon made, not another leaf, not deeper, not two lines.
+    assert not checks.same_cgroup(f"9:pids:/docker/abc\n0::/docker/abc/{leaf}\n", base)
+    assert not checks.same_cgroup("9:pids:/docker/abc\n0::/docker/abc/other\n", base, leaf)
+    assert not checks.same_cgroup(f"9:pids:/docker/abc\n0::/docker/abc/x/{leaf}\n", base, leaf)
+    assert not checks.same_cgroup(f"9:pids:/docker/xyz\n0::/docker/abc/{leaf}\n", base, leaf)
+    assert not checks.same_cgroup(f"9:pids:/docker/abc/{leaf}\n0::/docker/abc/{leaf}\n", base, leaf)
+    assert not checks.same_cgroup(f"0::/docker/abc/{leaf}\n", base, leaf)
+    assert not checks.same_cgroup(f"9:pids:/docker/abc\n0::/docker/abc/{leaf}\n", base, "a/b")
+
+
 def test_hello_mac_depends_on_the_secret() -> None:
     assert agent.hello_mac(b"a" * 32) == agent.hello_mac(b"a" * 32)
     assert agent.hello_mac(b"a" * 32) != agent.hello_mac(b"b" * 32)
