@@ -104,6 +104,15 @@ class JournalExportStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str | None = None
 
 
+class WarmPoolStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One profile's warm pool (`warm_sandboxes`, docs/execution.md "The warm pool")."""
+
+    ready: int  # sandboxes waiting for a workspace now
+    wanted: int  # how many are kept
+    #: Why the last refill failed (engine down, image missing, ...); None: it did not.
+    last_error: str | None = None
+
+
 class StatusResult(Result):
     version: str
     epoch: int
@@ -126,6 +135,8 @@ class StatusResult(Result):
     threads: int | None = None
     #: HOST:PORT the metrics page (`metrics_listen`) is bound to; absent when not served.
     metrics_listen: str | None = None
+    #: profile → its warm pool; empty when `warm_sandboxes` keeps none.
+    warm_pool: dict[str, WarmPoolStatus] = msgspec.field(default_factory=dict)
 
 
 method("journal.read", JournalReadParams, JournalReadResult)

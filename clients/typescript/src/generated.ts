@@ -950,6 +950,8 @@ export interface StatusResult {
   threads?: number | null;
   /** HOST:PORT the metrics page (`metrics_listen`) is bound to; absent when not served. */
   metrics_listen?: string | null;
+  /** profile → its warm pool; empty when `warm_sandboxes` keeps none. */
+  warm_pool?: Record<string, WarmPoolStatus>;
 }
 
 export interface SubscribeParams {
@@ -1098,6 +1100,16 @@ export interface WalkParams {
 export interface WalkResult {
   paths: WalkEntry[];
   truncated: boolean;
+}
+
+/** One profile's warm pool (`warm_sandboxes`, docs/execution.md "The warm pool"). */
+export interface WarmPoolStatus {
+  /** sandboxes waiting for a workspace now */
+  ready: number;
+  /** how many are kept */
+  wanted: number;
+  /** Why the last refill failed (engine down, image missing, ...); None: it did not. */
+  last_error?: string | null;
 }
 
 export interface WorkspaceInfo {
