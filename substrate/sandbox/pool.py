@@ -70,6 +70,8 @@ POOL_WORKSPACE = ".pool"
 MAX_PER_PROFILE = 16
 #: Seconds between refill attempts after a failure: doubling from the first to the last.
 BACKOFF_S = (1.0, 60.0)
+#: Seconds between looks at the members (a reloaded profile's, a dead container's go).
+PRUNE_S = 30.0
 
 
 def qualifies(profile: Profile) -> str | None:
@@ -256,7 +258,7 @@ class WarmPool:
         retry_at: dict[str, float] = {}
         while True:
             self._wake = trio.Event()
-            next_wake = 3600.0
+            next_wake = PRUNE_S
             for name, state in self.pools.items():
                 await self._prune(name, state)
                 if len(state.ready) >= state.wanted:

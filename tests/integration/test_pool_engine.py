@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from substrate.daemon import Daemon
-from substrate.protocol.client import AsyncClient, open_client
+from substrate.protocol.client import AsyncClient, RpcError, open_client
 from substrate.sandbox.pool import LABEL_POOL
 from substrate.sandbox.spec import LABEL_DAEMON, daemon_id_for
 from tests.harness import wait_until, wait_until_async
@@ -237,3 +237,53 @@ def test_a_killed_daemons_members_go_at_the_next_start(
     d.start()
     wait_until(lambda: not before & set(members()), 60, message="the dead pool stayed")
     wait_until(lambda: len(members()) == 2, 120, message="pool not refilled")
+
+
+async def test_a_thousand_first_commands_are_bounded_by_max_processes(
+    tiny_image: str, engine_state: Path, tmp_path: Path
+) -> None:
+    profiles = profiles_dir(tmp_path / "profiles", ["tiny"], layer=as_layer("tiny"))
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    chown_tree(roots)
+    config = in_process_config(
+        engine_state, roots, profiles, warm_sandboxes={"layer": 2}, max_processes=8
+    )
+    paths = [owned_project(roots / f"w{i}", {"a.txt": f"{i}\n"}) for i in range(1000)]
+    outcomes: list[str] = []
+    peak = 0
+    async with serving(config) as daemon:
+        sock = engine_state / "substrate.sock"
+
+        async def first_commands(batch: list[Path]) -> None:
+            async with open_client(sock) as client:
+                handles = [
+                    (await client.call("workspace.adopt", path=str(p)))["workspace"] for p in batch
+                ]
+                async with trio.open_nursery() as nursery:
+                    for ws in handles:
+                        nursery.start_soon(one, client, ws)
+
+        async def one(client: AsyncClient, ws: str) -> None:
+            try:
+                await client.call("proc.run", workspace=ws, profile="layer", argv=["true"])
+                outcomes.append("ok")
+            except RpcError as exc:
+                outcomes.append(str(exc.refusal))
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, daemon.execution.processes.running)
+                await trio.sleep(0.005)
+
+        async with trio.open_nursery() as outer:
+            outer.start_soon(watch)
+            async with trio.open_nursery() as nursery:
+                for k in range(20):  # 20 connections of 50 (max_in_flight is 64)
+                    nursery.start_soon(first_commands, paths[k * 50 : (k + 1) * 50])
+            outer.cancel_scope.cancel()
+    assert len(outcomes) == 1000
+    assert set(outcomes) <= {"ok", "limit_exceeded"}
+    assert outcomes.count("limit_exceeded") > 0 and outcomes.count("ok") > 0
+    assert peak <= 8
