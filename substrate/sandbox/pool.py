@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
+import trio.lowlevel
 
 from substrate.errors import ConfinementUnmet, Refusal
 from substrate.layer.mounts import WorkingLayer, overlay, passthrough, working_layer
@@ -141,7 +142,7 @@ class WarmPool:
             for name, count in wanted.items()
             if count > 0
         }
-        self._owner = _first_owner(adopt_roots)
+        self._adopt_roots = tuple(adopt_roots)
         self._who: dict[str, RunAs] = {}
         self._wake = trio.Event()
         self._closed = False
@@ -267,7 +268,10 @@ class WarmPool:
                 if wait > 0:
                     next_wake = min(next_wake, wait)
                     continue
-                if await self._fill_one(name, state):
+                made = await self._fill_one(name, state)
+                if made is None:  # whose it would be is not known yet: wait for a bind
+                    continue
+                if made:
                     retry_at.pop(name, None)
                     next_wake = 0.0
                 else:
@@ -278,6 +282,8 @@ class WarmPool:
             if next_wake > 0:
                 with trio.move_on_after(next_wake):
                     await self._wake.wait()
+            else:
+                await trio.lowlevel.checkpoint()
 
     async def _prune(self, name: str, state: PoolState) -> None:
         """Members of a profile that changed, or whose container went away, go."""
@@ -288,12 +294,14 @@ class WarmPool:
                 state.ready.remove(member)
                 await self._discard(member, "gone" if gone else "profile_changed", None)
 
-    async def _fill_one(self, name: str, state: PoolState) -> bool:
+    async def _fill_one(self, name: str, state: PoolState) -> bool | None:
+        """Make one member of `name`: True made (or nothing to keep), False failed, None
+        not known for whom yet."""
         profile = self._profiles.get(name)
         why = "no such profile" if profile is None else qualifies(profile)
         who = None if profile is None else self._who_for(profile)
         if why is None and who is None:
-            return True  # nothing to make until a workspace shows whose it would be
+            return None  # nothing to make until a workspace shows whose it would be
         if profile is None or why is not None or who is None:
             self._failed(name, state, f"not pooled: {why}")
             return False
@@ -329,7 +337,8 @@ class WarmPool:
         if profile.user != "owner":
             uid, _, gid = profile.user.partition(":")
             return RunAs(int(uid), int(gid or uid))
-        return self._who.get(profile.name, self._owner)
+        found = self._who.get(profile.name)
+        return found if found is not None else _first_owner(self._adopt_roots)
 
     async def _make(self, profile: Profile, who: RunAs) -> Member:
         """A started member of `profile` running as `who`: nothing of a workspace in it."""
