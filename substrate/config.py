@@ -91,6 +91,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     #: commands start through each sandbox's own supervisor (docs/fast-exec.md); false:
     #: every command is an engine exec (no supervisor, no supervisor directory bound)
     fast_exec: bool = True
+    #: profile name → warm sandboxes kept ready with no workspace bound (0..16 each;
+    #: docs/execution.md "The warm pool"); empty: every first command creates its sandbox
+    warm_sandboxes: dict[str, int] = msgspec.field(default_factory=dict)
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
     #: checkpoint pre-images kept, bytes; past it the oldest checkpoint expires (§11)
     preimage_quota_bytes: int = 1 << 30
@@ -165,6 +168,9 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
         raise ConfigError("home_quota_bytes: must not be negative")
     if config.preimage_quota_bytes < 0:
         raise ConfigError("preimage_quota_bytes: must not be negative")
+    for name, count in config.warm_sandboxes.items():
+        if not 0 <= count <= 16:
+            raise ConfigError(f"warm_sandboxes.{name}: must be 0 to 16")
     if config.max_kept_changesets < 1:
         raise ConfigError("max_kept_changesets: must be at least 1")
     try:

@@ -20,6 +20,7 @@ from substrate.schema.journal import (
     JournalExportStatus,
     StatusParams,
     StatusResult,
+    WarmPoolStatus,
 )
 
 handles = Handles(StatusServices)
@@ -44,6 +45,10 @@ async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusRe
         draining=s.execution.processes.draining,
         running=s.execution.processes.running,
         fresh_view=s.execution.fresh_view(),
+        warm_pool={
+            name: WarmPoolStatus(ready=ready, wanted=wanted, last_error=error)
+            for name, (ready, wanted, error) in s.execution.pool.status().items()
+        },
     )
 
 

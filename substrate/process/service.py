@@ -41,6 +41,7 @@ from substrate.process.subscriptions import Subscriptions
 from substrate.sandbox.containers import Containers, daemon_id_for
 from substrate.sandbox.docker_engine import DockerEngine
 from substrate.sandbox.engine import Engine
+from substrate.sandbox.pool import WarmPool
 from substrate.sandbox.profiles import Profile, find_profile, load_profiles
 from substrate.sandbox.proxy_link import ProxyLinks
 from substrate.sandbox.supervisor.supervisors import Supervisors
@@ -133,6 +134,17 @@ class Execution:
         )
         #: Each checkout's git layer (docs/working-layer.md, "The git layer").
         self.git_layers = self.containers.layer_mounts.git_layers
+        #: Warm sandboxes per profile (docs/execution.md, "The warm pool").
+        self.pool = WarmPool(
+            self.containers,
+            config.warm_sandboxes,
+            self.profiles,
+            state_dir=str(state_dir),
+            adopt_roots=config.adopt_roots,
+            fs_limiter=fs_limiter,
+        )
+        if self.pool:
+            self.containers.pool = self.pool
         #: The profiles in force with their digests (`profile.*`, SIGHUP's reload, which
         #: retires sandboxes here); its dict is `profiles`, the one every look-up reads.
         self.profile_registry = ProfileRegistry(
@@ -231,6 +243,8 @@ class Execution:
                     self.journal,
                     self._previous_layers,
                 )
+                if self.pool:
+                    await nursery.start(self.pool.serve)
                 period = max(1.0, min(IDLE_SWEEP_S, self.config.container_idle_s / 4))
                 while True:
                     await trio.sleep(period)
@@ -276,6 +290,7 @@ class Execution:
             await users.quiet()
         await users.stop()
         with trio.move_on_after(30):
+            await self.pool.close()
             try:
                 await self.containers.remove_all("shutdown")
             except Refusal as exc:

@@ -53,7 +53,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -141,6 +141,12 @@ def requirements(
     return required
 
 
+class LateBinder(Protocol):
+    """Binds a ready-made sandbox to a workspace (`substrate.sandbox.pool.WarmPool`)."""
+
+    async def bind(self, ws: Workspace, run: Resolved) -> Sandbox | None: ...
+
+
 @contextlib.contextmanager
 def _stays_up(profile: Profile) -> Iterator[None]:
     """A container that went away while it was started and verified: `runtime_unavailable`."""
@@ -200,6 +206,8 @@ class Containers:
         self.environment = SandboxEnvironment(homes, secrets, fs_limiter)
         # Each runc sandbox's supervisor directory is bound in (docs/fast-exec.md).
         self._supervisors = supervisors
+        #: The warm pool (docs/execution.md, "The warm pool"); None: every sandbox is new.
+        self.pool: LateBinder | None = None
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -304,6 +312,8 @@ class Containers:
     async def _create_verified(self, ws: Workspace, profile: Profile) -> Sandbox:
         """A new, verified sandbox for (ws, profile). Refuses as `ensure`."""
         run = await self._resolve(ws, profile)  # 1. resolve
+        if self.pool is not None and (bound := await self.pool.bind(ws, run)) is not None:
+            return bound  # steps 2-7 on a warm sandbox, for this workspace
         async with contextlib.AsyncExitStack() as undo:
             home = await self._home(ws, run)  # 2. the environment
             layer = await self._layer(ws, run)

@@ -121,6 +121,15 @@ class FreshViewStatus(msgspec.Struct, frozen=True, kw_only=True):
     reasons: list[str] = msgspec.field(default_factory=list)
 
 
+class WarmPoolStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One profile's warm pool (`warm_sandboxes`, docs/execution.md "The warm pool")."""
+
+    ready: int  # sandboxes waiting for a workspace now
+    wanted: int  # how many are kept
+    #: Why the last refill failed (engine down, image missing, ...); None: it did not.
+    last_error: str | None = None
+
+
 class StatusResult(Result):
     version: str
     epoch: int
@@ -145,6 +154,8 @@ class StatusResult(Result):
     metrics_listen: str | None = None
     #: How the working layers keep a command's view of the checkout fresh.
     fresh_view: FreshViewStatus = msgspec.field(default_factory=FreshViewStatus)
+    #: profile → its warm pool; empty when `warm_sandboxes` keeps none.
+    warm_pool: dict[str, WarmPoolStatus] = msgspec.field(default_factory=dict)
 
 
 method("journal.read", JournalReadParams, JournalReadResult)

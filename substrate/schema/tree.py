@@ -254,6 +254,7 @@ KIND_OF: dict[str, str] = {
     "sandbox/spec.py": "pure",
     "sandbox/mounts.py": "I/O",
     "sandbox/containers.py": "edge",
+    "sandbox/pool.py": "edge",
     "sandbox/sandboxes.py": "pure",
     "sandbox/verification.py": "glue",
     "sandbox/labelled.py": "edge",

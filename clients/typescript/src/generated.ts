@@ -996,6 +996,8 @@ export interface StatusResult {
   metrics_listen?: string | null;
   /** How the working layers keep a command's view of the checkout fresh. */
   fresh_view?: FreshViewStatus;
+  /** profile → its warm pool; empty when `warm_sandboxes` keeps none. */
+  warm_pool?: Record<string, WarmPoolStatus>;
 }
 
 export interface SubscribeParams {
@@ -1144,6 +1146,16 @@ export interface WalkParams {
 export interface WalkResult {
   paths: WalkEntry[];
   truncated: boolean;
+}
+
+/** One profile's warm pool (`warm_sandboxes`, docs/execution.md "The warm pool"). */
+export interface WarmPoolStatus {
+  /** sandboxes waiting for a workspace now */
+  ready: number;
+  /** how many are kept */
+  wanted: number;
+  /** Why the last refill failed (engine down, image missing, ...); None: it did not. */
+  last_error?: string | null;
 }
 
 export interface WorkspaceInfo {
