@@ -30,6 +30,7 @@ from substrate.egress import destination
 from substrate.egress.allow import AllowList
 from substrate.egress.authority import SandboxAuthority
 from substrate.egress.cabundle import bundle_path, digest, read_bundle
+from substrate.egress.npmregistry import npm_registry_hosts
 from substrate.egress.pipindex import pip_index_hosts, pip_index_urls
 from substrate.egress.proxy import Addresses
 from substrate.protocol.client import AsyncClient, RpcError, open_client
@@ -290,7 +291,8 @@ async def test_setup_reaches_the_package_index_through_the_proxy_only(env: Env) 
     profile = await env.client.call("profile.get", name="setup")
     urls, why = pip_index_urls()
     assert why is None and urls
-    assert profile["egress_allow"] == pip_index_hosts()[0]
+    # The shipped setup profile: the pip index and the npm registry, nothing else.
+    assert profile["egress_allow"] == sorted({*pip_index_hosts()[0], *npm_registry_hosts()[0]})
     probe = await env.client.call("facts.probe", workspace=env.ws, profile="setup")
     facts = {f["name"]: f["value"] for f in probe["facts"]}
     # The host's bundle (which trusts this machine's inspecting proxy) is what it sees.

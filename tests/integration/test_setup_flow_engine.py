@@ -46,8 +46,9 @@ from tests.harness.workspaces import chown_tree, remove_tree, short_tempdir
 
 pytestmark = pytest.mark.slow
 
-#: What the two test files import beyond the standard library and the image's Python.
-NEEDED = ("msgspec", "trio", "google-re2", "pytest", "pytest-trio")
+#: What the two test files import beyond the standard library and the image's Python
+#: (through the harness: the protocol server counts requests for the metrics page).
+NEEDED = ("msgspec", "trio", "google-re2", "h11", "prometheus_client", "pytest", "pytest-trio")
 TESTS = ["tests/workspace/test_policy.py", "tests/fs/test_paths.py"]
 #: pytest with nothing written into the checkout: no bytecode, no .pytest_cache.
 PYTEST = ["-B", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
