@@ -47,8 +47,11 @@ from tests.harness.workspaces import chown_tree, remove_tree, short_tempdir
 pytestmark = pytest.mark.slow
 
 #: What the two test files import beyond the standard library and the image's Python
-#: (through the harness: the protocol server counts requests for the metrics page).
-NEEDED = ("msgspec", "trio", "google-re2", "h11", "prometheus_client", "pytest", "pytest-trio")
+#: (through the harness: the protocol server counts requests for the metrics page, and
+#: the harness starts PostgreSQL for the export tests).
+NEEDED = (
+    "msgspec", "trio", "google-re2", "h11", "prometheus_client", "psycopg", "pytest", "pytest-trio",
+)  # fmt: skip
 TESTS = ["tests/workspace/test_policy.py", "tests/fs/test_paths.py"]
 #: pytest with nothing written into the checkout: no bytecode, no .pytest_cache.
 PYTEST = ["-B", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]
@@ -168,7 +171,7 @@ async def test_substrates_own_tests_pass_in_its_sandbox_after_setup(flow: Flow) 
     assert "Downloading" not in second and "Successfully installed" not in second, second
     for name in NEEDED:
         assert re.search(
-            rf"^Requirement already satisfied: {re.escape(name)}[<>=!~ ]", second, re.M
+            rf"^Requirement already satisfied: {re.escape(name)}[<>=!~ \[]", second, re.M
         ), second
 
     hosts, why = pip_index_hosts()
