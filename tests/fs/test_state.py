@@ -24,6 +24,7 @@ NAMES = {
     "sandbox_files": "sandbox-files",
     "supervisor": "supervisor",
     "layers": "layers",
+    "gitlayers": "gitlayers",
 }
 
 

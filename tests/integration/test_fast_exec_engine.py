@@ -212,7 +212,9 @@ async def test_output_stdin_cwd_env_and_start_failures(env: Env) -> None:
     assert text((await env.run(["pwd"], cwd="sub"))["stdout"]) == "/workspace/sub\n"
     listed = text((await env.run(["env"]))["stdout"]).splitlines()
     names = {line.partition("=")[0] for line in listed}
-    assert names == {"PATH", "HOSTNAME", "LANG", "HOME", "SUBSTRATE_PROC"}
+    # The profile's env, the sandbox's own, and its git_identity (a layer profile's).
+    git = {"GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"}
+    assert names == {"PATH", "HOSTNAME", "LANG", "HOME", "SUBSTRATE_PROC", *git}
     missing = await env.run(["no-such-program"])
     assert (missing["exit_code"], text(missing["stderr"])) == (
         127,
