@@ -51,7 +51,7 @@ class ClaudeCodeParser:
             return list(_results(event.get("message")))
         if kind == "result":
             self._done = True
-            out = [_usage(event.get("usage"))]
+            out = [env.usage(event.get("usage"))]
             if event.get("is_error"):
                 out.append(
                     env.error(str(event.get("subtype") or "cli_error"), _str(event.get("result")))
@@ -110,18 +110,6 @@ def _results(message: object) -> list[Envelope]:
         for block in _content(message)
         if block.get("type") == "tool_result"
     ]
-
-
-def _usage(usage: object) -> Envelope:
-    u = usage if isinstance(usage, dict) else {}
-
-    def count(key: str) -> int:
-        value = u.get(key)
-        return value if isinstance(value, int) and value >= 0 else 0
-
-    return Envelope(
-        kind="usage", input_tokens=count("input_tokens"), output_tokens=count("output_tokens")
-    )
 
 
 class ClaudeCode:

@@ -64,7 +64,7 @@ class CodexParser:
             return self._item(kind, item) if isinstance(item, dict) else []
         if kind == "turn.completed":
             self._done = True
-            return [_usage(event.get("usage"))]
+            return [env.usage(event.get("usage"))]
         if kind == "turn.failed":
             self._done = True
             failure = event.get("error")
@@ -126,18 +126,6 @@ def _ok(item: dict[str, Any]) -> bool:
         return False
     code = item.get("exit_code")
     return code is None or code == 0
-
-
-def _usage(usage: object) -> Envelope:
-    u = usage if isinstance(usage, dict) else {}
-
-    def count(key: str) -> int:
-        value = u.get(key)
-        return value if isinstance(value, int) and value >= 0 else 0
-
-    return Envelope(
-        kind="usage", input_tokens=count("input_tokens"), output_tokens=count("output_tokens")
-    )
 
 
 class Codex:

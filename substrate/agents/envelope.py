@@ -68,6 +68,20 @@ def text(words: str) -> Envelope:
     return Envelope(kind="text", text=words)
 
 
+def usage(counts: object) -> Envelope:
+    """A `usage` envelope from a CLI's `{input_tokens, output_tokens}` (both CLIs name
+    them so); a missing or non-count value is 0."""
+    u = counts if isinstance(counts, dict) else {}
+
+    def count(key: str) -> int:
+        value = u.get(key)
+        return value if isinstance(value, int) and value >= 0 else 0
+
+    return Envelope(
+        kind="usage", input_tokens=count("input_tokens"), output_tokens=count("output_tokens")
+    )
+
+
 def session(value: object) -> Envelope:
     """A `session` envelope, or `bad_session_id` when the CLI's id is not a plain token
     (it becomes an argv element of the next turn and a file name in the CLI's home)."""
