@@ -37,6 +37,7 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -235,7 +236,11 @@ class _HashThread:
 class OutputSink:
     """One stream of one process, spooled to `fd` (a file the owner created for it).
 
-    Made by `ArtifactStore.open_sink`; not constructed directly.
+    Made by `ArtifactStore.open_sink`; not constructed directly. `fd` may be -1 with an
+    `opener` that makes the spool file: then the spool is made by the first non-empty
+    write (still before that write is accepted, so every byte kept is in the spool), and
+    a stream that stays empty never touches the disk (a quiet command's two streams
+    cost no file at all).
     """
 
     def __init__(
@@ -250,6 +255,7 @@ class OutputSink:
         max_bytes: int,
         created: float,
         durable: bool = False,
+        opener: Callable[[], int] | None = None,
     ) -> None:
         self.id = artifact_id
         self.proc = proc
@@ -259,6 +265,7 @@ class OutputSink:
         self.truncated = False
         self._owner = owner
         self._fd = fd
+        self._opener = opener if fd < 0 else None
         self._max = max_bytes
         self._durable = durable
         self._lock = threading.Lock()
@@ -305,8 +312,17 @@ class OutputSink:
                 data = data[:room]
             self._append(data)
 
+    @property
+    def spooled(self) -> bool:
+        """Has a spool file been made for this stream? (False: nothing was written.)"""
+        with self._lock:
+            return self._fd >= 0 or self._opener is None
+
     def _append(self, data: bytes) -> None:
-        """Write all of `data` to the spool, then hash it. Lock held."""
+        """Write all of `data` to the spool (made now if this is the first write), then
+        hash it. Lock held."""
+        if self._fd < 0 and not self._open_spool():
+            return
         done = 0
         try:
             with memoryview(data) as view:
@@ -336,6 +352,25 @@ class OutputSink:
         if self._batch_bytes >= HASH_BATCH_BYTES:
             self._hand_over()
 
+    def _open_spool(self) -> bool:
+        """Make the spool file (lock held). A failure is a disk error like a failed write:
+        the stream keeps nothing and is marked truncated."""
+        opener, self._opener = self._opener, None
+        if opener is None:
+            return False
+        try:
+            self._fd = opener()
+        except OSError as exc:
+            self._max = 0
+            self.truncated = True
+            log.warning(
+                "%s: output not kept, its spool could not be made: %s",
+                self.id,
+                errno.errorcode.get(exc.errno or 0, exc),
+            )
+            return False
+        return True
+
     def _hand_over(self) -> None:
         if self._hasher is not None and self._batch:
             self._hasher.feed(self._batch, self._batch_bytes)
@@ -357,8 +392,9 @@ class OutputSink:
                 self._hasher = None
             self._batch = []
             self._batch_bytes = 0
-            os.ftruncate(self._fd, 0)
-            os.lseek(self._fd, 0, os.SEEK_SET)
+            if self._fd >= 0:
+                os.ftruncate(self._fd, 0)
+                os.lseek(self._fd, 0, os.SEEK_SET)
             self._written = 0
             self._hash = hashlib.sha256()
             self.truncated = False
@@ -375,6 +411,8 @@ class OutputSink:
             if self._kept is not None:
                 return self._kept[offset : offset + length]
             if self._ref is None:
+                if self._fd < 0 and self._opener is not None:
+                    return b""  # nothing written yet
                 if self._fd < 0:
                     raise ArtifactUnknown(f"{self.id}: the stream could not be stored")
                 end = min(offset + length, self._written)
@@ -400,7 +438,7 @@ class OutputSink:
             size = self._written
             sha256 = self._hash.hexdigest()
             if size <= self.inline_limit:
-                self._kept = pread_exact(self._fd, size, 0)
+                self._kept = pread_exact(self._fd, size, 0) if size else b""
                 ref = inline_ref(self._kept, sha256, self.truncated)
             else:
                 # A few bytes past the preview tell whether the cut splits a character.
@@ -425,8 +463,10 @@ class OutputSink:
             done = True
         finally:
             with self._lock:
-                os.close(self._fd)
+                if self._fd >= 0:
+                    os.close(self._fd)
                 self._fd = -1
+                self._opener = None
                 if done:
                     self._ref = ref
         return ref

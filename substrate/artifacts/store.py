@@ -146,25 +146,30 @@ class ArtifactStore:
     # --- sinks ------------------------------------------------------------------------
 
     def open_sink(self, proc: str, stream: str, inline_limit: int, max_bytes: int) -> OutputSink:
-        """A new spool for one stream of `proc`. Costs two file creations, no commit."""
+        """A new stream of `proc`. No I/O: its spool (two file creations, no commit) is
+        made by its first non-empty write (`OutputSink`)."""
         if inline_limit < 0 or max_bytes < 0:
             raise ValueError("inline_limit and max_bytes must be non-negative")
         artifact = "art_" + secrets.token_hex(16)
         created = time.time()
-        meta = msgspec.json.encode(_Meta(proc, stream, created))
-        with _opened_dir(self.root / "spool") as spool:
-            fsops.write_new(spool, f"{artifact}.meta", meta, mode=0o600, fsync=False)
-            fd = fsops.create_exclusive(spool, artifact, read=True)
+
+        def make_spool() -> int:
+            meta = msgspec.json.encode(_Meta(proc, stream, created))
+            with _opened_dir(self.root / "spool") as spool:
+                fsops.write_new(spool, f"{artifact}.meta", meta, mode=0o600, fsync=False)
+                return fsops.create_exclusive(spool, artifact, read=True)
+
         sink = OutputSink(
             self,
             artifact,
             proc,
             stream,
-            fd,
+            -1,
             inline_limit=inline_limit,
             max_bytes=max_bytes,
             created=created,
             durable=self._durable,
+            opener=make_spool,
         )
         with self._lock:
             self._live[artifact] = sink
@@ -176,6 +181,8 @@ class ArtifactStore:
         with self._lock:
             try:
                 if sha256 is None:
+                    if not sink.spooled:
+                        return None  # never written: no file was made
                     _unlink(spool / sink.id)
                     _unlink(spool / f"{sink.id}.meta")
                     return None

@@ -477,3 +477,36 @@ async def test_handlers(arts: ArtifactStore) -> None:
         await api.read(d, CALLER, ReadParams(artifact=aid, length=MiB + 1))
     with pytest.raises(ArtifactUnknown):
         await api.stat(d, CALLER, StatParams(artifact="art_0"))
+
+
+def test_a_stream_is_spooled_from_its_first_byte_and_an_empty_one_never(
+    arts: ArtifactStore,
+) -> None:
+    spool = arts.root / "spool"
+    quiet = arts.open_sink("p1", "stderr", 64, 1 << 20)
+    loud = arts.open_sink("p1", "stdout", 64, 1 << 20)
+    assert os.listdir(spool) == [] and not quiet.spooled and quiet.read_at(0, 10) == b""
+    loud.write(b"hello")
+    # Kept before the write returns: a daemon killed now still has it (and its meta).
+    assert sorted(os.listdir(spool)) == [loud.id, f"{loud.id}.meta"]
+    assert (spool / loud.id).read_bytes() == b"hello" and loud.spooled
+    empty = quiet.close()
+    assert empty.bytes == 0 and empty.inline == ""
+    assert empty.sha256 == hashlib.sha256(b"").hexdigest()
+    assert loud.close().inline == "hello"
+    assert os.listdir(spool) == []
+
+
+def test_a_spool_that_cannot_be_made_keeps_nothing_and_says_truncated(
+    arts: ArtifactStore, tmp_path: Path
+) -> None:
+    sink = arts.open_sink("p1", "stdout", 64, 1 << 20)
+    spool = arts.root / "spool"
+    os.rename(spool, tmp_path / "away")  # root ignores modes: take the directory away
+    try:
+        sink.write(b"lost")
+        sink.write(b"more")
+    finally:
+        os.rename(tmp_path / "away", spool)
+    ref = sink.close()
+    assert ref.truncated and ref.bytes == 0 and os.listdir(spool) == []

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import os
 import shutil
+import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,6 +317,21 @@ async def test_a_held_child_waits_in_the_next_commands_cgroup(env: Env) -> None:
     await env.run(["true"])
     unified = unified_dir(env.sandbox())
     await wait_until_async(lambda: not (unified / f"substrate-cmd-{ahead}").exists())
+
+
+async def test_a_held_child_stopped_after_it_was_read_ahead_is_not_used(env: Env) -> None:
+    """The spare is read from the host once it is moved ahead; what the command that
+    takes it checks again is its state: stopped by the sandbox after that reading, it
+    is let go and the command runs in a child forked for it."""
+    await env.run(["true"])
+    (held,) = held_children(env.sandbox())
+    await wait_until_async(functools.partial(moved_ahead, held))
+    os.kill(held, signal.SIGSTOP)  # code of the sandbox's uid may do this
+    await wait_until_async(lambda: psutil.Process(held).status() == psutil.STATUS_STOPPED)
+    with trio.fail_after(30):  # not left waiting on a child that would never exec
+        result = await env.run(["true"])
+    assert (result["via"], result["exit_code"]) == ("supervisor", 0)
+    await wait_until_async(functools.partial(gone, held))  # killed, never used
 
 
 def gone(pid: int) -> bool:

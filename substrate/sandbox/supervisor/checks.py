@@ -275,10 +275,36 @@ def supervisor_problem(status: str, owner: int, uid: int) -> str | None:
     return None
 
 
-def held_state_problem(status: str) -> bool:
-    """Is a held child stopped or exiting (`State` T, t, Z, X), so that it would never
-    exec? (Pure; its sandbox's code may stop or kill it.)"""
-    return (P.parse_status_field(status, "State") or "")[:1] in ("T", "t", "Z", "X")
+def status_state(status: str) -> str:
+    """The one-letter `State` of a status text ("" when it has none; pure)."""
+    return (P.parse_status_field(status, "State") or "")[:1]
+
+
+def read_state(pid: int) -> str:
+    """The one-letter state of `pid` from `/proc/<pid>/stat` (one small read: the field
+    after the command name, which ends at the last ")"). Raises ProcessLookupError when
+    it is gone."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ProcessLookupError(errno.ESRCH, f"no process {pid}") from None
+    try:
+        text = os.read(fd, 4096)
+    except ProcessLookupError:
+        raise
+    except OSError:
+        raise ProcessLookupError(errno.ESRCH, f"process {pid} went away") from None
+    finally:
+        os.close(fd)
+    _, sep, rest = text.rpartition(b")")
+    return rest[1:2].decode("ascii", "replace") if sep else ""
+
+
+def held_state_problem(state: str) -> bool:
+    """Is a held child in state `state` (`status_state`, `read_state`) stopped or
+    exiting (T, t, Z, X), so that it would never exec? (Pure; its sandbox's code may
+    stop or kill it.)"""
+    return state[:1] in ("T", "t", "Z", "X")
 
 
 def supervisor_start_problem(reading: Reading, base: Baseline, uid: int) -> str | None:

@@ -231,19 +231,34 @@ class Link:
             raise LinkBroken("child-gone")
         spawned.host_pid = host_pid
 
-    def check(self, spawned: Spawned, leaf: str | None = None) -> None:
-        """Read the held child from the host now (`facts`, `mismatches`). Blocking but
-        small (procfs, about 0.1 ms): called on the event loop. `leaf`: the name of the
-        command cgroup the daemon moved it into ahead (`checks.same_cgroup`). Raises LinkBroken
-        ("child-gone") when it is gone (a reading taken after that may not be its own)
-        or stopped (it would never exec)."""
+    def check(
+        self, spawned: Spawned, leaf: str | None = None, reading: checks.Reading | None = None
+    ) -> None:
+        """Check the held child from the host (`facts`, `mismatches`). Blocking but small
+        (procfs, about 0.1 ms; with `reading`, one small read): called on the event loop.
+        `leaf`: the name of the command cgroup the daemon moved it into ahead
+        (`checks.same_cgroup`). `reading`: the child as read once it was moved there
+        (`ahead.enter_soon`), taken while it lived; else it is read now. An earlier
+        reading stands because nothing it holds can change while the child is held: it
+        runs only the supervisor's code, waiting on its channel, without capabilities and
+        non-dumpable (no process of its uid may ptrace it or take its descriptors), so
+        its ids, capabilities, seccomp mode, no_new_privs and namespaces change only if
+        it changed them itself; its cgroup only by root (the daemon moved it, then read
+        it); its parent only if the supervisor died (`_ready` saw it serving). Only a
+        signal from its sandbox can reach it: its state (stopped) is read now.
+        Raises LinkBroken ("child-gone") when it is gone (a reading taken after that
+        may not be its own) or stopped (it would never exec)."""
         try:
-            reading = checks.read_process(spawned.host_pid)
+            if reading is None:
+                reading = checks.read_process(spawned.host_pid)
+                state = checks.status_state(reading.status)
+            else:
+                state = checks.read_state(spawned.host_pid)
         except ProcessLookupError:
             raise LinkBroken("child-gone") from None
         if spawned.exited():  # read after it was gone: the reading may not be its own
             raise LinkBroken("child-gone")
-        if checks.held_state_problem(reading.status):  # stopped (or dying) by its sandbox
+        if checks.held_state_problem(state):  # stopped (or dying) by its sandbox
             raise LinkBroken("child-gone")
         spawned.facts = checks.command_facts(
             reading, self.base, supervisor_pid=self.pid, reported_pid=spawned.pid, leaf=leaf

@@ -263,7 +263,8 @@ class Supervisors:
 
     async def spawn(self, sandbox: SandboxView, owner: str | None = None) -> Spawned | None:
         """A held child in `sandbox` (its supervisor's spare, or forked now), checked from
-        the host just now; `Spawned.go` makes it the command. `owner`: the command's id
+        the host (`Link.check`: a spare moved ahead was read once it was moved, its state
+        now); `Spawned.go` makes it the command. `owner`: the command's id
         (a spare moved ahead into another command's cgroup is not taken).
 
         None: use the engine's exec for this command (nothing ran). Refuses
@@ -278,13 +279,14 @@ class Supervisors:
         if link is None:
             return None
         spawned, reserve = self._take_spare(slot, link, owner)
-        leaf = None
+        leaf = reading = None
         if spawned is not None and reserve is not None:
             spawned, leaf = await ahead.moved(spawned, reserve)
+            reading = reserve.reading if leaf is not None else None
         try:
             if spawned is not None:
                 try:
-                    link.check(spawned, leaf)
+                    link.check(spawned, leaf, reading)
                 except LinkBroken:  # killed or stopped by the sandbox itself: fork one now
                     spawned.kill()  # a stopped one would hold a task of the pids limit
                     spawned.close()

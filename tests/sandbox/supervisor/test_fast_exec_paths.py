@@ -356,7 +356,10 @@ async def test_a_held_child_stopped_by_the_sandbox_is_killed_and_not_used(
     assert spare is not None
     os.kill(spare.host_pid, signal.SIGSTOP)  # it would never exec
     await wait_until_async(
-        lambda: checks.held_state_problem(checks.read_status(spare.host_pid)[0]), 10
+        lambda: checks.held_state_problem(
+            checks.status_state(checks.read_status(spare.host_pid)[0])
+        ),
+        10,
     )
     pidfd = os.pidfd_open(spare.host_pid)
     try:

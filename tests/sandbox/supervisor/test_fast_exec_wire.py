@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import struct
+import subprocess
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,6 +17,7 @@ import trio
 
 from substrate.sandbox.supervisor import agent, checks
 from substrate.sandbox.supervisor.link import Link, LinkBroken
+from tests.harness import wait_until
 from tests.harness.host_supervisor import host_link
 
 # -- the wire ---------------------------------------------------------------------------
@@ -360,3 +363,18 @@ async def test_a_dead_supervisor_breaks_the_link(link: Link) -> None:
     assert link.problem() == "exited"
     with pytest.raises(LinkBroken):
         await link.spawn()
+
+
+def test_the_state_read_alone_agrees_with_the_status_of_a_live_and_a_stopped_process() -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert checks.read_state(child.pid) == checks.status_state(checks.read_status(child.pid)[0])
+        assert not checks.held_state_problem(checks.read_state(child.pid))
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_until(lambda: checks.read_state(child.pid) == "T", 10)
+        assert checks.held_state_problem(checks.read_state(child.pid))
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(ProcessLookupError):
+        checks.read_state(child.pid)
