@@ -447,7 +447,11 @@ class Processes:
         oom_after = launched.oom_before
         try:
             await self.driver.drive(run, launched.req.stdin)
-            exit_code = await self.driver.exit_code(run)
+            async with trio.open_nursery() as nursery:
+                # The next command's held child is settled while the supervisor's report
+                # of this one's exit is on its way (both are answers it sends).
+                nursery.start_soon(run.channel.quiesce)
+                exit_code = await self.driver.exit_code(run)
             if exit_code is None and run.timed_out:
                 # Killed with its whole sandbox (gVisor): the engine lost the code.
                 exit_code = 128 + signal.SIGKILL

@@ -99,12 +99,12 @@ class SandboxEnvironment:
     async def check_home(self, home: Home | None) -> None:
         """Before a command or terminal in a sandbox with `home`: refuses `limit_exceeded`
         (`scope: "home"`) while the home is over its quota (`HomeQuota.check`: a bounded
-        walk when one is due, in a worker thread; else a lookup)."""
+        walk when one is due, in a worker thread, or on the event loop for a small home:
+        `HomeQuota.check_here`; else a lookup)."""
         if self.homes is None or home is None:
             return
         quota = self.homes.quota
-        if not quota.due(home.checkout, home.name):
-            quota.check(home.checkout, home.name, walk=False)  # the last figure stands
+        if quota.check_here(home.checkout, home.name):  # the last figure, or a small walk
             return
         await trio.to_thread.run_sync(
             quota.check, home.checkout, home.name, limiter=self._fs_limiter

@@ -18,7 +18,13 @@ between commands (a venv of 6,000 entries: about 40 ms, redone at most every 0.4
 walk that stops at its bounds (`truncated`: more than `homes.MAX_USAGE_ENTRIES` entries)
 cannot show the home is within its quota: it counts as over.
 
-Blocking (the walk): callers use worker threads. Thread-safe.
+A home the last walk found small (at most `INLINE_FILES` files, walked in under
+`INLINE_WALK_S`) is walked again on the event loop (`check_here`), bounded to
+`INLINE_ENTRIES` entries: one that grew past that bound since is no answer, and the
+caller walks it whole in a worker thread. So a quiet home costs a command no thread hop,
+and no agent can make the event loop walk more than `INLINE_ENTRIES` entries.
+
+Blocking (the walk): callers use worker threads, but for `check_here`. Thread-safe.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from substrate.errors import LimitExceeded
 from substrate.schema.workspace import HomeUsage
@@ -38,8 +45,17 @@ AMORTISE = 10.0
 #: Homes whose last measurement is remembered; past it the oldest is forgotten (and
 #: measured again when next used).
 MAX_REMEMBERED = 4096
+#: A home last seen with at most this many files, walked in under `INLINE_WALK_S`, is
+#: walked again on the event loop (`check_here`), at most `INLINE_ENTRIES` entries.
+INLINE_FILES = 64
+INLINE_WALK_S = 0.0005
+INLINE_ENTRIES = 256
 
-Measure = Callable[[str, str], HomeUsage | None]
+
+class Measure(Protocol):
+    """A home's usage (`Homes.usage`): `truncated` past `max_entries` entries."""
+
+    def __call__(self, checkout: str, home: str, *, max_entries: int = ...) -> HomeUsage | None: ...
 
 
 @dataclass
@@ -86,14 +102,43 @@ class HomeQuota:
         if due:
             started = self._clock()
             usage = self._measure(checkout, home) or HomeUsage(bytes=0, files=0)
-            ended = self._clock()
-            seen = _Seen(usage=usage, measured_at=ended, cost=ended - started)
-            with self._lock:
-                self._seen.pop(key, None)
-                self._seen[key] = seen
-                while len(self._seen) > MAX_REMEMBERED:
-                    del self._seen[next(iter(self._seen))]
+            seen = self._remember(key, usage, started)
         assert seen is not None
+        self._decide(seen)
+
+    def check_here(self, checkout: str, home: str) -> bool:
+        """`check`, on the event loop, when that costs at most a small walk (see the
+        module): True once decided (refusing as `check` does); False when a walk is due
+        that may be larger than `INLINE_ENTRIES` entries: the caller then runs `check`
+        in a worker thread."""
+        if self.quota_bytes <= 0:
+            return True
+        key = (checkout, home)
+        with self._lock:
+            seen = self._seen.get(key)
+            due = seen is None or self._due(seen)
+        if seen is None or (due and not _small(seen)):
+            return False
+        if due:
+            started = self._clock()
+            usage = self._measure(checkout, home, max_entries=INLINE_ENTRIES)
+            if usage is not None and usage.truncated:
+                return False  # grown past the bound (or too deep): the whole walk decides
+            seen = self._remember(key, usage or HomeUsage(bytes=0, files=0), started)
+        self._decide(seen)
+        return True
+
+    def _remember(self, key: tuple[str, str], usage: HomeUsage, started: float) -> _Seen:
+        ended = self._clock()
+        seen = _Seen(usage=usage, measured_at=ended, cost=ended - started)
+        with self._lock:
+            self._seen.pop(key, None)
+            self._seen[key] = seen
+            while len(self._seen) > MAX_REMEMBERED:
+                del self._seen[next(iter(self._seen))]
+        return seen
+
+    def _decide(self, seen: _Seen) -> None:
         if self._over(seen.usage):
             raise LimitExceeded(
                 f"the workspace's home holds {seen.usage.bytes} bytes in {seen.usage.files}"
@@ -119,3 +164,9 @@ class HomeQuota:
         if seen.cost < CHEAP_WALK_S:
             return True
         return self._clock() - seen.measured_at >= AMORTISE * seen.cost
+
+
+def _small(seen: _Seen) -> bool:
+    """Was the home small when last walked (walked again on the event loop)?"""
+    usage = seen.usage
+    return not usage.truncated and usage.files <= INLINE_FILES and seen.cost < INLINE_WALK_S

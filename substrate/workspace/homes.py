@@ -143,12 +143,15 @@ class Homes:
             name=name,
         )
 
-    def usage(self, checkout: str, home: str | None = None) -> HomeUsage | None:
+    def usage(
+        self, checkout: str, home: str | None = None, *, max_entries: int = MAX_USAGE_ENTRIES
+    ) -> HomeUsage | None:
         """Bytes and files in the checkout's homes, all of them (None: it has none yet),
         or in its one home named `home` (`home_name`). A bounded walk
         from held fds that never follows a symlink (a symlink counts as a file of its own
-        size); a hard-linked file counts once. `truncated` past `MAX_USAGE_ENTRIES`
-        entries or `MAX_USAGE_DEPTH` levels: the figures are then a lower bound."""
+        size); a hard-linked file counts once. `truncated` past `max_entries` (at most
+        `MAX_USAGE_ENTRIES`) entries or `MAX_USAGE_DEPTH` levels: the figures are then a
+        lower bound."""
         top = self._open_top(create=False)
         if top is None:
             return None
@@ -167,7 +170,7 @@ class Homes:
                 raise
         finally:
             os.close(top)
-        return _walk(fd)
+        return _walk(fd, min(max_entries, MAX_USAGE_ENTRIES))
 
     def remove(self, checkout: str) -> bool:
         """Remove the checkout's homes (every uid and secret set) with everything in
@@ -234,7 +237,8 @@ def _open_or_make(dir_fd: int, name: str, mode: int, owner: fsops.Owner | None) 
 
 
 class _Counts:
-    def __init__(self) -> None:
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
         self.size = self.files = self.seen = 0
         self.truncated = False
         self.linked: set[tuple[int, int]] = set()
@@ -245,7 +249,7 @@ class _Counts:
         with os.scandir(dir_fd) as it:
             for entry in it:
                 self.seen += 1
-                if self.seen > MAX_USAGE_ENTRIES:
+                if self.seen > self.max_entries:
                     self.truncated = True
                     break
                 try:
@@ -264,10 +268,10 @@ class _Counts:
         return subdirs
 
 
-def _walk(root_fd: int) -> HomeUsage:
+def _walk(root_fd: int, max_entries: int) -> HomeUsage:
     """Sizes beneath `root_fd` (closed here): one fd per level, never one per pending
     directory; each directory is entered by name with `O_NOFOLLOW`."""
-    counts = _Counts()
+    counts = _Counts(max_entries)
     # Each level: (its fd, its subdirectories still to visit).
     stack: list[tuple[int, list[str]]] = [(root_fd, [])]
     try:

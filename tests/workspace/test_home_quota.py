@@ -17,9 +17,13 @@ class FakeHome:
         self.walks = 0
         self.now = 100.0
         self.cost = 0.001  # seconds each walk takes on the fake clock
+        self.bounds: list[int] = []  # max_entries of each walk
 
-    def measure(self, checkout: str, home: str) -> HomeUsage | None:
+    def measure(self, checkout: str, home: str, *, max_entries: int = 100_000) -> HomeUsage | None:
+        self.bounds.append(max_entries)
         self.walks += 1
+        if self.usage is not None and self.usage.files > max_entries:
+            return HomeUsage(bytes=self.usage.bytes, files=max_entries, truncated=True)
         self.now += self.cost
         return self.usage
 
@@ -93,3 +97,35 @@ def test_each_home_is_its_own_and_no_quota_walks_nothing(home: FakeHome) -> None
     walks = home.walks
     unbounded.check("c", "1000")
     assert home.walks == walks
+
+
+def test_a_small_home_is_walked_on_the_event_loop_within_a_bound(home: FakeHome) -> None:
+    quota = HomeQuota(home.measure, 100, clock=home.clock)
+    assert not quota.check_here("c", "1000")  # never walked: the whole walk, in a thread
+    home.cost = 0.0001
+    quota.check("c", "1000")
+    assert quota.check_here("c", "1000")  # handed since: walked again, here, bounded
+    assert home.bounds[-1] == home_quota.INLINE_ENTRIES
+    home.usage = HomeUsage(bytes=150, files=3)
+    with pytest.raises(LimitExceeded):
+        quota.check_here("c", "1000")
+    home.usage = HomeUsage(bytes=10, files=1)
+    assert quota.check_here("c", "1000")
+    # Grown past the bound since its last walk: no answer here, the thread walks it all.
+    home.usage = HomeUsage(bytes=10, files=home_quota.INLINE_ENTRIES * 4)
+    walks = home.walks
+    assert not quota.check_here("c", "1000")
+    assert home.walks == walks + 1
+    quota.check("c", "1000")
+    assert home.bounds[-1] == 100_000
+    # Now known to be big: never walked on the event loop again.
+    walks = home.walks
+    assert not quota.check_here("c", "1000") and home.walks == walks
+
+
+def test_a_slow_small_home_is_not_walked_on_the_event_loop(home: FakeHome) -> None:
+    quota = HomeQuota(home.measure, 100, clock=home.clock)
+    home.cost = 0.002  # a few files, but slow to walk (a cold disk)
+    quota.check("c", "1000")
+    walks = home.walks
+    assert not quota.check_here("c", "1000") and home.walks == walks

@@ -181,3 +181,13 @@ def test_claim_legacy_moves_an_old_home_once_and_never_merges(homes: Homes) -> N
     assert homes.claim_legacy("2049:9", "2049:9:b1.000000001") == "kept"
     assert old.is_dir()
     assert sorted(os.listdir(homes.directory)) == ["2049-9", "2049-9-b1.000000001"]
+
+
+def test_usage_within_a_callers_bound(homes: Homes) -> None:
+    root = Path(homes.prepare(CHECKOUT, 1000, 1000).source)
+    for i in range(20):
+        (root / f"f{i}").write_bytes(b"x")
+    bounded = homes.usage(CHECKOUT, max_entries=5)
+    assert bounded is not None and bounded.truncated and bounded.files <= 5
+    whole = homes.usage(CHECKOUT, max_entries=50)
+    assert whole is not None and not whole.truncated and whole.files >= 20
