@@ -58,3 +58,17 @@ class BenchDaemon:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def cgroup_favordynmods() -> str:
+    """Whether the host's cgroup2 mounts have `favordynmods` (scripts/cgroup-favor-dynmods):
+    without it a warm command after a pause pays a cgroup move's RCU grace period."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            _, _, tail = line.partition(" - ")
+            fields = tail.split()
+            if fields and fields[0] == "cgroup2":
+                options = fields[2].split(",") if len(fields) > 2 else []
+                found.append("on" if "favordynmods" in options else "off")
+    return ",".join(found) or "no cgroup2 mount"

@@ -45,7 +45,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.benchdaemon import BenchDaemon
+from bench.benchdaemon import BenchDaemon, cgroup_favordynmods
 from substrate.protocol.client import Client
 from substrate.sandbox.supervisor import agent
 
@@ -250,6 +250,7 @@ def main() -> None:
             f" fast (rw)/engine (rw) {med['fast (rw)'] / med['engine (rw)']:.3f}"
         )
         print(f"load average at the end: {os.getloadavg()}")
+        print(f"cgroup2 favordynmods: {cgroup_favordynmods()} (scripts/cgroup-favor-dynmods)")
     finally:
         for side in (fast, engine):
             if side is not None:

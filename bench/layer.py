@@ -46,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.benchdaemon import BenchDaemon  # noqa: E402
+from bench.benchdaemon import BenchDaemon, cgroup_favordynmods  # noqa: E402
 from substrate.protocol.client import Client  # noqa: E402
 
 WORKSPACE_UID = 1000
@@ -371,6 +371,7 @@ def fresh_view_cost(runs: int) -> list[str]:
             f"  ratio unchanged/docker exec: {p50[0] / cli:.2f}, /exec_run: {p50[0] / sdk:.2f}",
             f"  a host edit before a command costs {p50[1] - p50[0]:.2f} ms more"
             f" (remount + re-verify; remounts so far: {status['remounts']})",
+            f"  cgroup2 favordynmods: {cgroup_favordynmods()} (scripts/cgroup-favor-dynmods)",
             f"  first command (sandbox made, the watch's walk included): {first_ms:.0f} ms;"
             f" watched dirs {status['watched_dirs']:,}, degraded {status['degraded']}",
         ]

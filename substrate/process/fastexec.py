@@ -144,10 +144,11 @@ class Launcher:
                 return fast
         return await self._engine_create(spec)
 
-    def claim(self, sandbox: Sandbox) -> str | None:
-        """The id of the next command in `sandbox` when its supervisor's spare was moved
-        ahead into that command's cgroup (docs/fast-exec.md "Held children"); None: the
-        caller picks one (`new_proc_id`)."""
+    def claim(self, sandbox: Sandbox) -> cmd_cgroups.CommandCgroup | None:
+        """The cgroup (made, named for the next command's id: its `owner`) of the next
+        command in `sandbox` when its supervisor's spare was moved ahead into it
+        (docs/fast-exec.md "Held children"); None: the caller picks an id
+        (`new_proc_id`) and makes its cgroup."""
         if self._supervisors is None or not sandbox.host_visible:
             return None
         return self._supervisors.claim(sandbox.id)

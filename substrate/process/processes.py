@@ -277,15 +277,19 @@ class Processes:
                 sandbox = await self._containers.ensure(req.ws, checked.profile)
                 # The id its supervisor's spare was moved ahead for, if any: that spare
                 # is then in the command's cgroup already (docs/fast-exec.md).
-                proc = self.launcher.claim(sandbox) or new_proc_id()
+                claimed = self.launcher.claim(sandbox)
+                proc = claimed.owner if claimed is not None else new_proc_id()
                 sandbox.acquire()
                 use = None
                 cgroup: CommandCgroup | None = None
                 try:
                     if sandbox.layer is not None:  # shares the generation mounted now
                         use = await self.layer_users.join(sandbox, proc, req)
-                    # Its own cgroup (a mkdir on cgroupfs: microseconds, on the loop).
-                    if sandbox.host_visible:
+                    # Its own cgroup: made ahead with the spare it takes, or now (a mkdir
+                    # on cgroupfs, on the loop).
+                    if claimed is not None:
+                        cgroup = claimed
+                    elif sandbox.host_visible:
                         cgroup = cmd_cgroups.make(sandbox.cgroups, proc)
                     return await self._run_in(req, checked, sandbox, proc, on_started, use, cgroup)
                 except (ContainerGone, LayerClosed):

@@ -39,7 +39,13 @@ from pathlib import Path
 
 import trio
 
-from substrate.sandbox.reaper import CGROUP_ROOT, CMD_PREFIX, CgroupDirs, commands_parent
+from substrate.sandbox.reaper import (
+    CGROUP_ROOT,
+    CMD_PREFIX,
+    CgroupDirs,
+    commands_parent,
+    read_small,
+)
 
 log = logging.getLogger("substrate.sandbox.cmd_cgroups")
 
@@ -145,7 +151,7 @@ def _ppid(pid: int) -> int | None:
 def pids(cg: CommandCgroup) -> list[int]:
     """The command's live processes (its `cgroup.procs`); [] once the cgroup is gone."""
     try:
-        return [int(x) for x in (cg.path / "cgroup.procs").read_bytes().split()]
+        return [int(x) for x in read_small(f"{cg.path}/cgroup.procs").split()]
     except (OSError, ValueError):
         return []
 

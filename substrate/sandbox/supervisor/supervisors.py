@@ -251,15 +251,16 @@ class Supervisors:
                 limiter=self._fs_limiter,
             )
 
-    def claim(self, container: str) -> str | None:
-        """The command id the spare of `container`'s sandbox was moved ahead for, if it has
-        such a spare no command claimed yet: the next command takes that id (and so the
-        spare, already in its cgroup). None: the caller picks its own id."""
+    def claim(self, container: str) -> cmd_cgroups.CommandCgroup | None:
+        """The command cgroup the spare of `container`'s sandbox was moved ahead into, if
+        it has such a spare no command claimed yet: the next command takes its id (its
+        `owner`) and that cgroup (made already), and so the spare. None: the caller
+        picks its own id and makes its cgroup."""
         slot = self._slots.get(container)
         if slot is None or slot.spare is None or slot.reserve is None or slot.reserve.claimed:
             return None
         slot.reserve.claimed = True
-        return slot.reserve.cgroup.owner
+        return slot.reserve.cgroup
 
     async def spawn(self, sandbox: SandboxView, owner: str | None = None) -> Spawned | None:
         """A held child in `sandbox` (its supervisor's spare, or forked now), checked from
