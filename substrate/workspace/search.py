@@ -214,26 +214,46 @@ class _Scan:
             self.truncated = True
 
     def _file(self, dir_fd: int, name: str, rel: str) -> None:
+        data = self._read(dir_fd, name)
+        if data is None or data.find(b"\x00", 0, _BINARY_SNIFF) >= 0:
+            return  # not a regular file, gone, over the bound, or binary
+        self._match(data, rel)
+
+    @staticmethod
+    def _read(dir_fd: int, name: str) -> bytes | None:
+        """The bytes of the regular file `name` beneath `dir_fd` (never a link), or None."""
         try:
             fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
-            return
+            return None
         try:
             st = os.fstat(fd)
             size = st.st_size
             if not stat.S_ISREG(st.st_mode) or size > SEARCH_MAX_FILE:
-                return
+                return None
             data: bytes | None = os.pread(fd, size + 1, 0)
             if data is not None and len(data) > size:
                 data = fsops.read_fd(fd, SEARCH_MAX_FILE, expected=size)  # it grew
         finally:
             os.close(fd)
-        if data is None:
-            return  # it grew past the bound while read
-        if data.find(b"\x00", 0, _BINARY_SNIFF) >= 0:
-            return
+        return data  # None: it grew past the bound while read
+
+    def _match(self, data: bytes, rel: str) -> None:
+        """Count the text file `data` at `rel` as scanned and collect its matches."""
         self.files += 1
-        self.scanned += len(data)
+        size = len(data)
+        self.scanned += size
+        # Most files hold no hit: rejected here by one RE2 call, without `_collect`'s
+        # setup; a hit found is handed on, not looked for again.
+        first = -1
+        if self.literal_starts is not None:
+            first = self.literal_starts(data, 0, size)
+            if first < 0:
+                return
+        elif self.screen_starts is not None:
+            first = self.screen_starts(data, 0, size)
+            if first < 0:
+                return
         if _collect(
             self.matching,
             self.prefilter,
@@ -245,6 +265,7 @@ class _Scan:
             self.starts,
             self.screen_starts,
             self.literal_starts,
+            first,
         ):
             raise _Truncated
 
@@ -449,13 +470,16 @@ def _collect(
     starts: Callable[[bytes, int, int], int] | None = None,
     screen_starts: Callable[[bytes, int, int], int] | None = None,
     literal_starts: Callable[[bytes, int, int], int] | None = None,
+    first: int = -1,
 ) -> bool:
     """Append one match per matching line; True when `limit` was reached.
 
     The result is the same as `regex.search` over the whole file from each line's start;
     the prefilter only skips work that cannot find anything. `starts`/`screen_starts`:
     `_starts(regex)`, `first_start(prefilter.screen)` and `first_start(prefilter.finder)`,
-    made once per search. The literal is looked for with the finder when there is one
+    made once per search; `first`: where the caller found the first hit of the finder
+    (`literal_starts`) or else of the screen (`screen_starts`) in `data`, or -1 when it
+    did not look. The literal is looked for with the finder when there is one
     (it may also stop on a Latin-1 case variant: that line is then searched for nothing),
     else by `bytes.find` (in the lowered file when `fold`).
     """
@@ -472,7 +496,7 @@ def _collect(
             def lit_at(_: bytes, pos: int, endpos: int) -> int:
                 return hay.find(literal, pos, endpos)
 
-        found = lit_at(data, 0, size)
+        found = first if first >= 0 and literal_starts is not None else lit_at(data, 0, size)
         if found < 0:
             return False
     search = starts or _starts(regex)
@@ -481,7 +505,7 @@ def _collect(
     hit = -1
     if screen is not None:
         screen_at = screen_starts or first_start(screen)
-        hit = screen_at(data, 0, size)
+        hit = first if first >= 0 and screen_starts is not None else screen_at(data, 0, size)
         if hit < 0:
             return False
         # `re`'s first match starts at or after RE2's first (a superset): start at its line.

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from substrate.errors import InvalidParams
+from substrate.matching.re2_translate import first_start
 from substrate.schema.fs import SearchMatch, SearchParams
 from substrate.workspace import search as search_module
 from substrate.workspace.registry import Workspace
@@ -259,9 +260,28 @@ def test_prefilter_never_changes_search_results() -> None:
             got: list[SearchMatch] = []
             search_module._collect(regex, prefilter, data, "f", 16, got, limit)
             assert got == _reference_collect(regex, data, "f", 16, limit), (pattern, data)
+            assert _handed_first_hit(regex, prefilter, data, limit) == got, (pattern, data)
             checked += 1
     # Both shortcuts were exercised, often.
     assert checked > 10000 and shortcut > 1000 and screened > 1000, (shortcut, screened)
+
+
+def _handed_first_hit(
+    regex: re.Pattern[bytes], prefilter: Any, data: bytes, limit: int
+) -> list[SearchMatch]:
+    """`_collect` as `_Scan._match` calls it: the finder's (or else the screen's) first
+    hit looked for by the caller and handed on; [] when the caller rejects the file."""
+    finder = None if prefilter.finder is None else first_start(prefilter.finder)
+    screen = None if prefilter.screen is None else first_start(prefilter.screen)
+    looked = finder if prefilter.literal and finder is not None else screen
+    first = -1
+    if looked is not None:
+        first = looked(data, 0, len(data))
+        if first < 0:
+            return []
+    got: list[SearchMatch] = []
+    search_module._collect(regex, prefilter, data, "f", 16, got, limit, None, screen, finder, first)
+    return got
 
 
 @pytest.mark.parametrize(
