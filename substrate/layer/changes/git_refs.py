@@ -201,23 +201,7 @@ def conclude(
             # "discard": what the generation wrote never lands, objects included.
             imported: int | None = None if mode == "discard" else loaded.imported_ns
             if mode != "discard":
-                objects_fd = os.open("objects", _DIR_FLAGS, dir_fd=merged_fd)
-                try:
-                    for name, old, new in taken:
-                        subjects: tuple[str, ...] = ()
-                        if new is not None:
-                            subjects = commit_subjects(objects_fd, new, old, limit=MAX_SUBJECTS)
-                        refs.append(
-                            RefChange(
-                                name=name,
-                                old_oid=old,
-                                new_oid=new,
-                                subjects=tuple(subjects),
-                                allowed=allow.matches(name),
-                            )
-                        )
-                finally:
-                    os.close(objects_fd)
+                refs = _entries(merged_fd, taken, allow)
                 imported = import_from(layer_dir, upper, host_fd, loaded.imported_ns)
             if mode == "apply":
                 refs = list(apply(host_fd, refs, operator=False, gate=gate))
@@ -229,6 +213,8 @@ def conclude(
                     merged[name] = old
             if refs and keep is not None:
                 keep(tuple(refs))
+            if unchanged(loaded, merged, found, evidence, imported):
+                return ()
             # After everything the sandbox wrote and this conclusion linked; before what
             # the next command writes.
             now = git_baseline.mark(layer_dir)
@@ -246,6 +232,57 @@ def conclude(
             os.close(merged_fd)
     finally:
         os.close(host_fd)
+
+
+def _entries(
+    merged_fd: int, taken: list[tuple[str, str | None, str | None]], allow: GlobSet
+) -> list[RefChange]:
+    """The entries of the ref moves `taken`, each with its new commits' subjects read
+    from the sandbox's view (`merged_fd`); none opens nothing (a `.git` with no
+    `objects/` yet has no ref to move either)."""
+    if not taken:
+        return []
+    refs = []
+    objects_fd = os.open("objects", _DIR_FLAGS, dir_fd=merged_fd)
+    try:
+        for name, old, new in taken:
+            subjects: tuple[str, ...] = ()
+            if new is not None:
+                subjects = commit_subjects(objects_fd, new, old, limit=MAX_SUBJECTS)
+            refs.append(
+                RefChange(
+                    name=name,
+                    old_oid=old,
+                    new_oid=new,
+                    subjects=tuple(subjects),
+                    allowed=allow.matches(name),
+                )
+            )
+    finally:
+        os.close(objects_fd)
+    return refs
+
+
+def unchanged(
+    loaded: git_baseline.Baseline,
+    merged: dict[str, str],
+    found: list[tuple[str, str | None, str | None]],
+    evidence: git_evidence.Evidence,
+    imported: int | None,
+) -> bool:
+    """May a conclusion leave the baseline `loaded` as it is (no mark, no write)? When
+    no ref moved (`found`), the view's refs are the baseline's, nothing was imported
+    (`imported` is the baseline's own: no new object, not mode "discard") and the sandbox
+    wrote no evidence since the last conclusion. Then the baseline it would save differs
+    from `loaded` only in `concluded_ns`, moved forward over a span in which no evidence
+    was written: the evidence a later conclusion reads since either time is the same,
+    and so is everything it reports (docs/working-layer.md, "The git layer"). Pure."""
+    return (
+        not found
+        and not evidence.any()
+        and imported == loaded.imported_ns
+        and merged == loaded.refs
+    )
 
 
 def import_from(layer_dir: str, upper: str, host_fd: int, since_ns: int) -> int | None:
