@@ -174,12 +174,15 @@ def conclude(
     allow: GlobSet,
     gate: RefGate | None = None,
     keep: Callable[[tuple[RefChange, ...]], None] | None = None,
+    settled: Callable[[git_baseline.Baseline], None] | None = None,
 ) -> tuple[RefChange, ...]:
     """Steps 1-4 of the module doc for the git layer whose upper dir is `upper`, mounted
     (its merged view, the sandbox's `.git`, at `merged_git`) over `ws`'s `.git`; the
     entries, applied or not by `mode`. `keep` is given them (when there are any) to keep
-    with the set (`RefSets.record`) before the baseline is saved past them. Costs a read of the refs three times, a hash per object the
-    sandbox wrote, a copy per new one, a CAS per allowed entry."""
+    with the set (`RefSets.record`) before the baseline is saved past them; `settled`
+    the baseline as it stands after, when nothing waits for a later conclusion (for
+    `quiet`). Costs a read of the refs three times, a hash per object the sandbox
+    wrote, a copy per new one, a CAS per allowed entry."""
     layer_dir = upper.rsplit("/", 1)[0]
     with ws.use():
         host_fd = os.open(GIT_NAME, _DIR_FLAGS, dir_fd=ws.root_fd)
@@ -214,6 +217,8 @@ def conclude(
             if refs and keep is not None:
                 keep(tuple(refs))
             if unchanged(loaded, merged, found, evidence, imported):
+                if settled is not None:
+                    settled(loaded)
                 return ()
             # After everything the sandbox wrote and this conclusion linked; before what
             # the next command writes.
@@ -222,11 +227,12 @@ def conclude(
                 imported = now
             # What the bound left keeps its evidence for the next conclusion.
             concluded = loaded.concluded_ns if left else now
+            saved = git_baseline.Baseline(refs=merged, imported_ns=imported, concluded_ns=concluded)
             git_baseline.save(
-                layer_dir,
-                git_baseline.Baseline(refs=merged, imported_ns=imported, concluded_ns=concluded),
-                durable=merged != baseline or imported != loaded.imported_ns,
+                layer_dir, saved, durable=merged != baseline or imported != loaded.imported_ns
             )
+            if settled is not None and not left:
+                settled(saved)
             return tuple(refs)
         finally:
             os.close(merged_fd)
