@@ -31,6 +31,7 @@ to uid 1000).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -314,8 +315,11 @@ def fresh_view_cost(runs: int) -> list[str]:
     host (the watch's one `poll(2)`), and with a host change before each command (the
     generation mounted again and re-verified), against `docker exec <ctr> true` (CLI)
     and the SDK's `exec_run` on the same container, interleaved (the same profile as
-    "rw" is no baseline here: the rw write gate walks the checkout each command); then, in this process, the
-    watch's own costs on the same checkout: its walk and a `pending` check."""
+    "rw" is no baseline here: the rw write gate walks the checkout each command), and
+    the same checkout without `.git` (no git layer); the layer's own part of each
+    unchanged command, `LayerUsers.join` + `end` timed in the daemon (run as
+    `bench.layerclock`), with `.git` and without; then, in this process, the watch's
+    own costs on the same checkout: its walk and a `pending` check."""
     import docker
 
     from substrate.layer.mounts.lower_watch import LowerWatch
@@ -324,28 +328,43 @@ def fresh_view_cost(runs: int) -> list[str]:
     profiles = base / "profiles"
     profiles.mkdir()
     shutil.copy(REPO / "profiles" / "default.toml", profiles / "default.toml")
-    daemon = BenchDaemon(base, ["--profiles", str(profiles)])
+    clock = base / "layerclock.json"
+    daemon = BenchDaemon(
+        base,
+        ["--profiles", str(profiles)],
+        module="bench.layerclock",
+        env={"SUBSTRATE_BENCH_CLOCK": str(clock)},
+    )
     client = Client(daemon.socket, timeout=600)
     try:
         project = make_wide_checkout(daemon.roots / "wide", FRESH_DIRS)
         ws = client.call("workspace.adopt", path=str(project))["workspace"]
+        plain = make_wide_checkout(daemon.roots / "wide-nogit", FRESH_DIRS)
+        shutil.rmtree(plain / ".git")
+        ws_plain = client.call("workspace.adopt", path=str(plain))["workspace"]
         bench = Bench(client)
         t = time.perf_counter()
         bench.run(ws, "default", ["true"])  # the sandbox: container, layer, the watch's walk
         first_ms = (time.perf_counter() - t) * 1000
+        bench.run(ws_plain, "default", ["true"])
         container = client.call("facts.probe", workspace=ws, profile="default")["container"]
         ctr = docker.from_env().containers.get(container)
         touched = project / "d000" / "e00" / "f.txt"
 
+        kinds = ["first"]  # of each command on `ws`, in order (the daemon's clock's too)
+
         def unchanged() -> None:
+            kinds.append("unchanged")
             bench.run(ws, "default", ["true"])
 
         def changed() -> None:
+            kinds.append("changed")
             touched.write_text(f"{time.time_ns()}\n")  # in place: an event, a remount
             bench.run(ws, "default", ["true"])
 
         sides: list[tuple[str, Callable[[], object]]] = [
             ("default, checkout unchanged", unchanged),
+            ("the same without .git", lambda: bench.run(ws_plain, "default", ["true"])),
             ("default, a host edit before each", changed),
             ("docker exec CLI", lambda: subprocess.run(["docker", "exec", container, "true"])),
             ("SDK exec_run", lambda: ctr.exec_run(["true"])),
@@ -361,7 +380,7 @@ def fresh_view_cost(runs: int) -> list[str]:
                 times[j].append((time.perf_counter() - t) * 1000)
         status = client.call("daemon.status")["fresh_view"]
         p50 = [med(t) for t in times]
-        cli, sdk = p50[2], p50[3]
+        cli, sdk = p50[3], p50[4]
         report = [
             f"7. the fresh view: warm proc.run ['true'] over {FRESH_DIRS:,} directories"
             f" (ms, p50 of {runs})",
@@ -369,7 +388,7 @@ def fresh_view_cost(runs: int) -> list[str]:
         report += [f"  {name:36s} {v:8.2f}" for (name, _), v in zip(sides, p50, strict=True)]
         report += [
             f"  ratio unchanged/docker exec: {p50[0] / cli:.2f}, /exec_run: {p50[0] / sdk:.2f}",
-            f"  a host edit before a command costs {p50[1] - p50[0]:.2f} ms more"
+            f"  a host edit before a command costs {p50[2] - p50[0]:.2f} ms more"
             f" (remount + re-verify; remounts so far: {status['remounts']})",
             f"  cgroup2 favordynmods: {cgroup_favordynmods()} (scripts/cgroup-favor-dynmods)",
             f"  first command (sandbox made, the watch's walk included): {first_ms:.0f} ms;"
@@ -378,6 +397,16 @@ def fresh_view_cost(runs: int) -> list[str]:
     finally:
         client.close()
         daemon.stop()
+    # The layer's own part of each warm unchanged command (join + end, timed in the daemon).
+    if clock.exists():
+        own = json.loads(clock.read_text())
+        with_git = [t for k, t in zip(kinds, own.get(ws, []), strict=False) if k == "unchanged"]
+        without = own.get(ws_plain, [])[1:]
+        report.append(
+            f"  the layer's own cost per unchanged command (join + end, in the daemon):"
+            f" {med(with_git):.3f} ms with .git, {med(without):.3f} ms without"
+            f" (p50 of {len(with_git)} / {len(without)})"
+        )
     # The watch's own costs, in this process, on the same checkout.
     root = os.open(project, os.O_RDONLY | os.O_DIRECTORY)
     try:

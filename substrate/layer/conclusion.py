@@ -69,7 +69,7 @@ import msgspec
 import trio
 
 from substrate.errors import ConfinementUnmet, Refusal
-from substrate.layer import keep
+from substrate.layer import git_conclusion, keep
 from substrate.layer.changes import (
     ApplyResult,
     Blocked,
@@ -87,7 +87,6 @@ from substrate.layer.changes import (
 from substrate.layer.changes.blocked import drafts as blocked_drafts
 from substrate.layer.changes.versions import Versions
 from substrate.layer.mounts import passthrough, passthrough_scan, working_layer
-from substrate.layer.mounts.git_plan import GitLayerPart
 from substrate.layer.mounts.plan import LayerPlan
 from substrate.metrics import METRICS
 from substrate.schema.proc import ChangeCounts, ChangeEntry, ChangesMode, ProcChanges
@@ -199,14 +198,20 @@ async def _conclude_git(
     """The git layer's part of a conclusion (`git_refs.conclude`): its ref entries join
     the result's lists and the set (a set of their own when no file changed). Not for a
     generation carried busy (it goes with the next) nor a layer torn down meanwhile (its
-    refs are reported by the next sandbox's first conclusion: the baseline stays)."""
+    refs are reported by the next sandbox's first conclusion: the baseline stays). Not
+    even a thread hop when nothing it reads changed (`git_conclusion.quiet`)."""
     part = layer.plan.git
     if part is None or layer.closed or changes.error == "layer_busy" or changes.deferred:
         return changes
+    if git_conclusion.quiet(layer, part, req.changes, git_conclusion.QUIET_LOOP_ENTRIES):
+        return changes
     try:
         refs = await trio.to_thread.run_sync(
-            _git_refs,
-            req,
+            git_conclusion.refs,
+            req.ws,
+            req.changes,
+            req.actor,
+            layer,
             part,
             GlobSet.of(layer.git_refs_allow),
             changes,
@@ -238,39 +243,6 @@ async def _conclude_git(
         conflicts=(changes.conflicts + lists["conflicts"])[:MAX_CHANGE_ENTRIES],
         counts=counts,
     )
-
-
-def _git_refs(
-    req: Request,
-    part: GitLayerPart,
-    allow: GlobSet,
-    changes: ProcChanges,
-    changesets: Changesets,
-) -> tuple[str, tuple[git_refs.RefChange, ...]] | None:
-    """Conclude the git layer and keep its entries with the result's set, or with one
-    of their own (recorded, and marked applied at once in mode "apply": it has no
-    layer to keep), before the layer's baseline moves past them (a crash between
-    leaves them to be found again). None: no ref moved."""
-    ws, mode = req.ws, req.changes
-    kept: list[str] = []
-
-    def keep(found: tuple[git_refs.RefChange, ...]) -> None:
-        cs_id = changes.changeset
-        if cs_id is None:
-            review = mode == "review"
-            state: Literal["pending", "applying"] = "pending" if review else "applying"
-            cs_id = changesets.record(ws, changes.generation, "", "", ChangeSet(), state)
-            if not review:
-                changesets.finish(cs_id, ws, changes.generation, ApplyResult(), "changes.applied")
-        changesets.refs.record(cs_id, ws.id, found)
-        changesets.refs.journal(cs_id, ws.id, found, req.actor)
-        kept.append(cs_id)
-
-    gate = changesets.refs.gate(ws)
-    found = git_refs.conclude(ws, part.target, part.upper, mode, allow, gate, keep)
-    if not found:
-        return None
-    return kept[0], found
 
 
 def _inspect_passthrough(

@@ -38,6 +38,19 @@ class Baseline(msgspec.Struct, frozen=True, kw_only=True):
     concluded_ns: int = 0
 
 
+class Settled(msgspec.Struct, frozen=True, kw_only=True):
+    """What a git conclusion left (in memory, per sandbox's layer): the baseline's times
+    and what the upper dir held then, with the checkout watch's change count when it
+    began. The next conclusion needs nothing more when nothing moved since
+    (`changes.git_quiet`)."""
+
+    seen: int  # `LowerWatch.seen` when that conclusion began
+    concluded_ns: int
+    imported_ns: int
+    refs: bool  # the upper dir held `refs` then
+    packed: bool  # and `packed-refs`
+
+
 _decoder = msgspec.msgpack.Decoder(Baseline)
 _encoder = msgspec.msgpack.Encoder()
 

@@ -316,3 +316,60 @@ async def test_a_ref_under_require_approval_waits_for_the_operators_grant(env: E
         "refs/heads/agent/gated"
     ]
     assert host_git(env.path, "log", "--format=%s", "-1", "agent/gated") == "g\n"
+
+
+def _baseline(env: Env) -> tuple[int, int]:
+    """(inode, mtime) of the checkout's git-layer baseline (rewritten by a conclusion
+    that found something, left as it is by one that did not)."""
+    [found] = (env.state / "gitlayers").glob("*/baseline")
+    st = found.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+async def test_commands_that_leave_git_alone_change_nothing_and_moves_still_land(
+    env: Env,
+) -> None:
+    first = await env.sh(
+        "git checkout -q -b agent/q && git commit -q --allow-empty -m one && git rev-parse HEAD"
+    )
+    assert first["exit_code"] == 0, first["stderr"]
+    one = _out(first).strip()
+    assert [e["path"] for e in first["changes"]["applied"]] == ["refs/heads/agent/q"]
+    before = _baseline(env)
+    for argv in ("true", "cat app.py", "git status --short"):
+        quiet = await env.sh(argv)
+        assert quiet["exit_code"] == 0, quiet["stderr"]
+        assert quiet["changes"].get("changeset") is None, quiet["changes"]
+    assert _baseline(env) == before  # not rewritten: nothing to conclude
+    # A command that only runs `git commit`: its ref entry, as ever.
+    second = await env.sh("git commit -q --allow-empty -m two")
+    applied = [e for e in second["changes"]["applied"] if e["op"] == "ref"]
+    assert [(e["path"], e["old_oid"]) for e in applied] == [("refs/heads/agent/q", one)]
+    assert host_git(env.path, "log", "--format=%s", "-1", "agent/q") == "two\n"
+    await env.sh("true")
+    # The ref's file in the git layer written again in place (the same inode, no new
+    # name in any directory): still the sandbox's move.
+    back = await env.sh("c=$(git rev-parse HEAD~1) && echo $c > .git/refs/heads/agent/q")
+    assert back["exit_code"] == 0, back["stderr"]
+    moved = [e for e in back["changes"]["applied"] if e["op"] == "ref"]
+    assert [(e["path"], e["new_oid"]) for e in moved] == [("refs/heads/agent/q", one)]
+    assert env.head_of("agent/q") == one
+
+
+async def test_a_ref_the_host_makes_between_quiet_commands_is_the_base_of_the_next_move(
+    env: Env,
+) -> None:
+    for _ in range(2):
+        await env.sh("true")
+    host_git(env.path, "branch", "agent/h", "main")
+    chown_tree(env.path / ".git")  # the person's own (this test's git runs as root)
+    main = env.head_of("main")
+    seen = await env.sh("git rev-parse agent/h")  # a command that writes nothing
+    assert _out(seen).strip() == main and seen["changes"].get("changeset") is None
+    # The sandbox's view then held the host's new ref: its move starts from there.
+    moved = await env.sh("git checkout -q agent/h && git commit -q --allow-empty -m h")
+    assert moved["exit_code"] == 0, moved["stderr"]
+    assert not moved["changes"].get("conflicts"), moved["changes"]
+    applied = [e for e in moved["changes"]["applied"] if e["op"] == "ref"]
+    assert [(e["path"], e["old_oid"]) for e in applied] == [("refs/heads/agent/h", main)]
+    assert host_git(env.path, "log", "--format=%s", "-1", "agent/h") == "h\n"

@@ -36,6 +36,11 @@ class Evidence:
     opaque: list[str] = field(default_factory=list)  # "refs/heads/x/": re-made dirs
     packed: bool = False  # its `packed-refs` was rewritten
 
+    def any(self) -> bool:
+        """Did the sandbox write any evidence at all (then a conclusion moves its
+        baseline's `concluded_ns` past it)?"""
+        return bool(self.loose or self.opaque or self.packed)
+
     def covers(self, name: str, loose_in_checkout: bool) -> bool:
         """Is a change of ref `name` the sandbox's? `loose_in_checkout`: the checkout has
         a loose file for it (then only the sandbox's own loose file or whiteout, or an

@@ -174,12 +174,15 @@ def conclude(
     allow: GlobSet,
     gate: RefGate | None = None,
     keep: Callable[[tuple[RefChange, ...]], None] | None = None,
+    settled: Callable[[git_baseline.Baseline], None] | None = None,
 ) -> tuple[RefChange, ...]:
     """Steps 1-4 of the module doc for the git layer whose upper dir is `upper`, mounted
     (its merged view, the sandbox's `.git`, at `merged_git`) over `ws`'s `.git`; the
     entries, applied or not by `mode`. `keep` is given them (when there are any) to keep
-    with the set (`RefSets.record`) before the baseline is saved past them. Costs a read of the refs three times, a hash per object the
-    sandbox wrote, a copy per new one, a CAS per allowed entry."""
+    with the set (`RefSets.record`) before the baseline is saved past them; `settled`
+    the baseline as it stands after, when nothing waits for a later conclusion (for
+    `quiet`). Costs a read of the refs three times, a hash per object the sandbox
+    wrote, a copy per new one, a CAS per allowed entry."""
     layer_dir = upper.rsplit("/", 1)[0]
     with ws.use():
         host_fd = os.open(GIT_NAME, _DIR_FLAGS, dir_fd=ws.root_fd)
@@ -201,23 +204,7 @@ def conclude(
             # "discard": what the generation wrote never lands, objects included.
             imported: int | None = None if mode == "discard" else loaded.imported_ns
             if mode != "discard":
-                objects_fd = os.open("objects", _DIR_FLAGS, dir_fd=merged_fd)
-                try:
-                    for name, old, new in taken:
-                        subjects: tuple[str, ...] = ()
-                        if new is not None:
-                            subjects = commit_subjects(objects_fd, new, old, limit=MAX_SUBJECTS)
-                        refs.append(
-                            RefChange(
-                                name=name,
-                                old_oid=old,
-                                new_oid=new,
-                                subjects=tuple(subjects),
-                                allowed=allow.matches(name),
-                            )
-                        )
-                finally:
-                    os.close(objects_fd)
+                refs = _entries(merged_fd, taken, allow)
                 imported = import_from(layer_dir, upper, host_fd, loaded.imported_ns)
             if mode == "apply":
                 refs = list(apply(host_fd, refs, operator=False, gate=gate))
@@ -229,6 +216,10 @@ def conclude(
                     merged[name] = old
             if refs and keep is not None:
                 keep(tuple(refs))
+            if unchanged(loaded, merged, found, evidence, imported):
+                if settled is not None:
+                    settled(loaded)
+                return ()
             # After everything the sandbox wrote and this conclusion linked; before what
             # the next command writes.
             now = git_baseline.mark(layer_dir)
@@ -236,16 +227,68 @@ def conclude(
                 imported = now
             # What the bound left keeps its evidence for the next conclusion.
             concluded = loaded.concluded_ns if left else now
+            saved = git_baseline.Baseline(refs=merged, imported_ns=imported, concluded_ns=concluded)
             git_baseline.save(
-                layer_dir,
-                git_baseline.Baseline(refs=merged, imported_ns=imported, concluded_ns=concluded),
-                durable=merged != baseline or imported != loaded.imported_ns,
+                layer_dir, saved, durable=merged != baseline or imported != loaded.imported_ns
             )
+            if settled is not None and not left:
+                settled(saved)
             return tuple(refs)
         finally:
             os.close(merged_fd)
     finally:
         os.close(host_fd)
+
+
+def _entries(
+    merged_fd: int, taken: list[tuple[str, str | None, str | None]], allow: GlobSet
+) -> list[RefChange]:
+    """The entries of the ref moves `taken`, each with its new commits' subjects read
+    from the sandbox's view (`merged_fd`); none opens nothing (a `.git` with no
+    `objects/` yet has no ref to move either)."""
+    if not taken:
+        return []
+    refs = []
+    objects_fd = os.open("objects", _DIR_FLAGS, dir_fd=merged_fd)
+    try:
+        for name, old, new in taken:
+            subjects: tuple[str, ...] = ()
+            if new is not None:
+                subjects = commit_subjects(objects_fd, new, old, limit=MAX_SUBJECTS)
+            refs.append(
+                RefChange(
+                    name=name,
+                    old_oid=old,
+                    new_oid=new,
+                    subjects=tuple(subjects),
+                    allowed=allow.matches(name),
+                )
+            )
+    finally:
+        os.close(objects_fd)
+    return refs
+
+
+def unchanged(
+    loaded: git_baseline.Baseline,
+    merged: dict[str, str],
+    found: list[tuple[str, str | None, str | None]],
+    evidence: git_evidence.Evidence,
+    imported: int | None,
+) -> bool:
+    """May a conclusion leave the baseline `loaded` as it is (no mark, no write)? When
+    no ref moved (`found`), the view's refs are the baseline's, nothing was imported
+    (`imported` is the baseline's own: no new object, not mode "discard") and the sandbox
+    wrote no evidence since the last conclusion. Then the baseline it would save differs
+    from `loaded` only in `concluded_ns`, moved forward over a span in which no evidence
+    was written: the evidence a later conclusion reads since either time is the same,
+    and so is everything it reports (docs/working-layer.md, "The git layer"). Pure."""
+    return (
+        not found
+        and not evidence.any()
+        and imported == loaded.imported_ns
+        and merged == loaded.refs
+    )
 
 
 def import_from(layer_dir: str, upper: str, host_fd: int, since_ns: int) -> int | None:

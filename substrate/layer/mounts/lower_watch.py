@@ -199,6 +199,9 @@ class LowerWatch:
         self.degraded: str | None = None
         #: How many times the checkout was walked whole (the first walk included).
         self.walks = 0
+        #: How many drains found a change, walks and degradations so far: the same count
+        #: later, with nothing `pending`, means the checkout did not change in between.
+        self.seen = 0
         #: directory → the names in it changed since the last `mounted` ("" for the
         #: directory itself), or None when that is not known (`host_names`).
         self._touched: dict[str, set[str]] | None = {}
@@ -289,6 +292,7 @@ class LowerWatch:
             log.warning("the checkout's watch is given up (%s): every command remounts", reason)
         self.degraded = reason
         self.changed = True
+        self.seen += 1
         self.close()
 
     def _drain(self, root_fd: int) -> None:
@@ -297,6 +301,7 @@ class LowerWatch:
             self._paths.pop(wd, None)
         if reading.changed:
             self.changed = True
+            self.seen += 1
         self._note(reading)
         if reading.rewalk:
             self._walk_all(root_fd)
@@ -335,6 +340,7 @@ class LowerWatch:
         before = self._paths
         self._paths = {}
         self.walks += 1
+        self.seen += 1
         dev = os.fstat(root_fd).st_dev
         fd = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
         self._walk(fd, "", 0, dev)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from substrate.fs.paths import open_dir
 from substrate.layer.generation import Users
+from substrate.layer.git_baseline import Settled
 from substrate.layer.mounts import overlay, passthrough
 from substrate.layer.mounts.git_plan import GIT_REL, GitLayerPart
 from substrate.layer.mounts.lower_watch import LowerWatch
@@ -84,6 +85,8 @@ class WorkingLayer:
     remounts: int = 0
     #: Between `unmount_current` and `mount_next`: nothing is mounted on the base.
     awaiting_mount: bool = False
+    #: What the git layer's last conclusion left (`changes.git_quiet`), or None.
+    git_settled: Settled | None = None
 
     def stale(self) -> bool:
         """Might the checkout have changed since the generation was mounted? One `poll(2)`
