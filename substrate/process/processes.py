@@ -349,7 +349,7 @@ class Processes:
         t0 = trio.current_time()
         # The exec is created while the record commits: two round trips overlap.
         created: list[Prepared] = []
-        started: list[tuple[dict[int, OutputSink], int]] = []
+        started: list[tuple[dict[int, OutputSink], int, Meter]] = []
 
         async def create() -> None:
             created.append(
@@ -378,6 +378,7 @@ class Processes:
         except BaseException as exc:
             self.launcher.discard(created)
             if started:
+                started[0][2].close()
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(self._abort_record, req.ws, proc, started[0][0])
             single = _sole(exc)
@@ -386,7 +387,7 @@ class Processes:
             if single is not exc:
                 raise single from None
             raise
-        sinks, oom_before = started[0]
+        sinks, oom_before, meter = started[0]
         entry = Entry(
             proc=proc,
             workspace=req.ws.id,
@@ -406,7 +407,7 @@ class Processes:
             limit_s=checked.limit_s,
             snapshot=snapshot,
             use=use,
-            meter=Meter.start(sandbox),
+            meter=meter,
             cgroup=cgroup,
         )
         self._live[proc] = entry
@@ -567,7 +568,9 @@ class Processes:
 
     def _start_record(
         self, req: RunRequest, sandbox: Sandbox, proc: str
-    ) -> tuple[dict[int, OutputSink], int]:
+    ) -> tuple[dict[int, OutputSink], int, Meter]:
+        """The sinks, the OOM count and the usage meter from just before the start (its
+        cgroupfs reads here rather than on the event loop), once the record committed."""
         profile = sandbox.profile
         inline = self._config.inline_output_bytes
         sinks = {
@@ -584,7 +587,7 @@ class Processes:
             actor=req.actor,
             facts=sandbox.facts,
         )
-        return sinks, reaper.oom_kills(sandbox.cgroups)
+        return sinks, reaper.oom_kills(sandbox.cgroups), Meter.start(sandbox)
 
     def _abort_record(self, ws: Workspace, proc: str, sinks: Mapping[int, OutputSink]) -> None:
         for sink in sinks.values():
