@@ -352,6 +352,9 @@ class Processes:
         started: list[tuple[dict[int, OutputSink], int, Meter]] = []
 
         async def create() -> None:
+            # The record's worker thread starts first: its commit is the longer side, and
+            # what `create` does before its first wait runs on the loop meanwhile.
+            await trio.lowlevel.checkpoint()
             created.append(
                 await self.launcher.create(
                     sandbox,
