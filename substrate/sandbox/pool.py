@@ -24,7 +24,11 @@ shutdown.
 
 Who a member runs as: the profile's fixed `UID:GID`, or, for `user = "owner"`, the
 owner last seen for that profile (first: the first non-root-owned adopt root's owner).
-A workspace owned by someone else simply misses the pool.
+A workspace owned by someone else simply misses the pool. A supervised member's
+supervisor (docs/fast-exec.md) is started while it waits, as that uid:gid
+(`supervisor.warm`), and checked again at bind, after the member's facts verified for
+the workspace and against that workspace's uid, before anything runs on it: one that
+does not hold refuses the member like any other fact.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from substrate.sandbox.spec import (
     container_spec,
     create_request,
 )
+from substrate.sandbox.supervisor import warm
 from substrate.sandbox.supervisor.supervisors import Slot, supervised
 from substrate.workspace.registry import Workspace
 
@@ -232,10 +237,12 @@ class WarmPool:
         if c._host.identity(observed.init_pid) != member.init:
             raise ContainerGone(member.container)
         sandbox = await c._sandbox(member.container, ws, run, observed, home, [])
+        if member.slot is not None:  # its supervisor, if started while it waited
+            warm.check(member.slot, sandbox)
         await c._verifier.passed(member.container, ws.id, profile, observed.inspect, sandbox.facts)
         sandbox.layer = layer
         if member.slot is not None and c._supervisors is not None:
-            c._supervisors.attach(member.slot, sandbox)
+            await warm.attach(c._supervisors, member.slot, sandbox)
         await c._journal_async(
             "pool.bound",
             {"container": member.container[:12], "profile": profile.name},
@@ -290,6 +297,8 @@ class WarmPool:
         current = self._profiles.get(name)
         for member in list(state.ready):
             gone = self._c._host.identity(member.init_pid) != member.init
+            link = None if member.slot is None else member.slot.link
+            gone = gone or (link is not None and link.problem() is not None)
             if gone or member.declared != current:
                 state.ready.remove(member)
                 await self._discard(member, "gone" if gone else "profile_changed", None)
@@ -397,6 +406,14 @@ class WarmPool:
                 raise ContainerGone(container)
             cgroups = await trio.to_thread.run_sync(c._host.cgroups, init_pid)
             protected = {init_pid} | await c._keepalive_pids(cgroups, init_pid)
+            if slot is not None and c._supervisors is not None:
+                # Started now, as the uid:gid the container runs as: checked again for
+                # the workspace at bind (`warm.check`) before it serves anything.
+                pid = await warm.prestart(
+                    c._supervisors, slot, container, init_pid, who, dict(profile.env)
+                )
+                if pid is not None:
+                    protected.add(pid)
             undo.pop_all()
         return Member(
             container=container,

@@ -11,6 +11,12 @@ peer credentials name that process and whose `hello` carries the secret's MAC is
 accepted (`accept_hello`; anyone else connecting is closed). A start that does not
 complete raises `StartFailed` with its journal word (`reason_of` names the others).
 `supervisors.Supervisors._start` bounds it, keeps the result and journals it.
+
+A warm pool member's supervisor is started the same way while the member waits
+(`Supervisors.prestart`), against what its init shows then (`checks.unverified_baseline`:
+nothing is verified yet), as the uid:gid the member's container runs as. Once the member
+is verified for a workspace, `warm_problem` checks that supervisor again, from the host,
+against the workspace's verified baseline before anything runs on it.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from substrate.errors import Refusal
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.spec import RunAs
 from substrate.sandbox.supervisor import agent, checks
-from substrate.sandbox.supervisor.link import LinkBroken, receive
+from substrate.sandbox.supervisor.link import Link, LinkBroken, receive
 
 log = logging.getLogger("substrate.sandbox.supervisor")
 
@@ -156,6 +162,25 @@ async def accept_hello(
             conn.close()
             raise StartFailed("hello")
         return conn
+
+
+def warm_problem(link: Link, base: checks.Baseline, uid: int) -> str | None:
+    """Why a supervisor started before its sandbox was verified cannot serve it, or None
+    (blocking but tiny: a signal to its pidfd, three procfs reads). Checked as a start is
+    (`checks.supervisor_start_problem`: not traced, stopped or dumpable; the status
+    facts, cgroups and namespaces of `base`, the verified sandbox's), and its uid must be
+    `uid`, the one the workspace's commands run as: "uid" else."""
+    if link.uid != uid:
+        return "uid"
+    problem = link.problem()
+    if problem is not None:
+        return problem
+    try:
+        reading = checks.read_process(link.pid)
+        signal.pidfd_send_signal(link.pidfd, 0)  # still it: the reading was its own
+    except ProcessLookupError:
+        return "exited"
+    return checks.supervisor_start_problem(reading, base, uid)
 
 
 def reason_of(exc: BaseException) -> str:
