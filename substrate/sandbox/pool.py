@@ -17,7 +17,10 @@ its init and keep-alive only (a process left in it is refused). A member that do
 verify is removed, journalled (`pool.refused`) and replaced; the command then takes
 today's path. A pool that cannot be filled (engine down, image missing) logs once per
 error, says so in `daemon.status` (`warm_pool`) and retries with a backoff; commands
-take today's path meanwhile. Members are labelled `substrate.pool` with the daemon's id
+take today's path meanwhile. A member taken is replaced once its bind is over, and no
+member is made while a sandbox is being made on today's path (commands waiting for
+containers come first: in a burst larger than the pool, the refill would only compete
+with them for the engine and the CPU). Members are labelled `substrate.pool` with the daemon's id
 and epoch, so a dead daemon's members are removed at the next start like any orphan
 (`Labelled.reap_previous`), their layers by the start-up sweep; `close` removes them on
 shutdown.
@@ -76,6 +79,8 @@ POOL_WORKSPACE = ".pool"
 MAX_PER_PROFILE = 16
 #: Seconds between refill attempts after a failure: doubling from the first to the last.
 BACKOFF_S = (1.0, 60.0)
+#: Seconds between looks, while sandboxes are being made on the usual path (no refill).
+DEFER_S = 0.25
 #: Seconds between looks at the members (a reloaded profile's, a dead container's go).
 PRUNE_S = 30.0
 
@@ -176,8 +181,8 @@ class WarmPool:
             return None
         self._note(profile, run.who)
         member = self._take(state, run)
-        self._wake.set()
         if member is None:
+            self._wake.set()
             return None
         try:
             return await self._bind(ws, run, member)
@@ -189,6 +194,8 @@ class WarmPool:
         except BaseException:
             await self._discard(member, "bind_failed", ws.id)
             raise
+        finally:  # refilled once bound: the making does not compete with this bind
+            self._wake.set()
 
     def _take(self, state: PoolState, run: Resolved) -> Member | None:
         for member in state.ready:
@@ -270,6 +277,9 @@ class WarmPool:
             for name, state in self.pools.items():
                 await self._prune(name, state)
                 if len(state.ready) >= state.wanted:
+                    continue
+                if self._c.creating:  # commands are waiting for new sandboxes: they first
+                    next_wake = min(next_wake, DEFER_S)
                     continue
                 wait = retry_at.get(name, 0.0) - time.monotonic()
                 if wait > 0:
