@@ -178,6 +178,8 @@ def density(base: Path, n: int, pool_size: int) -> None:
         per = statistics.median(container_memory(sdk, c) for c in ids)
         print(f"density: {n} new workspaces' first commands at once (pool of {pool_size})")
         print(f"  wall {wall:.2f} s (goal <= 10), failures {len(errors)}")
+        for exc in errors[:3]:
+            print(f"    {type(exc).__name__}: {str(exc)[:300]}")
         print(
             f"  daemon RSS {rss_before / 2**20:.1f} MiB before, peak {peak[0] / 2**20:.1f} MiB"
             " (goal <= 150)"

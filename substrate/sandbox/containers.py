@@ -208,6 +208,8 @@ class Containers:
         self._supervisors = supervisors
         #: The warm pool (docs/execution.md, "The warm pool"); None: every sandbox is new.
         self.pool: LateBinder | None = None
+        #: New sandboxes being made on the usual path now (the pool waits for none).
+        self.creating = 0
 
     # -- lookup --------------------------------------------------------------------------
 
@@ -314,6 +316,15 @@ class Containers:
         run = await self._resolve(ws, profile)  # 1. resolve
         if self.pool is not None and (bound := await self.pool.bind(ws, run)) is not None:
             return bound  # steps 2-7 on a warm sandbox, for this workspace
+        self.creating += 1
+        try:
+            return await self._create_new(ws, run)
+        finally:
+            self.creating -= 1
+
+    async def _create_new(self, ws: Workspace, run: Resolved) -> Sandbox:
+        """Steps 2-7 on a new container (`_create_verified`)."""
+        profile = run.declared
         async with contextlib.AsyncExitStack() as undo:
             home = await self._home(ws, run)  # 2. the environment
             layer = await self._layer(ws, run)

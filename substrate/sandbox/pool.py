@@ -17,14 +17,21 @@ its init and keep-alive only (a process left in it is refused). A member that do
 verify is removed, journalled (`pool.refused`) and replaced; the command then takes
 today's path. A pool that cannot be filled (engine down, image missing) logs once per
 error, says so in `daemon.status` (`warm_pool`) and retries with a backoff; commands
-take today's path meanwhile. Members are labelled `substrate.pool` with the daemon's id
+take today's path meanwhile. A member taken is replaced once its bind is over, and no
+member is made while a sandbox is being made on today's path (commands waiting for
+containers come first: in a burst larger than the pool, the refill would only compete
+with them for the engine and the CPU). Members are labelled `substrate.pool` with the daemon's id
 and epoch, so a dead daemon's members are removed at the next start like any orphan
 (`Labelled.reap_previous`), their layers by the start-up sweep; `close` removes them on
 shutdown.
 
 Who a member runs as: the profile's fixed `UID:GID`, or, for `user = "owner"`, the
 owner last seen for that profile (first: the first non-root-owned adopt root's owner).
-A workspace owned by someone else simply misses the pool.
+A workspace owned by someone else simply misses the pool. A supervised member's
+supervisor (docs/fast-exec.md) is started while it waits, as that uid:gid
+(`supervisor.warm`), and checked again at bind, after the member's facts verified for
+the workspace and against that workspace's uid, before anything runs on it: one that
+does not hold refuses the member like any other fact.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from substrate.sandbox.spec import (
     container_spec,
     create_request,
 )
+from substrate.sandbox.supervisor import warm
 from substrate.sandbox.supervisor.supervisors import Slot, supervised
 from substrate.workspace.registry import Workspace
 
@@ -71,6 +79,8 @@ POOL_WORKSPACE = ".pool"
 MAX_PER_PROFILE = 16
 #: Seconds between refill attempts after a failure: doubling from the first to the last.
 BACKOFF_S = (1.0, 60.0)
+#: Seconds between looks, while sandboxes are being made on the usual path (no refill).
+DEFER_S = 0.25
 #: Seconds between looks at the members (a reloaded profile's, a dead container's go).
 PRUNE_S = 30.0
 
@@ -171,8 +181,8 @@ class WarmPool:
             return None
         self._note(profile, run.who)
         member = self._take(state, run)
-        self._wake.set()
         if member is None:
+            self._wake.set()
             return None
         try:
             return await self._bind(ws, run, member)
@@ -184,6 +194,8 @@ class WarmPool:
         except BaseException:
             await self._discard(member, "bind_failed", ws.id)
             raise
+        finally:  # refilled once bound: the making does not compete with this bind
+            self._wake.set()
 
     def _take(self, state: PoolState, run: Resolved) -> Member | None:
         for member in state.ready:
@@ -232,10 +244,12 @@ class WarmPool:
         if c._host.identity(observed.init_pid) != member.init:
             raise ContainerGone(member.container)
         sandbox = await c._sandbox(member.container, ws, run, observed, home, [])
+        if member.slot is not None:  # its supervisor, if started while it waited
+            warm.check(member.slot, sandbox)
         await c._verifier.passed(member.container, ws.id, profile, observed.inspect, sandbox.facts)
         sandbox.layer = layer
         if member.slot is not None and c._supervisors is not None:
-            c._supervisors.attach(member.slot, sandbox)
+            await warm.attach(c._supervisors, member.slot, sandbox)
         await c._journal_async(
             "pool.bound",
             {"container": member.container[:12], "profile": profile.name},
@@ -264,6 +278,9 @@ class WarmPool:
                 await self._prune(name, state)
                 if len(state.ready) >= state.wanted:
                     continue
+                if self._c.creating:  # commands are waiting for new sandboxes: they first
+                    next_wake = min(next_wake, DEFER_S)
+                    continue
                 wait = retry_at.get(name, 0.0) - time.monotonic()
                 if wait > 0:
                     next_wake = min(next_wake, wait)
@@ -290,6 +307,8 @@ class WarmPool:
         current = self._profiles.get(name)
         for member in list(state.ready):
             gone = self._c._host.identity(member.init_pid) != member.init
+            link = None if member.slot is None else member.slot.link
+            gone = gone or (link is not None and link.problem() is not None)
             if gone or member.declared != current:
                 state.ready.remove(member)
                 await self._discard(member, "gone" if gone else "profile_changed", None)
@@ -397,6 +416,14 @@ class WarmPool:
                 raise ContainerGone(container)
             cgroups = await trio.to_thread.run_sync(c._host.cgroups, init_pid)
             protected = {init_pid} | await c._keepalive_pids(cgroups, init_pid)
+            if slot is not None and c._supervisors is not None:
+                # Started now, as the uid:gid the container runs as: checked again for
+                # the workspace at bind (`warm.check`) before it serves anything.
+                pid = await warm.prestart(
+                    c._supervisors, slot, container, init_pid, who, dict(profile.env)
+                )
+                if pid is not None:
+                    protected.add(pid)
             undo.pop_all()
         return Member(
             container=container,

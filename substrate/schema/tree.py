@@ -279,6 +279,7 @@ KIND_OF: dict[str, str] = {
     "sandbox/supervisor/startup.py": "edge",
     "sandbox/supervisor/checks.py": "kernel",
     "sandbox/supervisor/ahead.py": "edge",
+    "sandbox/supervisor/warm.py": "edge",
     "sandbox/images/": "edge",
     "sandbox/images/build.py": "edge",
     "sandbox/images/rootfs.py": "edge",

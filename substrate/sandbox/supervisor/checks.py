@@ -86,6 +86,20 @@ def baseline(init_pid: int, sandbox_facts: Sequence[Fact]) -> Baseline:
     )
 
 
+def unverified_baseline(init_pid: int) -> Baseline:
+    """What the init of a sandbox not verified yet (a warm pool member's) shows now, read
+    from the host: the baseline its supervisor is started against while it waits. It is
+    never the one a command is checked against: once the sandbox is verified for a
+    workspace, its supervisor is checked again against `baseline` (`startup.warm_problem`).
+    Blocking (procfs). Raises ProcessLookupError, and ValueError on a malformed status."""
+    reading = read_process(init_pid)
+    return Baseline(
+        status=status_values(reading.status),
+        cgroup=reading.cgroup,
+        namespaces=reading.namespaces,
+    )
+
+
 def read_process(pid: int) -> Reading:
     """Read `pid` through one directory fd. Raises ProcessLookupError when it is gone."""
     try:

@@ -2,15 +2,22 @@
 
 `start_program` is one start, from the engine's exec to the authenticated control
 connection: the program (`agent.COMMAND`) is exec'd as the sandbox's uid:gid with the
-profile's environment; its host pid is read from the engine and a pidfd opened on it
-(whatever fails after that, the process is killed through it); its `ready` is read from
-the engine's multiplexed stream (`read_ready`) once it is non-dumpable; it is checked
+profile's environment; its `ready` is read from the engine's multiplexed stream
+(`read_ready`) once it is non-dumpable; then its host pid is read from the engine (one
+call: it runs) and a pidfd opened on it (whatever fails after the exec started, the
+process is killed: `_kill_exec` before the pid is known, its pidfd after); it is checked
 from the host (`checks.supervisor_start_problem`); only then is the start's secret (32
 random bytes) written on its stdin, and the one connection on the sandbox's socket whose
 peer credentials name that process and whose `hello` carries the secret's MAC is
 accepted (`accept_hello`; anyone else connecting is closed). A start that does not
 complete raises `StartFailed` with its journal word (`reason_of` names the others).
 `supervisors.Supervisors._start` bounds it, keeps the result and journals it.
+
+A warm pool member's supervisor is started the same way while the member waits
+(`Supervisors.prestart`), against what its init shows then (`checks.unverified_baseline`:
+nothing is verified yet), as the uid:gid the member's container runs as. Once the member
+is verified for a workspace, `warm_problem` checks that supervisor again, from the host,
+against the workspace's verified baseline before anything runs on it.
 """
 
 from __future__ import annotations
@@ -28,12 +35,16 @@ from typing import Any
 import trio
 
 from substrate.errors import Refusal
-from substrate.sandbox.engine import ContainerGone, Engine
+from substrate.sandbox.engine import ContainerGone, Engine, EngineError
 from substrate.sandbox.spec import RunAs
 from substrate.sandbox.supervisor import agent, checks
-from substrate.sandbox.supervisor.link import LinkBroken, receive
+from substrate.sandbox.supervisor.link import Link, LinkBroken, receive
 
 log = logging.getLogger("substrate.sandbox.supervisor")
+
+
+#: Seconds a failed start may take to find and kill its process.
+KILL_S = 5.0
 
 
 class StartFailed(Exception):
@@ -53,7 +64,12 @@ async def start_program(
     accepting: trio.socket.SocketType,
 ) -> tuple[int, int, trio.socket.SocketType]:
     """Start the program in `container` through the engine; (host pid, pidfd, control
-    connection). Raises `StartFailed`, and what the engine's exec raises."""
+    connection). Raises `StartFailed`, and what the engine's exec raises.
+
+    `ready` is read before the pid is asked for: by then the exec runs, so one
+    `exec_inspect` finds it (polling the engine while the exec was still being set up
+    cost several calls per start, under load most of them). Whatever fails after the
+    exec started, the process is killed: through a pidfd on the pid the engine gives."""
     exec_id = await engine.exec_create(
         container,
         list(agent.COMMAND),
@@ -66,10 +82,13 @@ async def start_program(
     sock = trio.socket.from_stdlib_socket(stream.sock)
     pidfd = -1
     try:
-        # The pid first: whatever fails after this, the process is killed (its pidfd).
+        try:
+            await read_ready(sock, stream.initial)
+        except BaseException:
+            await _kill_exec(engine, exec_id)
+            raise
         pid = await exec_pid(engine, exec_id)
         pidfd = os.pidfd_open(pid)
-        await read_ready(sock, stream.initial)
         try:
             reading = checks.read_process(pid)
         except ProcessLookupError:
@@ -89,6 +108,19 @@ async def start_program(
         raise
     finally:
         sock.close()
+
+
+async def _kill_exec(engine: Engine, exec_id: str) -> None:
+    """A start that failed before its pid was asked for: kill the process if it runs
+    (shielded, bounded by `KILL_S`: a cancelled start is cleaned up too)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(KILL_S):
+        try:
+            pidfd = os.pidfd_open(await exec_pid(engine, exec_id))
+        except (StartFailed, Refusal, ContainerGone, EngineError, OSError):
+            return  # it exited, or the engine cannot say: nothing to kill
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.close(pidfd)
 
 
 async def exec_pid(engine: Engine, exec_id: str) -> int:
@@ -156,6 +188,25 @@ async def accept_hello(
             conn.close()
             raise StartFailed("hello")
         return conn
+
+
+def warm_problem(link: Link, base: checks.Baseline, uid: int) -> str | None:
+    """Why a supervisor started before its sandbox was verified cannot serve it, or None
+    (blocking but tiny: a signal to its pidfd, three procfs reads). Checked as a start is
+    (`checks.supervisor_start_problem`: not traced, stopped or dumpable; the status
+    facts, cgroups and namespaces of `base`, the verified sandbox's), and its uid must be
+    `uid`, the one the workspace's commands run as: "uid" else."""
+    if link.uid != uid:
+        return "uid"
+    problem = link.problem()
+    if problem is not None:
+        return problem
+    try:
+        reading = checks.read_process(link.pid)
+        signal.pidfd_send_signal(link.pidfd, 0)  # still it: the reading was its own
+    except ProcessLookupError:
+        return "exited"
+    return checks.supervisor_start_problem(reading, base, uid)
 
 
 def reason_of(exc: BaseException) -> str:

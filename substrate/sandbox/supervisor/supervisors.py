@@ -24,6 +24,8 @@ Theory of operation (docs/fast-exec.md):
   the supervisor only); the one connection whose peer credentials name that process and
   whose `hello` carries the secret's MAC is its control connection. Its host pid joins
   the sandbox's `protected` pids (the reaper never signals it).
+- A warm pool member's supervisor is started while the member waits, and checked again
+  once the member is verified for a workspace (`warm`).
 - A supervisor that exited, stopped answering or broke the wire is `supervisor.lost`; one
   that is traced, dumpable, or shows other confinement is `supervisor.tampered` (it is
   killed). Either way the next command starts a new one (`supervisor.started` with the
@@ -74,6 +76,16 @@ RETRY_S = 60.0
 #: A channel closed without a report: how long a dying supervisor may take to read as
 #: exited (it closes its descriptors before it is a zombie), seconds.
 CLOSED_WAIT_S = 1.0
+#: What ends a start that did not complete (journalled as `reason_of` names it).
+START_ERRORS = (
+    StartFailed,
+    trio.TooSlowError,
+    trio.ClosedResourceError,
+    Refusal,
+    ContainerGone,
+    EngineError,
+    OSError,
+)
 #: Problems that mean the supervisor cannot be trusted (the others: it is just gone).
 TAMPERED = frozenset({"traced", "dumpable", "confinement", "cgroup", "namespaces", "protocol"})
 
@@ -119,6 +131,9 @@ class Slot:
     asked: bool = False  # a spare was asked for and is not settled yet
     #: Command cgroups of spares let go, removed once empty (`remove_orphans`).
     orphans: list[cmd_cgroups.CommandCgroup] = field(default_factory=list)
+    #: A supervisor started while its sandbox waited in the warm pool (`warm.prestart`): how
+    #: long its start took, journalled once a workspace's sandbox takes it over.
+    warm_ms: float | None = None
 
     def drop_spare(self) -> None:
         """Let go of the spare (it exits without exec) and unprotect its pid."""
@@ -236,9 +251,14 @@ class Supervisors:
     # -- sandboxes -------------------------------------------------------------------------
 
     def attach(self, slot: Slot, sandbox: SandboxView) -> None:
-        """`sandbox` (verified) uses `slot`; its supervisor starts with its first command."""
+        """`sandbox` (verified) uses `slot`; its supervisor starts with its first command,
+        unless one was started while it waited in the warm pool and `warm.check` kept it
+        (then its host pid joins the sandbox's protected pids)."""
         slot.sandbox = sandbox
-        slot.accepting = trio.socket.from_stdlib_socket(slot.listener)
+        if slot.accepting is None:
+            slot.accepting = trio.socket.from_stdlib_socket(slot.listener)
+        if slot.link is not None:
+            sandbox.protected = sandbox.protected | {slot.link.pid}
         self._slots[sandbox.id] = slot
 
     async def detach(self, container: str) -> None:
@@ -393,16 +413,7 @@ class Supervisors:
             return await self._start(slot, sandbox)
 
     async def _start(self, slot: Slot, sandbox: SandboxView) -> Link | None:
-        python = f"/proc/{sandbox.init_pid}/root{agent.COMMAND[0]}"
-        try:
-            os.lstat(python)  # the last component is never followed (may be a symlink)
-        except OSError:
-            slot.no_python = True
-            log.info(
-                "%s: no %s in the image: commands use the engine's exec",
-                sandbox.id[:12],
-                agent.COMMAND[0],
-            )
+        if not self.has_python(slot, sandbox.id, sandbox.init_pid):
             return None
         generation = slot.generation + 1
         t0 = trio.current_time()
@@ -411,24 +422,10 @@ class Supervisors:
                 base = await trio.to_thread.run_sync(
                     checks.baseline, sandbox.init_pid, sandbox.facts, limiter=self._fs_limiter
                 )
-                assert slot.accepting is not None  # attached: its sandbox is verified
-                pid, pidfd, control = await start_program(
-                    self._engine,
-                    sandbox.id,
-                    sandbox.who,
-                    dict(sandbox.profile.env),
-                    base,
-                    slot.accepting,
+                link = await self.launch(
+                    slot, sandbox.id, sandbox.who, dict(sandbox.profile.env), base, generation
                 )
-        except (
-            StartFailed,
-            trio.TooSlowError,
-            trio.ClosedResourceError,
-            Refusal,
-            ContainerGone,
-            EngineError,
-            OSError,
-        ) as exc:
+        except START_ERRORS as exc:
             reason = exc.reason if isinstance(exc, StartFailed) else reason_of(exc)
             slot.retry_at = trio.current_time() + RETRY_S
             log.warning("%s: supervisor start failed: %s", sandbox.id[:12], reason)
@@ -436,21 +433,53 @@ class Supervisors:
             return None
         if generation > 1:  # in place of one lost, tampered with or stopped
             METRICS.supervisor_replacements.inc()
+        sandbox.protected = sandbox.protected | {link.pid}
+        start_ms = round((trio.current_time() - t0) * 1000, 3)
+        await self._journal_async(
+            "supervisor.started", sandbox, generation, None, start_ms=start_ms
+        )
+        return link
+
+    def has_python(self, slot: Slot, container: str, init_pid: int) -> bool:
+        """Is there a python3 to start the program with? (No: `slot.no_python`, for good.)"""
+        try:  # the last component is never followed (may be a symlink)
+            os.lstat(f"/proc/{init_pid}/root{agent.COMMAND[0]}")
+        except OSError:
+            slot.no_python = True
+            log.info(
+                "%s: no %s in the image: commands use the engine's exec",
+                container[:12],
+                agent.COMMAND[0],
+            )
+            return False
+        return True
+
+    async def launch(
+        self,
+        slot: Slot,
+        container: str,
+        who: RunAs,
+        environment: dict[str, str],
+        base: checks.Baseline,
+        generation: int,
+    ) -> Link:
+        """One start (`startup.start_program`), kept as `slot`'s supervisor `generation`
+        (with `_start`, or `warm.prestart`). Raises what `START_ERRORS` names."""
+        t0 = trio.current_time()
+        assert slot.accepting is not None  # attached, or a warm member's (`prestart`)
+        pid, pidfd, control = await start_program(
+            self._engine, container, who, environment, base, slot.accepting
+        )
         slot.generation = generation
         slot.link = Link(
-            container=sandbox.id,
+            container=container,
             generation=generation,
             pid=pid,
             pidfd=pidfd,
             control=control,
             base=base,
-            uid=sandbox.who.uid,
+            uid=who.uid,
             started=t0,
-        )
-        sandbox.protected = sandbox.protected | {pid}
-        start_ms = round((trio.current_time() - t0) * 1000, 3)
-        await self._journal_async(
-            "supervisor.started", sandbox, generation, None, start_ms=start_ms
         )
         return slot.link
 
