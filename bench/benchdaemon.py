@@ -16,22 +16,32 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 class BenchDaemon:
-    def __init__(self, base: Path, serve_args: Sequence[str] = (), repo: Path = REPO) -> None:
-        """`repo`: the checkout whose `substrate` runs (another one for an A/B run)."""
+    def __init__(
+        self,
+        base: Path,
+        serve_args: Sequence[str] = (),
+        repo: Path = REPO,
+        launcher: Sequence[str] = ("-m", "substrate"),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`repo`: the checkout whose `substrate` runs (another one for an A/B run);
+        `launcher`: what `python` runs with the command line (a script wrapping it:
+        `write_probes.py`); `env`: added to the environment."""
         self.base = base
         self.state = base / "state"
         self.roots = base / "roots"
         self.roots.mkdir()
         self.log = open(base / "daemon.log", "wb")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(repo), *filter(None, [env.get("PYTHONPATH")])])
-        env.pop("SUBSTRATE_STATE_DIR", None)
+        environ = {**os.environ, **(env or {})}
+        path = [str(repo), *filter(None, [environ.get("PYTHONPATH")])]
+        environ["PYTHONPATH"] = os.pathsep.join(path)
+        environ.pop("SUBSTRATE_STATE_DIR", None)
         argv = [
-            sys.executable, "-m", "substrate", "--state-dir", str(self.state),
+            sys.executable, *launcher, "--state-dir", str(self.state),
             "serve", "--adopt-root", str(self.roots), "--listen", "127.0.0.1:0", *serve_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
-            argv, cwd=base, env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log
+            argv, cwd=base, env=environ, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log
         )
         self.socket = self.state / "substrate.sock"
         deadline = time.monotonic() + 30
