@@ -94,6 +94,7 @@ def segments(record: dict[str, list[float]], sent: float, got: float) -> dict[st
             continue
         start, end = span
         if step == "write":
+            assert prev_end is not None  # the dispatch comes first
             out["hop in: task start, handler, to the worker thread"] = (start - prev_end) * 1e6
             prev_end, prev = start, step
             continue
