@@ -6,7 +6,7 @@ client times each round trip. Printed: the median of each step and of each gap b
 steps, in microseconds, in the order they happen, with the local loop's steps (temp
 file, write, fsync, rename, directory fsync) measured in the same run beside them:
 
-    python bench/write_breakdown.py [--dir /tmp] [--writes 400]
+    python bench/write_breakdown.py [--dir /tmp] [--writes 400] [--repo CHECKOUT]
 
 The client's stamps and the daemon's are of one clock (`perf_counter`, CLOCK_MONOTONIC),
 so the first and last rows are the client's encode and decode, the socket, and the event
@@ -37,7 +37,7 @@ STEPS = [
     ("dispatch", "request decoded, validated, its task spawned (event loop)"),
     ("write", None),
     ("plan", "plan: path, policy, read + SHA-256 of the current bytes, diff preview"),
-    ("create", "temp file created (`O_CREAT|O_EXCL`, a reserved name)"),
+    ("create", "temp file created (`O_CREAT`, `O_EXCL`: a reserved name)"),
     ("fill", "temp file written, chown, chmod, fsync (the intent commits meanwhile)"),
     ("intent_wait", "waiting for the intent's commit"),
     ("reread", "under the commit lock: the base re-read and hashed"),
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--writes", type=int, default=400)
+    ap.add_argument("--repo", type=Path, default=REPO, help="the checkout whose daemon runs")
     args = ap.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="sbb-", dir=args.dir))
     probes = base / "probes.jsonl"
@@ -129,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (base / "d").mkdir()
         launcher = [str(REPO / "bench" / "write_probes.py")]
-        daemon = BenchDaemon(
-            base / "d", launcher=launcher, env={"SUBSTRATE_WRITE_PROBES": str(probes)}
-        )
+        env = {"SUBSTRATE_WRITE_PROBES": str(probes)}
+        daemon = BenchDaemon(base / "d", repo=args.repo.resolve(), launcher=launcher, env=env)
         try:
             ws_dir = daemon.roots / "bench"
             (ws_dir / "w").mkdir(parents=True)
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in segments(record, sent, got).items():
             rows.setdefault(key, []).append(value)
     print(f"one sequential guarded 4 KiB replace, medians of {args.writes} writes, µs")
+    print(f"(the daemon of {args.repo})")
     print(f"(load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs)")
     print("| step | µs |")
     print("|---|---|")

@@ -19,10 +19,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The checkout whose `substrate` runs comes first on PYTHONPATH (`BenchDaemon`).
 
 #: One dict per write: step name → (start, end), filled by the thread doing it.
 _records: list[dict[str, tuple[float, float]]] = []
