@@ -23,10 +23,13 @@ class BenchDaemon:
         repo: Path = REPO,
         module: str = "substrate",
         env: dict[str, str] | None = None,
+        launcher: Sequence[str] | None = None,
     ) -> None:
         """`repo`: the checkout whose `substrate` runs (another one for an A/B run);
         `module`: what `python -m` runs (a bench wrapper of `substrate`'s command line,
-        such as `bench.layerclock`); `env`: set in the daemon's environment."""
+        such as `bench.layerclock`); `launcher`: what `python` runs instead of `-m
+        module` (a script wrapping the command line: `write_probes.py`); `env`: set in
+        the daemon's environment."""
         self.base = base
         self.state = base / "state"
         self.roots = base / "roots"
@@ -38,8 +41,9 @@ class BenchDaemon:
             paths.append(str(REPO))
         environ["PYTHONPATH"] = os.pathsep.join(paths)
         environ.pop("SUBSTRATE_STATE_DIR", None)
+        run = list(launcher) if launcher is not None else ["-m", module]
         argv = [
-            sys.executable, "-m", module, "--state-dir", str(self.state),
+            sys.executable, *run, "--state-dir", str(self.state),
             "serve", "--adopt-root", str(self.roots), "--listen", "127.0.0.1:0", *serve_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(

@@ -250,9 +250,12 @@ class Connection:
         try:
             if self._closed:
                 return
+            sent = self._send_now(data)
+            if sent is None or sent == len(data):
+                return
             with trio.move_on_after(SEND_TIMEOUT_S) as scope:
                 try:
-                    await self.stream.send_all(data)
+                    await self.stream.send_all(memoryview(data)[sent:])
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     self._close()
             if scope.cancelled_caught:
@@ -261,6 +264,19 @@ class Connection:
                 await trio.aclose_forcefully(self.stream)
         finally:
             self._send_lock.release()
+
+    def _send_now(self, data: bytes) -> int | None:
+        """What of `data` the socket takes at once (non-blocking), None when the peer is
+        gone (then the connection closes). A reply that fits the socket's buffer, the
+        common case, goes without `send_all`'s scheduling round (tens of microseconds
+        of a small call's round trip); the rest is left to it. Holding the send lock."""
+        try:
+            return os.write(self.stream.socket.fileno(), data)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            self._close()
+            return None
 
     def _close(self) -> None:
         """No more sends: replies waiting for room (on any connection of the uid) look again."""

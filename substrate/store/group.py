@@ -22,6 +22,15 @@ of the batch was committed). Order is kept: units commit in the order they were
 submitted, so a caller that submits under a lock (a workspace's commit lock) gets
 entries in the order it took that lock.
 
+A place in the order can be taken before the work is known (`reserve`, under the lock)
+and filled later (`fill`, after a directory fsync the unit must follow; `drop` if it
+never comes). A batch never waits for one: the leader takes the queued units that are
+ready, in order, up to the first reserved place not yet filled; units submitted
+`ordered=False` (a write's intent, which no entry's order depends on) go past such a
+place. So the transaction, and the store's lock, are never held while a writer fsyncs,
+and the commit of one batch overlaps the directory fsyncs of the next. `flush` waits
+for every place taken before it, filled or not.
+
 Blocking: call from worker threads. Costs per batch one transaction, one savepoint per
 unit, and a condition-variable wake-up per waiter.
 """
@@ -33,7 +42,7 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["GroupCommit", "Ticket"]
 
@@ -41,12 +50,14 @@ T = TypeVar("T")
 
 
 class Ticket(Generic[T]):
-    """One submitted unit: its result or error once its batch is committed."""
+    """One submitted unit: its result or error once its batch is committed. `work` is
+    None while a reserved place is not filled."""
 
-    __slots__ = ("done", "error", "result", "work")
+    __slots__ = ("done", "error", "ordered", "result", "work")
 
-    def __init__(self, work: Callable[[sqlite3.Connection], T]) -> None:
+    def __init__(self, work: Callable[[sqlite3.Connection], T] | None, ordered: bool) -> None:
         self.work = work
+        self.ordered = ordered
         self.done = False
         self.result: T | None = None
         self.error: BaseException | None = None
@@ -62,14 +73,56 @@ class GroupCommit:
         self._transaction = transaction
         self._cond = threading.Condition(threading.Lock())
         self._queue: list[Ticket[object]] = []
+        #: The batch being committed (empty when none is).
+        self._batch: list[Ticket[object]] = []
         self._committing = False
 
-    def submit(self, work: Callable[[sqlite3.Connection], T]) -> Ticket[T]:
-        """Queue `work` behind every unit submitted before it; returns at once."""
-        ticket: Ticket[T] = Ticket(work)
+    def submit(self, work: Callable[[sqlite3.Connection], T], *, ordered: bool = True) -> Ticket[T]:
+        """Queue `work` behind every unit submitted before it; returns at once. Not
+        `ordered`: it may commit before a reserved place queued before it is filled."""
+        ticket: Ticket[T] = Ticket(work, ordered)
         with self._cond:
             self._queue.append(ticket)  # type: ignore[arg-type]
         return ticket
+
+    def reserve(self) -> Ticket[Any]:
+        """Take the next place in the order for work given later (`fill`, or `drop`):
+        nothing submitted after it (ordered) commits before it. Returns at once."""
+        ticket: Ticket[Any] = Ticket(None, True)
+        with self._cond:
+            self._queue.append(ticket)
+        return ticket
+
+    def fill(self, ticket: Ticket[T], work: Callable[[sqlite3.Connection], T]) -> None:
+        """Give a reserved place its work: it commits with the next batch."""
+        with self._cond:
+            ticket.work = work
+            self._cond.notify_all()
+
+    def drop(self, ticket: Ticket[Any], error: BaseException) -> None:
+        """Give up a reserved place (its work will never come): `wait` raises `error`."""
+        with self._cond:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+            ticket.error, ticket.done = error, True
+            self._cond.notify_all()
+
+    def _ready(self) -> list[Ticket[object]]:
+        """Take from the queue the units a batch may commit now: in order, up to the
+        first unfilled place, and past it those not `ordered` (call holding the lock)."""
+        batch: list[Ticket[object]] = []
+        left: list[Ticket[object]] = []
+        blocked = False
+        for ticket in self._queue:
+            if ticket.work is None:
+                blocked = True
+                left.append(ticket)
+            elif blocked and ticket.ordered:
+                left.append(ticket)
+            else:
+                batch.append(ticket)
+        self._queue = left
+        return batch
 
     def wait(self, ticket: Ticket[T]) -> T:
         """Block until `ticket`'s batch is committed (leading a batch when none is being
@@ -79,14 +132,17 @@ class GroupCommit:
                 if self._committing:
                     self._cond.wait()
                     continue
-                batch, self._queue = self._queue, []
-                self._committing = True
+                batch = self._ready()
+                if not batch:
+                    self._cond.wait()  # for a reserved place before it to be filled
+                    continue
+                self._committing, self._batch = True, batch
                 self._cond.release()
                 try:
                     self._commit(batch)
                 finally:
                     self._cond.acquire()
-                    self._committing = False
+                    self._committing, self._batch = False, []
                     self._cond.notify_all()
         if ticket.error is not None:
             raise ticket.error
@@ -97,26 +153,23 @@ class GroupCommit:
         return self.wait(self.submit(work))
 
     def flush(self) -> None:
-        """Return once everything submitted so far is committed (or has failed): leads a
-        batch of what is queued, or waits for the one being committed. Free when nothing
-        is queued or committing."""
+        """Return once everything submitted (or reserved) so far is committed or has
+        failed: leads batches of what is queued, or waits for the one being committed,
+        and for reserved places to be filled. Free when nothing is queued or committing."""
         with self._cond:
             if not self._queue and not self._committing:
                 return
-            last = self._queue[-1] if self._queue else None
-        if last is not None:
+            before = [*self._batch, *self._queue]
+        for ticket in before:
             with contextlib.suppress(Exception):
-                self.wait(last)  # its error is its submitter's to see
-            return
-        with self._cond:
-            while self._committing:
-                self._cond.wait()
+                self.wait(ticket)  # its error is its submitter's to see
 
     def _commit(self, batch: list[Ticket[object]]) -> None:
         """Run `batch` in one transaction, a savepoint each; settle every ticket."""
         try:
             with self._transaction() as db:
                 for ticket in batch:
+                    assert ticket.work is not None  # only filled places are taken
                     db.execute("SAVEPOINT unit")
                     try:
                         ticket.result = ticket.work(db)

@@ -110,8 +110,14 @@ def test_a_write_journaled_in_a_group_stays_before_a_later_entry(
     group = store.group
 
     class LateWaits:
-        def submit(self, work: Callable[[sqlite3.Connection], Any]) -> Ticket[Any]:
-            return group.submit(work)
+        def reserve(self) -> Ticket[Any]:
+            return group.reserve()
+
+        def drop(self, ticket: Ticket[Any], error: BaseException) -> None:
+            group.drop(ticket, error)
+
+        def fill(self, ticket: Ticket[Any], work: Callable[[sqlite3.Connection], Any]) -> None:
+            group.fill(ticket, work)
 
         def wait(self, ticket: Ticket[Any]) -> Any:
             # Another caller journals while this write's unit is still queued.
@@ -140,3 +146,42 @@ def test_a_nested_transaction_fails_as_before_and_leaves_the_queue_alone(store: 
         assert not ticket.done
     assert store.group.wait(ticket) == "queued"
     assert values(store) == ["outer", "queued"]
+
+
+def test_a_transaction_waits_for_a_place_reserved_before_it_to_be_filled(store: Store) -> None:
+    """A write's place taken under its lock, its entry given only after its directory
+    fsync: a unit submitted after the place, and a transaction begun meanwhile, commit
+    after it; a unit not `ordered` (an intent) goes past it."""
+    place = store.group.reserve()
+    after = store.group.submit(insert("after"))
+    aside = store.group.submit(insert("aside"), ordered=False)
+    assert store.group.wait(aside) == "aside" and not after.done and not place.done
+
+    def later() -> None:
+        with store.transaction() as db:
+            db.execute("INSERT INTO t(v) VALUES ('later')")
+
+    results: list[str] = []
+    waiter = threading.Thread(target=lambda: results.append(store.group.wait(after)))
+    other = threading.Thread(target=later)
+    waiter.start()
+    other.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and other.is_alive()  # both wait for the place
+    assert values(store) == ["aside"]
+    store.group.fill(place, insert("place"))
+    waiter.join(PATIENCE_S)
+    other.join(PATIENCE_S)
+    assert results == ["after"] and store.group.wait(place) == "place"
+    assert values(store) == ["aside", "place", "after", "later"]
+
+
+def test_a_dropped_place_fails_its_waiter_and_frees_those_behind_it(store: Store) -> None:
+    place = store.group.reserve()
+    after = store.group.submit(insert("after"))
+    store.group.drop(place, OSError("the directory fsync failed"))
+    assert store.group.wait(after) == "after"
+    with pytest.raises(OSError, match="directory fsync failed"):
+        store.group.wait(place)
+    store.group.flush()
+    assert values(store) == ["after"]

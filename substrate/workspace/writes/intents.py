@@ -166,7 +166,9 @@ class Intents:
                 also(db)
 
         group = self._store.group
-        ticket = group.submit(add)
+        # No entry's order depends on it: it may pass a write's place still waiting for
+        # its directory fsync (`GroupCommit.reserve`).
+        ticket = group.submit(add, ordered=False)
         # Committed by another thread while the caller writes and fsyncs its temp file:
         # the two flushes overlap instead of adding up.
         return Pending(token, _committer_pool().submit(group.wait, ticket))

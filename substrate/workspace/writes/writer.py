@@ -17,13 +17,14 @@ another thread (with the directory's next temp names when it runs low: `top_up`)
 under the workspace's commit lock, the base is checked once more and the temp file is
 renamed over the target through the same dir fd; the directory is fsynced, and the
 approval (if any) is consumed and the intent dropped in the same database transaction
-as the journal entry. A write with no approval and no pre-image to keep submits that
-transaction to the store's group commit under the lock, then fsyncs the directory after
-releasing it (`dir_sync`: one fsync for every write renamed there before it began) and
-waits for the commit (`substrate.store.group`); its unit waits for that fsync, so no
-entry is durable before its rename. Concurrent writes share one fsynced commit and one
-directory fsync, entries keep the lock's order, and the write returns only once its
-entry is durable. The
+as the journal entry. A write with no approval and no pre-image to keep reserves that
+transaction's place in the store's group commit under the lock, then fsyncs the directory after
+releasing it (`dir_sync`: one fsync for every write renamed there before it began),
+then fills its place with the unit and waits for the commit (`substrate.store.group`),
+so no entry is durable before its rename, and no commit waits inside its transaction
+for a directory fsync. Concurrent writes share one fsynced commit and one directory
+fsync, entries keep the lock's order, and the write returns only once its entry is
+durable. The
 file-system steps are `substrate.fs.fsops`'s. The writer takes `fs.write` and
 `fs.patch` decoded at the edge (`schema.fs.write_request`/`patch_request`): their
 "exactly one of" pairs arrive as one tagged Struct it `match`es on.
@@ -50,7 +51,6 @@ import hashlib
 import logging
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,33 +134,6 @@ class _Staged:
         """The write's journal entry-to-be (`intents`)."""
         data = journal_data(prep.plan, approval)
         return Intent(prep.rel, self.kind, self.actor, data, self.temp)
-
-
-class _DirSynced:
-    """Whether a landed write's directory fsync is done: its journal unit (run by
-    whichever thread leads the group commit) waits for it; the writer `run`s it."""
-
-    __slots__ = ("_done", "_error")
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def run(self, syncs: DirSyncs, dir_fd: int) -> None:
-        """Fsync the directory (shared), then release the unit; raises what it raised."""
-        try:
-            syncs.sync(dir_fd)
-        except BaseException as exc:
-            self._error = exc
-            raise
-        finally:
-            self._done.set()
-
-    def wait(self) -> None:
-        """Block until `run` is done; raises (failing the unit: no entry) if it failed."""
-        self._done.wait()
-        if self._error is not None:
-            raise OSError(f"the directory fsync failed: {self._error}")
 
 
 @dataclass
@@ -529,12 +502,10 @@ class Writer:
                 fsops.rename_into(parent_fd, temp, name, fsync=False)
             # Landed: from here on its intent is the next start's to settle, never dropped.
             staged.landed = True
-            synced = _DirSynced()
 
             def journal(db: sqlite3.Connection) -> None:
-                # Never before the rename is durable (the directory fsync, done after the
-                # lock is released and shared with concurrent writes in the directory).
-                synced.wait()
+                # Run only once the rename is durable (the directory fsync), so no entry
+                # is ever durable before its change.
                 if temp is not None:
                     self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
                 if approval is not None:
@@ -549,17 +520,23 @@ class Writer:
 
             if approval is not None or pre is not None:
                 # Consumed or kept under the lock: no later write may see it unsettled.
-                synced.run(self._dir_syncs, parent_fd)
+                self._dir_syncs.sync(parent_fd)
                 with self._store.transaction() as db:
                     journal(db)
-                ticket = None
+                place = None
             else:
-                # Queued in lock order; its commit is shared with concurrent writes'. Its
-                # unit waits for the directory fsync below before writing the entry.
-                ticket = self._group.submit(journal)
-        if ticket is not None:
-            synced.run(self._dir_syncs, parent_fd)
-            self._group.wait(ticket)
+                # Its place in the journal's order is taken in lock order; the entry is
+                # given once the directory fsync below is done (shared with concurrent
+                # writes there), and commits with concurrent writes' entries and intents.
+                place = self._group.reserve()
+        if place is not None:
+            try:
+                self._dir_syncs.sync(parent_fd)
+            except BaseException as exc:
+                self._group.drop(place, OSError(f"the directory fsync failed: {exc}"))
+                raise
+            self._group.fill(place, journal)
+            self._group.wait(place)
         if pre is not None and self._preimages is not None:
             self._preimages.settle()
 
