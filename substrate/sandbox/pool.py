@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import trio
 import trio.lowlevel
 
+from substrate.config import WARM_SANDBOXES_MAX
 from substrate.errors import ConfinementUnmet, Refusal
 from substrate.layer.mounts import WorkingLayer, overlay, passthrough, working_layer
 from substrate.layer.mounts.plan import plan
@@ -76,7 +77,7 @@ LABEL_POOL = "substrate.pool"
 #: The `substrate.workspace` label and name part of a member (no workspace id has a dot).
 POOL_WORKSPACE = ".pool"
 #: The most members one profile may keep (`warm_sandboxes` is checked against it).
-MAX_PER_PROFILE = 16
+MAX_PER_PROFILE = WARM_SANDBOXES_MAX
 #: Seconds between refill attempts after a failure: doubling from the first to the last.
 BACKOFF_S = (1.0, 60.0)
 #: Seconds between looks, while sandboxes are being made on the usual path (no refill).
