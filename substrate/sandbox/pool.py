@@ -51,7 +51,7 @@ from substrate.config import WARM_SANDBOXES_MAX
 from substrate.errors import ConfinementUnmet, Refusal
 from substrate.layer.mounts import WorkingLayer, overlay, passthrough, working_layer
 from substrate.layer.mounts.plan import plan
-from substrate.sandbox import mounts, profiles, reaper
+from substrate.sandbox import mounts, profiles, reaper, removal
 from substrate.sandbox.containers import Containers, Resolved, requirements
 from substrate.sandbox.engine import ContainerGone
 from substrate.sandbox.profiles import Profile
@@ -468,9 +468,12 @@ class WarmPool:
     async def close(self) -> None:
         """At shutdown: remove every member (a dead daemon's go at the next start)."""
         self._closed = True
+        members = [m for state in self.pools.values() for m in state.ready]
         for state in self.pools.values():
-            while state.ready:
-                await self._discard(state.ready.pop(), "shutdown", None)
+            state.ready.clear()
+        await removal.remove_each(
+            members, lambda m: self._discard(m, "shutdown", None), "a warm sandbox"
+        )
 
 
 def _sandbox_id(layer: WorkingLayer) -> str:
