@@ -1,15 +1,17 @@
 """Benchmark of the warm pool (docs/execution.md, "The warm pool"; docs/performance.md,
 "Warm pool"): one run, baselines measured in the same run, taking turns.
 
-    python3 bench/pool.py [--runs 10] [--density 100] [--density-pool 16]
+    python3 bench/pool.py [--runs 10] [--density 100] [--density-pool 100,16]
 
 1. The first command (`proc.run ["true"]`, profile `default`: a working layer on
    substrate-sandbox:bookworm, runc) of a new workspace, p50 over --runs, on two real
    daemons: one with `warm_sandboxes = {default = 2}` (each run waits until the pool is
    full again, so it measures a bind, not a cold create), one without (today's path);
    against `docker run --rm --network none <image> true`. Interleaved.
-2. Density: --density new workspaces each run their first command at once (one
-   connection each) on a daemon with `warm_sandboxes = {default = --density-pool}` and
+2. Density, once per size in --density-pool (a pool sized for the burst, then one
+   smaller, whose remaining sandboxes are made at the engine's pace): --density new
+   workspaces each run their first command at once (one
+   connection each) on a daemon with `warm_sandboxes = {default = N}` and
    `max_processes` above --density: the wall time of all, the daemon's peak RSS, and
    then the host memory of each idle sandbox (its container cgroup's usage, median) and
    the host's available memory drop per sandbox.
@@ -129,12 +131,14 @@ def available() -> int:
 
 def density(base: Path, n: int, pool_size: int) -> None:
     side = Side(
-        base / "density",
+        base / f"density-{pool_size}",
         f"warm_sandboxes = {{{PROFILE} = {pool_size}}}\nmax_processes = {n + 16}\n",
     )
     try:
         handles = [side.new_workspace() for _ in range(n)]
-        side.wait_full()
+        fill_t = time.perf_counter()
+        side.wait_full(timeout_s=600.0)
+        fill_s = time.perf_counter() - fill_t
         proc = psutil.Process(side.daemon.proc.pid)
         rss_before = proc.memory_info().rss
         peak = [rss_before]
@@ -177,6 +181,7 @@ def density(base: Path, n: int, pool_size: int) -> None:
         ]
         per = statistics.median(container_memory(sdk, c) for c in ids)
         print(f"density: {n} new workspaces' first commands at once (pool of {pool_size})")
+        print(f"  the pool filled in {fill_s:.1f} s (after the {n} adopts)")
         print(f"  wall {wall:.2f} s (goal <= 10), failures {len(errors)}")
         for exc in errors[:3]:
             print(f"    {type(exc).__name__}: {str(exc)[:300]}")
@@ -189,14 +194,41 @@ def density(base: Path, n: int, pool_size: int) -> None:
             f" host available drop {(avail_before - avail_after) / n / 2**20:.1f} MiB"
         )
     finally:
+        stop_t = time.perf_counter()
         side.close()
+        print(f"  daemon stopped in {time.perf_counter() - stop_t:.1f} s (removing every sandbox)")
+
+
+def docker_burst(n: int) -> float:
+    """The baseline of a burst: `n` plain `docker run -d` at once (then removed)."""
+    ids: list[str] = []
+    argv = ["docker", "run", "-d", "--network", "none", IMAGE, "sleep", "infinity"]
+
+    def one() -> None:
+        done = subprocess.run(argv, capture_output=True, text=True, check=True)
+        ids.append(done.stdout.strip())
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    if ids:
+        subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, check=False)
+    return wall
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--density", type=int, default=100)
-    ap.add_argument("--density-pool", type=int, default=16)
+    ap.add_argument(
+        "--density-pool",
+        default="100,16",
+        help="pool sizes, one density run each: one sized for the burst, one smaller",
+    )
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="substrate-bench-pool-"))
     os.chmod(base, 0o755)
@@ -210,7 +242,12 @@ def main() -> None:
         plain.close()
         pooled = plain = None
         if args.density:
-            density(base, args.density, args.density_pool)
+            for pool_size in (int(x) for x in args.density_pool.split(",")):
+                density(base, args.density, pool_size)
+            print(
+                f"baseline: {args.density} plain `docker run -d` at once:"
+                f" {docker_burst(args.density):.2f} s"
+            )
         print(f"load average at the end: {os.getloadavg()}")
     except BaseException:
         for log in base.glob("*/daemon.log"):

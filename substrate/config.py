@@ -28,6 +28,11 @@ from substrate.workspace.policy import compile_policy
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
+#: The most warm sandboxes one profile may keep (`warm_sandboxes`): a pool sized for the
+#: burst it serves (docs/execution.md "The warm pool"), each member an idle container
+#: (8 to 11 MiB of host memory here, docs/performance.md "Warm pool").
+WARM_SANDBOXES_MAX = 128
+
 #: A key whose name holds one of these is never reported (none does today).
 SECRET_WORDS = ("secret", "token", "password")
 
@@ -91,7 +96,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=Tr
     #: commands start through each sandbox's own supervisor (docs/fast-exec.md); false:
     #: every command is an engine exec (no supervisor, no supervisor directory bound)
     fast_exec: bool = True
-    #: profile name → warm sandboxes kept ready with no workspace bound (0..16 each;
+    #: profile name → warm sandboxes kept ready with no workspace bound (0..128 each;
     #: docs/execution.md "The warm pool"); empty: every first command creates its sandbox
     warm_sandboxes: dict[str, int] = msgspec.field(default_factory=dict)
     inline_hash_bytes: int = 64 << 20  # fs.stat/fs.read hash files up to this; more: hash=true
@@ -169,8 +174,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> Config:
     if config.preimage_quota_bytes < 0:
         raise ConfigError("preimage_quota_bytes: must not be negative")
     for name, count in config.warm_sandboxes.items():
-        if not 0 <= count <= 16:
-            raise ConfigError(f"warm_sandboxes.{name}: must be 0 to 16")
+        if not 0 <= count <= WARM_SANDBOXES_MAX:
+            raise ConfigError(f"warm_sandboxes.{name}: must be 0 to {WARM_SANDBOXES_MAX}")
     if config.max_kept_changesets < 1:
         raise ConfigError("max_kept_changesets: must be at least 1")
     try:

@@ -61,7 +61,7 @@ from substrate.errors import RuntimeUnavailable
 from substrate.layer.mounts import LayerMounts, WorkingLayer, passthrough, working_layer
 from substrate.layer.mounts.git_plan import GIT_REL
 from substrate.sandbox import facts as factlib
-from substrate.sandbox import mounts, profiles, proxy_link, reaper
+from substrate.sandbox import mounts, profiles, proxy_link, reaper, removal
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.environment import SandboxEnvironment, SecretsVersion
 from substrate.sandbox.facts import FactValue
@@ -578,8 +578,8 @@ class Containers:
                 await self.forget(sandbox, "released")
 
     async def remove_all(self, reason: str) -> None:
-        for sandbox in self.live():
-            await self.forget(sandbox, reason)
+        """Remove every sandbox, several at once (`removal.remove_each`)."""
+        await removal.remove_each(self.live(), lambda s: self.forget(s, reason), "a sandbox")
 
     async def _journal_async(self, kind: str, data: dict[str, Any], workspace: str | None) -> None:
         await trio.to_thread.run_sync(lambda: self._journal.append(kind, data, workspace=workspace))

@@ -47,10 +47,11 @@ from dataclasses import dataclass, field
 import trio
 import trio.lowlevel
 
+from substrate.config import WARM_SANDBOXES_MAX
 from substrate.errors import ConfinementUnmet, Refusal
 from substrate.layer.mounts import WorkingLayer, overlay, passthrough, working_layer
 from substrate.layer.mounts.plan import plan
-from substrate.sandbox import mounts, profiles, reaper
+from substrate.sandbox import mounts, profiles, reaper, removal
 from substrate.sandbox.containers import Containers, Resolved, requirements
 from substrate.sandbox.engine import ContainerGone
 from substrate.sandbox.profiles import Profile
@@ -76,7 +77,7 @@ LABEL_POOL = "substrate.pool"
 #: The `substrate.workspace` label and name part of a member (no workspace id has a dot).
 POOL_WORKSPACE = ".pool"
 #: The most members one profile may keep (`warm_sandboxes` is checked against it).
-MAX_PER_PROFILE = 16
+MAX_PER_PROFILE = WARM_SANDBOXES_MAX
 #: Seconds between refill attempts after a failure: doubling from the first to the last.
 BACKOFF_S = (1.0, 60.0)
 #: Seconds between looks, while sandboxes are being made on the usual path (no refill).
@@ -467,9 +468,12 @@ class WarmPool:
     async def close(self) -> None:
         """At shutdown: remove every member (a dead daemon's go at the next start)."""
         self._closed = True
+        members = [m for state in self.pools.values() for m in state.ready]
         for state in self.pools.values():
-            while state.ready:
-                await self._discard(state.ready.pop(), "shutdown", None)
+            state.ready.clear()
+        await removal.remove_each(
+            members, lambda m: self._discard(m, "shutdown", None), "a warm sandbox"
+        )
 
 
 def _sandbox_id(layer: WorkingLayer) -> str:

@@ -255,6 +255,7 @@ KIND_OF: dict[str, str] = {
     "sandbox/mounts.py": "I/O",
     "sandbox/containers.py": "edge",
     "sandbox/pool.py": "edge",
+    "sandbox/removal.py": "glue",
     "sandbox/sandboxes.py": "pure",
     "sandbox/verification.py": "glue",
     "sandbox/labelled.py": "edge",

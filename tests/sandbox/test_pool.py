@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from substrate.config import PROJECT_ROOT, ConfigError, load_config
+from substrate.config import PROJECT_ROOT, WARM_SANDBOXES_MAX, ConfigError, load_config
 from substrate.sandbox.pool import qualifies
 from substrate.sandbox.profiles import load_profiles
 
@@ -28,7 +28,12 @@ def test_warm_sandboxes_is_a_bounded_table(tmp_path: Path) -> None:
     config = tmp_path / "substrate.toml"
     config.write_text("warm_sandboxes = {default = 2}\n")
     assert load_config(config, {}).warm_sandboxes == {"default": 2}
-    config.write_text("warm_sandboxes = {default = 17}\n")
+    config.write_text(f"warm_sandboxes = {{default = {WARM_SANDBOXES_MAX}}}\n")
+    assert load_config(config, {}).warm_sandboxes == {"default": WARM_SANDBOXES_MAX}
+    config.write_text(f"warm_sandboxes = {{default = {WARM_SANDBOXES_MAX + 1}}}\n")
+    with pytest.raises(ConfigError, match=r"warm_sandboxes\.default: must be 0 to 128"):
+        load_config(config, {})
+    config.write_text("warm_sandboxes = {default = -1}\n")
     with pytest.raises(ConfigError, match=r"warm_sandboxes\.default"):
         load_config(config, {})
     assert load_config(None, {}).warm_sandboxes == {}

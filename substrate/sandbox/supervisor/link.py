@@ -111,11 +111,14 @@ class Spawned:
         )
 
     def exited(self) -> bool:
-        """Has the command's main process ended (its pidfd is readable)? Non-blocking."""
+        """Has the command's main process ended (its pidfd is readable)? Non-blocking.
+        `poll`, not `select`: a daemon holding many sandboxes has descriptors past
+        `FD_SETSIZE` (1,024), which `select` refuses."""
         if self.pidfd < 0:
             return True
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
-        return bool(readable)
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(0))
 
     async def wait_gone(self) -> None:
         """Return once the command's main process has ended (its pidfd; no polling)."""
