@@ -14,9 +14,12 @@ temp file created in the same directory (`O_CREAT | O_EXCL | O_NOFOLLOW` through
 fd, under a recorded name: `temp_files`), which is fsynced with the old mode and owner;
 meanwhile the write's intent (the journal entry it will get, `intents`) commits on
 another thread (with the directory's next temp names when it runs low: `top_up`). Then,
-under the workspace's commit lock, the base is checked once more and the temp file is
-renamed over the target through the same dir fd; the directory is fsynced, and the
-approval (if any) is consumed and the intent dropped in the same database transaction
+under the workspace's commit lock, the base is checked once more (through an fd of the
+target kept open across the rename, so the rename does not free the replaced file: the
+fd is closed in the background after the directory fsync, `batch.RELEASER`) and the
+temp file is renamed over the target through the same dir fd; the directory is
+fsynced, and the approval (if any) is consumed and the intent dropped in the same
+database transaction
 as the journal entry. A write with no approval and no pre-image to keep reserves that
 transaction's place in the store's group commit under the lock, then fsyncs the directory after
 releasing it (`dir_sync`: one fsync for every write renamed there before it began),
