@@ -113,8 +113,17 @@ def local_writes(directory: Path, n: int) -> Callable[[], float]:
     return run
 
 
-def concurrent_guarded_writes(path: Path, ws: str, n: int, writers: int) -> Callable[[], float]:
-    """`writers` connections, each replacing its own file `n // writers` times, at once."""
+def process_cpu(pid: int) -> float:
+    """Seconds of CPU (user + system) the process `pid` has used, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def concurrent_guarded_writes(
+    path: Path, ws: str, n: int, writers: int, cpu: list[float] | None = None, pid: int = 0
+) -> Callable[[], float]:
+    """`writers` connections, each replacing its own file `n // writers` times, at once;
+    with `cpu`, each run appends the daemon's (`pid`) CPU seconds per write."""
     clients = [Client(path, timeout=600) for _ in range(writers)]
     bases: list[str] = []
     for k, client in enumerate(clients):
@@ -136,12 +145,16 @@ def concurrent_guarded_writes(path: Path, ws: str, n: int, writers: int) -> Call
 
     def run() -> float:
         threads = [threading.Thread(target=one, args=(k,)) for k in range(writers)]
+        cpu_before = process_cpu(pid) if cpu is not None else 0.0
         start = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        return each * writers / (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if cpu is not None:
+            cpu.append((process_cpu(pid) - cpu_before) / (each * writers))
+        return each * writers / elapsed
 
     return run
 
@@ -236,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     clients: list[Client] = []
     try:
         sides: list[tuple[Callable[[], float], Callable[[], float]]] = []
+        #: Each daemon's CPU seconds per write, 8 connections (one list per daemon).
+        cpus: list[list[float]] = []
         for k, repo in enumerate([REPO] if args.against is None else [REPO, args.against]):
             (base / f"d{k}").mkdir()
             daemon = BenchDaemon(base / f"d{k}", repo=repo.resolve())
@@ -246,10 +261,13 @@ def main(argv: list[str] | None = None) -> int:
             client = Client(daemon.socket, timeout=600)
             clients.append(client)
             ws = client.call("workspace.adopt", path=str(ws_dir))["workspace"]
+            cpus.append([])
             sides.append(
                 (
                     guarded_writes(client, ws, args.writes),
-                    concurrent_guarded_writes(daemon.socket, ws, args.writes, WRITERS),
+                    concurrent_guarded_writes(
+                        daemon.socket, ws, args.writes, WRITERS, cpus[-1], daemon.proc.pid
+                    ),
                 )
             )
         inproc, local, *guarded = _interleaved(
@@ -294,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, ours, theirs, goal in rows:
         print(
             f"| {name} | {ours:,.0f} ops/s | {theirs:,.0f} ops/s | {ours / theirs:.2f} | {goal} |"
+        )
+    for k, cpu in enumerate(cpus):
+        who = "this daemon" if k == 0 else f"the daemon of {args.against}"
+        print(
+            f"CPU per write, {WRITERS} connections, {who}: "
+            f"{statistics.median(cpu) * 1e6:,.0f} µs (user + system, all threads, median)"
         )
     return 0
 

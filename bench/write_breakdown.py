@@ -8,6 +8,13 @@ file, write, fsync, rename, directory fsync) measured in the same run beside the
 
     python bench/write_breakdown.py [--dir /tmp] [--writes 400] [--repo CHECKOUT]
 
+`--flushes N` measures instead what one write's first durability point costs made in
+different ways (N times each, interleaved): the temp file's fsync alone (the loop's),
+that fsync beside a WAL-like file's `fdatasync` on another thread (what a write does
+today: its temp file and its intent), and one `syncfs(2)` for both; first on a quiet
+file system, then while another process keeps rewriting a 512 MiB file there without
+flushing it (a build, an editor's save, an image pull on the same disk).
+
 The client's stamps and the daemon's are of one clock (`perf_counter`, CLOCK_MONOTONIC),
 so the first and last rows are the client's encode and decode, the socket, and the event
 loop's wake-up, read and send.
@@ -16,13 +23,17 @@ loop's wake-up, read and send.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import ctypes
 import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,6 +93,93 @@ def local_steps(directory: Path, n: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+#: The concurrent writer of `--flushes`: rewrites a 512 MiB file, never flushing it, until
+#: its stdin closes (argv only, no shell).
+_DIRTIER = """
+import os, select, sys
+buf = os.urandom(1 << 20)
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+i = 0
+while not select.select([sys.stdin], [], [], 0)[0]:
+    os.pwrite(fd, buf, (i % 512) << 20)
+    i += 1
+"""
+
+
+def _syncfs() -> Callable[[int], None]:
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def syncfs(fd: int) -> None:
+        if libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    return syncfs
+
+
+def flush_costs(directory: Path, n: int) -> dict[str, list[float]]:
+    """µs of one write's first durability point, `n` times each way, interleaved: a new
+    4 KiB temp file written and made durable with a WAL-like file's new 8 KiB (`fsync
+    alone`: the temp file only)."""
+    directory.mkdir()
+    syncfs = _syncfs()
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    wal = os.open("wal", os.O_RDWR | os.O_CREAT, 0o600, dir_fd=dfd)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    out: dict[str, list[float]] = {"fsync alone": [], "fsync beside fdatasync": [], "syncfs": []}
+    try:
+        os.ftruncate(wal, 4 << 20)
+        os.fsync(wal)
+        for i in range(n):
+            for way, times in out.items():
+                start = time.perf_counter()
+                fd = os.open(f".t{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dfd)
+                os.write(fd, payload(i))
+                if way != "fsync alone":
+                    os.pwrite(wal, os.urandom(8192), (i * 8192) % (4 << 20))
+                if way == "fsync beside fdatasync":
+                    other = pool.submit(os.fdatasync, wal)
+                    os.fsync(fd)
+                    other.result()
+                elif way == "syncfs":
+                    syncfs(fd)
+                else:
+                    os.fsync(fd)
+                times.append((time.perf_counter() - start) * 1e6)
+                os.close(fd)
+                os.unlink(f".t{i}", dir_fd=dfd)
+    finally:
+        pool.shutdown()
+        os.close(wal)
+        os.close(dfd)
+    return out
+
+
+def print_flushes(base: Path, n: int) -> None:
+    print(f"one write's first durability point, {n} of each, µs")
+    print("| way | quiet p50 / p90 / max | 512 MiB being dirtied beside: p50 / p90 / max |")
+    print("|---|---|---|")
+    quiet = flush_costs(base / "quiet", n)
+    dirtier = subprocess.Popen(
+        [sys.executable, "-c", _DIRTIER, str(base / "dirty.bin")], stdin=subprocess.PIPE
+    )
+    try:
+        time.sleep(1.0)
+        busy = flush_costs(base / "busy", n)
+    finally:
+        assert dirtier.stdin is not None
+        dirtier.stdin.close()
+        dirtier.wait()
+    for way, times in quiet.items():
+        cells = []
+        for run in (times, busy[way]):
+            ranked = sorted(run)
+            p50, p90 = statistics.median(ranked), ranked[int(len(ranked) * 0.9)]
+            cells.append(f"{p50:,.0f} / {p90:,.0f} / {ranked[-1]:,.0f}")
+        print(f"| {way} | {cells[0]} | {cells[1]} |")
+    print(f"(load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs)")
+
+
 def segments(record: dict[str, list[float]], sent: float, got: float) -> dict[str, float]:
     """One write's steps and the gaps between them, in µs; `sent` and `got`: when the
     client began to send the request and had decoded the reply (the same clock)."""
@@ -123,8 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--writes", type=int, default=400)
     ap.add_argument("--repo", type=Path, default=REPO, help="the checkout whose daemon runs")
+    ap.add_argument("--flushes", type=int, default=0, help="measure the flushes only")
     args = ap.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="sbb-", dir=args.dir))
+    if args.flushes:
+        try:
+            print_flushes(base, args.flushes)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return 0
     probes = base / "probes.jsonl"
     stamps: list[tuple[float, float]] = []
     try:

@@ -79,7 +79,10 @@ def _install() -> None:
     _probe(temp_files.TempFiles, "create", "create")
     _probe(fsops, "fill", "fill")
     _probe(intents.Pending, "wait", "intent_wait")
-    _probe(writer, "read_current", "reread", last=True)
+    if hasattr(writer, "read_current_held"):  # the re-read under the lock keeps its fd
+        _probe(writer, "read_current_held", "reread")
+    else:
+        _probe(writer, "read_current", "reread", last=True)
     _probe(fsops, "rename_into", "rename")
     _probe(dir_sync.DirSyncs, "sync", "dir_fsync")
     _probe(GroupCommit, "wait", "entry_commit")

@@ -38,7 +38,8 @@ spool and hashed again on the way. A change set (`writer.BatchWriter`, `Writer.b
 takes them per file (`batch_files`), per directory step (`batch_dirs`) and per
 symlink (`batch_links`: made with `symlinkat` into a temp name, renamed over) over one
 frame (`batch`): plan each change, record all temp files and intents in one
-transaction, write the temp files and make them durable with one `syncfs`, then under
+transaction, write the temp files and make them durable (an fsync each when they are
+few, else one `syncfs` per file system: `batch.SYNCFS_FROM`), then under
 the lock re-check and rename each (a new file never over one made since:
 `fsops.rename_new`), make the parents durable once and journal the chunk in one
 transaction. A change set's file over 1 MiB is never held in memory: copied from its

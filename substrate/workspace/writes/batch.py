@@ -24,16 +24,18 @@ base it is bound to, the digest of its new bytes (None: a delete), a mode - and 
 3. writes each temp file beside its target - the new bytes read from the source and
    checked against the digest (else `source_changed`; a big file is copied from the
    source's fd and hashed from the temp file as it goes, `streamed`), with the old owner (the
-   workspace owner's for a new file) and the plan's mode - without an fsync each, then
-   makes them all durable at once: one `syncfs(2)` per file system they are on;
+   workspace owner's for a new file) and the plan's mode - fsynced each when they are
+   few (under `SYNCFS_FROM`), else without an fsync each, then made durable at once: one
+   `syncfs(2)` per file system they are on;
 4. under the workspace's commit lock, change by change: the target is read and its base
    checked again right before the rename (a host edit since is `stale_base`, never
    overwritten; the temp file goes), the approval found again, the pre-image kept when
    a checkpoint is live, then the rename (the unlink for a delete; a new file with
    `RENAME_NOREPLACE`, so one the host made after the check is never replaced) - the
    file replaced was read through an fd kept open across the rename, which `RELEASER`
-   closes in the background: freeing its inode is never waited for - then the parent directories are made durable (one fsync, or one `syncfs` per
-   file system for several) and ONE transaction journals every change
+   closes in the background: freeing its inode is never waited for - then the parent
+   directories are made durable (an fsync each, or from `SYNCFS_FROM` of them one
+   `syncfs` per file system) and ONE transaction journals every change
    (`changes.apply`, one entry each, the chain intact), consumes the approvals,
    records the pre-images, forgets the temp files and drops the intents.
 
@@ -72,6 +74,12 @@ from substrate.workspace.writes.base import Current
 from substrate.workspace.writes.intents import Intent, Intents
 from substrate.workspace.writes.temp_files import TempFiles
 
+#: From this many temp files (or parent directories) on, a batch makes them durable with
+#: one `syncfs(2)` per file system instead of an fsync each: on a quiet disk syncfs costs
+#: about one fsync and a half, but it flushes every dirty page of the file system, so
+#: beside a writer that keeps data dirty (a build, an image pull) it took 190 ms where an
+#: fsync took 1-2 ms (docs/performance.md). A few files never pay that.
+SYNCFS_FROM = 4
 #: File changes per chunk: bounds the temp files in flight, the rows of one transaction
 #: and how long the commit lock is held at a time.
 CHUNK = 4096
@@ -284,12 +292,13 @@ class BatchCore:
         of the chunk goes with it. True when pre-images were recorded (the caller
         `settle`s the quota once out of the lock).
 
-        Durable: the one parent directory fsynced, or with several one `syncfs` per
-        file system (one journal commit instead of one per directory)."""
+        Durable: each parent directory fsynced, or from `SYNCFS_FROM` of them one
+        `syncfs` per file system (one journal commit instead of one per directory)."""
         parents = [dirs.get(s.dirs, s.where) for s in {s.dirs: s for s in landed}.values()]
-        if len(parents) == 1:
-            os.fsync(parents[0])
-        elif parents:
+        if len(parents) < SYNCFS_FROM:
+            for parent in parents:
+                os.fsync(parent)
+        else:
             fsops.make_durable(parents)
         drafts = []
         for step in landed:

@@ -46,7 +46,8 @@ class DirBatches(BatchCore):
         `symlink_refused`, `not_found`, ...), failures an OSError's (EEXIST, ENOTEMPTY).
         `dry_run`: the policy checked, nothing done (`approval_required` whenever the
         policy asks for one). Costs per step an lstat and the step; per chunk two
-        transactions and one fsync (or one `syncfs` per file system) for the parents."""
+        transactions and an fsync per parent (from `batch.SYNCFS_FROM` of them one
+        `syncfs` per file system)."""
 
         git_dirs = discoverable.GitDirs(ws.root_fd)  # the pieces of this batch count together
 

@@ -32,6 +32,7 @@ from substrate.workspace.writes.base import Current, read_current, read_current_
 from substrate.workspace.writes.batch import (
     RELEASER,
     SOURCE_CHANGED,
+    SYNCFS_FROM,
     UNCHANGED,
     BatchCore,
     HeldDirs,
@@ -248,12 +249,15 @@ class FileBatches(BatchCore):
         with self._store.transaction() as db:
             self._temps.record_many_in(db, ws.id, recorded)
             token = self.intents.add_in(db, ws.id, [s.intent for s in steps])
+        # A few temp files are fsynced each; more share one `syncfs` per file system,
+        # which flushes whatever else is dirty there too (docs/performance.md).
+        each = len(fresh) < SYNCFS_FROM
         try:
             for step in fresh:
-                failed = self._write_temp(ws, dirs, step, source, recorded)
+                failed = self._write_temp(ws, dirs, step, source, recorded, fsync=each)
                 if failed is not None:
                     out[step.index] = failed
-            make_durable([dirs.get(s.dirs, s.where) for s in fresh if s.temp is not None])
+            self._temps_durable(dirs, fresh, each)
         except BaseException:
             self._abandon(ws, dirs, steps, recorded, token)
             raise
@@ -281,6 +285,13 @@ class FileBatches(BatchCore):
             self._preimages.settle()
         return out
 
+    @staticmethod
+    def _temps_durable(dirs: HeldDirs, fresh: list[Step], each: bool) -> None:
+        """The chunk's temp files durable (already, when fsynced `each`): else one
+        `syncfs` per file system they are on. Raises the OSError of a failed flush."""
+        if not each:
+            make_durable([dirs.get(s.dirs, s.where) for s in fresh if s.temp is not None])
+
     def _write_temp(
         self,
         ws: Workspace,
@@ -288,20 +299,22 @@ class FileBatches(BatchCore):
         step: Step,
         source: Source,
         recorded: list[Temp],
+        *,
+        fsync: bool = False,
     ) -> Landing | None:
-        """The step's new bytes in its (recorded) temp file, not fsynced; a landing
-        when they cannot be (the temp file then does not exist)."""
+        """The step's new bytes in its (recorded) temp file, fsynced only with `fsync`;
+        a landing when they cannot be (the temp file then does not exist)."""
         assert step.temp is not None and step.current is not None
         data = source("/".join(step.parts))
         if isinstance(data, Streamed):
             try:
-                return self._write_temp_from(ws, dirs, step, data, recorded)
+                return self._write_temp_from(ws, dirs, step, data, recorded, fsync)
             finally:
                 data.close()
         if data is None or hashlib.sha256(data).hexdigest() != step.new_sha256:
             step.temp = None
             return SOURCE_CHANGED
-        return self._write_temp_from(ws, dirs, step, data, recorded)
+        return self._write_temp_from(ws, dirs, step, data, recorded, fsync)
 
     def _write_temp_from(
         self,
@@ -310,6 +323,7 @@ class FileBatches(BatchCore):
         step: Step,
         data: bytes | Streamed,
         recorded: list[Temp],
+        fsync: bool,
     ) -> Landing | None:
         """`_write_temp` of bytes checked already, or of a stream copied and checked on
         the way (`streamed.copy_hashed`: a digest other than the step's, or a stream that
@@ -341,7 +355,7 @@ class FileBatches(BatchCore):
                         self._drop_temp(dirs, step)
                         return SOURCE_CHANGED
                     data = b""
-                fsops.fill(fd, data, mode=mode, owner=owner, fsync=False)
+                fsops.fill(fd, data, mode=mode, owner=owner, fsync=fsync)
             finally:
                 if fd >= 0:
                     os.close(fd)

@@ -60,7 +60,9 @@ CREATE TABLE IF NOT EXISTS write_intents (
     epoch INTEGER NOT NULL,
     intents BLOB NOT NULL
 );
-CREATE INDEX IF NOT EXISTS write_intents_workspace ON write_intents(workspace, epoch);
+-- The rows are the writes in flight (and, at a start, those a crash left): read only at
+-- a start, by a scan. An index would cost every write's intent and entry a page more.
+DROP INDEX IF EXISTS write_intents_workspace;
 """
 
 #: The journal kinds of a batch: a file's change, a directory's, a symlink's.

@@ -14,9 +14,12 @@ temp file created in the same directory (`O_CREAT | O_EXCL | O_NOFOLLOW` through
 fd, under a recorded name: `temp_files`), which is fsynced with the old mode and owner;
 meanwhile the write's intent (the journal entry it will get, `intents`) commits on
 another thread (with the directory's next temp names when it runs low: `top_up`). Then,
-under the workspace's commit lock, the base is checked once more and the temp file is
-renamed over the target through the same dir fd; the directory is fsynced, and the
-approval (if any) is consumed and the intent dropped in the same database transaction
+under the workspace's commit lock, the base is checked once more (through an fd of the
+target kept open across the rename, so the rename does not free the replaced file: the
+fd is closed in the background after the directory fsync, `batch.RELEASER`) and the
+temp file is renamed over the target through the same dir fd; the directory is
+fsynced, and the approval (if any) is consumed and the intent dropped in the same
+database transaction
 as the journal entry. A write with no approval and no pre-image to keep reserves that
 transaction's place in the store's group commit under the lock, then fsyncs the directory after
 releasing it (`dir_sync`: one fsync for every write renamed there before it began),
@@ -79,12 +82,14 @@ from substrate.schema.fs import (
 )
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
+from substrate.store.group import Ticket
 from substrate.store.journal import Journal
 from substrate.workspace import discoverable, patching
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.checkpoints import Checkpoints, Preimage
 from substrate.workspace.preview import unified_preview
-from substrate.workspace.writes.base import Current, open_parent, read_current
+from substrate.workspace.writes.base import Current, open_parent, read_current, read_current_held
+from substrate.workspace.writes.batch import RELEASER
 from substrate.workspace.writes.batch_dirs import DirBatches
 from substrate.workspace.writes.batch_files import (
     MAX_CHANGE_FILE_BYTES,
@@ -129,6 +134,8 @@ class _Staged:
     #: Temp names recorded with the intent, joining the reserve once it is durable.
     top_up: TopUp | None = None
     landed: bool = False
+    #: What the write replaced, kept for a live checkpoint (recorded with its entry).
+    preimage: Preimage | None = None
 
     def intent(self, prep: _Prepared, approval: str | None) -> Intent:
         """The write's journal entry-to-be (`intents`)."""
@@ -463,9 +470,6 @@ class Writer:
             os.close(fd)
 
     def _commit(self, ws: Workspace, parent_fd: int, prep: _Prepared, staged: _Staged) -> None:
-        name = prep.parts[-1]
-        where = prep.plan.path
-        temp = staged.temp
         if staged.pending is not None:
             # Durable before the rename, waited for outside the lock (usually shared with
             # the commit of another write's entry).
@@ -478,67 +482,95 @@ class Writer:
                 raise
             if top is not None:
                 self._temps.topped_up(top, committed=True)
-        with ws.commit_lock:
-            now = read_current(parent_fd, name, where, MAX_PATCH_FILE)
-            if now.sha256 != prep.current.sha256:
-                raise StaleBase(
-                    f"{where}: changed while the write was prepared", current_sha256=now.sha256
+        held: int | None = None
+        try:
+            with ws.commit_lock:
+                # Read through an fd kept open across the rename (or unlink) and closed
+                # in the background after the directory fsync (`RELEASER`): the last close
+                # of the replaced file frees its inode and blocks, which the rename would
+                # otherwise do, and the directory fsync commit.
+                now, held = read_current_held(
+                    parent_fd, prep.parts[-1], prep.plan.path, MAX_PATCH_FILE
                 )
-            approval = None
-            if staged.needs_approval:
-                approval = self._approvals.find(ws.id, prep.plan.plan_digest, time.time())
-                if approval is None:
-                    raise ApprovalRequired(
-                        f"{where}: needs an operator approval of this plan",
-                        plan_digest=prep.plan.plan_digest,
-                    )
-                staged.pending = self._intents.record(ws.id, staged.intent(prep, approval))
-            intent = staged.intent(prep, approval)
-            token = staged.pending.token if staged.pending is not None else None
-            pre = self._keep_preimage(ws, prep.rel, now)
-            if temp is None:
-                os.unlink(name, dir_fd=parent_fd)
-            else:
-                fsops.rename_into(parent_fd, temp, name, fsync=False)
-            # Landed: from here on its intent is the next start's to settle, never dropped.
-            staged.landed = True
-
-            def journal(db: sqlite3.Connection) -> None:
-                # Run only once the rename is durable (the directory fsync), so no entry
-                # is ever durable before its change.
-                if temp is not None:
-                    self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
-                if approval is not None:
-                    self._approvals.consume_in(db, approval, time.time())
-                if token is not None:
-                    self._intents.drop_in(db, token)
-                entry = self._journal.append_in(
-                    db, intent.kind, intent.data, workspace=ws.id, actor=intent.actor
-                )
-                if pre is not None and self._preimages is not None:
-                    self._preimages.record_in(db, pre, entry.seq, prep.plan.new_sha256)
-
-            if approval is not None or pre is not None:
-                # Consumed or kept under the lock: no later write may see it unsettled.
-                self._dir_syncs.sync(parent_fd)
-                with self._store.transaction() as db:
-                    journal(db)
-                place = None
-            else:
-                # Its place in the journal's order is taken in lock order; the entry is
-                # given once the directory fsync below is done (shared with concurrent
-                # writes there), and commits with concurrent writes' entries and intents.
-                place = self._group.reserve()
-        if place is not None:
-            try:
-                self._dir_syncs.sync(parent_fd)
-            except BaseException as exc:
-                self._group.drop(place, OSError(f"the directory fsync failed: {exc}"))
-                raise
-            self._group.fill(place, journal)
-            self._group.wait(place)
-        if pre is not None and self._preimages is not None:
+                place = self._land(ws, parent_fd, prep, staged, now)
+            if place is not None:
+                journal, ticket = place
+                try:
+                    self._dir_syncs.sync(parent_fd)
+                except BaseException as exc:
+                    self._group.drop(ticket, OSError(f"the directory fsync failed: {exc}"))
+                    raise
+                if held is not None:
+                    # Freed while the entry commits (its fdatasync waits on the disk).
+                    RELEASER.release(held)
+                    held = None
+                self._group.fill(ticket, journal)
+                self._group.wait(ticket)
+        finally:
+            if held is not None:
+                RELEASER.release(held)
+        if staged.preimage is not None and self._preimages is not None:
             self._preimages.settle()
+
+    def _land(
+        self, ws: Workspace, parent_fd: int, prep: _Prepared, staged: _Staged, now: Current
+    ) -> tuple[Callable[[sqlite3.Connection], None], Ticket[None]] | None:
+        """Under the commit lock: the base checked once more, the approval found, the
+        pre-image kept, the rename (or unlink); then either the entry committed at once
+        (an approval consumed or a pre-image kept: under the lock) or, returned, the
+        journal unit and the place it takes in the group commit's order (given after
+        the directory fsync, outside the lock)."""
+        name = prep.parts[-1]
+        where = prep.plan.path
+        temp = staged.temp
+        if now.sha256 != prep.current.sha256:
+            raise StaleBase(
+                f"{where}: changed while the write was prepared", current_sha256=now.sha256
+            )
+        approval = None
+        if staged.needs_approval:
+            approval = self._approvals.find(ws.id, prep.plan.plan_digest, time.time())
+            if approval is None:
+                raise ApprovalRequired(
+                    f"{where}: needs an operator approval of this plan",
+                    plan_digest=prep.plan.plan_digest,
+                )
+            staged.pending = self._intents.record(ws.id, staged.intent(prep, approval))
+        intent = staged.intent(prep, approval)
+        token = staged.pending.token if staged.pending is not None else None
+        pre = staged.preimage = self._keep_preimage(ws, prep.rel, now)
+        if temp is None:
+            os.unlink(name, dir_fd=parent_fd)
+        else:
+            fsops.rename_into(parent_fd, temp, name, fsync=False)
+        # Landed: from here on its intent is the next start's to settle, never dropped.
+        staged.landed = True
+
+        def journal(db: sqlite3.Connection) -> None:
+            # Run only once the rename is durable (the directory fsync), so no entry
+            # is ever durable before its change.
+            if temp is not None:
+                self._temps.forget_in(db, ws.id, prep.parts[:-1], temp)
+            if approval is not None:
+                self._approvals.consume_in(db, approval, time.time())
+            if token is not None:
+                self._intents.drop_in(db, token)
+            entry = self._journal.append_in(
+                db, intent.kind, intent.data, workspace=ws.id, actor=intent.actor
+            )
+            if pre is not None and self._preimages is not None:
+                self._preimages.record_in(db, pre, entry.seq, prep.plan.new_sha256)
+
+        if approval is not None or pre is not None:
+            # Consumed or kept under the lock: no later write may see it unsettled.
+            self._dir_syncs.sync(parent_fd)
+            with self._store.transaction() as db:
+                journal(db)
+            return None
+        # Its place in the journal's order is taken in lock order; the entry is given
+        # once the directory fsync after the lock is done (shared with concurrent
+        # writes there), and commits with concurrent writes' entries and intents.
+        return journal, self._group.reserve()
 
     def _keep_preimage(self, ws: Workspace, rel: str, now: Current) -> Preimage | None:
         """Hand what the write replaces to the checkpoints' keeper (under the commit lock,

@@ -182,13 +182,13 @@ def test_a_host_edit_racing_the_batch_is_never_overwritten(
         return env.source(path)
 
     # And just before the commit lock, src/one.py.
-    real = batch_files.make_durable
+    real = env.writer.batch._temps_durable
 
-    def edit_then_sync(fds: list[int]) -> None:
-        real(fds)
+    def edit_then_sync(*args: Any) -> None:
+        real(*args)
         (env.root / "src" / "one.py").write_text("kept\n")
 
-    monkeypatch.setattr(batch_files, "make_durable", edit_then_sync)
+    monkeypatch.setattr(env.writer.batch, "_temps_durable", edit_then_sync)
     landings = env.writer.batch.apply_files(env.ws, changes, racing_source, ACTOR)
     assert statuses(landings) == ["applied", "refused", "refused"]
     for landing, now in zip(landings[1:], ("the host's edit\n", "kept\n"), strict=True):
@@ -257,19 +257,55 @@ def test_bytes_other_than_the_digested_ones_never_land(env: Env) -> None:
     env.assert_clean()
 
 
-def test_a_failure_before_anything_lands_leaves_nothing(
+def test_a_failed_syncfs_before_anything_lands_leaves_nothing(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """From `SYNCFS_FROM` temp files on, one `syncfs` makes them durable: when it fails
+    nothing lands and nothing is left."""
+
     def no_sync(fds: list[int]) -> None:
         raise OSError(errno.EIO, "I/O error")
 
     monkeypatch.setattr(batch_files, "make_durable", no_sync)
     changes = [env.change("a.txt", b"A\n"), env.change("new.txt", b"n\n")]
+    changes += [env.change(f"more{k}.txt", b"m\n") for k in range(batch.SYNCFS_FROM - 2)]
     with pytest.raises(OSError):
         env.apply(changes)
     assert (env.root / "a.txt").read_text() == "a\n"
     assert not (env.root / "new.txt").exists()
+    assert not any((env.root / f"more{k}.txt").exists() for k in range(batch.SYNCFS_FROM))
     assert env.entries() == []
+    env.assert_clean()
+
+
+def test_a_few_temp_files_are_fsynced_each_and_a_failed_fsync_fails_its_change_alone(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `SYNCFS_FROM` temp files no `syncfs` runs (it would flush everything dirty
+    on the file system): each is fsynced, and the one whose fsync fails fails alone
+    (its temp file gone), the other lands and is journaled."""
+    flushed: list[bool] = []
+    real_fill = batch_files.fsops.fill
+
+    def fill(fd: int, data: bytes, **kw: Any) -> None:
+        flushed.append(kw["fsync"])
+        if data == b"A\n":
+            raise OSError(errno.EIO, "I/O error")
+        real_fill(fd, data, **kw)
+
+    def no_syncfs(fds: list[int]) -> None:
+        raise AssertionError("a syncfs for two files")
+
+    monkeypatch.setattr(batch_files.fsops, "fill", fill)
+    monkeypatch.setattr(batch_files, "make_durable", no_syncfs)
+    monkeypatch.setattr(batch.fsops, "make_durable", no_syncfs)  # the parents' too
+    landings = env.apply([env.change("a.txt", b"A\n"), env.change("new.txt", b"n\n")])
+    assert statuses(landings) == ["failed", "applied"]
+    assert isinstance(landings[0].error, OSError)
+    assert flushed == [True, True]
+    assert (env.root / "a.txt").read_text() == "a\n"
+    assert (env.root / "new.txt").read_text() == "n\n"
+    assert [e["path"] for e in env.entries()] == ["demo:new.txt"]
     env.assert_clean()
 
 

@@ -560,19 +560,18 @@ def test_patch_needs_exactly_one_form_and_an_existing_file(env: Env) -> None:
 
 def test_base_changed_between_plan_and_commit(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """The commit re-checks the base: a concurrent change wins, our temp file is removed."""
-    real = writer.read_current
+    real = writer.read_current_held
     calls = {"n": 0}
 
     def racing(parent_fd: int, name: str, where: str, limit: int) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:  # the re-check under the commit lock
-            (env.root / "src" / "util.py").write_text("CONCURRENT = 1\n")
+        calls["n"] += 1  # the re-check under the commit lock (the plan reads otherwise)
+        (env.root / "src" / "util.py").write_text("CONCURRENT = 1\n")
         return real(parent_fd, name, where, limit)
 
-    monkeypatch.setattr(writer, "read_current", racing)
+    monkeypatch.setattr(writer, "read_current_held", racing)
     with pytest.raises(StaleBase) as info:
         env.write("src/util.py", "MINE = 1\n", env.sha("src/util.py"))
-    assert calls["n"] == 2
+    assert calls["n"] == 1
     assert info.value.data == {"current_sha256": sha(b"CONCURRENT = 1\n")}
     assert (env.root / "src" / "util.py").read_text() == "CONCURRENT = 1\n"
     assert temp_files(env.root) == []
