@@ -118,6 +118,8 @@ SAME = [
     (["sh", "-c", "head -c 3000000 /dev/zero | tr '\\0' x"], {}),
     (["sh", "-c", "pwd; id -u"], {"cwd": "."}),
     (["sh", "-c", "sleep 0.2 & echo bg"], {}),
+    (["ls", "/proc/self/fd"], {}),  # no descriptor of the supervisor's
+    (["sh", "-c", "trap -p; ps -o pgid=,sid= -p $$ | wc -w"], {}),  # default signals, own group
 ]
 
 

@@ -224,9 +224,10 @@ class _Command:
 
 
 class _Supervisor:
-    def __init__(self, environ: dict[str, str], wake_r: int) -> None:
+    def __init__(self, environ: dict[str, str], wake_r: int, null: int) -> None:
         self._environ = environ
         self._wake_r = wake_r
+        self._null = null  # /dev/null: the stdin of a command given none
         self._decoder = Decoder(MAX_REQUEST)
         self._encoder = Encoder()
         self._commands: dict[str, _Command] = {}
@@ -353,14 +354,18 @@ class _Supervisor:
             self.send({"op": "exited", "id": ident, "code": EXEC_FAILED, "errno": errno.EAGAIN})
             return
         try:
+            # `close_fds=False` (0.8 ms less per command in the Sentry): every descriptor
+            # of this process but 0-2 is close-on-exec (`main` closed what the engine's
+            # exec passed beyond them; Python makes its own non-inheritable), and the
+            # command's 0-2 are its own pipes.
             proc = subprocess.Popen(
                 argv,
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdin=subprocess.PIPE if stdin else self._null,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env={**self._environ, **env},
                 cwd=cwd,
-                close_fds=True,
+                close_fds=False,
                 start_new_session=True,
                 restore_signals=True,
             )
@@ -486,6 +491,10 @@ def _ignore(signum: int, frame: object) -> None:
 
 def main() -> int:
     """The supervisor's start-up (see the module doc); returns an exit code on failure."""
+    for name in os.listdir("/proc/self/fd"):  # nothing but stdio is kept from the exec
+        if int(name) > 2:
+            with contextlib.suppress(OSError):
+                os.close(int(name))
     environ = _initial_environ()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0):
@@ -495,10 +504,9 @@ def main() -> int:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, _ignore)
-    null = os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC)
+    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
     os.dup2(null, 2)  # stderr is no channel: nothing but frames leaves this process
-    os.close(null)
-    supervisor = _Supervisor(environ, wake_r)
+    supervisor = _Supervisor(environ, wake_r, null)
     if not supervisor.handshake():
         return 5
     supervisor.send({"op": "ready", "v": VERSION, "pid": os.getpid()})
