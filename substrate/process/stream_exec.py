@@ -19,6 +19,7 @@ is handed to the event loop); everything else runs on the event loop.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ from substrate.process.stdin_stream import PipeStdin, StdinPipe
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.supervisor import stream_agent
 from substrate.sandbox.supervisor.stream_link import StreamCommand, StreamLink
+
+log = logging.getLogger("substrate.process.stream_exec")
 
 #: Bytes written to the local stdin pipe at a time.
 WRITE_BYTES = 1 << 16
@@ -59,22 +62,27 @@ class StreamChannel:
 
     async def _forward(self, r: int) -> None:
         """The local stdin pipe to the supervisor, a piece at a time, then EOF."""
-        command = self._command
         try:
-            os.set_blocking(r, False)
-            while not command.exited.is_set():
-                try:
-                    data = os.read(r, stream_agent.MAX_STDIN)
-                except BlockingIOError:
-                    await trio.lowlevel.wait_readable(r)
-                    continue
-                except OSError:
-                    data = b""
-                if not data or not await self._link.send_stdin(command, data):
-                    break
-            await self._link.close_stdin(command)
+            await self._forward_from(r)
+        except Exception:  # a system task: never the daemon's end
+            log.exception("stream stdin forwarder failed")
         finally:
             os.close(r)
+
+    async def _forward_from(self, r: int) -> None:
+        command = self._command
+        os.set_blocking(r, False)
+        while not command.exited.is_set():
+            try:
+                data = os.read(r, stream_agent.MAX_STDIN)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(r)
+                continue
+            except OSError:
+                data = b""
+            if not data or not await self._link.send_stdin(command, data):
+                break
+        await self._link.close_stdin(command)
 
     async def pump(self, sinks: Mapping[int, OutputSink], limiter: trio.CapacityLimiter) -> None:
         """The link's reader writes the output into `sinks` from now on; this returns

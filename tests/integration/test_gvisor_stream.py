@@ -175,8 +175,10 @@ async def test_concurrent_commands_on_one_stream(env: Env) -> None:
 async def test_a_timeout_kills_the_command(env: Env) -> None:
     stuck = await env.run(["sh", "-c", "trap '' TERM; sleep 1000"], timeout_s=1)
     assert (stuck["via"], stuck["timed_out"], stuck["exit_code"]) == ("supervisor", True, 137)
-    after = await env.run(["echo", "fresh"])
+    after = await env.run(["echo", "fresh"])  # a new sandbox, and its own stream
     assert (after["via"], output(after["stdout"])) == ("supervisor", b"fresh\n")
+    assert len(env.journal("supervisor.started")) == 2
+    assert env.journal("supervisor.lost", "supervisor.tampered") == []  # the sandbox went
 
 
 #: The supervisor's command line begins so (`stream_supervisors.command`).

@@ -81,16 +81,24 @@ class StreamCommand:
         self._sinks = None
         self._attached.set()
 
+    @property
+    def forgotten(self) -> bool:
+        """Detached: nothing more of it is wanted."""
+        return self._sinks is None and self._attached.is_set()
+
     async def deliver(self, stream: int, data: bytes) -> None:
         await self._attached.wait()
         sink = self._sinks.get(stream) if self._sinks is not None else None
         if sink is None:
             return
         self._moved += len(data)
-        if self._moved <= LOOP_BYTES:
-            sink.write(data)  # a spool append: microseconds at this size
-        else:
-            await trio.to_thread.run_sync(sink.write, data, limiter=self._limiter)
+        try:
+            if self._moved <= LOOP_BYTES:
+                sink.write(data)  # a spool append: microseconds at this size
+            else:
+                await trio.to_thread.run_sync(sink.write, data, limiter=self._limiter)
+        except Exception:  # the run closed its sinks meanwhile (it gave up on them)
+            self.detach()  # its output is dropped; the stream and its other commands go on
 
     def end(self, code: int | None, err: int | None) -> None:
         self.code, self.errno = code, err
@@ -266,7 +274,7 @@ class StreamLink:
             command.end(
                 code if isinstance(code, int) else None, err if isinstance(err, int) else None
             )
-            if command._sinks is None and command._attached.is_set():
+            if command.forgotten:
                 del self._commands[command.id]
         else:
             raise stream_agent.ProtocolError("op")

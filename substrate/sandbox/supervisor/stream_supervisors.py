@@ -176,10 +176,22 @@ class Streams:
         if slot is None or slot.link is not link or sandbox is None:
             return  # detached, or replaced already
         slot.link = None
+        trio.lowlevel.spawn_system_task(self._lost, sandbox, link)
+
+    async def _lost(self, sandbox: StreamSandbox, link: StreamLink) -> None:
+        """Journal a lost stream — unless its container is going (a timeout, a kill, the
+        idle reaper remove the sandbox before `detach`): that is no supervisor's loss."""
         reason = link.broken or "closed"
+        if reason == "closed":
+            try:
+                info = await self._engine.inspect(sandbox.id)
+            except (ContainerGone, EngineError, Refusal):
+                return
+            if not info.get("State", {}).get("Running"):
+                return
         log.warning("%s: stream supervisor lost: %s", link.container[:12], reason)
         kind = "supervisor.tampered" if reason == "protocol" else "supervisor.lost"
-        trio.lowlevel.spawn_system_task(self._note, kind, sandbox, link.generation, reason)
+        await self._note(kind, sandbox, link.generation, reason)
 
     def detach(self, container: str) -> None:
         """The sandbox is being removed: its link closes (nothing is journalled)."""
