@@ -50,12 +50,13 @@ class StreamChannel:
         self._command = command
         self._token = trio.lowlevel.current_trio_token()
         self._woken = trio.Event()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_r = self._wake_w = -1  # wakes `feed` (only a command with stdin has one)
         self._stdin_w: int | None = None
         #: No per-command fact is the host kernel's here: the command is a Sentry task
         #: (docs/fast-exec.md "Under gVisor": what is hidden).
         self.facts: list[Fact] = []
         if stdin:
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             r, w = os.pipe2(os.O_CLOEXEC)
             self._stdin_w = w
             trio.lowlevel.spawn_system_task(self._forward, r)
@@ -136,8 +137,9 @@ class StreamChannel:
                 os.close(fd)
 
     def shutdown(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(self._wake)
 
