@@ -44,6 +44,9 @@ log = logging.getLogger("substrate.sandbox.supervisor")
 STREAM_RUNTIMES = frozenset({"runsc"})
 #: A start (exec, `ready`) takes at most this long.
 START_S = 15.0
+#: A stream that ended: how long its sandbox may take to be removed (then it was no
+#: supervisor's loss) before the loss is journalled, seconds.
+REMOVAL_S = 5.0
 #: Exit codes of an exec whose program could not be started (no python3 in the image).
 NOT_STARTED = frozenset({126, 127})
 
@@ -80,6 +83,7 @@ class StreamSlot:
     #: No (more) stream for this sandbox: its start failed, it was lost, or the sandbox
     #: had another user before its first command asked.
     done: bool = False
+    detached: trio.Event = field(default_factory=trio.Event)
 
 
 class Streams:
@@ -93,6 +97,8 @@ class Streams:
         self._program = Path(stream_agent.__file__).read_text(encoding="utf-8")
         #: Commands started over a stream (for tests and the bench: `via` says it too).
         self.started = 0
+        #: Streams that ended as their sandbox was removed (not journalled as lost).
+        self.ended_with_sandbox = 0
 
     async def ready(self, sandbox: StreamSandbox) -> StreamLink | None:
         """The sandbox's running link, or one started now; None: use the engine's exec."""
@@ -176,18 +182,25 @@ class Streams:
         if slot is None or slot.link is not link or sandbox is None:
             return  # detached, or replaced already
         slot.link = None
-        trio.lowlevel.spawn_system_task(self._lost, sandbox, link)
+        trio.lowlevel.spawn_system_task(self._lost, slot, sandbox, link)
 
-    async def _lost(self, sandbox: StreamSandbox, link: StreamLink) -> None:
+    async def _lost(self, slot: StreamSlot, sandbox: StreamSandbox, link: StreamLink) -> None:
         """Journal a lost stream — unless its container is going (a timeout, a kill, the
-        idle reaper remove the sandbox before `detach`): that is no supervisor's loss."""
+        idle reaper remove the container, then `detach` the sandbox; the stream ends as
+        the container's processes are killed): that is no supervisor's loss."""
         reason = link.broken or "closed"
         if reason == "closed":
+            with trio.move_on_after(REMOVAL_S):
+                await slot.detached.wait()
+            if slot.detached.is_set():
+                self.ended_with_sandbox += 1
+                return
             try:
                 info = await self._engine.inspect(sandbox.id)
             except (ContainerGone, EngineError, Refusal):
-                return
+                info = {}
             if not info.get("State", {}).get("Running"):
+                self.ended_with_sandbox += 1
                 return
         log.warning("%s: stream supervisor lost: %s", link.container[:12], reason)
         kind = "supervisor.tampered" if reason == "protocol" else "supervisor.lost"
@@ -197,9 +210,12 @@ class Streams:
         """The sandbox is being removed: its link closes (nothing is journalled)."""
         slot = self._slots.pop(container, None)
         self._sandboxes.pop(container, None)
+        if slot is not None:
+            slot.detached.set()
         if slot is not None and slot.link is not None:
             link, slot.link = slot.link, None
             link.close("detached")
+            self.ended_with_sandbox += 1
 
     async def _note(
         self,
