@@ -46,11 +46,14 @@ from substrate.artifacts.sink import OutputSink
 from substrate.process.argv import start_failure
 from substrate.process.channels import EngineChannel, ExecChannel, Via
 from substrate.process.stdin_stream import PipeStdin, StdinPipe
+from substrate.process.stream_exec import StreamChannel
 from substrate.sandbox import cmd_cgroups
 from substrate.sandbox.containers import Sandbox
 from substrate.sandbox.engine import Engine
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.supervisor.link import LinkBroken, Spawned
+from substrate.sandbox.supervisor.stream_link import LinkBroken as StreamBroken
+from substrate.sandbox.supervisor.stream_link import StreamLink
 from substrate.sandbox.supervisor.supervisors import Pending, Supervisors
 
 log = logging.getLogger("substrate.process.fastexec")
@@ -59,6 +62,8 @@ log = logging.getLogger("substrate.process.fastexec")
 RECV_BYTES = 1 << 18
 #: A stream is read on the event loop up to this many bytes, then in a worker thread.
 LOOP_PUMP_BYTES = 1 << 20
+#: A stream supervisor answers a `run` within this (`started`), or is dropped.
+STREAM_REPLY_S = 10.0
 #: The command ended and its supervisor has not reported within this: is it still
 #: serving? (Checked again every period while it is.)
 REPORT_GRACE_S = 2.0
@@ -103,7 +108,15 @@ class FastPrepared:
         self.theirs = (-1, -1, -1)
 
 
-Prepared = EnginePrepared | FastPrepared
+@dataclass
+class StreamPrepared:
+    """A gVisor sandbox's command, to be asked of its stream supervisor at `start`."""
+
+    spec: ExecSpec
+    link: StreamLink
+
+
+Prepared = EnginePrepared | FastPrepared | StreamPrepared
 
 
 class Launcher:
@@ -142,6 +155,10 @@ class Launcher:
             fast = await self._spawn(sandbox, spec, cgroup)
             if fast is not None:
                 return fast
+        elif self._supervisors is not None:
+            link = await self._supervisors.streams.ready(sandbox)
+            if link is not None:
+                return StreamPrepared(spec, link)
         return await self._engine_create(spec)
 
     def claim(self, sandbox: Sandbox) -> cmd_cgroups.CommandCgroup | None:
@@ -155,6 +172,11 @@ class Launcher:
 
     async def start(self, prepared: Prepared) -> ExecChannel:
         """Start a prepared command; its channel. Raises what `exec_start` raises."""
+        if isinstance(prepared, StreamPrepared):
+            channel = await self._stream_start(prepared)
+            if channel is not None:
+                return channel
+            prepared = await self._engine_create(prepared.spec)
         if isinstance(prepared, FastPrepared):
             spec = prepared.spec
             try:
@@ -187,6 +209,31 @@ class Launcher:
                 )
         stream = await self._engine.exec_start(prepared.exec_id)
         return EngineChannel(self._engine, prepared.exec_id, stream, fs_limiter=self._fs_limiter)
+
+    async def _stream_start(self, prepared: StreamPrepared) -> StreamChannel | None:
+        """Ask the stream supervisor to run the command; its channel once the supervisor
+        answered (`started`, or `exited` when exec failed). None: the stream broke before
+        the supervisor answered — nothing is known to have run; the engine runs it."""
+        spec, link = prepared.spec, prepared.link
+        ident = secrets.token_hex(8)
+        try:
+            command = await link.run(
+                ident, list(spec.argv), spec.environment, spec.workdir, spec.stdin
+            )
+        except StreamBroken:
+            return None
+        channel = StreamChannel(link, command, spec.stdin)
+        with trio.CancelScope(shield=True):  # the command may run: its channel is returned
+            with trio.move_on_after(STREAM_REPLY_S):
+                await command.started.wait()
+            if not command.started.is_set():
+                link.close("unresponsive")  # stopped, or stuck: its next start replaces it
+        if command.ran or command.code is not None:
+            assert self._supervisors is not None
+            self._supervisors.streams.started += 1
+            return channel
+        channel.release()
+        return None
 
     def discard(self, prepared: Sequence[Prepared]) -> None:
         """Prepared commands that will not start (the record failed): let go of them."""

@@ -210,8 +210,9 @@ class ProcResult(Result):
     confinement facts come as `facts_digest` (SHA-256 of their compact JSON encoding,
     the key of the record's fact set) and `facts_summary`, and in full only when asked
     (`facts: "full"`): `facts`, the sandbox's, and `exec_facts`, the command's own
-    process as the host saw it before it ran (fast exec; empty on the engine path):
-    NoNewPrivs, Seccomp, capabilities, ids, and `parent`/`cgroup`/`namespaces`
+    process as the host saw it before it ran (fast exec under runc; empty on the engine
+    path and under gVisor, where no command has a host process: docs/fast-exec.md
+    "Under gVisor"): NoNewPrivs, Seccomp, capabilities, ids, and `parent`/`cgroup`/`namespaces`
     ("supervisor"/"sandbox"/"sandbox")."""
 
     proc: str

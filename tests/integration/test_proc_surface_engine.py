@@ -82,10 +82,13 @@ async def exit_of(client: AsyncClient, proc: str) -> dict[str, Any]:
 # --- streamed stdin -----------------------------------------------------------------------
 
 
-#: Both ways a command starts: the engine's exec (tiny: no Python for a supervisor) and
-#: the sandbox's supervisor (default: fast exec, docs/fast-exec.md).
+#: Every way a command starts: the engine's exec (tiny: no Python for a supervisor), the
+#: sandbox's supervisor (default: fast exec, docs/fast-exec.md), and gVisor's stream
+#: supervisor (fast-exec.md "Under gVisor").
 PATHS = pytest.mark.parametrize(
-    ("profile", "via"), [("tiny", "engine"), ("default", "supervisor")], ids=["engine", "fast"]
+    ("profile", "via"),
+    [("tiny", "engine"), ("default", "supervisor"), ("gvisor", "supervisor")],
+    ids=["engine", "fast", "gvisor-stream"],
 )
 
 

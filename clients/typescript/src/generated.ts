@@ -615,7 +615,7 @@ export interface ProcParams {
   facts?: "full" | "summary";
 }
 
-/** A finished command. `exit_code` is the engine's: 128 + n for a death by signal n (then `signal` names it, e.g. "KILL"); None only if the engine (or the sandbox's supervisor, when it died while the command ran) lost it. `via`: how it was started ("supervisor": fast exec, docs/fast-exec.md; "engine": the engine's exec). The confinement facts come as `facts_digest` (SHA-256 of their compact JSON encoding, the key of the record's fact set) and `facts_summary`, and in full only when asked (`facts: "full"`): `facts`, the sandbox's, and `exec_facts`, the command's own process as the host saw it before it ran (fast exec; empty on the engine path): NoNewPrivs, Seccomp, capabilities, ids, and `parent`/`cgroup`/`namespaces` ("supervisor"/"sandbox"/"sandbox"). */
+/** A finished command. `exit_code` is the engine's: 128 + n for a death by signal n (then `signal` names it, e.g. "KILL"); None only if the engine (or the sandbox's supervisor, when it died while the command ran) lost it. `via`: how it was started ("supervisor": fast exec, docs/fast-exec.md; "engine": the engine's exec). The confinement facts come as `facts_digest` (SHA-256 of their compact JSON encoding, the key of the record's fact set) and `facts_summary`, and in full only when asked (`facts: "full"`): `facts`, the sandbox's, and `exec_facts`, the command's own process as the host saw it before it ran (fast exec under runc; empty on the engine path and under gVisor, where no command has a host process: docs/fast-exec.md "Under gVisor"): NoNewPrivs, Seccomp, capabilities, ids, and `parent`/`cgroup`/`namespaces` ("supervisor"/"sandbox"/"sandbox"). */
 export interface ProcResult {
   proc: string;
   exit_code: number | null;

@@ -21,8 +21,21 @@ The map of fast exec, in the order a command meets it:
 - `agent`: the program that runs inside the container (standard library only; the
   daemon imports its sans-IO wire codec and constants).
 
+Under gVisor (runsc) the same role is played over the attach stream of the engine exec
+that started the supervisor (docs/fast-exec.md "Under gVisor"):
+- `stream_supervisors.Streams` (`Supervisors.streams`): `streamed(profile)` says which
+  sandboxes get one (runsc, read-only root filesystem); `ready` gives the running
+  `StreamLink` or starts one with the sandbox's first command; a lost one is journalled
+  and its sandbox keeps the engine's exec.
+- `stream_link.StreamLink`: the daemon's side of one stream (the reader that
+  demultiplexes every command's output into its sinks, tagged requests, stdin pieces);
+  `StreamCommand`: one command on it.
+- `stream_agent`: the program (standard library only, passed in argv) and its tagged
+  sans-IO wire.
+
 The runner's side is `substrate.process.fastexec` (`Launcher`: which path a command
-takes; `FastChannel`: a supervisor-started command as the driver drives it). It stays in
+takes; `FastChannel`: a supervisor-started command as the driver drives it) and
+`substrate.process.stream_exec` (`StreamChannel`: the same over a stream). It stays in
 the process layer because it is the process layer's use of this package: it implements
 the process layer's `ExecChannel` and stdin pipes (`process.channels`,
 `process.stdin_stream`) and the shell's start-failure codes (`process.argv`), which

@@ -62,6 +62,7 @@ from substrate.sandbox.spec import HOST_VISIBLE_RUNTIMES, RunAs
 from substrate.sandbox.supervisor import agent, ahead, checks
 from substrate.sandbox.supervisor.link import Link, LinkBroken, Spawned
 from substrate.sandbox.supervisor.startup import StartFailed, reason_of, start_program
+from substrate.sandbox.supervisor.stream_supervisors import Streams
 from substrate.store.journal import Journal
 
 log = logging.getLogger("substrate.sandbox.supervisor")
@@ -191,6 +192,8 @@ class Supervisors:
         self._fs_limiter = fs_limiter
         self._slots: dict[str, Slot] = {}
         self._program = Path(agent.__file__).read_bytes()
+        #: gVisor sandboxes' stream supervisors (docs/fast-exec.md "Under gVisor").
+        self.streams = Streams(engine, self._journal_async)
 
     # -- directories (blocking) ------------------------------------------------------------
 
@@ -263,6 +266,7 @@ class Supervisors:
 
     async def detach(self, container: str) -> None:
         """The sandbox is being removed: its supervisor and directory go with it."""
+        self.streams.detach(container)
         slot = self._slots.pop(container, None)
         if slot is not None:
             slot.close()
