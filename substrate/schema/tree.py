@@ -214,6 +214,7 @@ KIND_OF: dict[str, str] = {
     "workspace/vcs.py": "I/O",
     "workspace/reads.py": "I/O",
     "workspace/search.py": "I/O",
+    "workspace/search_prefilter.py": "pure",
     "workspace/ignore.py": "pure+I/O",
     "workspace/digests.py": "I/O",
     "workspace/patching.py": "pure",
