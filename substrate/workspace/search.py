@@ -73,15 +73,25 @@ def search(ws: Workspace, p: SearchParams, found_by: Matcher | None = None) -> S
     superset (`re2_translate`); stops at `max_matches`. One thread: `search_pool`
     shares the same work with a second process.
     """
-    plan = Plan.of(p, found_by)
+    return serially(ws, Plan.of(p, found_by))
+
+
+def serially(ws: Workspace, plan: Plan) -> SearchResult:
+    """`search` of `plan` (made for `ws`) on this thread alone."""
+    p = plan.p
     prune = pruner_for(ws, p.exclude, p.gitignore)
     with ws.use():
         top = plan.open(ws.root_fd, prune, ws.provenance)
     if top is None:
-        return SearchResult(matches=[], truncated=False, files_scanned=0, bytes_scanned=0)
+        return nothing()
     scan = _Scan(plan.matching, plan.prefilter, p, plan.globs, ws.policy.read_deny, prune)
     scan.run(top, plan.base)
     return scan.result()
+
+
+def nothing() -> SearchResult:
+    """The result of a search whose start is left out (`exclude`, `gitignore`)."""
+    return SearchResult(matches=[], truncated=False, files_scanned=0, bytes_scanned=0)
 
 
 @dataclass(frozen=True)
