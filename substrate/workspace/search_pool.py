@@ -3,8 +3,9 @@
 
 One process reads and matches at most one interpreter's worth of files: RE2's binding
 keeps the GIL between calls, so threads only contend. `SearchPool` keeps one worker
-process (`search_worker`), started at the daemon's start so that no search pays
-Python's start-up, and hands it half of a search's files: the parent walks as the
+process (`search_worker`), started by a daemon's first search (which does not wait for
+it: no search pays Python's start-up; a daemon that never searches never starts it),
+and hands it half of a search's files: the parent walks as the
 serial path does and, past `search_split.HAND_OFF_FILES` files or `HAND_OFF_BYTES`
 bytes, sends the workspace root and the walk's start (held fds, SCM_RIGHTS) with the
 request; from there each side reads and matches every other file, and the parent
@@ -40,6 +41,7 @@ from substrate.workspace.search_split import (
     MAX_REQUEST_BYTES,
     Reply,
     Request,
+    Search,
     SplitScan,
     max_reply_bytes,
     merge,
@@ -77,11 +79,13 @@ class SearchPool:
         self._sock: socket.socket | None = None
         self._ready = False
         self._closed = False
-        self._restarts = 0
+        self._failures = 0
         self._next_start = 0.0
-        #: Searches the worker shared, and searches it failed (for tests and benches).
+        #: Searches the worker shared, searches it failed, and searches made serial
+        #: because the tree changed between the two walks (for tests and benches).
         self.shared = 0
         self.failed = 0
+        self.changed = 0
 
     @classmethod
     def for_machine(cls) -> SearchPool | None:
@@ -94,10 +98,23 @@ class SearchPool:
         return None if self._proc is None else self._proc.pid
 
     def start(self) -> None:
-        """Start the worker (not waiting for its start-up); a no-op when one runs."""
+        """Start the worker now (not waiting for its start-up); a no-op when one runs.
+        Without it, the first search starts it (and is serial)."""
         with self._busy:
             if self._proc is None and not self._closed:
                 self._spawn()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Start the worker if none runs, and wait up to `timeout_s` for its start-up
+        (benches and tests; a search never waits). True: it takes the next search."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._busy:
+                if self._usable():
+                    return True
+            if time.monotonic() >= deadline or self._closed:
+                return False
+            time.sleep(0.01)
 
     def close(self) -> None:
         """Kill and reap the worker; later searches are serial. Waits for a search in
@@ -138,7 +155,10 @@ class SearchPool:
                 os.close(top)
                 raise
         request = Request(
-            params=p, read_deny=list(ws.policy.read_deny.patterns), root_id=ws.root_id, hand_off=0
+            search=Search.of(p),
+            read_deny=list(ws.policy.read_deny.patterns),
+            root_id=ws.root_id,
+            hand_off=0,
         )
         sent = False
 
@@ -172,6 +192,7 @@ class SearchPool:
         merged = merge(scan, reply, p.max_matches)
         if merged is None:
             log.info("search worker: the tree changed between the two walks; searched serially")
+            self.changed += 1
             return serially(ws, plan)
         self.shared += 1
         return merged
@@ -182,8 +203,7 @@ class SearchPool:
         if self._closed:
             return False
         if self._proc is None:
-            if self._restarts < MAX_RESTARTS and time.monotonic() >= self._next_start:
-                self._restarts += 1
+            if self._failures <= MAX_RESTARTS and time.monotonic() >= self._next_start:
                 self._spawn()
             return False
         if self._ready:
@@ -297,8 +317,9 @@ class SearchPool:
         """Kill and reap the worker; the next start waits its pause."""
         log.warning("search worker: %s; killed, this search is serial", reason)
         self.failed += 1
+        self._failures += 1
         self._stop()
-        self._next_start = time.monotonic() + self._pause_s * (2 ** max(0, self._restarts - 1))
+        self._next_start = time.monotonic() + self._pause_s * 2 ** (self._failures - 1)
 
     def _stop(self) -> None:
         proc, sock = self._proc, self._sock

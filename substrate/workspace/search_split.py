@@ -35,10 +35,53 @@ MAX_REPLY_FILES_BYTES = 64 << 20
 _NEVER = 1 << 62
 
 
+class Search(msgspec.Struct, frozen=True):
+    """`SearchParams` without its workspace and its bounds' checks (the parent's
+    params were checked at the edge; the worker takes them as they are)."""
+
+    pattern: str
+    path: str
+    glob: str | None
+    fixed: bool
+    ignore_case: bool
+    max_matches: int
+    max_line_bytes: int
+    exclude: list[str]
+    gitignore: bool
+
+    @classmethod
+    def of(cls, p: SearchParams) -> Search:
+        return cls(
+            p.pattern,
+            p.path,
+            p.glob,
+            p.fixed,
+            p.ignore_case,
+            p.max_matches,
+            p.max_line_bytes,
+            list(p.exclude),
+            p.gitignore,
+        )
+
+    def params(self) -> SearchParams:
+        return SearchParams(
+            workspace="",
+            pattern=self.pattern,
+            path=self.path,
+            glob=self.glob,
+            fixed=self.fixed,
+            ignore_case=self.ignore_case,
+            max_matches=self.max_matches,
+            max_line_bytes=self.max_line_bytes,
+            exclude=self.exclude,
+            gitignore=self.gitignore,
+        )
+
+
 class Request(msgspec.Struct, frozen=True):
     """What the worker needs besides the two fds sent with it (the root and the start)."""
 
-    params: SearchParams
+    search: Search
     #: The workspace policy's `read_deny` globs (`GlobSet.patterns`).
     read_deny: list[str]
     #: The workspace's root id, for `where` in messages (`Workspace.provenance`).

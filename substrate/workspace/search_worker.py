@@ -80,7 +80,7 @@ def _request(sock: socket.socket) -> tuple[bytes, list[int]] | None:
 
 def serve(req: Request, root: int, top: int) -> Reply:
     """One request's half; takes ownership of `top` (closed by the walk), not `root`."""
-    p = req.params
+    p = req.search.params()
     walking = False
     try:
         plan = Plan.of(p)
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
             req = _REQUEST.decode(payload)
             fds = [root]
             out = _ENCODER.encode(serve(req, root, top))
-            if len(out) > max_reply_bytes(req.params):
+            if len(out) > max_reply_bytes(req.search.params()):
                 out = _ENCODER.encode(Reply(error="ReplyTooLarge"))
         except Exception as exc:
             out = _ENCODER.encode(Reply(error=type(exc).__name__))
