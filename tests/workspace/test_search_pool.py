@@ -1,0 +1,191 @@
+"""`fs.search` shared with a worker process (`substrate.workspace.search_pool`): the
+worker really takes half the files, the result is the serial path's (truncation and
+the counts included), and every failure (killed, stopped, over its reply bound, a
+tree changed between the two walks, busy) gives the serial result; the worker is gone
+once the pool, or the daemon, closes."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from substrate.config import Config
+from substrate.daemon import open_daemon
+from substrate.schema.fs import SearchParams
+from substrate.workspace import search, search_pool
+from substrate.workspace.registry import Workspace, WorkspaceRegistry
+from substrate.workspace.search_pool import SearchPool
+
+FILES = {
+    f"d{i % 7}/f{i:03}.py": "".join(
+        f"def x{i}_{k}_handler(a):\n    return 'Error{k}' + {i * k}\n" for k in range(i % 5)
+    )
+    for i in range(300)
+}
+
+
+@pytest.fixture
+def tree(registry: WorkspaceRegistry, make_workspace: Callable[..., Path]) -> Workspace:
+    return registry.adopt(str(make_workspace("many", FILES)), None, None, "agent:0")
+
+
+@pytest.fixture
+def pool() -> Iterator[SearchPool]:
+    pool = SearchPool(wait_s=2.0, restart_pause_s=0)
+    assert pool.wait_ready(60)
+    yield pool
+    pool.close()
+
+
+def _params(ws: Workspace, pattern: str = r"def \w+_handler\(", **kw: Any) -> SearchParams:
+    return SearchParams(workspace=ws.id, pattern=pattern, **kw)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("max_matches", [1, 7, 200, 100000])
+@pytest.mark.parametrize("pattern", [r"def \w+_handler\(", "Error[0-9]", r"[0-9]{3}", "x1"])
+def test_the_worker_takes_half_and_the_result_is_the_serial_one(
+    tree: Workspace, pool: SearchPool, pattern: str, max_matches: int
+) -> None:
+    p = _params(tree, pattern, max_matches=max_matches)
+    serial = search.search(tree, p)
+    assert serial.matches and serial.files_scanned > 0
+    shared = pool.search(tree, p)
+    assert shared == serial
+    # Handed off past HAND_OFF_FILES: a search truncated before it is serial.
+    assert pool.shared == (1 if serial.files_scanned > 64 else 0)
+    assert pool.failed == 0 and pool.changed == 0 and pool.pid is not None
+
+
+def test_a_small_tree_never_reaches_the_worker(
+    registry: WorkspaceRegistry, make_workspace: Callable[..., Path], pool: SearchPool
+) -> None:
+    small = {f"f{i}.txt": "foo\n" for i in range(10)}
+    ws = registry.adopt(str(make_workspace("small", small)), None, None, "agent:0")
+    assert pool.search(ws, _params(ws, "foo")) == search.search(ws, _params(ws, "foo"))
+    assert pool.shared == 0
+
+
+def test_a_worker_killed_mid_search_gives_the_serial_result_and_is_restarted(
+    tree: Workspace, pool: SearchPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    send = SearchPool._send
+    killed: list[int] = []
+
+    def send_then_kill(self: SearchPool, *args: Any) -> bool:
+        taken = send(self, *args)
+        assert self.pid is not None
+        killed.append(self.pid)
+        os.kill(self.pid, signal.SIGKILL)
+        return taken
+
+    monkeypatch.setattr(SearchPool, "_send", send_then_kill)
+    p = _params(tree, max_matches=100000)
+    assert pool.search(tree, p) == search.search(tree, p)
+    assert pool.failed == 1 and pool.shared == 0 and pool.pid is None
+    assert _gone(killed[0])  # killed and reaped
+    monkeypatch.setattr(SearchPool, "_send", send)
+    assert pool.wait_ready(60) and pool.pid not in (None, killed[0])
+    assert pool.search(tree, p) == search.search(tree, p)
+    assert pool.shared == 1
+
+
+def test_a_worker_that_does_not_answer_in_time_is_killed(
+    tree: Workspace, pool: SearchPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    send = SearchPool._send
+    stopped: list[int] = []
+
+    def send_then_stop(self: SearchPool, *args: Any) -> bool:
+        assert self.pid is not None
+        stopped.append(self.pid)
+        os.kill(self.pid, signal.SIGSTOP)
+        return send(self, *args)
+
+    monkeypatch.setattr(SearchPool, "_send", send_then_stop)
+    monkeypatch.setattr(search_pool, "WAIT_FACTOR", 0.0)
+    p = _params(tree, max_matches=100000)
+    assert pool.search(tree, p) == search.search(tree, p)
+    assert pool.failed == 1 and pool.pid is None and _gone(stopped[0])
+
+
+def test_a_reply_over_its_bound_is_refused(
+    tree: Workspace, pool: SearchPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(search_pool, "max_reply_bytes", lambda p: 16)
+    p = _params(tree, max_matches=100000)
+    assert pool.search(tree, p) == search.search(tree, p)
+    assert pool.failed == 1 and pool.shared == 0
+
+
+def test_a_tree_changed_between_the_two_walks_is_searched_serially(
+    tree: Workspace, pool: SearchPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    send = SearchPool._send
+
+    def change_then_send(self: SearchPool, *args: Any) -> bool:
+        # The parent's walk is past d0/f000.py; the worker's, from the start, misses it.
+        (Path(tree.host_path) / "d0" / "f000.py").unlink()
+        return send(self, *args)
+
+    monkeypatch.setattr(SearchPool, "_send", change_then_send)
+    p = _params(tree, "Error|return", max_matches=100000)
+    got = pool.search(tree, p)
+    assert pool.changed == 1 and pool.shared == 0 and pool.failed == 0
+    assert got == search.search(tree, p)
+    assert not any(m.path == "d0/f000.py" for m in got.matches)
+
+
+def test_a_second_search_while_the_worker_is_busy_is_serial(
+    tree: Workspace, pool: SearchPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inner: list[Any] = []
+    send = SearchPool._send
+
+    def send_and_search_again(self: SearchPool, *args: Any) -> bool:
+        if not inner:  # the second search, on this thread, while the first holds the worker
+            inner.append(self.search(tree, _params(tree, "Error")))
+        return send(self, *args)
+
+    monkeypatch.setattr(SearchPool, "_send", send_and_search_again)
+    p = _params(tree, max_matches=100000)
+    assert pool.search(tree, p) == search.search(tree, p)
+    assert inner == [search.search(tree, _params(tree, "Error"))]
+    assert pool.shared == 1
+
+
+def test_a_backtracking_pattern_is_searched_serially(tree: Workspace, pool: SearchPool) -> None:
+    p = _params(tree, r"(\w+)_\1", max_matches=100000)
+    assert pool.search(tree, p) == search.search(tree, p)
+    assert pool.shared == 0
+
+
+def test_the_worker_is_gone_after_close(pool: SearchPool) -> None:
+    pid = pool.pid
+    assert pid is not None and not _gone(pid)
+    pool.close()
+    assert pool.pid is None and _gone(pid)
+    assert not pool.wait_ready(0)
+
+
+async def test_the_worker_is_gone_after_the_daemon_closes(tmp_path: Path) -> None:
+    config = Config(state_dir=str(tmp_path / "state"), listen="127.0.0.1:0")
+    async with open_daemon(config) as daemon:
+        assert daemon.search_pool is not None  # this machine has two CPUs or more
+        assert daemon.search_pool.pid is None  # started by the first search only
+        assert daemon.search_pool.wait_ready(60)
+        pid = daemon.search_pool.pid
+        assert pid is not None and not _gone(pid)
+    assert _gone(pid)
