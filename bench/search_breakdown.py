@@ -14,7 +14,10 @@ stages, each stage the search with the later work cut out:
 Each stage's cost is its difference to the one before. `grep -rn -E` (LC_ALL=C) and
 `rg -n` run interleaved with the stages, in the same rounds; medians of `--rounds`.
 `--against FILE` loads another `search.py` (e.g. main's) beside this checkout's and
-times its stages in the same rounds: an A/B on the same machine state.
+times its stages in the same rounds: an A/B on the same machine state. On a machine
+with two CPUs or more, a row `shared` times the search shared with the worker process
+(`search_pool.SearchPool.search`, what the daemon runs), in the same rounds: its total
+only, with the part of the files the worker searched.
 
     python bench/search_breakdown.py [--rounds 9] [--against PATH/search.py] [PATTERN ...]
 """
@@ -59,6 +62,7 @@ from substrate.store.db import Store  # noqa: E402
 from substrate.store.journal import Journal  # noqa: E402
 from substrate.workspace import search as this_search  # noqa: E402
 from substrate.workspace.registry import Workspace, WorkspaceRegistry  # noqa: E402
+from substrate.workspace.search_pool import SearchPool  # noqa: E402
 
 STAGES = ("walk", "read", "match", "full", "encode")
 _ENCODER = msgspec.json.Encoder()
@@ -101,6 +105,16 @@ def timed_search(
             if stage == "encode":
                 _ENCODER.encode(result)
             return time.perf_counter() - start
+
+    return run
+
+
+def timed_shared(pool: SearchPool, ws: Workspace, p: SearchParams) -> Callable[[], float]:
+    def run() -> float:
+        start = time.perf_counter()
+        result = pool.search(ws, p)
+        _ENCODER.encode(result)
+        return time.perf_counter() - start
 
     return run
 
@@ -158,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         registry = WorkspaceRegistry(config, store, Journal(store), state)
         ws = registry.adopt(str(roots / "bench"), None, None, "bench")
         has_rg = shutil.which("rg") is not None
+        pool = SearchPool.for_machine()
+        if pool is not None and not pool.wait_ready(60):
+            raise SystemExit("the search worker did not start")
         load = os.getloadavg()[0]
         print(
             f"medians of {args.rounds} rounds, interleaved; {os.cpu_count()} CPUs, load {load:.1f}"
@@ -174,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             measures: list[Callable[[], float]] = []
             for _, mod in versions:
                 measures += [timed_search(mod, ws, p, stage) for stage in STAGES]
+            if pool is not None:
+                if pool.search(ws, p) != this_search.search(ws, p):
+                    raise SystemExit("the shared search differs from the serial one")
+                measures.append(timed_shared(pool, ws, p))
             measures.append(timed_tool(grep_argv(pattern, tree)))
             if has_rg:
                 measures.append(timed_tool(rg_argv(pattern, tree)))
@@ -184,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 for i, measure in enumerate(measures):
                     samples[i].append(measure())
             med = [statistics.median(s) * 1000 for s in samples]
-            grep_ms = med[len(versions) * len(STAGES)]
+            shared = pool is not None
+            grep_ms = med[len(versions) * len(STAGES) + shared]
             rg_ms = med[-1] if has_rg else float("nan")
             for k, (name, _) in enumerate(versions):
                 walk, read, match, full, encode = med[k * len(STAGES) : (k + 1) * len(STAGES)]
@@ -195,6 +217,15 @@ def main(argv: list[str] | None = None) -> int:
                     + f" | {full:.0f} | {grep_ms:.0f} | {rg_ms:.0f} |"
                     f" {full / grep_ms:.2f} | {full / rg_ms:.2f} |"
                 )
+            if pool is not None:
+                total = med[len(versions) * len(STAGES)]
+                print(
+                    f"| `{pattern}` ({lines:,}) | shared | | | | | | {total:.0f} |"
+                    f" {grep_ms:.0f} | {rg_ms:.0f} | {total / grep_ms:.2f} | {total / rg_ms:.2f} |"
+                )
+        if pool is not None:
+            print(f"\nshared searches {pool.shared}, failed {pool.failed}, changed {pool.changed}")
+            pool.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0
