@@ -39,9 +39,8 @@ from substrate.workspace.registry import Workspace
 from substrate.workspace.search import Plan, nothing, serially
 from substrate.workspace.search_split import (
     MAX_REQUEST_BYTES,
+    Batch,
     Reply,
-    Request,
-    Search,
     SplitScan,
     max_reply_bytes,
     merge,
@@ -81,11 +80,9 @@ class SearchPool:
         self._closed = False
         self._failures = 0
         self._next_start = 0.0
-        #: Searches the worker shared, searches it failed, and searches made serial
-        #: because the tree changed between the two walks (for tests and benches).
+        #: Searches the worker shared, and searches it failed (for tests and benches).
         self.shared = 0
         self.failed = 0
-        self.changed = 0
 
     @classmethod
     def for_machine(cls) -> SearchPool | None:
@@ -147,38 +144,22 @@ class SearchPool:
         prune = pruner_for(ws, p.exclude, p.gitignore)
         with ws.use():
             top = plan.open(ws.root_fd, prune, ws.provenance)
-            if top is None:
-                return nothing()
-            try:
-                root = os.dup(ws.root_fd)
-            except OSError:
-                os.close(top)
-                raise
-        request = Request(
-            search=Search.of(p),
-            read_deny=list(ws.policy.read_deny.patterns),
-            root_id=ws.root_id,
-            hand_off=0,
-        )
-        sent = False
-
-        def begin(index: int) -> bool:
-            nonlocal sent
-            sent = self._send(msgspec.structs.replace(request, hand_off=index), root, top)
-            return sent
-
-        scan = SplitScan(plan, ws.policy.read_deny, prune, side=0, begin=begin)
+        if top is None:
+            return nothing()
+        scan = SplitScan(plan, ws.policy.read_deny, prune, self._send)
         started = time.monotonic()
         try:
-            try:
-                scan.run(top, plan.base)
-            finally:
-                os.close(root)
+            scan.run(top, plan.base)
+            if scan.sent:
+                scan.flush(last=True)
+        except _Failed as exc:
+            self._fail(str(exc))
+            return serially(ws, plan)
         except BaseException:
-            if sent:
-                self._discard(p, started)
+            if scan.sent:  # the worker waits for its last batch: end it, read its reply away
+                self._discard(scan, started)
             raise
-        if not sent:
+        if not scan.sent:
             return scan.result()
         try:
             reply = self._reply(p, self._wait_s + WAIT_FACTOR * (time.monotonic() - started))
@@ -191,8 +172,7 @@ class SearchPool:
             return serially(ws, plan)
         merged = merge(scan, reply, p.max_matches)
         if merged is None:
-            log.info("search worker: the tree changed between the two walks; searched serially")
-            self.changed += 1
+            self._fail("a reply not of the files it was sent")
             return serially(ws, plan)
         self.shared += 1
         return merged
@@ -253,24 +233,22 @@ class SearchPool:
         self._sock = ours
         self._ready = False
 
-    def _send(self, request: Request, root: int, top: int) -> bool:
-        """Hand `request` to the worker with the two fds; False (searched serially) when
-        it cannot take it."""
-        payload = _ENCODER.encode(request)
+    def _send(self, batch: Batch, fds: list[int]) -> None:
+        """Hand `batch` to the worker with the fds of its directories; raises `_Failed`
+        when the worker does not take it in time."""
+        payload = _ENCODER.encode(batch)
         if len(payload) > MAX_REQUEST_BYTES:
-            return False
+            raise _Failed(f"a batch of {len(payload)} bytes, over its bound")
         data = search_worker.frame(payload)
         sock = self._sock
         assert sock is not None
         try:
             sock.settimeout(self._wait_s)
-            sent = socket.send_fds(sock, [data], [root, top])
+            sent = socket.send_fds(sock, [data], fds)
             if sent < len(data):
                 sock.sendall(data[sent:])
         except OSError as exc:
-            self._fail(f"the request was not taken ({exc})")
-            return False
-        return True
+            raise _Failed(f"a batch not taken ({exc})") from None
 
     def _reply(self, p: SearchParams, wait_s: float) -> Reply:
         sock = self._sock
@@ -306,10 +284,12 @@ class SearchPool:
             got += k
         return bytes(buf)
 
-    def _discard(self, p: SearchParams, started: float) -> None:
-        """The parent's half raised: read the worker's answer away, or kill it."""
+    def _discard(self, scan: SplitScan, started: float) -> None:
+        """The parent's half raised: end the worker's half and read its answer away, or
+        kill it."""
         try:
-            self._reply(p, self._wait_s + WAIT_FACTOR * (time.monotonic() - started))
+            scan.flush(last=True)
+            self._reply(scan.p, self._wait_s + WAIT_FACTOR * (time.monotonic() - started))
         except _Failed as exc:
             self._fail(str(exc))
 

@@ -1,15 +1,16 @@
-"""The search worker: a process of its own that searches half of one `fs.search`'s files.
+"""The search worker: a process of its own that searches part of one `fs.search`'s files.
 
-Started by `search_pool` as `python -m substrate.workspace.search_worker FD` (an argv
-list, never a shell), FD one end of a Unix stream socket pair. It writes `READY` once
-imported, then serves one request at a time: a frame (`frame`: an 8-byte length, then
-msgpack) holding a `search_split.Request`, sent with two fds by SCM_RIGHTS (the
-workspace root and the walk's start, both opened by the parent beneath its held fds),
-answered by one frame holding a `search_split.Reply`. It walks the tree as the parent
-does (`search_split.SplitScan`, side 1) and reads and matches the files that are its
-share. An exception is answered by its class name (the parent then searches serially);
-end of file on the socket, or the parent's death (PR_SET_PDEATHSIG), ends it. It never
-writes, never runs anything, and logs nothing.
+Started by `search_pool` as `python -m substrate.workspace.search_worker FD PID` (an
+argv list, never a shell), FD one end of a Unix stream socket pair, PID its parent's.
+It writes `READY` once imported, then serves one search at a time: frames (`frame`:
+an 8-byte length, then msgpack) each holding a `search_split.Batch`, sent with the
+directory fds its files are beneath (SCM_RIGHTS; held and opened by the parent's walk),
+the first with the search, the last answered by one frame holding a
+`search_split.Reply`. Each file is opened beneath its directory's fd with O_NOFOLLOW
+and read and matched as the serial search does (`search_split.SplitScan.take`). An
+exception is answered by its class name (the parent then searches serially); end of
+file on the socket, or the parent's death (PR_SET_PDEATHSIG), ends it. It walks
+nothing, writes nothing, runs nothing and logs nothing.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import sys
 
 import msgspec
 
-from substrate.workspace.ignore import Pruner
 from substrate.workspace.policy import GlobSet
-from substrate.workspace.search import Plan
+from substrate.workspace.search import Plan, _Truncated
 from substrate.workspace.search_split import (
+    BATCH_FDS,
     MAX_REQUEST_BYTES,
+    Batch,
     Reply,
-    Request,
+    Search,
     SplitScan,
     max_reply_bytes,
 )
@@ -38,7 +40,7 @@ READY = b"R"
 HEADER = struct.Struct(">Q")
 _PR_SET_PDEATHSIG = 1
 _ENCODER = msgspec.msgpack.Encoder()
-_REQUEST = msgspec.msgpack.Decoder(Request)
+_BATCH = msgspec.msgpack.Decoder(Batch)
 
 
 def frame(payload: bytes) -> bytes:
@@ -58,50 +60,90 @@ def recv_exactly(sock: socket.socket, n: int, into: bytearray | None = None) -> 
     return bytes(buf)
 
 
-def _request(sock: socket.socket) -> tuple[bytes, list[int]] | None:
-    """The next request's payload and fds, or None at end of file. A frame over
+def _frame_in(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """The next frame's payload and fds, or None at end of file. A frame over
     `MAX_REQUEST_BYTES` ends the worker (only the parent writes here)."""
-    data, fds, _, _ = socket.recv_fds(sock, HEADER.size, 2)
+    data, fds, _, _ = socket.recv_fds(sock, HEADER.size, BATCH_FDS)
     if not data:
         return None
-    if len(data) < HEADER.size:
-        rest = recv_exactly(sock, HEADER.size - len(data))
-        if rest is None:
-            return None
-        data += rest
-    (size,) = HEADER.unpack(data)
-    if size > MAX_REQUEST_BYTES:
-        raise SystemExit("search worker: a request over its bound")
-    payload = recv_exactly(sock, size)
-    if payload is None:
-        return None
+    try:
+        if len(data) < HEADER.size:
+            rest = recv_exactly(sock, HEADER.size - len(data))
+            if rest is None:
+                raise SystemExit(0)
+            data += rest
+        (size,) = HEADER.unpack(data)
+        if size > MAX_REQUEST_BYTES:
+            raise SystemExit("search worker: a frame over its bound")
+        payload = recv_exactly(sock, size)
+        if payload is None:
+            raise SystemExit(0)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     return payload, fds
 
 
-def serve(req: Request, root: int, top: int) -> Reply:
-    """One request's half; takes ownership of `top` (closed by the walk), not `root`."""
-    p = req.search.params()
-    walking = False
-    try:
-        plan = Plan.of(p)
-        read_deny = GlobSet.of(req.read_deny)
+class _Search:
+    """One search's half, fed batch by batch."""
 
-        def may_read(rel: str) -> bool:
-            return not read_deny.matches(rel)
+    def __init__(self, search: Search) -> None:
+        p = search.params()
+        self.p = p
+        self.scan = SplitScan(Plan.of(p), GlobSet.of([]), None)
 
-        def where(rel: str) -> str:
-            return f"{req.root_id}:{rel}"
+    def take(self, batch: Batch, fds: list[int]) -> None:
+        scan = self.scan
+        if scan.truncated:
+            return
+        if len(batch.rels) != len(batch.idx) or len(batch.dirs) != len(batch.idx):
+            raise ValueError("a batch's lists differ in length")
+        try:
+            for slot, rel, index in zip(batch.dirs, batch.rels, batch.idx, strict=True):
+                scan.take(fds[slot], rel.decode("utf-8", "surrogateescape"), index)
+        except _Truncated:
+            scan.truncated = True
 
-        prune = Pruner.of(p.exclude, p.gitignore, may_read=may_read, where=where)
-        if prune is not None and not prune.start(root, plan.parts):
-            return Reply(error="StartLeftOut")  # it changed since the parent looked
-        scan = SplitScan(plan, read_deny, prune, side=1, hand_off=req.hand_off)
-        walking = True
-        scan.run(top, plan.base)
-    finally:
-        if not walking:
-            os.close(top)
-    return scan.reply()
+
+def serve(sock: socket.socket) -> bool:
+    """One search: batches until the last, then the reply. False at end of file."""
+    search: _Search | None = None
+    error: str | None = None
+    while True:
+        got = _frame_in(sock)
+        if got is None:
+            return False
+        payload, fds = got
+        try:
+            batch = _BATCH.decode(payload)
+        except msgspec.DecodeError:
+            for fd in fds:
+                os.close(fd)
+            raise SystemExit("search worker: a frame that does not decode") from None
+        try:
+            if error is None:
+                if search is None:
+                    if batch.search is None:
+                        raise ValueError("the first batch carries no search")
+                    search = _Search(batch.search)
+                search.take(batch, fds)
+        except Exception as exc:
+            error = error or type(exc).__name__
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if batch.last:
+            break
+    out = b""
+    if error is None and search is not None:
+        out = _ENCODER.encode(search.scan.reply())
+        if len(out) > max_reply_bytes(search.p):
+            error = "ReplyTooLarge"
+    if error is not None or search is None:
+        out = _ENCODER.encode(Reply(error=error or "NoSearch"))
+    sock.sendall(frame(out))
+    return True
 
 
 def _die_with_parent(parent: int) -> None:
@@ -115,26 +157,9 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
     _die_with_parent(int(argv[2]))
     sock.sendall(READY)
-    while True:
-        got = _request(sock)
-        if got is None:
-            return 0
-        payload, fds = got
-        try:
-            if len(fds) != 2:
-                raise ValueError("two fds expected")
-            root, top = fds
-            req = _REQUEST.decode(payload)
-            fds = [root]
-            out = _ENCODER.encode(serve(req, root, top))
-            if len(out) > max_reply_bytes(req.search.params()):
-                out = _ENCODER.encode(Reply(error="ReplyTooLarge"))
-        except Exception as exc:
-            out = _ENCODER.encode(Reply(error=type(exc).__name__))
-        finally:
-            for fd in fds:
-                os.close(fd)
-        sock.sendall(frame(out))
+    while serve(sock):
+        pass
+    return 0
 
 
 if __name__ == "__main__":

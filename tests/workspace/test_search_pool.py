@@ -1,8 +1,8 @@
 """`fs.search` shared with a worker process (`substrate.workspace.search_pool`): the
 worker really takes half the files, the result is the serial path's (truncation and
-the counts included), and every failure (killed, stopped, over its reply bound, a
-tree changed between the two walks, busy) gives the serial result; the worker is gone
-once the pool, or the daemon, closes."""
+the counts included), a file gone before the worker opens it is skipped as the serial
+walk skips it, and every failure (killed, stopped, over its reply bound, busy) gives
+the serial result; the worker is gone once the pool, or the daemon, closes."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_the_worker_takes_half_and_the_result_is_the_serial_one(
     assert shared == serial
     # Handed off past HAND_OFF_FILES: a search truncated before it is serial.
     assert pool.shared == (1 if serial.files_scanned > 64 else 0)
-    assert pool.failed == 0 and pool.changed == 0 and pool.pid is not None
+    assert pool.failed == 0 and pool.pid is not None
 
 
 def test_a_small_tree_never_reaches_the_worker(
@@ -84,12 +84,12 @@ def test_a_worker_killed_mid_search_gives_the_serial_result_and_is_restarted(
     send = SearchPool._send
     killed: list[int] = []
 
-    def send_then_kill(self: SearchPool, *args: Any) -> bool:
-        taken = send(self, *args)
-        assert self.pid is not None
-        killed.append(self.pid)
-        os.kill(self.pid, signal.SIGKILL)
-        return taken
+    def send_then_kill(self: SearchPool, *args: Any) -> None:
+        send(self, *args)
+        if not killed:
+            assert self.pid is not None
+            killed.append(self.pid)
+            os.kill(self.pid, signal.SIGKILL)
 
     monkeypatch.setattr(SearchPool, "_send", send_then_kill)
     p = _params(tree, max_matches=100000)
@@ -108,11 +108,12 @@ def test_a_worker_that_does_not_answer_in_time_is_killed(
     send = SearchPool._send
     stopped: list[int] = []
 
-    def send_then_stop(self: SearchPool, *args: Any) -> bool:
-        assert self.pid is not None
-        stopped.append(self.pid)
-        os.kill(self.pid, signal.SIGSTOP)
-        return send(self, *args)
+    def send_then_stop(self: SearchPool, *args: Any) -> None:
+        if not stopped:
+            assert self.pid is not None
+            stopped.append(self.pid)
+            os.kill(self.pid, signal.SIGSTOP)
+        send(self, *args)
 
     monkeypatch.setattr(SearchPool, "_send", send_then_stop)
     monkeypatch.setattr(search_pool, "WAIT_FACTOR", 0.0)
@@ -130,22 +131,24 @@ def test_a_reply_over_its_bound_is_refused(
     assert pool.failed == 1 and pool.shared == 0
 
 
-def test_a_tree_changed_between_the_two_walks_is_searched_serially(
+def test_a_file_gone_before_the_worker_opens_it_is_skipped_as_the_serial_walk_skips_it(
     tree: Workspace, pool: SearchPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     send = SearchPool._send
+    gone: list[str] = []
 
-    def change_then_send(self: SearchPool, *args: Any) -> bool:
-        # The parent's walk is past d0/f000.py; the worker's, from the start, misses it.
-        (Path(tree.host_path) / "d0" / "f000.py").unlink()
-        return send(self, *args)
+    def remove_then_send(self: SearchPool, batch: Any, fds: list[int]) -> None:
+        if not gone:  # the first of the worker's files: the parent's walk met it
+            gone.append(batch.rels[0].decode())
+            (Path(tree.host_path) / gone[0]).unlink()
+        send(self, batch, fds)
 
-    monkeypatch.setattr(SearchPool, "_send", change_then_send)
+    monkeypatch.setattr(SearchPool, "_send", remove_then_send)
     p = _params(tree, "Error|return", max_matches=100000)
     got = pool.search(tree, p)
-    assert pool.changed == 1 and pool.shared == 0 and pool.failed == 0
+    assert pool.shared == 1 and pool.failed == 0
     assert got == search.search(tree, p)
-    assert not any(m.path == "d0/f000.py" for m in got.matches)
+    assert gone and not any(m.path == gone[0] for m in got.matches)
 
 
 def test_a_second_search_while_the_worker_is_busy_is_serial(
@@ -154,10 +157,10 @@ def test_a_second_search_while_the_worker_is_busy_is_serial(
     inner: list[Any] = []
     send = SearchPool._send
 
-    def send_and_search_again(self: SearchPool, *args: Any) -> bool:
+    def send_and_search_again(self: SearchPool, *args: Any) -> None:
         if not inner:  # the second search, on this thread, while the first holds the worker
             inner.append(self.search(tree, _params(tree, "Error")))
-        return send(self, *args)
+        send(self, *args)
 
     monkeypatch.setattr(SearchPool, "_send", send_and_search_again)
     p = _params(tree, max_matches=100000)
