@@ -5,17 +5,17 @@ One process reads and matches at most one interpreter's worth of files: RE2's bi
 keeps the GIL between calls, so threads only contend. `SearchPool` keeps one worker
 process (`search_worker`), started by a daemon's first search (which does not wait for
 it: no search pays Python's start-up; a daemon that never searches never starts it),
-and hands it half of a search's files: the parent walks as the
-serial path does and, past `search_split.HAND_OFF_FILES` files or `HAND_OFF_BYTES`
-bytes, sends the workspace root and the walk's start (held fds, SCM_RIGHTS) with the
-request; from there each side reads and matches every other file, and the parent
-merges the halves into walk order (`search_split.merge`). The result is the serial
-path's, always: when the worker is busy (another search has it), not ready, dead,
-slow past its bound, over its reply bound, or walked a tree that changed meanwhile,
-the search is the serial one (`search.serially`), with one log line for a failure.
-A failed worker is killed, reaped, and started again at most `MAX_RESTARTS` times,
-each after a pause twice the last. Only RE2 patterns are shared (the budgeted
-backtracking engine's searches run on threads of their own, serially).
+and hands it half of a search's files: the parent walks alone, as the serial path does,
+and past `search_split.HAND_OFF_FILES` files or `HAND_OFF_BYTES` bytes sends every
+other file it meets to the worker in batches, with the held fds of their directories
+(SCM_RIGHTS); the worker reads and matches those while the parent reads and matches
+its own, and the parent merges the halves into walk order (`search_split.merge`).
+The result is the serial path's, always: when the worker is busy (another search has
+it), not ready, dead, slow past its bound, or over its reply bound, the search is the
+serial one (`search.serially`), with one log line for a failure. A failed worker is
+killed, reaped, and started again at most `MAX_RESTARTS` times, each after a pause
+twice the last. Only RE2 patterns are shared (the budgeted backtracking engine's
+searches run on threads of their own, serially).
 """
 
 from __future__ import annotations

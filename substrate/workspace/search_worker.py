@@ -47,9 +47,9 @@ def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def recv_exactly(sock: socket.socket, n: int, into: bytearray | None = None) -> bytes | None:
+def recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     """`n` bytes from `sock`, or None at end of file first."""
-    buf = into if into is not None else bytearray(n)
+    buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
