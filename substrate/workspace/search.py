@@ -15,8 +15,9 @@ and the matcher starts at the line of its first hit. RE2 is called directly
 of `regex.search` over every file, whatever is skipped; `tests/harness/search_reference.py`
 keeps the loop this replaced, and a differential test on random trees holds the two equal.
 
-One process, one thread: RE2's Python binding keeps the GIL while it matches, so
-threads only contend (measured: two threads took as long as one, or longer).
+One thread: RE2's Python binding keeps the GIL while it matches, so threads only
+contend (measured: two threads took as long as one, or longer). A second process is
+what helps: `search_pool` gives half of a big search's files to a worker process.
 """
 
 from __future__ import annotations
