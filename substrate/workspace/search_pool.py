@@ -210,7 +210,6 @@ class SearchPool:
                 "-m",
                 "substrate.workspace.search_worker",
                 str(theirs.fileno()),
-                str(os.getpid()),
             ]
             path = os.environ.get("PYTHONPATH")
             env = {"PYTHONPATH": _PACKAGE_ROOT + (os.pathsep + path if path else "")}

@@ -1,7 +1,7 @@
 """The search worker: a process of its own that searches part of one `fs.search`'s files.
 
-Started by `search_pool` as `python -m substrate.workspace.search_worker FD PID` (an
-argv list, never a shell), FD one end of a Unix stream socket pair, PID its parent's.
+Started by `search_pool` as `python -m substrate.workspace.search_worker FD` (an argv
+list, never a shell), FD one end of a Unix stream socket pair.
 It writes `READY` once imported, then serves one search at a time: frames (`frame`:
 an 8-byte length, then msgpack) each holding a `search_split.Batch`, sent with the
 directory fds its files are beneath (SCM_RIGHTS; held and opened by the parent's walk),
@@ -9,15 +9,15 @@ the first with the search, the last answered by one frame holding a
 `search_split.Reply`. Each file is opened beneath its directory's fd with O_NOFOLLOW
 and read and matched as the serial search does (`search_split.SplitScan.take`). An
 exception is answered by its class name (the parent then searches serially); end of
-file on the socket, or the parent's death (PR_SET_PDEATHSIG), ends it. It walks
+file on the socket (the parent closed it, or died) ends it, and so does a reply the
+parent is no longer there to read. Not PR_SET_PDEATHSIG: it fires when the *thread*
+that started the worker ends, and the daemon starts it from a pooled worker thread. It walks
 nothing, writes nothing, runs nothing and logs nothing.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import struct
 import sys
@@ -38,7 +38,6 @@ from substrate.workspace.search_split import (
 
 READY = b"R"
 HEADER = struct.Struct(">Q")
-_PR_SET_PDEATHSIG = 1
 _ENCODER = msgspec.msgpack.Encoder()
 _BATCH = msgspec.msgpack.Decoder(Batch)
 
@@ -146,16 +145,8 @@ def serve(sock: socket.socket) -> bool:
     return True
 
 
-def _die_with_parent(parent: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the call
-        raise SystemExit(0)
-
-
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
-    _die_with_parent(int(argv[2]))
     sock.sendall(READY)
     while serve(sock):
         pass

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -173,6 +175,24 @@ def test_a_backtracking_pattern_is_searched_serially(tree: Workspace, pool: Sear
     p = _params(tree, r"(\w+)_\1", max_matches=100000)
     assert pool.search(tree, p) == search.search(tree, p)
     assert pool.shared == 0
+
+
+def test_the_worker_outlives_the_thread_that_started_it(tree: Workspace) -> None:
+    """A search starts the worker from one of Trio's pooled threads, which ends when
+    idle: the worker must not die with it (as PR_SET_PDEATHSIG would have it)."""
+    pool = SearchPool()
+    try:
+        ready: list[bool] = []
+        starter = threading.Thread(target=lambda: ready.append(pool.wait_ready(60)))
+        starter.start()
+        starter.join()
+        assert ready == [True]
+        time.sleep(0.2)  # the thread's exit reaches the kernel after `join` returns
+        p = _params(tree, max_matches=100000)
+        assert pool.search(tree, p) == search.search(tree, p)
+        assert pool.shared == 1 and pool.failed == 0
+    finally:
+        pool.close()
 
 
 def test_the_worker_is_gone_after_close(pool: SearchPool) -> None:
