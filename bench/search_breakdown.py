@@ -19,7 +19,12 @@ with two CPUs or more, a row `shared` times the search shared with the worker pr
 (`search_pool.SearchPool.search`, what the daemon runs), in the same rounds: its total
 only, with the part of the files the worker searched.
 
+`--daemons CHECKOUT` instead times `fs.search` through the socket (as
+`bench/foundation.py` does) of this checkout's daemon and of CHECKOUT's (e.g. main),
+each on its own copy of the tree, interleaved with grep and rg in the same rounds.
+
     python bench/search_breakdown.py [--rounds 9] [--against PATH/search.py] [PATTERN ...]
+    python bench/search_breakdown.py --daemons /work/main [--rounds 9] [PATTERN ...]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import msgspec
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.benchdaemon import BenchDaemon  # noqa: E402
 from bench.foundation import (  # noqa: E402
     SEARCH_PATTERN,
     SEARCH_PATTERN_CLASS,
@@ -57,6 +63,7 @@ from bench.foundation import (  # noqa: E402
 )
 from bench.foundation_writes import chown_tree  # noqa: E402
 from substrate.config import Config  # noqa: E402
+from substrate.protocol.client import Client  # noqa: E402
 from substrate.schema.fs import SearchParams  # noqa: E402
 from substrate.store.db import Store  # noqa: E402
 from substrate.store.journal import Journal  # noqa: E402
@@ -130,6 +137,70 @@ def timed_tool(argv: list[str]) -> Callable[[], float]:
     return run
 
 
+def timed_daemon(client: Client, ws: str, pattern: str) -> Callable[[], float]:
+    def run() -> float:
+        start = time.perf_counter()
+        client.call("fs.search", workspace=ws, pattern=pattern, path="tree", max_matches=100000)
+        return time.perf_counter() - start
+
+    return run
+
+
+def daemons(args: argparse.Namespace, patterns: list[str]) -> int:
+    """`--daemons`: this checkout's daemon and another's, through their sockets."""
+    base = Path(tempfile.mkdtemp(prefix="sbsd-", dir=args.dir))
+    running: list[BenchDaemon] = []
+    try:
+        clients = []
+        for k, repo in enumerate([REPO, Path(args.daemons)]):
+            (base / f"d{k}").mkdir()
+            daemon = BenchDaemon(base / f"d{k}", repo=repo)
+            running.append(daemon)
+            make_tree(daemon.roots / "bench" / "tree", args.files, args.bytes)
+            chown_tree(daemon.roots / "bench")
+            client = Client(daemon.socket, timeout=600)
+            ws = client.call("workspace.adopt", path=str(daemon.roots / "bench"))["workspace"]
+            clients.append((client, ws))
+        tree = running[0].roots / "bench" / "tree"
+        for client, ws in clients:  # the first search starts a daemon's search worker
+            client.call("fs.search", workspace=ws, pattern="x", path="tree", max_matches=1)
+        time.sleep(1.0)
+        has_rg = shutil.which("rg") is not None
+        print(
+            f"medians of {args.rounds} rounds, interleaved; {os.cpu_count()} CPUs,"
+            f" load {os.getloadavg()[0]:.1f}; the other daemon: {args.daemons}"
+        )
+        print()
+        print("| pattern | this | other | grep | rg | this ÷ grep | other ÷ grep | this ÷ rg |")
+        print("|---|---|---|---|---|---|---|---|")
+        for pattern in patterns:
+            measures = [timed_daemon(c, ws, pattern) for c, ws in clients]
+            measures.append(timed_tool(grep_argv(pattern, tree)))
+            if has_rg:
+                measures.append(timed_tool(rg_argv(pattern, tree)))
+            for measure in measures:
+                measure()
+            samples: list[list[float]] = [[] for _ in measures]
+            for _ in range(args.rounds):
+                for i, measure in enumerate(measures):
+                    samples[i].append(measure())
+            med = [statistics.median(x) * 1000 for x in samples]
+            this, other, grep = med[0], med[1], med[2]
+            rg = med[3] if has_rg else float("nan")
+            print(
+                f"| `{pattern}` | {this:.0f} | {other:.0f} | {grep:.0f} | {rg:.0f} |"
+                f" {this / grep:.2f} | {other / grep:.2f} | {this / rg:.2f} |"
+            )
+        print(f"\nload {os.getloadavg()[0]:.1f} after")
+        for client, _ in clients:
+            client.close()
+    finally:
+        for daemon in running:
+            daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
 def load_other(path: str) -> ModuleType:
     """Another `search.py`, importing this checkout's other modules."""
     spec = importlib.util.spec_from_file_location("search_against", path)
@@ -149,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=TREE_FILES)
     ap.add_argument("--bytes", type=int, default=TREE_BYTES)
     ap.add_argument("--against", help="another search.py to time beside this one")
+    ap.add_argument("--daemons", help="another checkout: time both daemons' fs.search")
     args = ap.parse_args(argv)
     patterns = args.patterns or [
         SEARCH_PATTERN_RARE,
@@ -156,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         SEARCH_PATTERN_CLASS,
         SEARCH_PATTERN_NO_LITERAL,
     ]
+    if args.daemons:
+        return daemons(args, patterns)
     versions = [("this", this_search)]
     if args.against:
         versions.append(("against", load_other(args.against)))
