@@ -298,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                     f" {grep_ms:.0f} | {rg_ms:.0f} | {total / grep_ms:.2f} | {total / rg_ms:.2f} |"
                 )
         if pool is not None:
-            print(f"\nshared searches {pool.shared}, failed {pool.failed}")
+            print(
+                f"\nshared searches {pool.shared}, failed {pool.failed},"
+                f" kept serial (no CPU free) {pool.declined}"
+            )
             pool.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)

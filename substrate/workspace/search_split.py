@@ -106,8 +106,9 @@ def max_reply_bytes(p: SearchParams) -> int:
 class SplitScan(_Scan):
     """`_Scan` keeping, per scanned file, what `merge` needs. The parent's (with
     `send`) walks, and past the hand-off gives `send` each batch of the worker's files:
-    `send(batch, fds)` raises to abandon the search. The worker's `take`s the files it
-    is sent."""
+    `send(batch, fds)` raises to abandon the search; `spare()`, asked once at the
+    hand-off, False: no CPU is free, the search stays serial. The worker's `take`s the
+    files it is sent."""
 
     def __init__(
         self,
@@ -115,10 +116,14 @@ class SplitScan(_Scan):
         read_deny: GlobSet,
         prune: Pruner | None,
         send: Callable[[Batch, list[int]], None] | None = None,
+        spare: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(plan.matching, plan.prefilter, plan.p, plan.globs, read_deny, prune)
         self.p = plan.p
         self.send = send
+        self.spare = spare
+        #: At the hand-off, `spare()` said no CPU was free: the search stayed serial.
+        self.declined = False
         self.search = Search.of(plan.p)
         self.hand_off = _NEVER
         self.index = 0
@@ -143,7 +148,11 @@ class SplitScan(_Scan):
                 self._give(dir_fd, rel, i)
                 return
         elif self.send is not None and (i >= HAND_OFF_FILES or self.scanned >= HAND_OFF_BYTES):
-            self.hand_off = i
+            if self.spare is None or self.spare():
+                self.hand_off = i
+            else:  # both CPUs busy: a second process would only take turns with this one
+                self.send = None
+                self.declined = True
         self.current = i
         super()._file(dir_fd, name, rel)
 

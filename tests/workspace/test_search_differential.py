@@ -137,7 +137,7 @@ def dws(registry: WorkspaceRegistry, make_workspace: Callable[..., Path]) -> Wor
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[SearchPool]:
-    pool = SearchPool(restart_pause_s=0)
+    pool = SearchPool(restart_pause_s=0, spare=lambda: True)
     assert pool.wait_ready(60)
     yield pool
     pool.close()

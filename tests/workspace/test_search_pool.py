@@ -38,7 +38,8 @@ def tree(registry: WorkspaceRegistry, make_workspace: Callable[..., Path]) -> Wo
 
 @pytest.fixture
 def pool() -> Iterator[SearchPool]:
-    pool = SearchPool(wait_s=2.0, restart_pause_s=0)
+    # Shared whatever else this machine runs (`spare_cpu` is asked in its own test).
+    pool = SearchPool(wait_s=2.0, restart_pause_s=0, spare=lambda: True)
     assert pool.wait_ready(60)
     yield pool
     pool.close()
@@ -171,6 +172,24 @@ def test_a_second_search_while_the_worker_is_busy_is_serial(
     assert pool.shared == 1
 
 
+def test_a_search_stays_serial_when_no_cpu_is_free(tree: Workspace) -> None:
+    asked: list[bool] = []
+
+    def busy() -> bool:
+        asked.append(False)
+        return False
+
+    pool = SearchPool(spare=busy)
+    try:
+        assert pool.wait_ready(60)
+        p = _params(tree, max_matches=100000)
+        assert pool.search(tree, p) == search.search(tree, p)
+        assert asked == [False] and pool.declined == 1 and pool.shared == 0
+    finally:
+        pool.close()
+    assert isinstance(search_pool.spare_cpu(), bool)  # /proc/stat's procs_running, read
+
+
 def test_a_backtracking_pattern_is_searched_serially(tree: Workspace, pool: SearchPool) -> None:
     p = _params(tree, r"(\w+)_\1", max_matches=100000)
     assert pool.search(tree, p) == search.search(tree, p)
@@ -180,7 +199,7 @@ def test_a_backtracking_pattern_is_searched_serially(tree: Workspace, pool: Sear
 def test_the_worker_outlives_the_thread_that_started_it(tree: Workspace) -> None:
     """A search starts the worker from one of Trio's pooled threads, which ends when
     idle: the worker must not die with it (as PR_SET_PDEATHSIG would have it)."""
-    pool = SearchPool()
+    pool = SearchPool(spare=lambda: True)
     try:
         ready: list[bool] = []
         starter = threading.Thread(target=lambda: ready.append(pool.wait_ready(60)))
