@@ -41,6 +41,7 @@ from substrate.workspace.registry import Workspace
 from substrate.workspace.search import Plan, nothing, serially
 from substrate.workspace.search_split import (
     MAX_REQUEST_BYTES,
+    Abandoned,
     Batch,
     Reply,
     SplitScan,
@@ -178,6 +179,11 @@ class SearchPool:
                 scan.flush(last=True)
         except _Failed as exc:
             self._fail(str(exc))
+            return serially(ws, plan)
+        except Abandoned as exc:
+            log.warning("search worker: a file not handed off (%s); this search is serial", exc)
+            if scan.sent:
+                self._discard(scan, started)
             return serially(ws, plan)
         except BaseException:
             if scan.sent:  # the worker waits for its last batch: end it, read its reply away

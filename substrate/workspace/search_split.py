@@ -44,6 +44,11 @@ MAX_REPLY_FILES_BYTES = 32 << 20
 _NEVER = 1 << 62
 
 
+class Abandoned(Exception):
+    """The parent cannot hand a file off (no fd left to copy its directory's): the
+    search is run again serially."""
+
+
 class Search(msgspec.Struct, frozen=True):
     """What the worker needs of `SearchParams` to match (it walks nothing): taken as
     they are (the parent's params were checked at the edge)."""
@@ -162,8 +167,11 @@ class SplitScan(_Scan):
         parent = rel.rpartition("/")[0]
         slot = self._fds.get(parent)
         if slot is None:
+            try:
+                self._dups.append(os.dup(dir_fd))
+            except OSError as exc:
+                raise Abandoned(exc.strerror) from None
             slot = self._fds[parent] = len(self._fds)
-            self._dups.append(os.dup(dir_fd))
         self._dirs.append(slot)
         self._rels.append(rel.encode("utf-8", "surrogateescape"))
         self._idx.append(i)

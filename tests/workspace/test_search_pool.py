@@ -6,6 +6,7 @@ the serial result; the worker is gone once the pool, or the daemon, closes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ import pytest
 from substrate.config import Config
 from substrate.daemon import open_daemon
 from substrate.schema.fs import SearchParams
-from substrate.workspace import search, search_pool
+from substrate.workspace import search, search_pool, search_split
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
 from substrate.workspace.search_pool import SearchPool
 
@@ -152,6 +153,27 @@ def test_a_file_gone_before_the_worker_opens_it_is_skipped_as_the_serial_walk_sk
     assert pool.shared == 1 and pool.failed == 0
     assert got == search.search(tree, p)
     assert gone and not any(m.path == gone[0] for m in got.matches)
+
+
+def test_no_fd_to_hand_a_file_off_gives_the_serial_result(
+    tree: Workspace, pool: SearchPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dup = os.dup
+    calls: list[int] = []
+
+    def dup_then_fail(fd: int) -> int:
+        calls.append(fd)
+        if len(calls) == 3:  # the third directory met after the hand-off
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return dup(fd)
+
+    monkeypatch.setattr(search_split.os, "dup", dup_then_fail)
+    p = _params(tree, max_matches=100000)
+    assert pool.search(tree, p) == search.search(tree, p)
+    assert len(calls) == 3 and pool.shared == 0 and pool.failed == 0
+    monkeypatch.setattr(search_split.os, "dup", dup)
+    assert pool.search(tree, p) == search.search(tree, p)
+    assert pool.shared == 1  # the worker was kept: its half was ended and read away
 
 
 def test_a_second_search_while_the_worker_is_busy_is_serial(
