@@ -69,7 +69,7 @@ def test_the_worker_takes_half_and_the_result_is_the_serial_one(
     shared = pool.search(tree, p)
     assert shared == serial
     # Handed off past HAND_OFF_FILES: a search truncated before it is serial.
-    assert pool.shared == (1 if serial.files_scanned > 64 else 0)
+    assert pool.shared == (1 if serial.files_scanned > search_split.HAND_OFF_FILES else 0)
     assert pool.failed == 0 and pool.pid is not None
 
 
@@ -88,14 +88,14 @@ def test_a_worker_killed_mid_search_gives_the_serial_result_and_is_restarted(
     send = SearchPool._send
     killed: list[int] = []
 
-    def send_then_kill(self: SearchPool, *args: Any) -> None:
-        send(self, *args)
-        if not killed:
+    def kill_then_send(self: SearchPool, *args: Any) -> None:
+        if not killed:  # at the first batch: the walk is past the hand-off
             assert self.pid is not None
             killed.append(self.pid)
             os.kill(self.pid, signal.SIGKILL)
+        send(self, *args)
 
-    monkeypatch.setattr(SearchPool, "_send", send_then_kill)
+    monkeypatch.setattr(SearchPool, "_send", kill_then_send)
     p = _params(tree, max_matches=100000)
     assert pool.search(tree, p) == search.search(tree, p)
     assert pool.failed == 1 and pool.shared == 0 and pool.pid is None
@@ -163,14 +163,14 @@ def test_no_fd_to_hand_a_file_off_gives_the_serial_result(
 
     def dup_then_fail(fd: int) -> int:
         calls.append(fd)
-        if len(calls) == 3:  # the third directory met after the hand-off
+        if len(calls) == 2:  # the second directory met after the hand-off
             raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
         return dup(fd)
 
     monkeypatch.setattr(search_split.os, "dup", dup_then_fail)
     p = _params(tree, max_matches=100000)
     assert pool.search(tree, p) == search.search(tree, p)
-    assert len(calls) == 3 and pool.shared == 0 and pool.failed == 0
+    assert len(calls) == 2 and pool.shared == 0 and pool.failed == 0
     monkeypatch.setattr(search_split.os, "dup", dup)
     assert pool.search(tree, p) == search.search(tree, p)
     assert pool.shared == 1  # the worker was kept: its half was ended and read away
