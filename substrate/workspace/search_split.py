@@ -30,7 +30,7 @@ from substrate.workspace.search import Plan, _Scan
 #: The parent hands files off once this many were met...
 HAND_OFF_FILES = 256
 #: ... or once it has scanned this many bytes, whichever comes first.
-HAND_OFF_BYTES = 4 << 20
+HAND_OFF_BYTES = 2 << 20
 #: Of every `len(WORKER_SHARE)` files past the hand-off, those whose place is True go
 #: to the worker (the parent also walks, merges and encodes: see docs/performance.md).
 WORKER_SHARE = (False, True)
