@@ -59,6 +59,7 @@ RESTART_PAUSE_S = 1.0
 #: `WAIT_FACTOR` times what that half took; then it is killed and the search is serial.
 WAIT_S = 5.0
 WAIT_FACTOR = 4.0
+CLOSE_WAIT_S = 10.0
 _ENCODER = msgspec.msgpack.Encoder()
 _REPLY = msgspec.msgpack.Decoder(Reply)
 #: The directory holding the `substrate` package, for the worker's `sys.path`.
@@ -139,14 +140,19 @@ class SearchPool:
             time.sleep(0.01)
 
     def close(self) -> None:
-        """Kill and reap the worker; later searches are serial. Waits for a search in
-        flight to see the worker gone (it then finishes serially)."""
+        """Kill and reap the worker; later searches are serial. Waits up to
+        `CLOSE_WAIT_S` for a search in flight (it sees the worker gone, reaps it, and
+        finishes serially)."""
         self._closed = True
         proc = self._proc
         if proc is not None:
             proc.kill()
-        with self._busy:
-            self._stop()
+        # A search in flight sees the worker gone, reaps it and finishes serially.
+        if self._busy.acquire(timeout=CLOSE_WAIT_S):
+            try:
+                self._stop()
+            finally:
+                self._busy.release()
 
     def search(
         self, ws: Workspace, p: SearchParams, found_by: Matcher | None = None
