@@ -14,9 +14,17 @@ stages, each stage the search with the later work cut out:
 Each stage's cost is its difference to the one before. `grep -rn -E` (LC_ALL=C) and
 `rg -n` run interleaved with the stages, in the same rounds; medians of `--rounds`.
 `--against FILE` loads another `search.py` (e.g. main's) beside this checkout's and
-times its stages in the same rounds: an A/B on the same machine state.
+times its stages in the same rounds: an A/B on the same machine state. On a machine
+with two CPUs or more, a row `shared` times the search shared with the worker process
+(`search_pool.SearchPool.search`, what the daemon runs), in the same rounds: its total
+only, with the part of the files the worker searched.
+
+`--daemons CHECKOUT` instead times `fs.search` through the socket (as
+`bench/foundation.py` does) of this checkout's daemon and of CHECKOUT's (e.g. main),
+each on its own copy of the tree, interleaved with grep and rg in the same rounds.
 
     python bench/search_breakdown.py [--rounds 9] [--against PATH/search.py] [PATTERN ...]
+    python bench/search_breakdown.py --daemons /work/main [--rounds 9] [PATTERN ...]
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import msgspec
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.benchdaemon import BenchDaemon  # noqa: E402
 from bench.foundation import (  # noqa: E402
     SEARCH_PATTERN,
     SEARCH_PATTERN_CLASS,
@@ -54,11 +63,13 @@ from bench.foundation import (  # noqa: E402
 )
 from bench.foundation_writes import chown_tree  # noqa: E402
 from substrate.config import Config  # noqa: E402
+from substrate.protocol.client import Client  # noqa: E402
 from substrate.schema.fs import SearchParams  # noqa: E402
 from substrate.store.db import Store  # noqa: E402
 from substrate.store.journal import Journal  # noqa: E402
 from substrate.workspace import search as this_search  # noqa: E402
 from substrate.workspace.registry import Workspace, WorkspaceRegistry  # noqa: E402
+from substrate.workspace.search_pool import SearchPool  # noqa: E402
 
 STAGES = ("walk", "read", "match", "full", "encode")
 _ENCODER = msgspec.json.Encoder()
@@ -105,6 +116,16 @@ def timed_search(
     return run
 
 
+def timed_shared(pool: SearchPool, ws: Workspace, p: SearchParams) -> Callable[[], float]:
+    def run() -> float:
+        start = time.perf_counter()
+        result = pool.search(ws, p)
+        _ENCODER.encode(result)
+        return time.perf_counter() - start
+
+    return run
+
+
 def timed_tool(argv: list[str]) -> Callable[[], float]:
     env = dict(os.environ, LC_ALL="C")
 
@@ -114,6 +135,70 @@ def timed_tool(argv: list[str]) -> Callable[[], float]:
         return time.perf_counter() - start
 
     return run
+
+
+def timed_daemon(client: Client, ws: str, pattern: str) -> Callable[[], float]:
+    def run() -> float:
+        start = time.perf_counter()
+        client.call("fs.search", workspace=ws, pattern=pattern, path="tree", max_matches=100000)
+        return time.perf_counter() - start
+
+    return run
+
+
+def daemons(args: argparse.Namespace, patterns: list[str]) -> int:
+    """`--daemons`: this checkout's daemon and another's, through their sockets."""
+    base = Path(tempfile.mkdtemp(prefix="sbsd-", dir=args.dir))
+    running: list[BenchDaemon] = []
+    try:
+        clients = []
+        for k, repo in enumerate([REPO, Path(args.daemons)]):
+            (base / f"d{k}").mkdir()
+            daemon = BenchDaemon(base / f"d{k}", repo=repo)
+            running.append(daemon)
+            make_tree(daemon.roots / "bench" / "tree", args.files, args.bytes)
+            chown_tree(daemon.roots / "bench")
+            client = Client(daemon.socket, timeout=600)
+            ws = client.call("workspace.adopt", path=str(daemon.roots / "bench"))["workspace"]
+            clients.append((client, ws))
+        tree = running[0].roots / "bench" / "tree"
+        for client, ws in clients:  # the first search starts a daemon's search worker
+            client.call("fs.search", workspace=ws, pattern="x", path="tree", max_matches=1)
+        time.sleep(1.0)
+        has_rg = shutil.which("rg") is not None
+        print(
+            f"medians of {args.rounds} rounds, interleaved; {os.cpu_count()} CPUs,"
+            f" load {os.getloadavg()[0]:.1f}; the other daemon: {args.daemons}"
+        )
+        print()
+        print("| pattern | this | other | grep | rg | this ÷ grep | other ÷ grep | this ÷ rg |")
+        print("|---|---|---|---|---|---|---|---|")
+        for pattern in patterns:
+            measures = [timed_daemon(c, ws, pattern) for c, ws in clients]
+            measures.append(timed_tool(grep_argv(pattern, tree)))
+            if has_rg:
+                measures.append(timed_tool(rg_argv(pattern, tree)))
+            for measure in measures:
+                measure()
+            samples: list[list[float]] = [[] for _ in measures]
+            for _ in range(args.rounds):
+                for i, measure in enumerate(measures):
+                    samples[i].append(measure())
+            med = [statistics.median(x) * 1000 for x in samples]
+            this, other, grep = med[0], med[1], med[2]
+            rg = med[3] if has_rg else float("nan")
+            print(
+                f"| `{pattern}` | {this:.0f} | {other:.0f} | {grep:.0f} | {rg:.0f} |"
+                f" {this / grep:.2f} | {other / grep:.2f} | {this / rg:.2f} |"
+            )
+        print(f"\nload {os.getloadavg()[0]:.1f} after")
+        for client, _ in clients:
+            client.close()
+    finally:
+        for daemon in running:
+            daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
 
 
 def load_other(path: str) -> ModuleType:
@@ -135,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=TREE_FILES)
     ap.add_argument("--bytes", type=int, default=TREE_BYTES)
     ap.add_argument("--against", help="another search.py to time beside this one")
+    ap.add_argument("--daemons", help="another checkout: time both daemons' fs.search")
     args = ap.parse_args(argv)
     patterns = args.patterns or [
         SEARCH_PATTERN_RARE,
@@ -142,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         SEARCH_PATTERN_CLASS,
         SEARCH_PATTERN_NO_LITERAL,
     ]
+    if args.daemons:
+        return daemons(args, patterns)
     versions = [("this", this_search)]
     if args.against:
         versions.append(("against", load_other(args.against)))
@@ -158,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         registry = WorkspaceRegistry(config, store, Journal(store), state)
         ws = registry.adopt(str(roots / "bench"), None, None, "bench")
         has_rg = shutil.which("rg") is not None
+        pool = SearchPool.for_machine()
+        if pool is not None and not pool.wait_ready(60):
+            raise SystemExit("the search worker did not start")
         load = os.getloadavg()[0]
         print(
             f"medians of {args.rounds} rounds, interleaved; {os.cpu_count()} CPUs, load {load:.1f}"
@@ -174,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             measures: list[Callable[[], float]] = []
             for _, mod in versions:
                 measures += [timed_search(mod, ws, p, stage) for stage in STAGES]
+            if pool is not None:
+                if pool.search(ws, p) != this_search.search(ws, p):
+                    raise SystemExit("the shared search differs from the serial one")
+                measures.append(timed_shared(pool, ws, p))
             measures.append(timed_tool(grep_argv(pattern, tree)))
             if has_rg:
                 measures.append(timed_tool(rg_argv(pattern, tree)))
@@ -184,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 for i, measure in enumerate(measures):
                     samples[i].append(measure())
             med = [statistics.median(s) * 1000 for s in samples]
-            grep_ms = med[len(versions) * len(STAGES)]
+            shared = pool is not None
+            grep_ms = med[len(versions) * len(STAGES) + shared]
             rg_ms = med[-1] if has_rg else float("nan")
             for k, (name, _) in enumerate(versions):
                 walk, read, match, full, encode = med[k * len(STAGES) : (k + 1) * len(STAGES)]
@@ -195,6 +291,18 @@ def main(argv: list[str] | None = None) -> int:
                     + f" | {full:.0f} | {grep_ms:.0f} | {rg_ms:.0f} |"
                     f" {full / grep_ms:.2f} | {full / rg_ms:.2f} |"
                 )
+            if pool is not None:
+                total = med[len(versions) * len(STAGES)]
+                print(
+                    f"| `{pattern}` ({lines:,}) | shared | | | | | | {total:.0f} |"
+                    f" {grep_ms:.0f} | {rg_ms:.0f} | {total / grep_ms:.2f} | {total / rg_ms:.2f} |"
+                )
+        if pool is not None:
+            print(
+                f"\nshared searches {pool.shared}, failed {pool.failed},"
+                f" kept serial (no CPU free) {pool.declined}"
+            )
+            pool.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0

@@ -44,6 +44,7 @@ from substrate.store.journal import Journal
 from substrate.workspace import reads
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.registry import WorkspaceRegistry
+from substrate.workspace.search_pool import SearchPool
 from substrate.workspace.uploads import Uploads
 from substrate.workspace.writes import UploadWriter, Writer
 
@@ -158,6 +159,8 @@ class Daemon:
     #: to its budget (10 s): two threads of their own, never the file operations' ones.
     backtrack_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(2))
     digests: reads.Digests = field(default_factory=reads.Digests)
+    #: The search worker process (docs/performance.md), started by the first search.
+    search_pool: SearchPool | None = None
     #: `agent_socket_group`'s gid, resolved once at start (None: root only).
     agent_gid: int | None = None
     #: The journal export's task (docs/fleet.md); None when not configured.
@@ -183,6 +186,7 @@ class Daemon:
                 fs_limiter=self.fs_limiter,
                 hash_limiter=self.hash_limiter,
                 backtrack_limiter=self.backtrack_limiter,
+                search_pool=self.search_pool,
             ),
             api.UploadServices(
                 config=self.config,
@@ -445,6 +449,10 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
     # `execution.run` closes it too on its way out; here for a daemon that never served.
     closing.callback(execution.engine.close)
     shipper = _shipper(config, store, state, closing)
+    # Its worker starts with the first search; killed and reaped when the daemon closes.
+    search_pool = SearchPool.for_machine()
+    if search_pool is not None:
+        closing.callback(search_pool.close)
     return Daemon(
         config=config,
         state_dir=state_dir,
@@ -462,6 +470,7 @@ def _open(config: Config, closing: contextlib.ExitStack) -> Daemon:
         upload_writer=UploadWriter(store, journal, digests, checkpoints),
         agent_gid=agent_gid,
         shipper=shipper,
+        search_pool=search_pool,
     )
 
 

@@ -106,8 +106,13 @@ async def search_(s: FsServices, caller: Caller, p: SearchParams) -> SearchResul
     # Compiled off the loop (a crafted 4 KiB pattern takes tens of ms), on trio's own
     # threads; then a backtracking one gets threads of its own (`backtrack_limiter`).
     matcher = await trio.to_thread.run_sync(search.matcher, p)
-    limiter = s.fs_limiter if matcher.exact is not None else s.backtrack_limiter
-    return await trio.to_thread.run_sync(search.search, ws, p, matcher, limiter=limiter)
+    if matcher.exact is None:
+        return await trio.to_thread.run_sync(
+            search.search, ws, p, matcher, limiter=s.backtrack_limiter
+        )
+    # RE2: half of the files searched by a second process when it is free (`search_pool`).
+    run = search.search if s.search_pool is None else s.search_pool.search
+    return await trio.to_thread.run_sync(run, ws, p, matcher, limiter=s.fs_limiter)
 
 
 @handles("fs.write")

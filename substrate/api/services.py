@@ -30,6 +30,7 @@ from substrate.store.journal import Journal
 from substrate.workspace.checkpoints import Checkpoints
 from substrate.workspace.digests import Digests
 from substrate.workspace.registry import WorkspaceRegistry
+from substrate.workspace.search_pool import SearchPool
 from substrate.workspace.uploads import Uploads
 from substrate.workspace.writes import UploadWriter, Writer
 
@@ -67,6 +68,9 @@ class FsServices:
     #: Searches whose pattern needs the budgeted backtracking engine: threads of their
     #: own, never the file operations' ones.
     backtrack_limiter: trio.CapacityLimiter
+    #: The search worker process sharing RE2 searches' files (`search_pool`); None:
+    #: every search is serial (one CPU).
+    search_pool: SearchPool | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

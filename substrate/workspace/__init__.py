@@ -5,7 +5,8 @@ Where things are: `registry` adopts and releases (`adopted`: one workspace and t
 of its root fd; `checkouts`: the policies remembered per checkout; `vcs`: git state read
 as plain files); `policy` is the glob language (matched by `substrate.matching`); paths
 beneath the root fd are resolved and changed with `substrate.fs` (`paths`, `fsops`);
-`reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3);
+`reads`, `search` and `digests` answer `fs.stat/read/list/walk/search` (docs/protocol.md §3;
+`search_pool` shares a search's files with a worker process, `search_worker`);
 `writes` is the guarded-write package (docs/protocol.md §4: plan, base check, temp files,
 intents, batches, uploads' commit, recovery) with `patching` and `preview`, and every write
 asks `discoverable` what host tools would find; `checkpoints` keeps what they replace while

@@ -15,39 +15,30 @@ and the matcher starts at the line of its first hit. RE2 is called directly
 of `regex.search` over every file, whatever is skipped; `tests/harness/search_reference.py`
 keeps the loop this replaced, and a differential test on random trees holds the two equal.
 
-One process, one thread: RE2's Python binding keeps the GIL while it matches, so
-threads only contend (measured: two threads took as long as one, or longer).
+One thread: RE2's Python binding keeps the GIL while it matches, so threads only
+contend (measured: two threads took as long as one, or longer). A second process is
+what helps: `search_pool` gives half of a big search's files to a worker process.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 from substrate.errors import InvalidParams
 from substrate.fs import fsops, paths
 from substrate.matching.agent_regex import Matcher, matcher_for
-from substrate.matching.re2_translate import (
-    exact_of,
-    first_start,
-    literal_of,
-    superset_of,
-)
+from substrate.matching.re2_translate import first_start
 from substrate.schema.fs import SearchMatch, SearchParams, SearchResult
 from substrate.workspace.ignore import Pruner
 from substrate.workspace.policy import GlobSet
 from substrate.workspace.reads import entered, kind_from_dirent, pruner_for
 from substrate.workspace.registry import Workspace
+from substrate.workspace.search_prefilter import Prefilter as _Prefilter
 from substrate.workspace.writes.temp_files import TEMP_PREFIX
-
-#: The stdlib's own regex parser (private, stable since 3.11): see `_Prefilter`.
-_sre: Any = importlib.import_module("re._constants")
-_sre_parser: Any = importlib.import_module("re._parser")
 
 #: Files larger than this are skipped by search (reported in files_scanned only when read).
 SEARCH_MAX_FILE = 64 << 20
@@ -76,36 +67,65 @@ def search(ws: Workspace, p: SearchParams, found_by: Matcher | None = None) -> S
     Skips symlinks, binary files (a NUL in the first 8 KiB), files over 64 MiB, `.git`,
     `read_deny` paths, and what `exclude` or `gitignore` leave out (`reads.pruner_for`).
     A path that is not UTF-8 is reported as `fs.walk` does. `column` is the 1-based
-    byte column. Refuses `invalid_params` for a bad pattern, glob or exclude glob; `too_large`/`limit_exceeded` for ignore files over their
-    bounds. Costs one read of every scanned file, plus regex work only where a literal
-    every match must contain occurs (see `_Prefilter`), or else where RE2 finds a match
-    of the pattern's superset (`re2_translate`); stops at `max_matches`.
+    byte column. Refuses `invalid_params` for a bad pattern, glob or exclude glob;
+    `too_large`/`limit_exceeded` for ignore files over their bounds. Costs one read of
+    every scanned file, plus regex work only where a literal every match must contain
+    occurs (see `_Prefilter`), or else where RE2 finds a match of the pattern's
+    superset (`re2_translate`); stops at `max_matches`. One thread: `search_pool`
+    shares the same work with a second process.
     """
-    regex = _compile_search(p)
-    matching = found_by or matcher_for(regex)
-    prefilter = _Prefilter.for_search(regex, matching.exact)
-    try:
-        globs = GlobSet.of([p.glob]) if p.glob else None
-    except InvalidParams as exc:
-        raise InvalidParams(exc.message, path="$.glob") from None
-    parts = paths.split_relpath(p.path, allow_root=True)
+    return serially(ws, Plan.of(p, found_by))
+
+
+def serially(ws: Workspace, plan: Plan) -> SearchResult:
+    """`search` of `plan` (made for `ws`) on this thread alone."""
+    p = plan.p
     prune = pruner_for(ws, p.exclude, p.gitignore)
-    base = "/".join(parts)
     with ws.use():
-        if prune is not None and not prune.start(ws.root_fd, parts):
-            return SearchResult(matches=[], truncated=False, files_scanned=0, bytes_scanned=0)
-        top = paths.open_dir(ws.root_fd, parts, ws.provenance(base or "."))
-    scan = _Scan(matching, prefilter, p, globs, ws.policy.read_deny, prune)
-    try:
-        scan.tree(top, base)
-    finally:
-        scan.close()
-    return SearchResult(
-        matches=scan.matches,
-        truncated=scan.truncated,
-        files_scanned=scan.files,
-        bytes_scanned=scan.scanned,
-    )
+        top = plan.open(ws.root_fd, prune, ws.provenance)
+    if top is None:
+        return nothing()
+    scan = _Scan(plan.matching, plan.prefilter, p, plan.globs, ws.policy.read_deny, prune)
+    scan.run(top, plan.base)
+    return scan.result()
+
+
+def nothing() -> SearchResult:
+    """The result of a search whose start is left out (`exclude`, `gitignore`)."""
+    return SearchResult(matches=[], truncated=False, files_scanned=0, bytes_scanned=0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one search needs before its walk: the matcher, the prefilter, the glob and
+    the start; made alike by `search`, by `search_pool` and by its worker process."""
+
+    p: SearchParams
+    matching: Matcher
+    prefilter: _Prefilter
+    globs: GlobSet | None
+    parts: tuple[str, ...]
+    base: str
+
+    @classmethod
+    def of(cls, p: SearchParams, found_by: Matcher | None = None) -> Plan:
+        """Refuses `invalid_params` for a bad pattern, glob or path."""
+        regex = _compile_search(p)
+        matching = found_by or matcher_for(regex)
+        prefilter = _Prefilter.for_search(regex, matching.exact)
+        try:
+            globs = GlobSet.of([p.glob]) if p.glob else None
+        except InvalidParams as exc:
+            raise InvalidParams(exc.message, path="$.glob") from None
+        parts = tuple(paths.split_relpath(p.path, allow_root=True))
+        return cls(p, matching, prefilter, globs, parts, "/".join(parts))
+
+    def open(self, root_fd: int, prune: Pruner | None, where: Callable[[str], str]) -> int | None:
+        """The walk's start opened beneath `root_fd` (the caller holds it), or None when
+        `prune` leaves it out. Refuses what opening it refuses."""
+        if prune is not None and not prune.start(root_fd, self.parts):
+            return None
+        return paths.open_dir(root_fd, self.parts, where(self.base or "."))
 
 
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -156,6 +176,21 @@ class _Scan:
     def close(self) -> None:
         while self._held:
             os.close(self._held.pop())
+
+    def run(self, top: int, base: str) -> None:
+        """`tree`, then `close`, whatever is raised."""
+        try:
+            self.tree(top, base)
+        finally:
+            self.close()
+
+    def result(self) -> SearchResult:
+        return SearchResult(
+            matches=self.matches,
+            truncated=self.truncated,
+            files_scanned=self.files,
+            bytes_scanned=self.scanned,
+        )
 
     def tree(self, top: int, base: str) -> None:
         """Search beneath the open directory `top` (the walk's start, `base`); owns it.
@@ -268,173 +303,6 @@ class _Scan:
             first,
         ):
             raise _Truncated
-
-
-#: `_Prefilter.for_search` without the matcher's exact pattern: translate it there.
-_LOOK: Any = object()
-
-
-@dataclass(frozen=True)
-class _Prefilter:
-    """What a search may skip without changing its result (grep's "must" literal).
-
-    `literal`: bytes every match contains (lowercased when `fold`, for IGNORECASE, whose
-    bytes folding is ASCII-only like `bytes.lower`); a file without it has no match, and
-    `bytes.find` rejects it far faster than the regex engine. `line_bound`: no match can
-    contain a newline or look past its line's end, so the regex needs to run only on the
-    lines where the literal occurs. Both are derived from the stdlib's own parse of the
-    pattern; anything unrecognised makes them empty/False (search every byte).
-    """
-
-    literal: bytes = b""
-    fold: bool = False
-    line_bound: bool = False
-    #: Without a literal: an RE2 pattern matching wherever the regex can, or None.
-    screen: Any = None
-    #: The screen matches exactly where the regex does (`re2_translate.exact_of`): its hit
-    #: from a line's start is that line's match, with no second search.
-    exact: bool = False
-    #: `literal` as an RE2 pattern (`re2_translate.literal_of`), found faster than by
-    #: `bytes.find` and without lowering the file for `fold`; or None.
-    finder: Any = None
-    #: The pattern is `literal` and nothing else (a `fixed` search, or a regex without
-    #: metacharacters), case kept: where the literal is found, the match is.
-    whole: bool = False
-
-    @classmethod
-    def for_search(cls, regex: re.Pattern[bytes], exact: Any = _LOOK) -> _Prefilter:
-        """The literal prefilter, or else the RE2 screen (`re2_translate`): `exact` when
-        given (the matcher's, or None), else looked up."""
-        literal = cls.of(regex)
-        if literal.literal:
-            return replace(literal, finder=literal_of(literal.literal, literal.fold))
-        if exact is _LOOK:
-            exact = exact_of(regex)
-        if exact is not None:
-            return cls(screen=exact, exact=True, line_bound=literal.line_bound)
-        return cls(screen=superset_of(regex), line_bound=literal.line_bound)
-
-    @classmethod
-    def of(cls, regex: re.Pattern[bytes]) -> _Prefilter:
-        try:
-            parsed = _sre_parser.parse(regex.pattern, regex.flags)
-        except Exception:  # a parser this code does not know: no shortcut
-            return cls()
-        flags = parsed.state.flags
-        if flags & _sre.SRE_FLAG_LOCALE or _scoped_flags(parsed.data):
-            return cls()
-        fold = bool(flags & _sre.SRE_FLAG_IGNORECASE)
-        literal = max(_literals(parsed.data), key=len, default=b"")
-        # With DOTALL, `.` matches a newline: the literal still filters files, not lines.
-        dotall = bool(flags & _sre.SRE_FLAG_DOTALL)
-        return cls(
-            literal=literal.lower() if fold else literal,
-            fold=fold,
-            line_bound=not dotall and _line_bound(parsed.data),
-            whole=bool(literal)
-            and not fold
-            and len(parsed.data) == len(literal)
-            and all(op is _sre.LITERAL for op, _ in parsed.data),
-        )
-
-
-def _scoped_flags(items: Any) -> bool:
-    """True when any `(?flags:...)` group changes the flags of part of the pattern."""
-    for op, av in items:
-        if op is _sre.SUBPATTERN and (av[1] or av[2]):
-            return True
-        for sub in _children(op, av):
-            if _scoped_flags(sub):
-                return True
-    return False
-
-
-def _children(op: Any, av: Any) -> list[Any]:
-    if op is _sre.SUBPATTERN:
-        return [av[3]]
-    if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
-        return [av[2]]
-    if op is _sre.ATOMIC_GROUP:
-        return [av]
-    if op is _sre.BRANCH:
-        return list(av[1])
-    if op in (_sre.ASSERT, _sre.ASSERT_NOT):
-        return [av[1]]
-    if op is _sre.GROUPREF_EXISTS:
-        return [x for x in av[1:] if x is not None]
-    return []
-
-
-def _literals(items: Any) -> list[bytes]:
-    """Byte strings that every match of the sequence `items` contains."""
-    found: list[bytes] = []
-    run: list[int] = []
-    for op, av in items:
-        if op is _sre.LITERAL:
-            run.append(av)
-            continue
-        found.append(bytes(run))
-        run = []
-        if op is _sre.SUBPATTERN:
-            found += _literals(av[3])
-        elif op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT) and av[0] >= 1:
-            found += _literals(av[2])
-        elif op is _sre.ATOMIC_GROUP:
-            found += _literals(av)
-    found.append(bytes(run))
-    return [f for f in found if f]
-
-
-#: Classes that never match a newline: \d, \S, \w.
-_LINE_CATEGORIES = {_sre.CATEGORY_DIGIT, _sre.CATEGORY_NOT_SPACE, _sre.CATEGORY_WORD}
-_NL = 10
-
-
-def _set_matches_newline(items: Any) -> bool:
-    hit = False
-    negate = False
-    for op, av in items:
-        if op is _sre.NEGATE:
-            negate = True
-        elif op is _sre.LITERAL:
-            hit = hit or av == _NL
-        elif op is _sre.RANGE:
-            hit = hit or av[0] <= _NL <= av[1]
-        elif op is _sre.CATEGORY:
-            hit = hit or av not in _LINE_CATEGORIES
-        else:
-            return True
-    return hit != negate
-
-
-def _line_bound(items: Any) -> bool:
-    """True when no match of `items` can hold a newline or depend on the text past its line.
-
-    Lookarounds and `\\Z` are refused: searching a line with `endpos` at its end would
-    change what they see.
-    """
-    for op, av in items:
-        if op is _sre.LITERAL:
-            ok = av != _NL
-        elif op is _sre.NOT_LITERAL:
-            ok = av == _NL
-        elif op is _sre.ANY:
-            ok = True  # without DOTALL (checked by the caller), `.` never matches a newline
-        elif op is _sre.IN:
-            ok = not _set_matches_newline(av)
-        elif op is _sre.AT:
-            ok = av is not _sre.AT_END_STRING
-        elif op is _sre.GROUPREF:
-            ok = True  # repeats text of this match, which is on this line
-        elif op in (_sre.SUBPATTERN, _sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
-            ok = _line_bound(_children(op, av)[0])
-        elif op in (_sre.ATOMIC_GROUP, _sre.BRANCH, _sre.GROUPREF_EXISTS):
-            ok = all(_line_bound(sub) for sub in _children(op, av))
-        else:
-            ok = False
-        if not ok:
-            return False
-    return True
 
 
 def _starts(regex: Matcher) -> Callable[[bytes, int, int], int]:

@@ -24,8 +24,8 @@ from substrate.workspace.search import (
     _BINARY_SNIFF,
     SEARCH_MAX_FILE,
     _compile_search,
-    _Prefilter,
 )
+from substrate.workspace.search_prefilter import Prefilter as _Prefilter
 
 
 def reference_search(

@@ -3,7 +3,8 @@ loop they replaced (`tests.harness.search_reference`), on random trees: random n
 (also not UTF-8, temp files, `.git`), nested directories, binary files, symlinks that
 must not be followed, `read_deny`, `glob`, `exclude`, `.gitignore`, small `max_matches`;
 patterns with literals, alternations, classes, anchors, case folding, fixed strings and
-lookarounds (the backtracking matcher). Every result must be identical."""
+lookarounds (the backtracking matcher). Every result must be identical, and so must the
+search shared with a worker process (`search_pool`), handed off at a random file."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import itertools
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,9 @@ from substrate.errors import InvalidParams
 from substrate.schema.fs import SearchParams
 from substrate.schema.workspace import Policy
 from substrate.workspace import search as search_module
+from substrate.workspace import search_split
 from substrate.workspace.registry import Workspace, WorkspaceRegistry
+from substrate.workspace.search_pool import SearchPool
 from substrate.workspace.writes.temp_files import TEMP_PREFIX
 from tests.harness.search_reference import reference_search
 
@@ -132,14 +135,34 @@ def dws(registry: WorkspaceRegistry, make_workspace: Callable[..., Path]) -> Wor
     return registry.adopt(str(path), None, Policy(read_deny=["**/*.pem", "**/Z"]), "agent:0")
 
 
-def _both(ws: Workspace, params: SearchParams) -> tuple[Any, Any]:
-    def run(fn: Any) -> Any:
-        try:
-            return fn(ws, params, search_module.matcher(params))
-        except InvalidParams as exc:
-            return ("invalid_params", exc.message)
+@pytest.fixture(scope="module")
+def pool() -> Iterator[SearchPool]:
+    pool = SearchPool(restart_pause_s=0, spare=lambda: True)
+    assert pool.wait_ready(60)
+    yield pool
+    pool.close()
 
-    return run(search_module.search), run(reference_search)
+
+def _run(fn: Any, ws: Workspace, params: SearchParams) -> Any:
+    try:
+        return fn(ws, params, search_module.matcher(params))
+    except InvalidParams as exc:
+        return ("invalid_params", exc.message)
+
+
+def _both(ws: Workspace, params: SearchParams) -> tuple[Any, Any]:
+    return _run(search_module.search, ws, params), _run(reference_search, ws, params)
+
+
+def _shared(pool: SearchPool, ws: Workspace, params: SearchParams, hand_off: int) -> Any:
+    """`pool.search`, handing off at the file of index `hand_off` (or the file past
+    the first `hand_off` bytes scanned)."""
+    saved = search_split.HAND_OFF_FILES, search_split.HAND_OFF_BYTES
+    search_split.HAND_OFF_FILES, search_split.HAND_OFF_BYTES = hand_off, 1 << 30
+    try:
+        return _run(pool.search, ws, params)
+    finally:
+        search_split.HAND_OFF_FILES, search_split.HAND_OFF_BYTES = saved
 
 
 @settings(
@@ -157,9 +180,11 @@ def _both(ws: Workspace, params: SearchParams) -> tuple[Any, Any]:
     exclude=st.sampled_from([[], ["Z"], ["*.md", "a/**"]]),
     gitignore=st.booleans(),
     ignored=st.sampled_from([None, "*.txt\n", "a/\n!b.py\n"]),
+    hand_off=st.sampled_from([0, 1, 2, 3]),
 )
 def test_fused_search_equals_the_reference(
     dws: Workspace,
+    pool: SearchPool,
     entries: list[tuple[str, str, Any]],
     pattern: str,
     ignore_case: bool,
@@ -169,6 +194,7 @@ def test_fused_search_equals_the_reference(
     exclude: list[str],
     gitignore: bool,
     ignored: str | None,
+    hand_off: int,
 ) -> None:
     ws = dws
     name = f"t{next(_FRESH)}"
@@ -190,13 +216,18 @@ def test_fused_search_equals_the_reference(
         )
         ours, theirs = _both(ws, params)
         assert ours == theirs
+        assert _shared(pool, ws, params, hand_off) == ours
+        assert pool.failed == 0
     finally:
         shutil.rmtree(base)
 
 
-def test_the_differential_sees_matches_symlinks_and_truncation(ws: Workspace, root: Path) -> None:
+def test_the_differential_sees_matches_symlinks_and_truncation(
+    ws: Workspace, root: Path, pool: SearchPool
+) -> None:
     """The random trees above reach what they are for: matches through the RE2, literal
-    and backtracking paths, truncation, and symlinked files and dirs never searched."""
+    and backtracking paths, truncation, and symlinked files and dirs never searched;
+    and the worker process shares these searches."""
     _build(
         root / "fixed",
         [
@@ -221,6 +252,11 @@ def test_the_differential_sees_matches_symlinks_and_truncation(ws: Workspace, ro
     params = SearchParams(workspace=WS, pattern="o", path="fixed", max_matches=1)
     ours, theirs = _both(ws, params)
     assert ours == theirs and ours.truncated and ours.files_scanned == 1
+    shared = pool.shared
+    for pattern in ["foo", r"def \w+_handler\(", "[0-9]{5}|foo", "o"]:
+        params = SearchParams(workspace=WS, pattern=pattern, path=".", ignore_case=True)
+        assert _shared(pool, ws, params, 0) == _both(ws, params)[0]
+    assert pool.shared == shared + 4
 
 
 def test_a_tree_deeper_than_the_recursion_limit(dws: Workspace) -> None:

@@ -28,6 +28,7 @@ def daemon(registry: WorkspaceRegistry, make_workspace: Callable[..., Path]) -> 
         workspaces=registry,
         fs_limiter=trio.CapacityLimiter(1),
         backtrack_limiter=trio.CapacityLimiter(1),
+        search_pool=None,
         ws=registry.adopt(str(root), None, None, "agent:0"),
     )
 
