@@ -45,7 +45,7 @@ import trio
 from substrate.artifacts.sink import OutputSink
 from substrate.process.argv import start_failure
 from substrate.process.channels import EngineChannel, ExecChannel, Via
-from substrate.process.stdin_stream import PipeStdin, StdinPipe
+from substrate.process.stdin_stream import PipeStdin, StdinPipe, write_until_woken
 from substrate.process.stream_exec import StreamChannel
 from substrate.sandbox import cmd_cgroups
 from substrate.sandbox.containers import Sandbox
@@ -421,21 +421,7 @@ class FastChannel:
         if fd is None:
             return
         try:
-            os.set_blocking(fd, False)
-            poller = select.poll()
-            poller.register(fd, select.POLLOUT)
-            poller.register(self._wake_r, select.POLLIN)
-            view = memoryview(data)
-            while view:
-                events = poller.poll()
-                if any(ready == self._wake_r for ready, _ in events):
-                    return
-                try:
-                    view = view[os.write(fd, view[:RECV_BYTES]) :]
-                except BlockingIOError:
-                    continue
-        except OSError:
-            pass  # the command exited or closed its stdin early: not an error
+            write_until_woken(fd, data, self._wake_r, RECV_BYTES)
         finally:
             self._stdin_w = None
             with contextlib.suppress(OSError):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import select
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -230,3 +231,26 @@ class StdinStream:
                 self._room.unpark_all()
         finally:
             self.end("ended")
+
+
+def write_until_woken(fd: int, data: bytes, wake_r: int, chunk: int) -> None:
+    """Write `data` to the pipe `fd` (made non-blocking), `chunk` bytes at a time, until
+    all is written or `wake_r` is readable (the command ended: stop). Blocking. A write
+    error means the reader closed its end early (the command exited or closed its
+    stdin): not an error, the rest is dropped."""
+    try:
+        os.set_blocking(fd, False)
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        poller.register(wake_r, select.POLLIN)
+        view = memoryview(data)
+        while view:
+            events = poller.poll()
+            if any(ready == wake_r for ready, _ in events):
+                return
+            try:
+                view = view[os.write(fd, view[:chunk]) :]
+            except BlockingIOError:
+                continue
+    except OSError:
+        pass

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import select
 from collections.abc import Mapping
 
 import trio
@@ -29,7 +28,7 @@ import trio
 from substrate.artifacts.sink import OutputSink
 from substrate.process.argv import start_failure
 from substrate.process.channels import Via
-from substrate.process.stdin_stream import PipeStdin, StdinPipe
+from substrate.process.stdin_stream import PipeStdin, StdinPipe, write_until_woken
 from substrate.sandbox.facts import Fact
 from substrate.sandbox.supervisor import stream_agent
 from substrate.sandbox.supervisor.stream_link import StreamCommand, StreamLink
@@ -109,21 +108,7 @@ class StreamChannel:
         if fd is None:
             return
         try:
-            poller = select.poll()
-            poller.register(fd, select.POLLOUT)
-            poller.register(self._wake_r, select.POLLIN)
-            os.set_blocking(fd, False)
-            view = memoryview(data)
-            while view:
-                events = poller.poll()
-                if any(ready == self._wake_r for ready, _ in events):
-                    return
-                try:
-                    view = view[os.write(fd, view[:WRITE_BYTES]) :]
-                except BlockingIOError:
-                    continue
-        except OSError:
-            pass  # the forwarder stopped (the command ended): not an error
+            write_until_woken(fd, data, self._wake_r, WRITE_BYTES)
         finally:
             self._close_stdin()
 

@@ -79,13 +79,11 @@ def search(ws: Workspace, p: SearchParams, found_by: Matcher | None = None) -> S
 
 def serially(ws: Workspace, plan: Plan) -> SearchResult:
     """`search` of `plan` (made for `ws`) on this thread alone."""
-    p = plan.p
-    prune = pruner_for(ws, p.exclude, p.gitignore)
-    with ws.use():
-        top = plan.open(ws.root_fd, prune, ws.provenance)
-    if top is None:
+    started = plan.start(ws)
+    if started is None:
         return nothing()
-    scan = _Scan(plan.matching, plan.prefilter, p, plan.globs, ws.policy.read_deny, prune)
+    top, prune = started
+    scan = _Scan(plan.matching, plan.prefilter, plan.p, plan.globs, ws.policy.read_deny, prune)
     scan.run(top, plan.base)
     return scan.result()
 
@@ -126,6 +124,14 @@ class Plan:
         if prune is not None and not prune.start(root_fd, self.parts):
             return None
         return paths.open_dir(root_fd, self.parts, where(self.base or "."))
+
+    def start(self, ws: Workspace) -> tuple[int, Pruner | None] | None:
+        """The walk's start in `ws` (`open`, under `ws.use()`) and its pruner, or None
+        when the pruner leaves the start out; the caller owns the fd."""
+        prune = pruner_for(ws, self.p.exclude, self.p.gitignore)
+        with ws.use():
+            top = self.open(ws.root_fd, prune, ws.provenance)
+        return None if top is None else (top, prune)
 
 
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

@@ -36,7 +36,6 @@ import msgspec
 from substrate.matching.agent_regex import Matcher
 from substrate.schema.fs import SearchParams, SearchResult
 from substrate.workspace import search_worker
-from substrate.workspace.reads import pruner_for
 from substrate.workspace.registry import Workspace
 from substrate.workspace.search import Plan, nothing, serially
 from substrate.workspace.search_split import (
@@ -171,12 +170,10 @@ class SearchPool:
     # --- with `_busy` held ---------------------------------------------------------------
 
     def _shared(self, ws: Workspace, plan: Plan) -> SearchResult:
-        p = plan.p
-        prune = pruner_for(ws, p.exclude, p.gitignore)
-        with ws.use():
-            top = plan.open(ws.root_fd, prune, ws.provenance)
-        if top is None:
+        opened = plan.start(ws)
+        if opened is None:
             return nothing()
+        top, prune = opened
         scan = SplitScan(plan, ws.policy.read_deny, prune, self._send, self._spare)
         started = time.monotonic()
         try:
@@ -199,7 +196,7 @@ class SearchPool:
             self.declined += scan.declined
             return scan.result()
         try:
-            reply = self._reply(p, self._wait_s + WAIT_FACTOR * (time.monotonic() - started))
+            reply = self._reply(plan.p, self._wait_s + WAIT_FACTOR * (time.monotonic() - started))
         except _Failed as exc:
             self._fail(str(exc))
             return serially(ws, plan)
@@ -207,7 +204,7 @@ class SearchPool:
             log.warning("search worker: %s; this search is serial", reply.error)
             self.failed += 1
             return serially(ws, plan)
-        merged = merge(scan, reply, p.max_matches)
+        merged = merge(scan, reply, plan.p.max_matches)
         if merged is None:
             self._fail("a reply not of the files it was sent")
             return serially(ws, plan)

@@ -36,6 +36,7 @@ from substrate.sandbox.engine import ContainerGone, Engine, EngineError
 from substrate.sandbox.profiles import Profile
 from substrate.sandbox.spec import RunAs
 from substrate.sandbox.supervisor import stream_agent
+from substrate.sandbox.supervisor.startup import StartFailed, reason_of
 from substrate.sandbox.supervisor.stream_link import StreamLink
 
 log = logging.getLogger("substrate.sandbox.supervisor")
@@ -231,12 +232,6 @@ class Streams:
             log.exception("stream supervisor: journal entry %s failed", kind)
 
 
-class StartFailed(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 async def _reader(link: StreamLink) -> None:
     try:
         await link.run_reader()
@@ -246,14 +241,4 @@ async def _reader(link: StreamLink) -> None:
 
 
 def _reason(exc: BaseException) -> str:
-    if isinstance(exc, StartFailed):
-        return exc.reason
-    if isinstance(exc, trio.TooSlowError):
-        return "timeout"
-    if isinstance(exc, ContainerGone):
-        return "container_gone"
-    if isinstance(exc, Refusal):
-        return exc.name
-    if isinstance(exc, OSError):
-        return "os_error"
-    return "engine_error"
+    return exc.reason if isinstance(exc, StartFailed) else reason_of(exc)
