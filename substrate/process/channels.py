@@ -90,6 +90,13 @@ class ExecChannel(Protocol):
         """Does the main process still run? (For a run cut off under gVisor.)"""
         ...
 
+    async def signal_group(self, signum: int) -> bool | None:
+        """Under gVisor, where the command's processes are not host processes: `signum`
+        to the command's process group by whatever started it; False once it ended;
+        None when this path cannot (the driver then signals from the host, or removes
+        the sandbox)."""
+        ...
+
     async def start_failed(self, sinks: Mapping[int, OutputSink], argv0: str, code: int) -> int:
         """The code to report: for a program that could not be started, the shell's (127
         not found, 126 not executable) with its message on stderr instead of the way
@@ -181,6 +188,9 @@ class EngineChannel:
         except ContainerGone:
             return False
         return bool(info.get("Running"))
+
+    async def signal_group(self, signum: int) -> bool | None:
+        return None  # the engine's exec has no way to signal what it started
 
     async def start_failed(self, sinks: Mapping[int, OutputSink], argv0: str, code: int) -> int:
         """Exit 126 from an exec that never had a process: the engine could not start the

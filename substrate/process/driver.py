@@ -106,6 +106,7 @@ class Entry:
     held: list[HeldSignal] = field(default_factory=list)
     held_added: trio.Event = field(default_factory=trio.Event)
     stdin: StdinStream | None = None  # its stdin, open for `proc.write` (stdin: "stream")
+    channel: ExecChannel | None = None  # once its exec started
 
     @property
     def state(self) -> str:
@@ -158,11 +159,17 @@ class ExecDriver:
         A signal that finds no process before the engine reported the main one is held
         and delivered by the run as soon as it is (this call waits for that); 0 means
         the command had no process left. Under gVisor the command's processes are not
-        host processes: TERM and KILL remove the whole sandbox (every command in it
-        ends), INT is sent to nothing (0).
+        host processes: INT and TERM go to the command's process group through the
+        stream supervisor that started it; KILL (and TERM or INT of a command on the
+        engine's exec, which cannot signal: INT then reaches nothing) removes the whole
+        sandbox, every command in it ending.
         """
         sandbox = entry.sandbox
         if not sandbox.host_visible:
+            if name != "KILL" and entry.channel is not None:
+                sent = await entry.channel.signal_group(signal.Signals["SIG" + name])
+                if sent is not None:
+                    return int(sent)
             if name == "INT":
                 return 0
             await self._containers.forget(sandbox, "signal")

@@ -487,6 +487,9 @@ class FastChannel:
     async def running(self) -> bool:
         return not self._spawned.exited()
 
+    async def signal_group(self, signum: int) -> bool | None:
+        return None  # host processes: the driver signals them from the host
+
     async def start_failed(self, sinks: Mapping[int, OutputSink], argv0: str, code: int) -> int:
         """The exec in the held child failed (it exited 127 with the errno): the shell's
         code and message, as on the engine path."""

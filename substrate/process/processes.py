@@ -418,6 +418,7 @@ class Processes:
             return await self._run_started(launched, on_started)
         finally:
             entry.ended = time.time()
+            entry.channel = None  # released: nothing more is signalled through it
             self._live.pop(proc, None)
             entry.done.set()
             for held in entry.held:  # its exec never started: nothing to signal
@@ -439,6 +440,7 @@ class Processes:
                 # The record exists now: no silent retry under the same process id.
                 raise RuntimeUnavailable("the sandbox went away as the command started") from None
             raise
+        entry.channel = channel
         if on_started is not None:
             on_started(entry)
         run = Run(

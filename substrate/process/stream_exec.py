@@ -8,8 +8,9 @@ a task forwards to the supervisor a piece at a time (so `feed` and a streamed st
 `PipeStdin` work as on the runc supervisor's path, and at most a pipe's worth plus one
 piece is ever held), the exit code is the supervisor's `exited`, and a failed exec gets
 the shell's code and message (`start_failed`). Like the engine path under gVisor, the
-command's processes are not host processes: `main_pid` knows none, and the driver ends
-a command (timeout, TERM, KILL, a run cut off) by removing the sandbox
+command's processes are not host processes: `main_pid` knows none; INT and TERM go to
+the command's process group through the supervisor (`signal_group`), and the driver ends
+a command for certain (timeout, KILL, a run cut off) by removing the sandbox
 (`ExecDriver.kill_inside`), which ends the stream too.
 
 Threading: `feed` blocks (a worker thread); `shutdown` may be called from any thread (it
@@ -37,6 +38,8 @@ log = logging.getLogger("substrate.process.stream_exec")
 
 #: Bytes written to the local stdin pipe at a time.
 WRITE_BYTES = 1 << 16
+#: How long a signal waits for the supervisor's `started` of a command just asked for.
+SIGNAL_WAIT_S = 10.0
 
 
 class StreamChannel:
@@ -158,6 +161,16 @@ class StreamChannel:
 
     async def running(self) -> bool:
         return not self._command.exited.is_set()
+
+    async def signal_group(self, signum: int) -> bool | None:
+        """`signum` to the command's process group, by the supervisor; False once the
+        command ended (or the stream did)."""
+        command = self._command
+        with trio.move_on_after(SIGNAL_WAIT_S):
+            await command.started.wait()  # its process group exists from then on
+        if not command.started.is_set():
+            return False
+        return await self._link.signal(command, signum)
 
     async def start_failed(self, sinks: Mapping[int, OutputSink], argv0: str, code: int) -> int:
         """Exec itself failed (the supervisor's errno): the shell's code and message, as on

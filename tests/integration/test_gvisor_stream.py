@@ -183,6 +183,39 @@ async def test_a_timeout_kills_the_command(env: Env) -> None:
     assert env.journal("supervisor.lost", "supervisor.tampered") == []
 
 
+async def test_term_and_int_reach_only_their_command(env: Env) -> None:
+    """INT and TERM go to the command's process group through the stream: a command that
+    traps them handles them, and a second command in the same sandbox runs on."""
+    await env.run(["true"])  # the stream is up
+    trapping = await env.client.call(
+        "proc.start",
+        workspace=env.ws,
+        profile=GVISOR,
+        argv=["sh", "-c", "trap 'echo int; exit 7' INT; while :; do sleep 0.05; done"],
+    )
+    bystander = await env.client.call(
+        "proc.start", workspace=env.ws, profile=GVISOR, argv=["sleep", "1000"]
+    )
+    await trio.sleep(0.5)  # the trap is set
+    sent = await env.client.call("proc.signal", proc=trapping["proc"], signal="INT")
+    assert sent["delivered"] == 1
+    ended = await env.client.call("proc.wait", proc=trapping["proc"], timeout_s=30)
+    assert (ended["exit_code"], output(ended["stdout"])) == (7, b"int\n")
+    status = await env.client.call("proc.status", proc=bystander["proc"])
+    assert status["state"] == "running"
+    sent = await env.client.call("proc.signal", proc=bystander["proc"], signal="TERM")
+    assert sent["delivered"] == 1
+    ended = await env.client.call("proc.wait", proc=bystander["proc"], timeout_s=30)
+    assert (ended["exit_code"], ended["signal"]) == (143, "TERM")
+    # Both on the one stream, in the one sandbox: nothing was removed.
+    after = await env.run(["echo", "same"])
+    assert (after["via"], output(after["stdout"])) == ("supervisor", b"same\n")
+    assert len(env.journal("supervisor.started")) == 1
+    # A signal for a command that ended reaches nothing.
+    gone = await env.client.call("proc.signal", proc=trapping["proc"], signal="TERM")
+    assert gone["delivered"] == 0
+
+
 #: The supervisor's command line begins so (`stream_supervisors.command`).
 SUPERVISOR = "^/usr/bin/python3 -I -S -B -c"
 

@@ -195,6 +195,18 @@ class StreamLink:
             with contextlib.suppress(LinkBroken):
                 await self.send({"op": "close", "id": command.id})
 
+    async def signal(self, command: StreamCommand, signum: int) -> bool:
+        """`signum` to the command's process group (the supervisor's `killpg`); False
+        once the command or the link ended. A command that ends meanwhile is not
+        signalled: the supervisor forgets it as it reports its exit."""
+        if command.exited.is_set():
+            return False
+        try:
+            await self.send({"op": "signal", "id": command.id, "sig": signum})
+        except LinkBroken:
+            return False
+        return True
+
     def forget(self, command: StreamCommand) -> None:
         """The run is over: later frames for it are dropped."""
         command.detach()
