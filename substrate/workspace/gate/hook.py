@@ -139,43 +139,35 @@ class SnapshotGate:
         A baseline is watched for the sandbox of the command that took it: a command of
         another sandbox joining it has its changes reported unattributed."""
 
-        def mounted() -> dict[str, tuple[int, int]]:
-            with ws.use():
-                return dict(readonly_identities(ws) if readonly is None else readonly)
-
-        # Always a snapshot, even when read-only mounts enforce every deny glob: a
-        # directory may become a git directory by content (docs/write-gate.md).
-        ro = await trio.to_thread.run_sync(mounted, limiter=self._limiter)
         state = self._state(ws)
         ticket = _Ticket(ws.id)
-
-        def snapshot(keep: Keep, previous: Snapshot | None) -> Snapshot:
-            with ws.use():
-                return take_snapshot(ws, keep, previous, ro)
 
         def watch() -> Watch:
             if state.watch is not None:
                 state.watch.close()
                 state.watch = None
             try:
-                with ws.use():
-                    return self._attribution.watch(ws.root_fd, sandbox_pid)
+                return self._attribution.watch(ws.root_fd, sandbox_pid)
             except Unavailable as exc:
                 log.warning("write gate of %s: no attribution: %s", ws.root_id, exc)
                 return Failed(str(exc))
 
+        def start() -> Snapshot:
+            # One worker-thread hop for the whole start (the caller holds `state.lock`).
+            # Always a snapshot, even when read-only mounts enforce every deny glob: a
+            # directory may become a git directory by content (docs/write-gate.md).
+            with ws.use():
+                ro = dict(readonly_identities(ws) if readonly is None else readonly)
+                # Watched from before the walk: a change made meanwhile is seen.
+                state.watch = watch()
+                keep = self._keep(ws, state)
+                return take_snapshot(ws, keep, state.baseline, ro)
+
         async with state.lock:
             if state.baseline is None or not state.holders:
                 # Nobody else is running here: the workspace as it is now is the baseline.
-                # Watched from before the walk: a change made meanwhile is seen.
-                state.watch = await trio.to_thread.run_sync(watch, limiter=self._limiter)
                 try:
-                    keep = await trio.to_thread.run_sync(
-                        self._keep, ws, state, limiter=self._limiter
-                    )
-                    state.baseline = await trio.to_thread.run_sync(
-                        snapshot, keep, state.baseline, limiter=self._limiter
-                    )
+                    state.baseline = await trio.to_thread.run_sync(start, limiter=self._limiter)
                 except BaseException:
                     with trio.CancelScope(shield=True):  # no relay outlives a failed start
                         await self._unwatch(state)
@@ -186,40 +178,44 @@ class SnapshotGate:
     async def after(self, ws: Workspace, snapshot: object) -> list[PolicyBlocked]:
         """Compare `ws` with the baseline and revert each offending change; one
         `policy_blocked` entry per change. Never raises for a failed check: it is logged
-        and journalled (`policy.gate_failed`) so the command's record is still finished."""
+        and journalled (`policy.gate_failed`) so the command's record is still finished.
+        The last command of a baseline also ends its watch, in the check's own hop."""
         state = self._state(ws)
-        try:
-            async with state.lock:
-                baseline = state.baseline
-                if baseline is None or state.keep is None or state.watch is None:
-                    return []
-                keep, watching = state.keep, state.watch
-                with trio.CancelScope(shield=True):  # a revert is never abandoned halfway
-                    try:
-                        return await trio.to_thread.run_sync(
-                            self._check, ws, baseline, keep, watching, limiter=self._limiter
-                        )
-                    except (OSError, Refusal) as exc:
-                        # The command's record must still be finished: say so loudly instead.
-                        log.error("write gate check of %s failed: %s", ws.root_id, why(exc))
-                        await trio.to_thread.run_sync(
-                            functools.partial(
-                                self._journal.append,
-                                "policy.gate_failed",
-                                {"reason": why(exc)},
-                                workspace=ws.id,
-                            )
-                        )
-                        return []
-        finally:
+        async with state.lock:
             if isinstance(snapshot, _Ticket):
                 state.holders.discard(snapshot)
-                if not state.holders:
-                    # The last command here ended: nothing to watch until the next one.
-                    with trio.CancelScope(shield=True):
-                        async with state.lock:
-                            if not state.holders:
-                                await self._unwatch(state)
+            last = not state.holders
+            baseline = state.baseline
+            with trio.CancelScope(shield=True):  # a revert is never abandoned halfway
+                if baseline is None or state.keep is None or state.watch is None:
+                    if last:
+                        await self._unwatch(state)
+                    return []
+                keep, watching = state.keep, state.watch
+
+                def check() -> list[PolicyBlocked]:
+                    try:
+                        return self._check(ws, baseline, keep, watching)
+                    finally:
+                        if last:
+                            # Nothing to watch until the next command here.
+                            state.watch = None
+                            watching.close()
+
+                try:
+                    return await trio.to_thread.run_sync(check, limiter=self._limiter)
+                except (OSError, Refusal) as exc:
+                    # The command's record must still be finished: say so loudly instead.
+                    log.error("write gate check of %s failed: %s", ws.root_id, why(exc))
+                    await trio.to_thread.run_sync(
+                        functools.partial(
+                            self._journal.append,
+                            "policy.gate_failed",
+                            {"reason": why(exc)},
+                            workspace=ws.id,
+                        )
+                    )
+                    return []
         return []  # unreachable: the lock's exit never swallows an exception
 
     async def _unwatch(self, state: _WsState) -> None:
