@@ -81,7 +81,8 @@ from substrate.sandbox.spec import (
     daemon_id_for,
     run_as,
 )
-from substrate.sandbox.supervisor.supervisors import Slot, Supervisors, supervised
+from substrate.sandbox.supervisor.slot import Slot
+from substrate.sandbox.supervisor.supervisors import Supervisors, supervised
 from substrate.sandbox.verification import Observed, Verifier
 from substrate.secrets import SecretStore
 from substrate.store.journal import Journal

@@ -65,7 +65,8 @@ from substrate.sandbox.spec import (
     create_request,
 )
 from substrate.sandbox.supervisor import warm
-from substrate.sandbox.supervisor.supervisors import Slot, supervised
+from substrate.sandbox.supervisor.slot import Slot
+from substrate.sandbox.supervisor.supervisors import supervised
 from substrate.workspace.registry import Workspace
 
 __all__ = ["LABEL_POOL", "PoolState", "WarmPool", "qualifies"]

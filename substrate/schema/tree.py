@@ -280,6 +280,7 @@ KIND_OF: dict[str, str] = {
     "sandbox/supervisor/": "",
     "sandbox/supervisor/agent.py": "edge",
     "sandbox/supervisor/supervisors.py": "edge",
+    "sandbox/supervisor/slot.py": "edge",
     "sandbox/supervisor/link.py": "edge",
     "sandbox/supervisor/startup.py": "edge",
     "sandbox/supervisor/checks.py": "kernel",

@@ -4,7 +4,7 @@ The map of fast exec, in the order a command meets it:
 
 - `supervisors.Supervisors` (the sandbox's side, one per daemon): `supervised(profile)`
   says which sandboxes get one (runc, read-only root filesystem); `prepare` makes a
-  sandbox's supervisor directory (`Slot`) before its container is created
+  sandbox's supervisor directory (`slot.Slot`) before its container is created
   (`sandbox.containers` binds it in) and `attach` keeps it once the sandbox is verified;
   `spawn` hands out a held child checked from the host (or None: use the engine's exec),
   `prefork` asks for the next one (`Pending`), `serving` tells (and journals) a lost or

@@ -35,14 +35,9 @@ import trio
 from substrate.errors import ConfinementUnmet
 from substrate.sandbox.spec import RunAs
 from substrate.sandbox.supervisor import checks
+from substrate.sandbox.supervisor.slot import SandboxView, Slot
 from substrate.sandbox.supervisor.startup import StartFailed, reason_of, warm_problem
-from substrate.sandbox.supervisor.supervisors import (
-    START_ERRORS,
-    START_S,
-    SandboxView,
-    Slot,
-    Supervisors,
-)
+from substrate.sandbox.supervisor.supervisors import START_ERRORS, START_S, Supervisors
 
 log = logging.getLogger("substrate.sandbox.supervisor")
 

@@ -34,7 +34,8 @@ from substrate.sandbox.reaper import CgroupDirs
 from substrate.sandbox.spec import RunAs
 from substrate.sandbox.supervisor import checks
 from substrate.sandbox.supervisor.link import Link
-from substrate.sandbox.supervisor.supervisors import Slot, Supervisors, supervised
+from substrate.sandbox.supervisor.slot import Slot
+from substrate.sandbox.supervisor.supervisors import Supervisors, supervised
 from substrate.store.db import Store
 from substrate.store.journal import Journal
 from tests.harness import wait_until_async
