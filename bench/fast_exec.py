@@ -13,11 +13,13 @@ joins and concludes) and `interactive` (`workspace = "rw"`: a plain bind mount, 
 gate's check around each command). The two show the supervisor path's own cost (rw)
 apart from the working layer's per-command cost (layer). Driven through the agent socket:
 
-1. warm `proc.run ["true"]`, p50/p90 over --runs: fast path (layer, rw), engine path
-   (layer, rw), `gvisor` on the stream supervisor and on the engine path,
+1. warm `proc.run ["true"]`, p50/p90 over --runs, one at a time (the sides in turn):
+   fast path (layer, rw), engine path (layer, rw), `gvisor` on the stream supervisor and on the engine path,
    `docker exec <ctr> true` (CLI) on the rw sandbox's container and
    on the gvisor one, the SDK's `exec_run` on the rw one, and a host fork/exec of
    /bin/true (`os.posix_spawn` + `waitpid`);
+   then back to back (blocks of 20 per side, in turn): the fast path (layer, rw) and
+   `docker exec` (CLI);
 2. CPU per warm `true` on the fast path, per profile: the daemon's, and the
    supervisor's with its children (the commands), load-independent (the engine's side
    is shared with whatever else uses the engine on this host, so it is not attributed);
@@ -64,6 +66,20 @@ FAST_VIA = {LAYER: "supervisor", RW: "supervisor", GVISOR: "supervisor"}
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def in_blocks(fns: list[Callable[[], object]], block: int, rounds: int) -> list[list[float]]:
+    """Time each fn `block` times back to back (ms), the sides taking turns by block,
+    `rounds` times: an agent's burst of commands, background load still shared alike."""
+    out: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for k in range(len(fns)):
+            i = (r + k) % len(fns)
+            for _ in range(block):
+                t = time.perf_counter()
+                fns[i]()
+                out[i].append((time.perf_counter() - t) * 1000)
+    return out
 
 
 def interleaved(fns: list[Callable[[], object]], runs: int) -> list[list[float]]:
@@ -214,6 +230,26 @@ def main() -> None:
                 f"fast/engine path {f50 / p50[f'engine {profile} ({kind})']:.3f}, "
                 f"fast/host {f50 / p50['host']:.1f}"
             )
+
+        # The same, back to back: a burst of commands in one sandbox (each side in
+        # blocks of 20, the sides taking turns), where the one-at-a-time figures above
+        # have every command follow the other sides' (their wake-ups and engine work).
+        burst = [
+            (f"fast {LAYER} (layer)", lambda: fast.run(["true"], LAYER)),
+            (f"fast {RW} (rw)", lambda: fast.run(["true"], RW)),
+            ("docker exec CLI", lambda: subprocess.run([*cli, "true"], check=True)),
+        ]
+        rounds = max(1, args.runs // 20)
+        btimes = in_blocks([fn for _, fn in burst], 20, rounds)
+        b50 = {n: statistics.median(t) for (n, _), t in zip(burst, btimes, strict=True)}
+        print(f"warm `true` back to back, {rounds} blocks of 20 each (ms)   p50      p90")
+        for (n, _), t in zip(burst, btimes, strict=True):
+            print(f"  {n:28s} {b50[n]:8.2f} {pct(t, 0.9):8.2f}")
+        print(
+            f"  ratios p50 back to back: layer/docker exec"
+            f" {b50[f'fast {LAYER} (layer)'] / b50['docker exec CLI']:.3f},"
+            f" rw/docker exec {b50[f'fast {RW} (rw)'] / b50['docker exec CLI']:.3f}"
+        )
 
         # CPU per command (load-independent): the daemon, and the supervisor with its
         # children (the commands themselves). The engine's side (dockerd, containerd,
