@@ -75,6 +75,7 @@ from substrate.sandbox.containers import Containers, Sandbox
 from substrate.sandbox.engine import ContainerGone, Engine
 from substrate.sandbox.profiles import Profile, find_profile
 from substrate.schema.proc import PolicyBlocked, ProcChanges, ProcResult
+from substrate.store.hop import run_to_end
 from substrate.store.journal import Journal
 from substrate.workspace.registry import Workspace
 from substrate.workspace.writes import Writer
@@ -369,8 +370,8 @@ class Processes:
 
         async def record() -> None:
             started.append(
-                await trio.to_thread.run_sync(
-                    self._start_record, req, sandbox, proc, limiter=self._fs_limiter
+                await run_to_end(
+                    functools.partial(self._start_record, req, sandbox, proc), self._fs_limiter
                 )
             )
 
@@ -535,14 +536,11 @@ class Processes:
             duration_ms / 1000,
         )
         try:
-            entry.result = await trio.to_thread.run_sync(
-                self._finish_record,
-                launched.req,
-                run,
-                outcome,
-                blocked,
-                changes,
-                limiter=self._fs_limiter,
+            entry.result = await run_to_end(
+                functools.partial(
+                    self._finish_record, launched.req, run, outcome, blocked, changes
+                ),
+                self._fs_limiter,
             )
         except Exception:
             log.exception("%s: finishing the record failed; it is marked lost", run.proc)

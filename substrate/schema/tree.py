@@ -203,6 +203,7 @@ KIND_OF: dict[str, str] = {
     "store/": "",
     "store/db.py": "I/O",
     "store/group.py": "I/O",
+    "store/hop.py": "edge",
     "store/journal.py": "I/O",
     "store/approvals.py": "I/O",
     "workspace/": "",
