@@ -32,6 +32,7 @@ import trio
 from substrate.errors import Refusal
 from substrate.fs import paths
 from substrate.schema.proc import PolicyBlocked
+from substrate.store.hop import run_to_end
 from substrate.store.journal import Journal
 from substrate.workspace import discoverable
 from substrate.workspace.gate.attribution import (
@@ -167,7 +168,7 @@ class SnapshotGate:
             if state.baseline is None or not state.holders:
                 # Nobody else is running here: the workspace as it is now is the baseline.
                 try:
-                    state.baseline = await trio.to_thread.run_sync(start, limiter=self._limiter)
+                    state.baseline = await run_to_end(start, self._limiter)
                 except BaseException:
                     with trio.CancelScope(shield=True):  # no relay outlives a failed start
                         await self._unwatch(state)
@@ -203,7 +204,7 @@ class SnapshotGate:
                             watching.close()
 
                 try:
-                    return await trio.to_thread.run_sync(check, limiter=self._limiter)
+                    return await run_to_end(check, self._limiter)
                 except (OSError, Refusal) as exc:
                     # The command's record must still be finished: say so loudly instead.
                     log.error("write gate check of %s failed: %s", ws.root_id, why(exc))
