@@ -280,7 +280,7 @@ class Processes:
                 # is then in the command's cgroup already (docs/fast-exec.md).
                 claimed = self.launcher.claim(sandbox)
                 proc = claimed.owner if claimed is not None else new_proc_id()
-                sandbox.acquire()
+                sandbox.acquire(command=True)
                 use = None
                 cgroup: CommandCgroup | None = None
                 try:
@@ -430,6 +430,7 @@ class Processes:
         self, launched: _Launched, on_started: Callable[[Entry], None] | None
     ) -> ProcResult:
         entry, ws = launched.entry, launched.req.ws
+        entry.sandbox.code_started = True  # before it may run: docs/fast-exec.md "Under gVisor"
         try:
             channel = await self.launcher.start(launched.prepared)
         except BaseException as exc:

@@ -50,6 +50,11 @@ class Sandbox:
     host_visible: bool
     running: int = 0
     acquired: int = 0  # users it ever had: a change tells that one came and went
+    #: Of those, commands (the others are terminals); and whether any command's program
+    #: was started in it yet. While every user was a command and none started, no code
+    #: of the sandbox's has run in it (gVisor's stream start relies on that).
+    command_users: int = 0
+    code_started: bool = False
     last_used: float = field(default_factory=time.monotonic)
     #: Workspace-relative paths mounted read-only over the workspace → (st_dev, st_ino).
     readonly: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -61,10 +66,11 @@ class Sandbox:
     #: `SecretStore.version` of the secrets in `profile.env` when they were read.
     secrets_version: tuple[object, ...] = ()
 
-    def acquire(self) -> None:
+    def acquire(self, *, command: bool = False) -> None:
         """Count a user (a command, a terminal): never idle-reaped, never `alone`."""
         self.running += 1
         self.acquired += 1
+        self.command_users += command
         self.last_used = time.monotonic()
 
     def release(self) -> None:

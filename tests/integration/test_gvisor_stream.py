@@ -172,6 +172,22 @@ async def test_concurrent_commands_on_one_stream(env: Env) -> None:
     assert len(env.journal("supervisor.started")) == 1
 
 
+async def test_concurrent_first_commands_share_one_stream(env: Env) -> None:
+    """The sandbox's first commands at once: none has run code there yet, so the one
+    stream starts and every one of them takes it."""
+    results: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await env.run(["sh", "-c", f"echo {i}"])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(one, i)
+    for i, result in results.items():
+        assert (result["via"], output(result["stdout"])) == ("supervisor", f"{i}\n".encode())
+    assert len(env.journal("supervisor.started")) == 1
+
+
 async def test_a_timeout_kills_the_command(env: Env) -> None:
     stuck = await env.run(["sh", "-c", "trap '' TERM; sleep 1000"], timeout_s=1)
     assert (stuck["via"], stuck["timed_out"], stuck["exit_code"]) == ("supervisor", True, 137)

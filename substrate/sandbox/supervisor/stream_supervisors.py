@@ -2,10 +2,11 @@
 
 Theory of operation (docs/fast-exec.md "Under gVisor"):
 - `ready(sandbox)` (a command in a runsc sandbox with a read-only root filesystem): its
-  running `StreamLink`, or one started now — but only for the sandbox's first user
-  (`acquired == 1`: no command or terminal ran in it yet, so nothing of the sandbox can
-  read the start's secret off the supervisor's stdin, which a process of its uid can
-  open under runsc). A start: one engine exec of `stream_agent`'s text
+  running `StreamLink`, or one started now — but only while no code of the sandbox's
+  has run in it (`fresh`: every user so far a command, none of them started yet), so
+  nothing of the sandbox can read the start's secret off the supervisor's stdin, which
+  a process of its uid can open under runsc. Concurrent first commands wait for the one
+  start (the slot's lock) and all take the stream. A start: one engine exec of `stream_agent`'s text
   (`command`: `python3 -I -S -B -c <program>`) as the sandbox's uid:gid with the
   profile's environment, stdin attached, no terminal; the secret (32 random bytes) as
   the first frame on its stdin; its tagged `ready` within `START_S`; the link's reader
@@ -66,6 +67,12 @@ def streamed(profile: Profile) -> bool:
     return profile.runtime in STREAM_RUNTIMES and profile.read_only_rootfs
 
 
+def fresh(sandbox: StreamSandbox) -> bool:
+    """Has no code of the sandbox's run in it yet? Every user it had is a command (no
+    terminal), and none of them started its program."""
+    return not sandbox.code_started and sandbox.acquired == sandbox.command_users
+
+
 class StreamSandbox(Protocol):
     """What the stream supervisors use of a `containers.Sandbox`."""
 
@@ -74,6 +81,8 @@ class StreamSandbox(Protocol):
     profile: Profile
     who: RunAs
     acquired: int
+    command_users: int
+    code_started: bool
 
 
 @dataclass
@@ -82,7 +91,7 @@ class StreamSlot:
     generation: int = 0
     lock: trio.Lock = field(default_factory=trio.Lock)
     #: No (more) stream for this sandbox: its start failed, it was lost, or the sandbox
-    #: had another user before its first command asked.
+    #: had run code of its own (a terminal, a started command) before a command asked.
     done: bool = False
     detached: trio.Event = field(default_factory=trio.Event)
 
@@ -109,7 +118,7 @@ class Streams:
         if slot is None:
             if not streamed(sandbox.profile):
                 return None
-            slot = self._slots[sandbox.id] = StreamSlot(done=sandbox.acquired != 1)
+            slot = self._slots[sandbox.id] = StreamSlot(done=not fresh(sandbox))
             self._sandboxes[sandbox.id] = sandbox
         async with slot.lock:
             if slot.link is not None and slot.link.broken is None:
