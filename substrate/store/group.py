@@ -207,6 +207,8 @@ class GroupCommit:
             self._commit(batch)
         finally:
             self._lock.acquire()
+            for ticket in batch:
+                ticket.done = True  # under the lock, once the commit has returned
             self._committing, self._batch = False, []
             self._wake_done()
             self._wake_leader()
@@ -228,7 +230,8 @@ class GroupCommit:
                 self.wait(ticket)  # its error is its submitter's to see
 
     def _commit(self, batch: list[Ticket[object]]) -> None:
-        """Run `batch` in one transaction, a savepoint each; settle every ticket. A
+        """Run `batch` in one transaction, a savepoint each; give every ticket its
+        result or error (`_lead` marks them done). A
         batch of one needs no savepoint: its unit's error rolls back the transaction,
         which then holds nothing else."""
         try:
@@ -252,6 +255,3 @@ class GroupCommit:
                 ticket.result, ticket.error = None, exc
             if not isinstance(exc, Exception):
                 raise
-        finally:
-            for ticket in batch:
-                ticket.done = True
