@@ -85,7 +85,8 @@ def _install() -> None:
         _probe(writer, "read_current", "reread", last=True)
     _probe(fsops, "rename_into", "rename")
     _probe(dir_sync.DirSyncs, "sync", "dir_fsync")
-    _probe(GroupCommit, "wait", "entry_commit")
+    # The last: a writer waits on its intent's ticket (`Pending.wait`) first.
+    _probe(GroupCommit, "wait", "entry_commit", last=True)
 
     original_dispatch = server.Connection._dispatch
 

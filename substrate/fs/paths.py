@@ -266,6 +266,13 @@ def open_regular(dir_fd: int, name: str, where: str, flags: int = os.O_RDONLY) -
 
     Refuses: `symlink_refused`, `not_found`, `not_a_file`.
     """
+    return open_regular_stat(dir_fd, name, where, flags)[0]
+
+
+def open_regular_stat(
+    dir_fd: int, name: str, where: str, flags: int = os.O_RDONLY
+) -> tuple[int, os.stat_result]:
+    """`open_regular`, and the fd's `fstat` it checked (no second fstat for the caller)."""
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
@@ -279,4 +286,4 @@ def open_regular(dir_fd: int, name: str, where: str, flags: int = os.O_RDONLY) -
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st

@@ -32,7 +32,8 @@ and the commit of one batch overlaps the directory fsyncs of the next. `flush` w
 for every place taken before it, filled or not.
 
 Blocking: call from worker threads. Costs per batch one transaction, one savepoint per
-unit, and a condition-variable wake-up per waiter.
+unit (none for a batch of one), and a wake-up per thread waiting on it, plus one to hand
+the lead on.
 """
 
 from __future__ import annotations
@@ -63,25 +64,45 @@ class Ticket(Generic[T]):
         self.error: BaseException | None = None
 
 
+class _Sleeper:
+    """A thread blocked in `GroupCommit.wait` on `ticket`: it sleeps on `lock` (held),
+    and whoever releases it has removed it from the sleepers."""
+
+    __slots__ = ("lock", "ticket")
+
+    def __init__(self, ticket: Ticket[Any]) -> None:
+        self.ticket = ticket
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+
 class GroupCommit:
-    """Batches units of database work submitted by concurrent threads into shared commits."""
+    """Batches units of database work submitted by concurrent threads into shared commits.
+
+    Wake-ups are targeted, not broadcast: a finished batch wakes the threads waiting on
+    its units, then at most one other sleeper to lead the next batch (when units are
+    queued); a filled or dropped place wakes one sleeper to lead when no batch is being
+    committed. So N concurrent writers cost about N wake-ups per batch, not N for every
+    commit and every fill (each wake-up is a thread taking the interpreter lock)."""
 
     def __init__(
         self, transaction: Callable[[], AbstractContextManager[sqlite3.Connection]]
     ) -> None:
         #: Opens one plain transaction (the store's, without the flush).
         self._transaction = transaction
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._queue: list[Ticket[object]] = []
         #: The batch being committed (empty when none is).
         self._batch: list[Ticket[object]] = []
         self._committing = False
+        #: Threads blocked in `wait`, in the order they went to sleep.
+        self._sleepers: list[_Sleeper] = []
 
     def submit(self, work: Callable[[sqlite3.Connection], T], *, ordered: bool = True) -> Ticket[T]:
         """Queue `work` behind every unit submitted before it; returns at once. Not
         `ordered`: it may commit before a reserved place queued before it is filled."""
         ticket: Ticket[T] = Ticket(work, ordered)
-        with self._cond:
+        with self._lock:
             self._queue.append(ticket)  # type: ignore[arg-type]
         return ticket
 
@@ -89,23 +110,27 @@ class GroupCommit:
         """Take the next place in the order for work given later (`fill`, or `drop`):
         nothing submitted after it (ordered) commits before it. Returns at once."""
         ticket: Ticket[Any] = Ticket(None, True)
-        with self._cond:
+        with self._lock:
             self._queue.append(ticket)
         return ticket
 
     def fill(self, ticket: Ticket[T], work: Callable[[sqlite3.Connection], T]) -> None:
         """Give a reserved place its work: it commits with the next batch."""
-        with self._cond:
+        with self._lock:
             ticket.work = work
-            self._cond.notify_all()
+            if not self._committing:
+                # Units behind this place may be ready now: someone asleep leads them.
+                self._wake_leader()
 
     def drop(self, ticket: Ticket[Any], error: BaseException) -> None:
         """Give up a reserved place (its work will never come): `wait` raises `error`."""
-        with self._cond:
+        with self._lock:
             if ticket in self._queue:
                 self._queue.remove(ticket)
             ticket.error, ticket.done = error, True
-            self._cond.notify_all()
+            self._wake_done()
+            if not self._committing:
+                self._wake_leader()
 
     def _ready(self) -> list[Ticket[object]]:
         """Take from the queue the units a batch may commit now: in order, up to the
@@ -124,29 +149,69 @@ class GroupCommit:
         self._queue = left
         return batch
 
+    def _wake_done(self) -> None:
+        """Release every sleeper whose ticket is settled (call holding the lock)."""
+        if any(s.ticket.done for s in self._sleepers):
+            keep: list[_Sleeper] = []
+            for sleeper in self._sleepers:
+                if sleeper.ticket.done:
+                    sleeper.lock.release()
+                else:
+                    keep.append(sleeper)
+            self._sleepers = keep
+
+    def _wake_leader(self) -> None:
+        """Release the longest sleeper to lead a batch, when units are queued (call
+        holding the lock, with no batch being committed)."""
+        if self._queue and self._sleepers:
+            self._sleepers.pop(0).lock.release()
+
     def wait(self, ticket: Ticket[T]) -> T:
         """Block until `ticket`'s batch is committed (leading a batch when none is being
         committed); its result, or the error of its unit or of the commit."""
-        with self._cond:
+        self._lock.acquire()
+        try:
             while not ticket.done:
-                if self._committing:
-                    self._cond.wait()
-                    continue
-                batch = self._ready()
-                if not batch:
-                    self._cond.wait()  # for a reserved place before it to be filled
-                    continue
-                self._committing, self._batch = True, batch
-                self._cond.release()
+                if not self._committing:
+                    batch = self._ready()
+                    if batch:
+                        self._lead(batch)
+                        continue
+                # A batch is being committed, or nothing may commit before a reserved
+                # place is filled: sleep until this ticket is settled or it is our turn.
+                sleeper = _Sleeper(ticket)
+                self._sleepers.append(sleeper)
+                self._lock.release()
+                woken = False
                 try:
-                    self._commit(batch)
+                    woken = sleeper.lock.acquire()
                 finally:
-                    self._cond.acquire()
-                    self._committing, self._batch = False, []
-                    self._cond.notify_all()
+                    self._lock.acquire()
+                    if not woken:  # interrupted: never leave a sleeper that cannot wake
+                        if sleeper in self._sleepers:
+                            self._sleepers.remove(sleeper)
+                        elif not self._committing:
+                            self._wake_leader()  # pass on the turn it was given
+        finally:
+            self._lock.release()
         if ticket.error is not None:
             raise ticket.error
         return ticket.result  # type: ignore[return-value]
+
+    def _lead(self, batch: list[Ticket[object]]) -> None:
+        """Commit `batch` (called holding the lock, released meanwhile); then wake its
+        waiters and, when more is queued, one sleeper to lead the next batch."""
+        self._committing, self._batch = True, batch
+        self._lock.release()
+        try:
+            self._commit(batch)
+        finally:
+            self._lock.acquire()
+            for ticket in batch:
+                ticket.done = True  # under the lock, once the commit has returned
+            self._committing, self._batch = False, []
+            self._wake_done()
+            self._wake_leader()
 
     def run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """`submit` then `wait`."""
@@ -156,7 +221,7 @@ class GroupCommit:
         """Return once everything submitted (or reserved) so far is committed or has
         failed: leads batches of what is queued, or waits for the one being committed,
         and for reserved places to be filled. Free when nothing is queued or committing."""
-        with self._cond:
+        with self._lock:
             if not self._queue and not self._committing:
                 return
             before = [*self._batch, *self._queue]
@@ -165,9 +230,17 @@ class GroupCommit:
                 self.wait(ticket)  # its error is its submitter's to see
 
     def _commit(self, batch: list[Ticket[object]]) -> None:
-        """Run `batch` in one transaction, a savepoint each; settle every ticket."""
+        """Run `batch` in one transaction, a savepoint each; give every ticket its
+        result or error (`_lead` marks them done). A
+        batch of one needs no savepoint: its unit's error rolls back the transaction,
+        which then holds nothing else."""
         try:
             with self._transaction() as db:
+                if len(batch) == 1:
+                    [only] = batch
+                    assert only.work is not None
+                    only.result = only.work(db)
+                    return
                 for ticket in batch:
                     assert ticket.work is not None  # only filled places are taken
                     db.execute("SAVEPOINT unit")
@@ -182,6 +255,3 @@ class GroupCommit:
                 ticket.result, ticket.error = None, exc
             if not isinstance(exc, Exception):
                 raise
-        finally:
-            for ticket in batch:
-                ticket.done = True

@@ -106,10 +106,14 @@ class GitDirs:
     """Which directories beneath the held `root_fd` are git directories by content, for
     one write or one batch. What each directory holds is looked up once (an open beneath
     the root, never through a symlink, and an lstat per piece) and kept; the pieces the
-    batch plans (`add`) count as there."""
+    batch plans (`add`) count as there. The root is looked at through `root_fd` itself,
+    and a directory the caller holds already (`held`: its components → an fd opened
+    beneath the root without following a symlink, as a write's parent is) through that
+    fd, so neither is opened again."""
 
-    def __init__(self, root_fd: int) -> None:
+    def __init__(self, root_fd: int, held: dict[tuple[str, ...], int] | None = None) -> None:
         self._root = root_fd
+        self._held: dict[tuple[str, ...], int] = {(): root_fd, **(held or {})}
         self._now: dict[tuple[str, ...], frozenset[str] | None] = {}
         self._added: dict[tuple[str, ...], set[str]] = {}
         self._removed: dict[tuple[str, ...], set[str]] = {}
@@ -122,6 +126,8 @@ class GitDirs:
         found: frozenset[str] | None
         if dirs and self._pieces(dirs[:-1]) is None:
             found = None
+        elif (held := self._held.get(dirs)) is not None:
+            found = frozenset(p for p in PIECES if paths.lstat_at(held, p) is not None)
         else:
             try:
                 fd = paths.open_dir(self._root, dirs, "/".join(dirs) or ".")
@@ -139,7 +145,7 @@ class GitDirs:
         """The directory (relative, `.` for the root) that `parts` lies beneath and that
         is a git directory by content now, or would be once `parts` exists (with the
         pieces added, less those removed); None when there is none. Costs, per directory
-        on the way not looked at yet, an open and four lstats."""
+        on the way not looked at yet, four lstats (and an open, unless it is held)."""
         for i in range(len(parts)):
             dirs = tuple(parts[:i])
             now = self._pieces(dirs) or frozenset()

@@ -185,3 +185,39 @@ def test_a_dropped_place_fails_its_waiter_and_frees_those_behind_it(store: Store
         store.group.wait(place)
     store.group.flush()
     assert values(store) == ["after"]
+
+
+def test_many_threads_reserving_filling_and_submitting_all_finish_in_lock_order(
+    store: Store,
+) -> None:
+    """Each waiter is woken alone (its batch done, or its turn to lead): 16 threads
+    taking places under one lock, filling them later and waiting, with intents going
+    past them, all return, and the entries keep the lock's order."""
+    lock = threading.Lock()
+    order: list[str] = []
+    errors: list[BaseException] = []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(20):
+                name = f"w{k}-{i}"
+                intent = store.group.submit(insert(f"intent {name}"), ordered=False)
+                store.group.wait(intent)
+                with lock:
+                    place = store.group.reserve()
+                    order.append(name)
+                store.group.fill(place, insert(name))
+                assert store.group.wait(place) == name
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(PATIENCE_S * 4)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    entries = [v for v in values(store) if not v.startswith("intent ")]
+    assert entries == order and len(entries) == 16 * 20
+    # Shared: fewer commits than units.
+    assert len(store.commits) < 2 * 16 * 20  # type: ignore[attr-defined]

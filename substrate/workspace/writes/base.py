@@ -67,12 +67,11 @@ def read_current_held(
     if st.st_size > limit:
         raise TooLarge(f"{where}: {st.st_size} bytes is over the {limit} byte bound", limit=limit)
     try:
-        fd = paths.open_regular(parent_fd, name, where)
+        fd, fst = paths.open_regular_stat(parent_fd, name, where)
     except NotFound:
         return Current(exists=False), None  # removed since the lstat: it is absent now
     keep = limit if keep is None else min(keep, limit)
     try:
-        fst = os.fstat(fd)
         if fst.st_size > limit:
             raise TooLarge(f"{where}: over the {limit} byte bound", limit=limit)
         # Past `keep` (or grown past it since the fstat): hashed as a stream.

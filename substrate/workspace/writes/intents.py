@@ -32,15 +32,16 @@ Blocking SQLite and file reads: call from a worker thread or before the loop ser
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import queue
 import secrets
 import sqlite3
 import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -49,6 +50,7 @@ from substrate.errors import NotFound, Refusal
 from substrate.fs import paths
 from substrate.store.approvals import Approvals
 from substrate.store.db import Store
+from substrate.store.group import GroupCommit, Ticket
 from substrate.store.journal import Draft, Journal
 from substrate.workspace.adopted import Workspace
 from substrate.workspace.digests import hash_fd
@@ -82,23 +84,43 @@ class Intent(msgspec.Struct, frozen=True, array_like=True):
     temp: str | None = None
 
 
-_committer: ThreadPoolExecutor | None = None
-_committer_lock = threading.Lock()
+class _Committer:
+    """The one thread that leads intents' group commits while their writers fill their
+    temp files, started on first use: it takes tickets from a queue and leads the
+    commit that holds each (`GroupCommit.wait`). The writer later waits on the ticket
+    itself, so the outcome reaches it through the group commit's own wake-up, with no
+    future in between; an error is the writer's to see there."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[GroupCommit, Ticket[None]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def lead(self, group: GroupCommit, ticket: Ticket[None]) -> None:
+        """Have the thread lead `ticket`'s commit soon; returns at once."""
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="write-intents", daemon=True
+                    )
+                    self._thread.start()
+        self._jobs.put((group, ticket))
+
+    def _run(self) -> None:
+        while True:
+            group, ticket = self._jobs.get()
+            with contextlib.suppress(Exception):
+                group.wait(ticket)  # its error is its writer's (`Pending.wait`)
 
 
-def _committer_pool() -> ThreadPoolExecutor:
-    """The one thread that leads intents' group commits, started on first use."""
-    global _committer
-    with _committer_lock:
-        if _committer is None:
-            _committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-intents")
-        return _committer
+_committer = _Committer()
 
 
 def _forget_committer() -> None:
     # A forked child has none of its parent's threads (nor their locks): it starts its own.
-    global _committer, _committer_lock
-    _committer, _committer_lock = None, threading.Lock()
+    global _committer
+    _committer = _Committer()
 
 
 os.register_at_fork(after_in_child=_forget_committer)
@@ -107,17 +129,19 @@ os.register_at_fork(after_in_child=_forget_committer)
 class Pending:
     """One write's intent on its way to the database (`Intents.submit`)."""
 
-    __slots__ = ("_done", "token")
+    __slots__ = ("_group", "_ticket", "token")
 
-    def __init__(self, token: str, done: Future[None]) -> None:
+    def __init__(self, token: str, group: GroupCommit, ticket: Ticket[None]) -> None:
         #: The row's key, for `Intents.drop_in` in the transaction journaling the write.
         self.token = token
-        self._done = done
+        self._group = group
+        self._ticket = ticket
 
     def wait(self) -> None:
         """Return once the intent is durable; raises what its commit raised. Call
-        before the rename."""
-        self._done.result()
+        before the rename. (Free when the committer thread has committed it; leads the
+        commit itself when that thread has not begun it.)"""
+        self._group.wait(self._ticket)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -173,7 +197,8 @@ class Intents:
         ticket = group.submit(add, ordered=False)
         # Committed by another thread while the caller writes and fsyncs its temp file:
         # the two flushes overlap instead of adding up.
-        return Pending(token, _committer_pool().submit(group.wait, ticket))
+        _committer.lead(group, ticket)
+        return Pending(token, group, ticket)
 
     def record(self, workspace: str, intent: Intent) -> Pending:
         """`submit` and wait: the intent is durable on return (for a write that knows

@@ -182,7 +182,9 @@ def _plan(
         if (new_of is None or callable(new_of)) and not current.exists:
             raise NotFound(f"{where}: not found")
         made = (*missing, parts[-1]) if not current.exists else missing
-        discoverable.check_write(discoverable.GitDirs(ws.root_fd), parts, where, made)
+        # The parent is held already: looked at through its fd, not opened again.
+        held = {parts[:-1]: parent_fd} if parent_fd is not None else None
+        discoverable.check_write(discoverable.GitDirs(ws.root_fd, held), parts, where, made)
         if base != current.sha256:
             if base is None:
                 raise AlreadyExists(f"{where}: exists; bind the write to its sha256 to replace it")
