@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -87,17 +88,23 @@ def test_a_search_screens_digit_runs_by_stride() -> None:
     data=_TEXT,
     pos=st.integers(0, 40),
     cut=st.integers(0, 40),
-    join=st.sampled_from([0, 4, 256]),
+    call_bytes=st.sampled_from([1, 16, 1024, 1 << 20]),
+    streams=st.sampled_from([0, 12]),
 )
-def test_strided_equals_re2(pattern: bytes, data: bytes, pos: int, cut: int, join: int) -> None:
+def test_strided_equals_re2(
+    pattern: bytes, data: bytes, pos: int, cut: int, call_bytes: int, streams: int
+) -> None:
     """From any `pos` to any `endpos`, again and again on the same bytes (a search asks
     for the hits past each line), the strided answer is RE2's own, for the exact and the
-    superset screens alike, whatever the join distance."""
+    superset screens alike: dense or not, giving up the skip early or never, with the
+    member bytes found by RE2 or by `memchr`."""
     regex, stride = _stride(pattern)
     pos = min(pos, len(data))
     endpos = max(pos, len(data) - cut)
-    saved = strided_module.JOIN_BYTES
-    strided_module.JOIN_BYTES = join
+    module = strided_module
+    saved = module.CALL_BYTES, module.TRY_BYTES, module.MAX_STREAMS, module.MIN_TRIES
+    module.CALL_BYTES, module.TRY_BYTES, module.MAX_STREAMS = call_bytes, call_bytes, streams
+    module.MIN_TRIES = 0 if call_bytes == 1 else 4
     try:
         for screen in (exact_of(regex), superset_of(regex)):
             if screen is None:
@@ -112,19 +119,44 @@ def test_strided_equals_re2(pattern: bytes, data: bytes, pos: int, cut: int, joi
                 assert fast(data, at + 1, len(data)) == nxt
                 at = nxt
     finally:
-        strided_module.JOIN_BYTES = saved
+        module.CALL_BYTES, module.TRY_BYTES, module.MAX_STREAMS, module.MIN_TRIES = saved
+
+
+def _counted(
+    first: Callable[[bytes, int, int], int], calls: list[tuple[int, int]]
+) -> Callable[[bytes, int, int], int]:
+    def counted(data: bytes, pos: int, endpos: int) -> int:
+        calls.append((pos, endpos))
+        return first(data, pos, endpos)
+
+    return counted
 
 
 def test_strided_finds_a_run_across_every_alignment() -> None:
-    """A run of five digits at every offset of a long file, with a sampled digit close
-    before it that starts no match: found where RE2 finds it."""
+    """A run of five digits at every offset of a long file, with sampled digits before
+    it that start no match: found where RE2 finds it, with RE2 called only around the
+    digits (the sparse path), and again from each later offset."""
     regex, stride = _stride(rb"[0-9]{5}")
     first = first_start(exact_of(regex))
     for at in range(0, 40):
-        data = b"x" * 600 + b"7 " + b"y" * at + b"12345" + b"z" * 700
-        fast = Strided(stride, first)
+        data = b"x" * 600 + b"7 " + b"y" * at + b"12345" + b"1234 " + b"z" * 7000
+        calls: list[tuple[int, int]] = []
+        fast = Strided(stride, _counted(first, calls))
         assert fast(data, 0, len(data)) == first(data, 0, len(data)) == 602 + at
-        assert fast(data, 603 + at, len(data)) == -1
+        assert all(end - pos <= 9 for pos, end in calls)
+        for pos in range(603 + at, 603 + at + 20):
+            assert fast(data, pos, len(data)) == first(data, pos, len(data))
+
+
+def test_a_file_dense_with_digits_is_scanned_by_re2() -> None:
+    """Numbers everywhere (as in much code): one RE2 call over the whole file, as without
+    a stride, instead of one per digit."""
+    regex, stride = _stride(rb"[0-9]{5}")
+    first = first_start(exact_of(regex))
+    data = b"x = 12 + 345 * 6789\n" * 400 + b"y = 12345\n"
+    calls: list[tuple[int, int]] = []
+    assert Strided(stride, _counted(first, calls))(data, 0, len(data)) == first(data, 0, len(data))
+    assert calls == [(0, len(data))]
 
 
 @pytest.mark.parametrize(
