@@ -12,8 +12,9 @@ batch of files it meets to the worker whenever the worker has read every batch s
 their directories (SCM_RIGHTS); the worker reads and matches those while the parent
 reads and matches its own, and the parent merges the halves into walk order
 (`search_split.merge`).
-A search is not shared when both CPUs are busy at its hand-off (`spare_cpu`: the two
-processes would only take turns). The result is the serial path's, always: when the
+A search is not shared while both CPUs are busy (`spare_cpu`, asked at its hand-off and
+again every `search_split.HAND_OFF_FILES` files while it says no: the two processes
+would only take turns). The result is the serial path's, always: when the
 worker is busy (another search has it), not ready, dead, slow past its bound, or over its reply bound, the search is the
 serial one (`search.serially`), with one log line for a failure. A failed worker is
 killed, reaped, and started again at most `MAX_RESTARTS` times, each after a pause

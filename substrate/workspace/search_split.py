@@ -112,8 +112,10 @@ def max_reply_bytes(p: SearchParams) -> int:
 class SplitScan(_Scan):
     """`_Scan` keeping, per scanned file, what `merge` needs. The parent's (with
     `send`) walks, and past the hand-off gives `send` each batch of the worker's files:
-    `send(batch, fds)` raises to abandon the search; `spare()`, asked once at the
-    hand-off, False: no CPU is free, the search stays serial; `idle()`, asked before
+    `send(batch, fds)` raises to abandon the search; `spare()`, asked at the hand-off,
+    False: no CPU is free, the search stays serial for now (asked again after each
+    `HAND_OFF_FILES` more files: a CPU busy for a moment does not keep a long search
+    on one); `idle()`, asked before
     each file the parent would search itself: True when the worker has taken every
     batch sent, so the next batch begins with this file. The worker's `take`s the files
     it is sent."""
@@ -132,8 +134,10 @@ class SplitScan(_Scan):
         self.send = send
         self.spare = spare
         self.idle = idle
-        #: At the hand-off, `spare()` said no CPU was free: the search stayed serial.
+        #: At the hand-off, `spare()` said no CPU was free (the search stays serial
+        #: unless it says otherwise at a later asking, from `_ask_at` files on).
         self.declined = False
+        self._ask_at = 0
         self.search = Search.of(plan.p)
         self.hand_off = _NEVER
         self.index = 0
@@ -157,12 +161,16 @@ class SplitScan(_Scan):
             if self._idx or self.idle is None or self.idle():
                 self._give(dir_fd, rel, i)  # a batch begun is filled; `flush` sends it
                 return
-        elif self.send is not None and (i >= HAND_OFF_FILES or self.scanned >= HAND_OFF_BYTES):
+        elif (
+            self.send is not None
+            and i >= self._ask_at
+            and (i >= HAND_OFF_FILES or self.scanned >= HAND_OFF_BYTES)
+        ):
             if self.spare is None or self.spare():
                 self.hand_off = i
             else:  # both CPUs busy: a second process would only take turns with this one
-                self.send = None
                 self.declined = True
+                self._ask_at = i + HAND_OFF_FILES
         self.current = i
         super()._file(dir_fd, name, rel)
 

@@ -251,6 +251,29 @@ def test_a_search_stays_serial_when_no_cpu_is_free(tree: Workspace) -> None:
     assert isinstance(search_pool.spare_cpu(), bool)  # /proc/stat's procs_running, read
 
 
+def test_a_search_declined_at_its_hand_off_is_shared_once_a_cpu_is_free(
+    tree: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`spare` is asked again every `HAND_OFF_FILES` files while it says no: the first
+    "yes" hands the rest of the walk off, and the result is the serial one."""
+    answers = iter([False, False, True])
+    asked: list[int] = []
+
+    def later() -> bool:
+        asked.append(1)
+        return next(answers)
+
+    monkeypatch.setattr(search_split, "HAND_OFF_FILES", 64)
+    pool = SearchPool(spare=later, restart_pause_s=0)
+    try:
+        assert pool.wait_ready(60)
+        p = _params(tree, max_matches=100000)
+        assert pool.search(tree, p) == search.search(tree, p)
+        assert len(asked) == 3 and pool.shared == 1 and pool.declined == 0
+    finally:
+        pool.close()
+
+
 def test_a_backtracking_pattern_is_searched_serially(tree: Workspace, pool: SearchPool) -> None:
     p = _params(tree, r"(\w+)_\1", max_matches=100000)
     assert pool.search(tree, p) == search.search(tree, p)
