@@ -122,8 +122,11 @@ def leading_sets(regex: re.Pattern[bytes], most: int = 64) -> tuple[list[frozens
         fold=bool(flags & _sre.SRE_FLAG_IGNORECASE), dotall=bool(flags & _sre.SRE_FLAG_DOTALL)
     )
     sets: list[frozenset[int]] = []
-    translator.leading(parsed.data, sets, most)
-    return sets, int(parsed.getwidth()[1])
+    try:
+        translator.leading(parsed.data, sets, most)
+        return sets, int(parsed.getwidth()[1])
+    except RecursionError:  # nested deeper than this stack: no sets
+        return [], 0
 
 
 def first_start(compiled: Any) -> Callable[[bytes, int, int], int]:
