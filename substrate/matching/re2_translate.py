@@ -144,19 +144,6 @@ def first_start(compiled: Any) -> Callable[[bytes, int, int], int]:
     return start
 
 
-def span_of(compiled: Any) -> Callable[[bytes, int, int], tuple[int, int]]:
-    """`span(data, pos, endpos)`: the (start, end) of the leftmost match of `compiled`
-    in `data[pos:endpos]`, or (-1, -1); as `first_start`, without a match object."""
-    match = compiled._regexp.Match
-    anchor = re2._Anchor.UNANCHORED
-
-    def span(data: bytes, pos: int, endpos: int) -> tuple[int, int]:
-        found: tuple[int, int] = match(anchor, data, pos, endpos)[0]
-        return found
-
-    return span
-
-
 def compile_latin1(source: str) -> Any | None:
     """The RE2 pattern `source` (ASCII text) over bytes as Latin-1, capturing nothing,
     or None when RE2 refuses it (a syntax error, over its memory budget)."""
