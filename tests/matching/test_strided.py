@@ -175,3 +175,15 @@ def test_leading_sets(pattern: bytes, sizes: list[int], longest: int) -> None:
     sets, width = leading_sets(re.compile(pattern, FLAGS))
     assert [len(s) for s in sets] == sizes
     assert width == longest
+
+
+@pytest.mark.parametrize(
+    ("pattern", "data", "at"),
+    [(rb"\b\d\d\b", b"xx 123 45", 7), (rb"[0-9]{2}$", b"1234x\n99", 6), (rb"^\d\d", b"a12\n34", 4)],
+)
+def test_a_window_sees_the_bytes_around_it(pattern: bytes, data: bytes, at: int) -> None:
+    """RE2 searched in a window still sees the text past its ends for `\\b`, `$`, `^`
+    (`first_start`'s context is the whole text): `12` in `123` is no `\\b\\d\\d\\b`."""
+    regex, stride = _stride(pattern)
+    first = first_start(exact_of(regex))
+    assert Strided(stride, first)(data, 0, len(data)) == at == regex.search(data).start()  # type: ignore[union-attr]
