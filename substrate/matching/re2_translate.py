@@ -107,6 +107,28 @@ def _translate(regex: re.Pattern[bytes]) -> tuple[str, bool] | None:
         return None
 
 
+def leading_sets(regex: re.Pattern[bytes], most: int = 64) -> tuple[list[frozenset[int]], int]:
+    """The bytes each of the first fixed positions of every match may hold, as this
+    module's translations spell them (so the same for `regex`, `superset_of(regex)` and
+    `exact_of(regex)`), at most `most` of them; and the longest match's length (huge
+    when unbounded). `([], 0)` when `regex` has no translation. A zero-width item
+    (an anchor, a lookaround) is passed over; anything of no fixed length (a branch, a
+    repeat of a range) ends the list. Costs one parse of the pattern."""
+    if _translate(regex) is None:
+        return [], 0
+    parsed = _sre_parser.parse(regex.pattern, regex.flags)
+    flags = parsed.state.flags
+    translator = _Translator(
+        fold=bool(flags & _sre.SRE_FLAG_IGNORECASE), dotall=bool(flags & _sre.SRE_FLAG_DOTALL)
+    )
+    sets: list[frozenset[int]] = []
+    try:
+        translator.leading(parsed.data, sets, most)
+        return sets, int(parsed.getwidth()[1])
+    except RecursionError:  # nested deeper than this stack: no sets
+        return [], 0
+
+
 def first_start(compiled: Any) -> Callable[[bytes, int, int], int]:
     """`start(data, pos, endpos)`: where the leftmost match of the RE2 pattern `compiled`
     (from this module) in `data[pos:endpos]` starts, or -1; `pos <= endpos <= len(data)`.
@@ -120,6 +142,12 @@ def first_start(compiled: Any) -> Callable[[bytes, int, int], int]:
         return found
 
     return start
+
+
+def compile_latin1(source: str) -> Any | None:
+    """The RE2 pattern `source` (ASCII text) over bytes as Latin-1, capturing nothing,
+    or None when RE2 refuses it (a syntax error, over its memory budget)."""
+    return _compile(source)
 
 
 def literal_of(literal: bytes, fold: bool) -> Any | None:
@@ -184,6 +212,53 @@ class _Translator:
             self.exact = False
             return ""  # without its condition, the rest matches at least where it did
         raise _Untranslatable  # GROUPREF, GROUPREF_EXISTS, anything newer
+
+    def leading(self, items: Any, out: list[frozenset[int]], most: int) -> bool:
+        """Append to `out` the byte sets of the fixed positions `items` starts with (up
+        to `most` in all); True when all of `items` was of fixed length."""
+        for op, av in items:
+            if len(out) >= most:
+                return False
+            if op is _sre.AT or op in (_sre.ASSERT, _sre.ASSERT_NOT):
+                continue  # zero-width: the next byte is still the match's next
+            one = self.position(op, av)
+            if one is not None:
+                out.append(one)
+            elif op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
+                low, high, sub = av
+                if low == 0:
+                    return False
+                first: list[frozenset[int]] = []
+                whole = self.leading(sub, first, most)
+                if not whole:
+                    out += first[: most - len(out)]
+                    return False
+                for _ in range(low):
+                    if len(out) >= most or not first:
+                        break
+                    out += first[: most - len(out)]
+                if high != low or not first:
+                    return False
+            elif op is _sre.SUBPATTERN and not av[1] and not av[2]:
+                if not self.leading(av[3], out, most):
+                    return False
+            else:
+                return False
+        return True
+
+    def position(self, op: Any, av: Any) -> frozenset[int] | None:
+        """The bytes one single-byte item matches (as `item` spells them), or None."""
+        if op is _sre.LITERAL:
+            return self.folded({av})
+        if op is _sre.NOT_LITERAL:
+            return _ALL - self.folded({av})
+        if op is _sre.ANY:
+            return _ALL if self.dotall else _ALL - {0x0A}
+        if op is _sre.IN:
+            return self.folded(self.class_bytes(av))
+        if op is _sre.CATEGORY:
+            return _CATEGORIES[av]
+        return None
 
     def folded(self, values: set[int] | frozenset[int]) -> frozenset[int]:
         """`values` plus their ASCII other case under IGNORECASE (how `re` folds bytes)."""

@@ -156,6 +156,7 @@ KIND_OF: dict[str, str] = {
     "matching/": "pure",
     "matching/glob_regex.py": "pure",
     "matching/re2_translate.py": "pure",
+    "matching/strided.py": "pure",
     "matching/agent_regex.py": "pure",
     "metrics/": "",
     "metrics/registry.py": "pure",

@@ -32,6 +32,7 @@ from substrate.errors import InvalidParams
 from substrate.fs import fsops, paths
 from substrate.matching.agent_regex import Matcher, matcher_for
 from substrate.matching.re2_translate import first_start
+from substrate.matching.strided import strided
 from substrate.schema.fs import SearchMatch, SearchParams, SearchResult
 from substrate.workspace.ignore import Pruner
 from substrate.workspace.policy import GlobSet
@@ -166,7 +167,11 @@ class _Scan:
         self.matching = matching
         self.prefilter = prefilter
         self.starts = _starts(matching)
-        self.screen_starts = None if prefilter.screen is None else first_start(prefilter.screen)
+        self.screen_starts = (
+            None
+            if prefilter.screen is None
+            else strided(prefilter.stride, first_start(prefilter.screen))
+        )
         self.literal_starts = None if prefilter.finder is None else first_start(prefilter.finder)
         self.max_line_bytes = p.max_line_bytes
         self.limit = p.max_matches

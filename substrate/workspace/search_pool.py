@@ -5,13 +5,16 @@ One process reads and matches at most one interpreter's worth of files: RE2's bi
 keeps the GIL between calls, so threads only contend. `SearchPool` keeps one worker
 process (`search_worker`), started by a daemon's first search (which does not wait for
 it: no search pays Python's start-up; a daemon that never searches never starts it),
-and hands it half of a search's files: the parent walks alone, as the serial path does,
-and past `search_split.HAND_OFF_FILES` files or `HAND_OFF_BYTES` bytes sends every
-other file it meets to the worker in batches, with the held fds of their directories
-(SCM_RIGHTS); the worker reads and matches those while the parent reads and matches
-its own, and the parent merges the halves into walk order (`search_split.merge`).
-A search is not shared when both CPUs are busy at its hand-off (`spare_cpu`: the two
-processes would only take turns). The result is the serial path's, always: when the
+and hands it part of a search's files: the parent walks alone, as the serial path does,
+and past `search_split.HAND_OFF_FILES` files or `HAND_OFF_BYTES` bytes sends the next
+batch of files it meets to the worker whenever the worker has read every batch sent
+(`_idle`: nothing left in the socket's send queue, `TIOCOUTQ`), with the held fds of
+their directories (SCM_RIGHTS); the worker reads and matches those while the parent
+reads and matches its own, and the parent merges the halves into walk order
+(`search_split.merge`).
+A search is not shared while both CPUs are busy (`spare_cpu`, asked at its hand-off and
+again every `search_split.HAND_OFF_FILES` files while it says no: the two processes
+would only take turns). The result is the serial path's, always: when the
 worker is busy (another search has it), not ready, dead, slow past its bound, or over its reply bound, the search is the
 serial one (`search.serially`), with one log line for a failure. A failed worker is
 killed, reaped, and started again at most `MAX_RESTARTS` times, each after a pause
@@ -21,11 +24,13 @@ searches run on threads of their own, serially).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +65,7 @@ WAIT_S = 5.0
 WAIT_FACTOR = 4.0
 CLOSE_WAIT_S = 10.0
 _ENCODER = msgspec.msgpack.Encoder()
+_ZERO = bytes(4)
 _REPLY = msgspec.msgpack.Decoder(Reply)
 #: The directory holding the `substrate` package, for the worker's `sys.path`.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
@@ -174,7 +180,7 @@ class SearchPool:
         if opened is None:
             return nothing()
         top, prune = opened
-        scan = SplitScan(plan, ws.policy.read_deny, prune, self._send, self._spare)
+        scan = SplitScan(plan, ws.policy.read_deny, prune, self._send, self._spare, self._idle)
         started = time.monotonic()
         try:
             scan.run(top, plan.base)
@@ -282,6 +288,17 @@ class SearchPool:
                 sock.sendall(data[sent:])
         except OSError as exc:
             raise _Failed(f"a batch not taken ({exc})") from None
+
+    def _idle(self) -> bool:
+        """Whether the worker has read every byte sent to it (the kernel's count of what
+        waits unread in the socket, `TIOCOUTQ`); True when that cannot be told (the
+        batches then go out as fast as they fill). Costs one ioctl (~1 us)."""
+        sock = self._sock
+        assert sock is not None
+        try:
+            return fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, _ZERO) == _ZERO
+        except OSError:
+            return True
 
     def _reply(self, p: SearchParams, wait_s: float) -> Reply:
         sock = self._sock

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from substrate.matching.re2_translate import exact_of, literal_of, superset_of
+from substrate.matching.strided import Stride
 
 #: The stdlib's own regex parser (private, stable since 3.11): see `Prefilter`.
 _sre: Any = importlib.import_module("re._constants")
@@ -48,6 +49,9 @@ class Prefilter:
     #: The pattern is `literal` and nothing else (a `fixed` search, or a regex without
     #: metacharacters), case kept: where the literal is found, the match is.
     whole: bool = False
+    #: With a screen: every match begins with rare bytes, so the screen's first hit is
+    #: looked for at every `stride.n`-th byte first (`substrate.matching.strided`).
+    stride: Stride | None = None
 
     @classmethod
     def for_search(cls, regex: re.Pattern[bytes], exact: Any = _LOOK) -> Prefilter:
@@ -58,9 +62,12 @@ class Prefilter:
             return replace(literal, finder=literal_of(literal.literal, literal.fold))
         if exact is _LOOK:
             exact = exact_of(regex)
+        line_bound = literal.line_bound
+        stride = Stride.of(regex, line_bound)
         if exact is not None:
-            return cls(screen=exact, exact=True, line_bound=literal.line_bound)
-        return cls(screen=superset_of(regex), line_bound=literal.line_bound)
+            return cls(screen=exact, exact=True, line_bound=line_bound, stride=stride)
+        screen = superset_of(regex)
+        return cls(screen=screen, line_bound=line_bound, stride=None if screen is None else stride)
 
     @classmethod
     def of(cls, regex: re.Pattern[bytes]) -> Prefilter:

@@ -4,9 +4,13 @@ The parent walks the tree alone, with `search._Scan`'s code (every skip: `.git`,
 files, symlinks never followed, `read_deny`, `glob`, `exclude`, `gitignore`), and
 numbers the files it would read in walk order. It reads and matches every file before
 the hand-off (`HAND_OFF_FILES` files met or `HAND_OFF_BYTES` bytes scanned: a small
-search never pays the second process); from there `WORKER_SHARE` of them go to the
-worker (`search_worker`) in `Batch`es: the held fd of each file's directory (sent by
-SCM_RIGHTS), its name, path and index. The worker opens each name beneath its
+search never pays the second process); from there the worker (`search_worker`) is
+kept fed: whenever it has taken every batch sent (`idle()`: it works on the last one,
+or waits), the next `BATCH_FILES` files the walk meets go to it in a `Batch` (the held
+fd of each file's directory, sent by SCM_RIGHTS, its name, path and index), and the
+parent reads and matches the files it meets meanwhile. So each process takes files as
+fast as it gets through them, whatever else the machine runs; at the walk's end the
+worker holds at most two batches. The worker opens each name beneath its
 directory's fd as the parent would (O_NOFOLLOW, fstat, one `pread`, the binary sniff)
 and matches it. `merge` puts the halves back in walk order and counts
 `files_scanned`/`bytes_scanned` up to the file where `max_matches` was reached, as the
@@ -31,9 +35,6 @@ from substrate.workspace.search import Plan, _Scan
 HAND_OFF_FILES = 256
 #: ... or once it has scanned this many bytes, whichever comes first.
 HAND_OFF_BYTES = 2 << 20
-#: Of every `len(WORKER_SHARE)` files past the hand-off, those whose place is True go
-#: to the worker (the parent also walks, merges and encodes: see docs/performance.md).
-WORKER_SHARE = (False, True)
 #: Files per batch, and directory fds per batch (SCM_RIGHTS carries at most 253).
 BATCH_FILES = 32
 BATCH_FDS = 64
@@ -111,9 +112,13 @@ def max_reply_bytes(p: SearchParams) -> int:
 class SplitScan(_Scan):
     """`_Scan` keeping, per scanned file, what `merge` needs. The parent's (with
     `send`) walks, and past the hand-off gives `send` each batch of the worker's files:
-    `send(batch, fds)` raises to abandon the search; `spare()`, asked once at the
-    hand-off, False: no CPU is free, the search stays serial. The worker's `take`s the
-    files it is sent."""
+    `send(batch, fds)` raises to abandon the search; `spare()`, asked at the hand-off,
+    False: no CPU is free, the search stays serial for now (asked again after each
+    `HAND_OFF_FILES` more files: a CPU busy for a moment does not keep a long search
+    on one); `idle()`, asked before
+    each file the parent would search itself: True when the worker has taken every
+    batch sent, so the next batch begins with this file. The worker's `take`s the files
+    it is sent."""
 
     def __init__(
         self,
@@ -122,13 +127,17 @@ class SplitScan(_Scan):
         prune: Pruner | None,
         send: Callable[[Batch, list[int]], None] | None = None,
         spare: Callable[[], bool] | None = None,
+        idle: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__(plan.matching, plan.prefilter, plan.p, plan.globs, read_deny, prune)
         self.p = plan.p
         self.send = send
         self.spare = spare
-        #: At the hand-off, `spare()` said no CPU was free: the search stayed serial.
+        self.idle = idle
+        #: At the hand-off, `spare()` said no CPU was free (the search stays serial
+        #: unless it says otherwise at a later asking, from `_ask_at` files on).
         self.declined = False
+        self._ask_at = 0
         self.search = Search.of(plan.p)
         self.hand_off = _NEVER
         self.index = 0
@@ -149,15 +158,19 @@ class SplitScan(_Scan):
         self.index = i + 1
         h = self.hand_off
         if i >= h:
-            if WORKER_SHARE[(i - h) % len(WORKER_SHARE)]:
-                self._give(dir_fd, rel, i)
+            if self._idx or self.idle is None or self.idle():
+                self._give(dir_fd, rel, i)  # a batch begun is filled; `flush` sends it
                 return
-        elif self.send is not None and (i >= HAND_OFF_FILES or self.scanned >= HAND_OFF_BYTES):
+        elif (
+            self.send is not None
+            and i >= self._ask_at
+            and (i >= HAND_OFF_FILES or self.scanned >= HAND_OFF_BYTES)
+        ):
             if self.spare is None or self.spare():
                 self.hand_off = i
             else:  # both CPUs busy: a second process would only take turns with this one
-                self.send = None
                 self.declined = True
+                self._ask_at = i + HAND_OFF_FILES
         self.current = i
         super()._file(dir_fd, name, rel)
 

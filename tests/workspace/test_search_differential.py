@@ -2,8 +2,8 @@
 loop they replaced (`tests.harness.search_reference`), on random trees: random names
 (also not UTF-8, temp files, `.git`), nested directories, binary files, symlinks that
 must not be followed, `read_deny`, `glob`, `exclude`, `.gitignore`, small `max_matches`;
-patterns with literals, alternations, classes, anchors, case folding, fixed strings and
-lookarounds (the backtracking matcher). Every result must be identical, and so must the
+patterns with literals, alternations, classes, digit runs (the strided screen),
+anchors, case folding, fixed strings and lookarounds (the backtracking matcher). Every result must be identical, and so must the
 search shared with a worker process (`search_pool`), handed off at a random file."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ WS = "ws_test"
 _FRESH = itertools.count()
 
 WORDS = ["foo", "Foo", "FOO", "bar", "baz", "def", "x_handler(", "Error(", "123456", "é", "\t"]
+WORDS += ["12", "AB7"]
 _NAMES = st.sampled_from(
     ["a", "b.py", "c.txt", "k.pem", "Z", "é.md", ".git", ".hidden", "n\udcff", TEMP_PREFIX + "t"]
 )
@@ -62,6 +63,10 @@ PATTERNS = st.one_of(
             r"[A-Z][a-z]+Error\(",
             r"def \w+_handler\(",
             r"[0-9]{5}",
+            r"\d{3,}",
+            r"\b[0-9]{2}\b",
+            r"[A-Z]{2}\d",
+            r"[0-9]{2}$",
             r"x_handler\(|Error\(",
             r"foo\s+bar",
             "a.*b",

@@ -1,5 +1,5 @@
 """`fs.search` shared with a worker process (`substrate.workspace.search_pool`): the
-worker really takes half the files, the result is the serial path's (truncation and
+worker really takes a batch whenever it has read all it was sent, the result is the serial path's (truncation and
 the counts included), a file gone before the worker opens it is skipped as the serial
 walk skips it, and every failure (killed, stopped, over its reply bound, busy) gives
 the serial result; the worker is gone once the pool, or the daemon, closes."""
@@ -60,7 +60,7 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("max_matches", [1, 7, 200, 100000])
 @pytest.mark.parametrize("pattern", [r"def \w+_handler\(", "Error[0-9]", r"[0-9]{3}", "x1"])
-def test_the_worker_takes_half_and_the_result_is_the_serial_one(
+def test_the_worker_takes_files_and_the_result_is_the_serial_one(
     tree: Workspace, pool: SearchPool, pattern: str, max_matches: int
 ) -> None:
     p = _params(tree, pattern, max_matches=max_matches)
@@ -71,6 +71,45 @@ def test_the_worker_takes_half_and_the_result_is_the_serial_one(
     # Handed off past HAND_OFF_FILES: a search truncated before it is serial.
     assert pool.shared == (1 if serial.files_scanned > search_split.HAND_OFF_FILES else 0)
     assert pool.failed == 0 and pool.pid is not None
+
+
+@pytest.mark.parametrize("answers", ["always", "never", "every third"])
+def test_the_worker_is_fed_a_batch_whenever_it_is_idle(
+    tree: Workspace, pool: SearchPool, monkeypatch: pytest.MonkeyPatch, answers: str
+) -> None:
+    """Past the hand-off, a batch of the next files goes to the worker each time it has
+    read all it was sent (`_idle`, asked before each file the parent would search); the
+    result is the serial one however the files fell."""
+    rule: Callable[[int], bool] = {
+        "always": lambda k: True,
+        "never": lambda k: False,
+        "every third": lambda k: k % 3 == 0,
+    }[answers]
+    asked = iter(range(10**6))
+    monkeypatch.setattr(pool, "_idle", lambda: rule(next(asked)))
+    given: list[int] = []
+    send = pool._send
+
+    def recording(batch: search_split.Batch, fds: list[int]) -> None:
+        given.extend(batch.idx)
+        send(batch, fds)
+
+    monkeypatch.setattr(pool, "_send", recording)
+    p = _params(tree, "Error[0-9]", max_matches=100000)
+    serial = search.search(tree, p)
+    assert pool.search(tree, p) == serial
+    h, n, size = search_split.HAND_OFF_FILES, len(FILES), search_split.BATCH_FILES
+    assert n > h + size
+    expected = {
+        # The file of the hand-off is the parent's.
+        "always": list(range(h + 1, n)),
+        "never": [],
+        # One batch at the first file past the hand-off; the next at the third file the
+        # parent would have searched after it.
+        "every third": [*range(h + 1, h + 1 + size), *range(h + size + 3, n)],
+    }[answers]
+    assert given == expected
+    assert pool.shared == (1 if expected else 0) and pool.failed == 0
 
 
 def test_a_small_tree_never_reaches_the_worker(
@@ -210,6 +249,29 @@ def test_a_search_stays_serial_when_no_cpu_is_free(tree: Workspace) -> None:
     finally:
         pool.close()
     assert isinstance(search_pool.spare_cpu(), bool)  # /proc/stat's procs_running, read
+
+
+def test_a_search_declined_at_its_hand_off_is_shared_once_a_cpu_is_free(
+    tree: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`spare` is asked again every `HAND_OFF_FILES` files while it says no: the first
+    "yes" hands the rest of the walk off, and the result is the serial one."""
+    answers = iter([False, False, True])
+    asked: list[int] = []
+
+    def later() -> bool:
+        asked.append(1)
+        return next(answers)
+
+    monkeypatch.setattr(search_split, "HAND_OFF_FILES", 64)
+    pool = SearchPool(spare=later, restart_pause_s=0)
+    try:
+        assert pool.wait_ready(60)
+        p = _params(tree, max_matches=100000)
+        assert pool.search(tree, p) == search.search(tree, p)
+        assert len(asked) == 3 and pool.shared == 1 and pool.declined == 0
+    finally:
+        pool.close()
 
 
 def test_a_backtracking_pattern_is_searched_serially(tree: Workspace, pool: SearchPool) -> None:
