@@ -1,10 +1,11 @@
 """Handlers of `fs.*`: reads and guarded writes, each in a worker thread.
 
 Writes run in threads that are never abandoned, so a cancelled request or a daemon
-shutting down still lets a started write finish and journal itself (`_write_thread`: one
-hop each way through trio's thread cache, counted against trio's default thread limiter
-as `trio.to_thread.run_sync` would be, without its extra scheduling round, its context
-copy and its per-call thread renaming - about a third of a write's two hops).
+shutting down still lets a started write finish and journal itself
+(`substrate.store.hop.run_to_end`: one hop each way through trio's thread cache, counted
+against trio's default thread limiter as `trio.to_thread.run_sync` would be, without its
+extra scheduling round, its context copy and its per-call thread renaming - about a
+third of a write's two hops).
 
 Reads share `fs_limiter` and stay bounded there: a file digest is computed inline only up
 to `inline_hash_bytes`. `fs.stat` is the exception that runs on the event loop first: a
@@ -23,7 +24,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
-import trio.lowlevel
 
 from substrate.api.base import Caller, Handles
 from substrate.api.services import FsServices
@@ -45,11 +45,10 @@ from substrate.schema.fs import (
     patch_request,
     write_request,
 )
+from substrate.store.hop import run_to_end
 from substrate.workspace import reads, search
 
 if TYPE_CHECKING:
-    from outcome import Outcome
-
     from substrate.workspace.digests import Digests
     from substrate.workspace.registry import Workspace
 
@@ -121,33 +120,6 @@ async def search_(s: FsServices, caller: Caller, p: SearchParams) -> SearchResul
     return await trio.to_thread.run_sync(run, ws, p, matcher, limiter=s.fs_limiter)
 
 
-async def _write_thread(fn: Callable[[], Plan]) -> Plan:
-    """`fn` (a guarded write) in a worker thread, never abandoned: a cancellation waits
-    for it to finish, as `trio.to_thread.run_sync` does by default. It takes a token of
-    trio's default thread limiter first (waiting only when none is free)."""
-    limiter = trio.to_thread.current_default_thread_limiter()
-    borrower = object()
-    try:
-        limiter.acquire_on_behalf_of_nowait(borrower)
-    except trio.WouldBlock:
-        await limiter.acquire_on_behalf_of(borrower)
-    try:
-        task = trio.lowlevel.current_task()
-        token = trio.lowlevel.current_trio_token()
-
-        def deliver(result: Outcome[Plan]) -> None:
-            # In the worker thread: back to the task on the event loop.
-            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-
-        trio.lowlevel.start_thread_soon(fn, deliver)
-        plan: Plan = await trio.lowlevel.wait_task_rescheduled(
-            lambda _: trio.lowlevel.Abort.FAILED  # a started write runs to its end
-        )
-        return plan
-    finally:
-        limiter.release_on_behalf_of(borrower)
-
-
 @handles("fs.write")
 async def write(s: FsServices, caller: Caller, p: WriteParams) -> Plan:
     ws = s.workspaces.get(p.workspace)
@@ -156,7 +128,7 @@ async def write(s: FsServices, caller: Caller, p: WriteParams) -> Plan:
         # Decoded here, at the edge (and off the event loop: a base64 decode).
         return s.writer.write(ws, write_request(p), caller.name)
 
-    return await _write_thread(run)
+    return await run_to_end(run)
 
 
 @handles("fs.patch")
@@ -166,10 +138,10 @@ async def patch(s: FsServices, caller: Caller, p: PatchParams) -> Plan:
     def run() -> Plan:
         return s.writer.patch(ws, patch_request(p), caller.name)
 
-    return await _write_thread(run)
+    return await run_to_end(run)
 
 
 @handles("fs.delete")
 async def delete(s: FsServices, caller: Caller, p: DeleteParams) -> Plan:
     ws = s.workspaces.get(p.workspace)
-    return await _write_thread(lambda: s.writer.delete(ws, p, caller.name))
+    return await run_to_end(lambda: s.writer.delete(ws, p, caller.name))

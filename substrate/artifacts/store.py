@@ -113,6 +113,8 @@ def compile_grep(pattern: str, *, fixed: bool, ignore_case: bool) -> re.Pattern[
         return re.compile(source.encode("utf-8", "surrogateescape"), flags)
     except re.error as exc:
         raise InvalidParams(f"pattern: {exc}", path="$.pattern") from None
+    except RecursionError:  # groups nested deeper than the parser's stack
+        raise InvalidParams("pattern: nested too deeply", path="$.pattern") from None
 
 
 class ArtifactStore:

@@ -60,6 +60,8 @@ def _compile_search(p: SearchParams) -> re.Pattern[bytes]:
         return re.compile(source.encode("utf-8", "surrogateescape"), flags)
     except re.error as exc:
         raise InvalidParams(f"pattern: {exc}", path="$.pattern") from None
+    except RecursionError:  # groups nested deeper than the parser's stack
+        raise InvalidParams("pattern: nested too deeply", path="$.pattern") from None
 
 
 def search(ws: Workspace, p: SearchParams, found_by: Matcher | None = None) -> SearchResult:

@@ -300,6 +300,8 @@ def test_grep_bounds(arts: ArtifactStore) -> None:
         arts.grep(aid, "hit", max_matches=10_001)
     with pytest.raises(InvalidParams):
         arts.grep(aid, "(unclosed")
+    with pytest.raises(InvalidParams, match="nested too deeply"):
+        arts.grep(aid, "(" * 1500 + "hit" + ")" * 1500)  # within the 4,096-character cap
     with pytest.raises(ArtifactUnknown):
         arts.grep("art_nope", "x")
 

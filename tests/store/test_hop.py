@@ -26,12 +26,16 @@ async def test_the_result_and_the_exception_reach_the_task() -> None:
 
     with pytest.raises(KeyError, match="boom"):
         await run_to_end(fails)
+    assert trio.to_thread.current_default_thread_limiter().borrowed_tokens == 0
 
 
 async def test_a_cancelled_caller_waits_for_the_call_to_finish() -> None:
     started, release = threading.Event(), threading.Event()
     finished: list[str] = []
     results: list[str] = []
+
+    default = trio.to_thread.current_default_thread_limiter()
+    in_use: list[float] = []
 
     def slow() -> str:
         started.set()
@@ -48,12 +52,15 @@ async def test_a_cancelled_caller_waits_for_the_call_to_finish() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(call)
         await trio.to_thread.run_sync(started.wait, PATIENCE_S)
+        # Its token of the default limiter (the waiting thread gave its own back).
+        in_use.append(default.borrowed_tokens)
         scope.cancel()  # the call is started: it is not abandoned
         await trio.sleep(0.05)
         assert finished == []
         release.set()
     assert finished == ["done"]
     assert results == ["value"]  # delivered: nothing checkpoints after it in `call`
+    assert in_use == [1] and default.borrowed_tokens == 0
 
 
 async def test_it_holds_a_token_of_its_limiter_and_waits_for_one() -> None:

@@ -80,6 +80,14 @@ def test_search_bad_regex(ws: Workspace) -> None:
     assert search(ws, "(unclosed", fixed=True) == []
 
 
+def test_search_pattern_nested_past_the_parser_is_refused(ws: Workspace) -> None:
+    deep = "(" * 1500 + "a" + ")" * 1500  # within the 4,096-character cap
+    with pytest.raises(InvalidParams) as info:
+        search_module.search(ws, SearchParams(workspace=WS, pattern=deep))
+    assert info.value.data["path"] == "$.pattern"
+    assert "nested too deeply" in str(info.value)
+
+
 def test_search_max_matches(ws: Workspace) -> None:
     full = search_module.search(ws, SearchParams(workspace=WS, pattern="e"))
     assert not full.truncated and len(full.matches) > 3
