@@ -153,17 +153,23 @@ async def test_big_output_is_spooled_whole(env: Env) -> None:
     assert result["stdout"]["sha256"] == hashlib.sha256(bytes(size)).hexdigest()
 
 
-async def test_concurrent_commands_on_one_stream(env: Env) -> None:
-    await env.run(["true"])  # the stream is up
+async def at_once(env: Env, argvs: list[list[str]]) -> list[Any]:
+    """`argvs` run concurrently; their results, in order."""
     results: dict[int, Any] = {}
 
     async def one(i: int) -> None:
-        results[i] = await env.run(["sh", "-c", f"sleep 0.{i % 3}; echo {i}; exit {i}"])
+        results[i] = await env.run(argvs[i])
 
     async with trio.open_nursery() as nursery:
-        for i in range(8):
+        for i in range(len(argvs)):
             nursery.start_soon(one, i)
-    for i, result in results.items():
+    return [results[i] for i in range(len(argvs))]
+
+
+async def test_concurrent_commands_on_one_stream(env: Env) -> None:
+    await env.run(["true"])  # the stream is up
+    argvs = [["sh", "-c", f"sleep 0.{i % 3}; echo {i}; exit {i}"] for i in range(8)]
+    for i, result in enumerate(await at_once(env, argvs)):
         assert (result["via"], result["exit_code"], output(result["stdout"])) == (
             "supervisor",
             i,
@@ -175,15 +181,8 @@ async def test_concurrent_commands_on_one_stream(env: Env) -> None:
 async def test_concurrent_first_commands_share_one_stream(env: Env) -> None:
     """The sandbox's first commands at once: none has run code there yet, so the one
     stream starts and every one of them takes it."""
-    results: dict[int, Any] = {}
-
-    async def one(i: int) -> None:
-        results[i] = await env.run(["sh", "-c", f"echo {i}"])
-
-    async with trio.open_nursery() as nursery:
-        for i in range(4):
-            nursery.start_soon(one, i)
-    for i, result in results.items():
+    argvs = [["sh", "-c", f"echo {i}"] for i in range(4)]
+    for i, result in enumerate(await at_once(env, argvs)):
         assert (result["via"], output(result["stdout"])) == ("supervisor", f"{i}\n".encode())
     assert len(env.journal("supervisor.started")) == 1
 

@@ -474,7 +474,9 @@ def _drain(fd: int) -> None:
 
 
 def _initial_environ() -> dict[str, str]:
-    """The environment the engine gave this process, before the interpreter's additions."""
+    """The environment the engine gave this process, before the interpreter's additions.
+    (`agent._initial_environ`'s twin: this program runs from argv alone, importing
+    nothing of substrate's.)"""
     with open("/proc/self/environ", "rb") as f:
         raw = f.read()
     env: dict[str, str] = {}
