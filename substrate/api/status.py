@@ -29,14 +29,15 @@ handles = Handles(StatusServices)
 @handles("daemon.status")
 async def status(s: StatusServices, caller: Caller, p: StatusParams) -> StatusResult:
     """Never refuses: an engine that does not answer is `engine.reachable = false`. Costs
-    one engine round trip (bounded by the engine client's timeout) and three /proc reads."""
+    one engine round trip (bounded by the engine client's timeout), three /proc reads and,
+    with the journal export on, one read of the journal's head."""
     me = psutil.Process()
     return StatusResult(
         version=__version__,
         epoch=s.journal.epoch,
         uptime_s=round(time.monotonic() - s.started, 3),
         engine=await s.execution.engine_status(),
-        journal_export=_export(s),
+        journal_export=await _export(s),
         listen=s.terminals.address(),
         metrics_listen=s.metrics_address(),
         rss_bytes=_measured(lambda: me.memory_info().rss),
@@ -91,10 +92,12 @@ async def drain(s: StatusServices, caller: Caller, p: DrainParams) -> DrainResul
     )
 
 
-def _export(s: StatusServices) -> JournalExportStatus:
-    """The export's state now (no I/O: what its task last saw)."""
+async def _export(s: StatusServices) -> JournalExportStatus:
+    """The export's state now: the lag counts every entry committed before this call
+    (one read of the journal's head, bounded), the rest is what its task last saw."""
     if s.shipper is None:
         return JournalExportStatus()
+    await s.shipper.refresh()
     now = s.shipper.status()
     return JournalExportStatus(
         state=now.state,

@@ -46,6 +46,8 @@ log = logging.getLogger("substrate.export")
 
 #: The cursor is written at most this often while shipping, seconds (and at shutdown).
 CURSOR_EVERY_S = 1.0
+#: `refresh` waits at most this long for the source's connection (another read holds it).
+HEAD_WAIT_S = 1.0
 #: The DSN parameters that say which database the rows land in (the cursor's key).
 WHERE = ("host", "hostaddr", "port", "dbname", "service")
 #: The first retry's delay, seconds; it doubles per failure up to `max_backoff_s`.
@@ -200,8 +202,18 @@ class Shipper:
         self._saved_seq = -1
 
     def status(self) -> Status:
+        """What the task last saw (no I/O; `refresh` first for the journal's head now).
+        Entries committed since it looked are lag: `shipping`, not `caught_up`."""
         last = self.exporter.last_seq
-        return Status(self.state, last, max(self.head - last, 0), self.last_error)
+        lag = max(self.head - last, 0)
+        state: ExportState = "shipping" if self.state == "caught_up" and lag else self.state
+        return Status(state, last, lag, self.last_error)
+
+    async def refresh(self, timeout_s: float = HEAD_WAIT_S) -> None:
+        """Read the journal's head now (bounded), so the lag `status` reports counts every
+        entry committed before this call, not only those of the task's last look."""
+        with trio.move_on_after(timeout_s):
+            self.head = await self._head()
 
     def lag(self) -> int:
         return max(self.head - self.exporter.last_seq, 0)
